@@ -1,0 +1,181 @@
+"""Per-model eval configs: a strict superset of the YAML that vLLM's GSM8K harness reads.
+
+Every key is declared in CONFIG_KEYS with its type, range and default; an unknown key, a wrong
+type or an out-of-range value is a ConfigError naming the file, the key and the value. Usage:
+
+    config = load_config(Path("configs/moe-refactor/Qwen3-30B-A3B-BF16-triton.yaml"))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from moe_eval.errors import ConfigError
+from moe_eval.layout import Layout, layout_from_server_args
+
+# Backends a config may ask the server to use; absent means vLLM's own MoE path.
+MOE_BACKENDS = ("triton", "flashinfer_cutlass", "torch")
+GSM8K_TEST_QUESTIONS = 1319
+REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    types: tuple[type, ...]
+    default: Any = REQUIRED
+    check: Callable[[Any], str | None] | None = None  # returns a reason when the value is bad
+    doc: str = ""
+
+
+def _between(lo: float, hi: float) -> Callable[[Any], str | None]:
+    return lambda v: None if lo <= v <= hi else f"must be between {lo} and {hi}"
+
+
+def _positive(v: Any) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+def _non_negative(v: Any) -> str | None:
+    return None if v >= 0 else "must be >= 0"
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
+    return lambda v: None if v in choices else f"must be one of {', '.join(choices)}"
+
+
+def _shell_splittable(v: str) -> str | None:
+    try:
+        shlex.split(v)
+    except ValueError as exc:
+        return f"is not a valid shell-quoted argument string ({exc})"
+    return None
+
+
+def _str_to_str(v: dict) -> str | None:
+    for key, value in v.items():
+        if not isinstance(key, str) or not isinstance(value, (str, int, float, bool)):
+            return f"must map strings to strings (entry {key!r}: {value!r})"
+    return None
+
+
+NUMBER = (int, float)
+CONFIG_KEYS: dict[str, KeySpec] = {
+    # --- vLLM's GSM8K harness keys ---
+    "model_name": KeySpec((str,), doc="hub id, local checkpoint dir, or builtin:<name> (built on first use)"),
+    "accuracy_threshold": KeySpec(NUMBER, check=_between(0.0, 1.0), doc="expected strict-match accuracy"),
+    "num_questions": KeySpec((int,), check=_between(1, GSM8K_TEST_QUESTIONS), doc="GSM8K test questions"),
+    "num_fewshot": KeySpec((int,), check=_between(0, 20), doc="few-shot examples from the train split"),
+    "server_args": KeySpec((str,), "", _shell_splittable, "extra `vllm serve` arguments, shell-split"),
+    "env": KeySpec((dict,), {}, _str_to_str, "environment for the server only, merged over os.environ"),
+    "tolerance": KeySpec(NUMBER, 0.08, _between(0.0, 1.0), "pass iff accuracy >= threshold - tolerance"),
+    "startup_max_wait_seconds": KeySpec(NUMBER, 1200, _positive, "server must be ready within this"),
+    "max_tokens": KeySpec((int,), 256, _positive, "generation limit per answer"),
+    "temperature": KeySpec(NUMBER, 0.0, _non_negative, "sampling temperature"),
+    "seed": KeySpec((int,), 42, _non_negative, "server and sampling seed"),
+    "max_concurrency": KeySpec((int,), 16, _positive, "concurrent requests from lm-eval"),
+    "request_timeout_seconds": KeySpec(NUMBER, 600, _positive, "per-request timeout"),
+    # --- moe-eval keys ---
+    "moe_backend": KeySpec((str,), None, _one_of(MOE_BACKENDS), "bundled MoE kernel the server must use"),
+    "max_retries": KeySpec((int,), 3, _non_negative, "retries of a failed request before the run is an infra error"),
+}
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", dict: "a mapping"}
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    path: Path
+    sha256: str
+    model_name: str
+    accuracy_threshold: float
+    num_questions: int
+    num_fewshot: int
+    server_args: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    tolerance: float = 0.08
+    startup_max_wait_seconds: float = 1200
+    max_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 42
+    max_concurrency: int = 16
+    request_timeout_seconds: float = 600
+    moe_backend: str | None = None
+    max_retries: int = 3
+
+    @property
+    def name(self) -> str:
+        """Test-case name, as in vLLM's harness: the file's stem."""
+        return self.path.stem
+
+    @property
+    def server_argv(self) -> list[str]:
+        return shlex.split(self.server_args)
+
+    @property
+    def layout(self) -> Layout:
+        return layout_from_server_args(self.server_argv)
+
+    def resolved(self) -> dict[str, Any]:
+        """Every key with its effective value (defaults filled in), for results.json."""
+        return {key: getattr(self, key) for key in CONFIG_KEYS}
+
+
+def _check_value(path: Path, key: str, value: Any, spec: KeySpec) -> Any:
+    # bool is a subclass of int in Python; a YAML `true` is never a valid number here.
+    if isinstance(value, bool) or not isinstance(value, spec.types):
+        wanted = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in spec.types)
+        raise ConfigError(f"{path}: key '{key}': value {value!r} must be {wanted}")
+    if spec.check is not None:
+        reason = spec.check(value)
+        if reason:
+            raise ConfigError(f"{path}: key '{key}': value {value!r} {reason}")
+    if key == "env":
+        value = {str(k): str(v) for k, v in value.items()}
+    if key == "server_args":
+        value = " ".join(value.split())  # folded YAML strings keep their newlines; vLLM wants words
+    return value
+
+
+def parse_config(path: Path, text: str) -> EvalConfig:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: malformed YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of keys to values, got {type(data).__name__}")
+    unknown = sorted(set(map(str, data)) - set(CONFIG_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown key '{unknown[0]}' (value {data[unknown[0]]!r}); known keys: {', '.join(CONFIG_KEYS)}"
+        )
+    values: dict[str, Any] = {}
+    for key, spec in CONFIG_KEYS.items():
+        if key not in data:
+            if spec.default is REQUIRED:
+                raise ConfigError(f"{path}: missing required key '{key}'")
+            continue
+        if data[key] is None and spec.default is None:
+            continue
+        values[key] = _check_value(path, key, data[key], spec)
+    config = EvalConfig(path=path, sha256=hashlib.sha256(text.encode()).hexdigest(), **values)
+    try:
+        config.layout
+    except ValueError as exc:
+        raise ConfigError(f"{path}: key 'server_args': value {config.server_args!r}: {exc}") from None
+    return config
+
+
+def load_config(path: Path) -> EvalConfig:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc}") from None
+    return parse_config(path, text)

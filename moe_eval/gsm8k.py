@@ -1,0 +1,158 @@
+"""GSM8K through lm-eval against a running server's /v1/completions.
+
+lm-eval's own `gsm8k` task (prompt, few-shot split, `strict-match` and `flexible-extract`
+filters) is used as is. With a local data folder the task is re-pointed at its two JSONL
+files and the hub is switched off, so nothing reaches the network. Usage:
+
+    outcome = run_gsm8k(config, base_url, model, data_dir=Path("../shared/data/gsm8k"))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from moe_eval.config import EvalConfig
+from moe_eval.errors import ConfigError, InfraError
+
+# sha256 of the original OpenAI release (grade-school-math @ 3101c7d), as lm-eval's hub copy.
+ORIGINAL_SHA256 = {
+    "train.jsonl": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
+    "test.jsonl": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
+}
+HUB_TASK = "gsm8k"
+LOCAL_TASK = "gsm8k_local_files"
+FILTERS = ("strict-match", "flexible-extract")
+
+
+@dataclass(frozen=True)
+class Gsm8kData:
+    """Where the questions come from: the hub (dir None) or a local folder."""
+
+    dir: Path | None
+
+    @property
+    def task_name(self) -> str:
+        return HUB_TASK if self.dir is None else LOCAL_TASK
+
+    def describe(self) -> dict[str, Any]:
+        if self.dir is None:
+            return {"source": "hub", "dataset": "openai/gsm8k (main)"}
+        hashes = {name: _sha256(self.dir / name) for name in ORIGINAL_SHA256}
+        return {"source": "local", "dir": str(self.dir), "sha256": hashes,
+                "matches_original_release": hashes == ORIGINAL_SHA256}
+
+
+def gsm8k_data(dir_option: str | None) -> Gsm8kData:
+    if not dir_option:
+        return Gsm8kData(None)
+    path = Path(dir_option).expanduser().resolve()
+    missing = [name for name in ORIGINAL_SHA256 if not (path / name).is_file()]
+    if missing:
+        raise ConfigError(f"--gsm8k-dir: value '{dir_option}' lacks {', '.join(missing)} "
+                          "(a GSM8K folder holds train.jsonl and test.jsonl)")
+    return Gsm8kData(path)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_local_task(data_dir: Path, task_dir: Path) -> Path:
+    """lm-eval's gsm8k.yaml, unchanged except for where its rows come from."""
+    import lm_eval
+
+    stock = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml"
+    task = yaml.safe_load(stock.read_text())
+    task.pop("tag", None)  # keep the copy out of lm-eval's groups
+    task["task"] = LOCAL_TASK
+    task["dataset_path"] = "json"
+    task["dataset_name"] = None
+    task["dataset_kwargs"] = {"data_files": {"train": str(data_dir / "train.jsonl"),
+                                             "test": str(data_dir / "test.jsonl")}}
+    task_dir.mkdir(parents=True, exist_ok=True)
+    path = task_dir / f"{LOCAL_TASK}.yaml"
+    path.write_text(yaml.safe_dump(task, sort_keys=False))
+    return path
+
+
+@dataclass(frozen=True)
+class Gsm8kOutcome:
+    scores: dict[str, dict[str, float]]  # filter -> {"accuracy", "stderr"}
+    num_questions: int
+    samples: list[dict[str, Any]]
+    empty_answers: int  # replies with no text: lm-eval scores them wrong without a word
+    lm_eval_config: dict[str, Any]
+
+
+def run_gsm8k(config: EvalConfig, base_url: str, model: str, data: Gsm8kData, work_dir: Path) -> Gsm8kOutcome:
+    if data.dir is not None:
+        # Set before `datasets` is imported: without HF_DATASETS_OFFLINE it pings the hub.
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ.setdefault("HF_DATASETS_CACHE", str(work_dir / "hf-datasets-cache"))
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    include = None
+    if data.dir is not None:
+        include = str(write_local_task(data.dir, work_dir / "lm_eval_tasks").parent)
+    model_args = {
+        "model": model,
+        "base_url": f"{base_url}/v1/completions",
+        "num_concurrent": config.max_concurrency,
+        "max_retries": config.max_retries,
+        "timeout": int(config.request_timeout_seconds),
+        # Without it lm-eval probes /tokenize, then falls back to downloading a hub tokenizer.
+        "tokenizer_backend": None,
+        "tokenized_requests": False,
+        "max_gen_toks": config.max_tokens,
+        "seed": config.seed,
+    }
+    gen_kwargs = {"max_gen_toks": config.max_tokens, "temperature": config.temperature,
+                  "do_sample": config.temperature > 0}
+    try:
+        results = lm_eval.simple_evaluate(
+            model="local-completions", model_args=model_args, tasks=[data.task_name],
+            num_fewshot=config.num_fewshot, limit=config.num_questions, log_samples=True,
+            gen_kwargs=gen_kwargs, task_manager=TaskManager(include_path=include),
+            random_seed=config.seed, numpy_random_seed=config.seed, torch_random_seed=config.seed,
+            fewshot_random_seed=config.seed, bootstrap_iters=0,
+        )
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:  # lm-eval gives up the whole run when one request keeps failing
+        raise InfraError(f"lm-eval failed against {base_url}: {type(exc).__name__}: {exc}") from exc
+    return _outcome(results, data.task_name, model_args, gen_kwargs)
+
+
+def _outcome(results: dict, task: str, model_args: dict, gen_kwargs: dict) -> Gsm8kOutcome:
+    metrics = results["results"][task]
+    scores = {}
+    for name in FILTERS:
+        scores[name] = {"accuracy": float(metrics[f"exact_match,{name}"]),
+                        "stderr": _float_or_nan(metrics.get(f"exact_match_stderr,{name}"))}
+    samples = results.get("samples", {}).get(task, [])
+    empty = sum(1 for s in samples if not _first_response(s).strip())
+    return Gsm8kOutcome(scores=scores, num_questions=len(samples), samples=samples, empty_answers=empty,
+                        lm_eval_config={"model_args": {k: v for k, v in model_args.items()},
+                                        "gen_kwargs": gen_kwargs, "task": task,
+                                        "n_samples": results.get("n-samples", {}).get(task)})
+
+
+def _first_response(sample: dict) -> str:
+    resps = sample.get("resps") or [[""]]
+    first = resps[0]
+    return first[0] if isinstance(first, list) and first else str(first)
+
+
+def _float_or_nan(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")

@@ -1,0 +1,1 @@
+"""Bundled BF16 fused-MoE kernels: Triton, FlashInfer CUTLASS adapter, torch CPU path, and the oracle."""

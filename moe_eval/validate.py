@@ -1,0 +1,43 @@
+"""`moe-eval validate`: every config and hardware list in the repository, all problems reported."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moe_eval.config import load_config
+from moe_eval.errors import ConfigError
+from moe_eval.selection import read_list
+
+# File-name suffix -> the backend the config must ask for (STYLE: names agree with content).
+NAME_SUFFIX_BACKEND = {"-triton": "triton", "-fi-cutlass": "flashinfer_cutlass", "-torch": "torch"}
+
+
+def backend_named_by(stem: str) -> str | None:
+    for suffix, backend in NAME_SUFFIX_BACKEND.items():
+        if stem.endswith(suffix):
+            return backend
+    return None
+
+
+def validate_repository(root: Path) -> tuple[list[str], int]:
+    problems: list[str] = []
+    checked = 0
+    for path in sorted((root / "configs").rglob("*.yaml")):
+        checked += 1
+        try:
+            config = load_config(path)
+        except ConfigError as exc:
+            problems.append(str(exc))
+            continue
+        named = backend_named_by(path.stem)
+        if named and config.moe_backend not in (None, named):
+            problems.append(f"{path}: key 'moe_backend': value '{config.moe_backend}' disagrees with the file "
+                            f"name, which says '{named}'")
+    for list_path in sorted(root.glob("config-*.txt")):
+        checked += 1
+        try:
+            for config_path in read_list(list_path):
+                load_config(config_path)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return problems, checked
