@@ -198,3 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     except (KeyboardInterrupt, _Terminated):
         click.echo("moe-eval: interrupted; servers torn down, partial results kept", err=True)
         sys.exit(130)
+    except Exception:  # a bug of ours must never read as exit 1 ("accuracy gate failed")
+        import traceback
+
+        traceback.print_exc()
+        click.echo("moe-eval: internal error (see the traceback above); reported as an infrastructure error",
+                   err=True)
+        sys.exit(ExitCode.INFRA)

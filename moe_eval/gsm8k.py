@@ -95,7 +95,6 @@ def run_gsm8k(config: EvalConfig, base_url: str, model: str, data: Gsm8kData, wo
         # Set before `datasets` is imported: without HF_DATASETS_OFFLINE it pings the hub.
         os.environ["HF_HUB_OFFLINE"] = "1"
         os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ.setdefault("HF_DATASETS_CACHE", str(work_dir / "hf-datasets-cache"))
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -122,7 +121,9 @@ def run_gsm8k(config: EvalConfig, base_url: str, model: str, data: Gsm8kData, wo
             num_fewshot=config.num_fewshot, limit=config.num_questions, log_samples=True,
             gen_kwargs=gen_kwargs, task_manager=TaskManager(include_path=include),
             random_seed=config.seed, numpy_random_seed=config.seed, torch_random_seed=config.seed,
-            fewshot_random_seed=config.seed, bootstrap_iters=0,
+            # exact_match aggregates by mean, whose stderr lm-eval computes in closed form (no resampling)
+            # whenever bootstrap_iters > 0; at 0 it reports no stderr at all.
+            fewshot_random_seed=config.seed, bootstrap_iters=1000,
         )
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -138,8 +139,10 @@ def _outcome(results: dict, task: str, model_args: dict, gen_kwargs: dict) -> Gs
         scores[name] = {"accuracy": float(metrics[f"exact_match,{name}"]),
                         "stderr": _float_or_nan(metrics.get(f"exact_match_stderr,{name}"))}
     samples = results.get("samples", {}).get(task, [])
-    empty = sum(1 for s in samples if not _first_response(s).strip())
-    return Gsm8kOutcome(scores=scores, num_questions=len(samples), samples=samples, empty_answers=empty,
+    # lm-eval logs one sample per (question, filter); a question is one doc_id.
+    first_per_doc = {s["doc_id"]: s for s in reversed(samples)}
+    empty = sum(1 for s in first_per_doc.values() if not _first_response(s).strip())
+    return Gsm8kOutcome(scores=scores, num_questions=len(first_per_doc), samples=samples, empty_answers=empty,
                         lm_eval_config={"model_args": {k: v for k, v in model_args.items()},
                                         "gen_kwargs": gen_kwargs, "task": task,
                                         "n_samples": results.get("n-samples", {}).get(task)})

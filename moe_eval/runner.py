@@ -7,6 +7,7 @@ stage still leaves a results.json saying what happened and the server log beside
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,10 +81,8 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
         spec = launch.ServerSpec(model=model, server_args=config.server_argv, log_path=log_path, port=port,
                                  seed=config.seed, env_overrides=config.env,
                                  startup_max_wait_seconds=config.startup_max_wait_seconds)
-        import os
-
         env = launch.server_environment(dict(os.environ), config.env, on_cpu=options.hw == "cpu",
-                                        world_size=config.layout.world_size)
+                                        world_size=config.layout.world_size, run_dir=run_dir)
         record["server"] = {"argv": spec.argv, "port": port, "env": launch.allowlisted_env(env),
                             "log": str(log_path)}
         options.progress(f"  starting vLLM ({config.layout.describe()}) on port {port}; log: {log_path}")

@@ -1,0 +1,3 @@
+from moe_eval.cli import main
+
+main()

@@ -1,0 +1,116 @@
+"""The CLI as users and CI see it: real processes, exit codes, messages. No server is started here."""
+
+import socket
+from pathlib import Path
+
+from tests.conftest import run_cli
+
+CONFIG = """model_name: "builtin:tiny-qwen3-moe"
+accuracy_threshold: 0.0
+num_questions: 5
+num_fewshot: 5
+"""
+
+
+def _config(tmp_path: Path, text: str = CONFIG, name: str = "c.yaml") -> Path:
+    path = tmp_path / "configs" / "fam" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_validate_passes_on_the_repository(repo_root):
+    result = run_cli(["validate"], cwd=repo_root)
+    assert result.returncode == 0, result.stderr
+    assert "ok:" in result.stdout
+
+
+def test_validate_fails_with_4_on_unknown_key_and_reports_every_problem(tmp_path):
+    _config(tmp_path, CONFIG + "colour: blue\n", "a.yaml")
+    _config(tmp_path, CONFIG.replace("0.0", "7"), "b.yaml")
+    _config(tmp_path, CONFIG + "moe_backend: torch\n", "Tiny-BF16-triton.yaml")  # name and content disagree
+    result = run_cli(["validate", "--root", str(tmp_path)])
+    assert result.returncode == 4
+    assert "a.yaml: unknown key 'colour' (value 'blue')" in result.stderr
+    assert "b.yaml: key 'accuracy_threshold': value 7" in result.stderr
+    assert "disagrees with the file name" in result.stderr
+    assert "3 problem(s)" in result.stderr
+
+
+def test_list_b200_shows_exactly_the_b200_configs_with_layouts(repo_root):
+    result = run_cli(["list", "--hw", "b200"], cwd=repo_root)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split("\t") for line in result.stdout.splitlines()[2:]]
+    listed = {(r[0], r[2], r[3]) for r in rows}
+    assert listed == {
+        ("moe-refactor/Llama-4-Scout-BF16-triton.yaml", "TP (TP2)", "2"),
+        ("moe-refactor/Llama-4-Scout-BF16-fi-cutlass.yaml", "TEP (TP2 EP2)", "2"),
+        ("moe-refactor-dp-ep/Qwen3-30B-A3B-BF16-triton.yaml", "DEP (TP1 DP2 EP2)", "2"),
+    }
+
+
+def test_h100_and_b200_lists_split_the_seed_configs(repo_root):
+    from moe_eval.selection import read_list
+
+    b200 = set(read_list(repo_root / "config-b200.txt"))
+    h100 = set(read_list(repo_root / "config-h100.txt"))
+    seeds = set((repo_root / "configs" / "moe-refactor").glob("*.yaml")) | set(
+        (repo_root / "configs" / "moe-refactor-dp-ep").glob("*.yaml"))
+    assert b200 | h100 == {p.resolve() for p in seeds} and not (b200 & h100)
+    assert not any("Llama-4-Scout" in p.name for p in h100)  # ~108B params do not fit two H100s
+
+
+def test_malformed_yaml_exits_4_naming_the_file(tmp_path):
+    path = _config(tmp_path, "model_name: [oops\n")
+    result = run_cli(["run", "--hw", "cpu", str(path)])
+    assert result.returncode == 4
+    assert str(path) in result.stderr and "malformed YAML" in result.stderr
+
+
+def test_list_naming_a_missing_file_exits_4(tmp_path):
+    (tmp_path / "config-cpu.txt").write_text("configs/fam/missing.yaml\n")
+    result = run_cli(["run", "--hw", "cpu", "--root", str(tmp_path)])
+    assert result.returncode == 4
+    assert "config-cpu.txt:1: listed config 'configs/fam/missing.yaml' does not exist" in result.stderr
+
+
+def test_empty_selection_exits_5(tmp_path):
+    (tmp_path / "config-cpu.txt").write_text("# nothing yet\n")
+    result = run_cli(["run", "--hw", "cpu", "--root", str(tmp_path)])
+    assert result.returncode == 5 and "nothing selected" in result.stderr
+
+
+def test_empty_shard_exits_5(tmp_path):
+    _config(tmp_path)
+    (tmp_path / "config-cpu.txt").write_text("configs/fam/c.yaml\n")
+    result = run_cli(["list", "--hw", "cpu", "--root", str(tmp_path), "--shard", "1/2"])
+    assert result.returncode == 5
+
+
+def test_usage_errors_exit_4(tmp_path):
+    assert run_cli(["run", "--hw", "a100"]).returncode == 4
+    assert run_cli(["run", "--hw", "cpu", "--shard", "2/2"]).returncode == 4
+    assert run_cli(["run", "--hw", "cpu", "--gsm8k-dir", str(tmp_path), str(_config(tmp_path))]).returncode == 4
+
+
+def test_dep_on_cpu_is_refused_before_launch(tmp_path):
+    path = _config(tmp_path, CONFIG + 'server_args: "--data-parallel-size 2 --enable-expert-parallel"\n')
+    result = run_cli(["run", "--hw", "cpu", str(path)])
+    assert result.returncode == 4
+    assert "DEP" in result.stderr and "all_gatherv" in result.stderr
+
+
+def test_port_taken_exits_3_and_keeps_a_results_file(tmp_path, gsm8k_dir):
+    path = _config(tmp_path)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        args = ["run", "--hw", "cpu", "--port", str(port), "--output-dir", str(tmp_path / "out"), str(path)]
+        if gsm8k_dir:
+            args += ["--gsm8k-dir", gsm8k_dir]
+        result = run_cli(args)
+    assert result.returncode == 3
+    assert f"port {port}" in result.stderr and "already in use" in result.stderr
+    results = list((tmp_path / "out").rglob("results.json"))
+    assert len(results) == 1 and '"status": "error"' in results[0].read_text()

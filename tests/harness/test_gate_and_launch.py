@@ -1,0 +1,52 @@
+"""The gate's arithmetic and the launcher's pure helpers (environment, CPU binding, allowlist)."""
+
+from pathlib import Path
+
+import pytest
+
+from moe_eval.gate import GateResult
+from moe_eval.launch import allowlisted_env, cpu_bind_per_rank, server_environment
+from moe_eval.server_log import vllm_moe_backends
+
+
+@pytest.mark.parametrize("accuracy, passed", [(0.80, True), (0.7999999999999999, True), (0.79, False), (0.95, True)])
+def test_gate_is_threshold_minus_tolerance(accuracy, passed):
+    gate = GateResult(accuracy=accuracy, stderr=0.01, threshold=0.88, tolerance=0.08)
+    assert gate.passed is passed
+    assert gate.floor == pytest.approx(0.80)
+
+
+def test_margin_in_standard_errors():
+    gate = GateResult(accuracy=0.83, stderr=0.01, threshold=0.88, tolerance=0.08)
+    assert gate.margin_in_stderr == pytest.approx(3.0)
+    assert GateResult(accuracy=0.0, stderr=0.0, threshold=0.0, tolerance=0.08).margin_in_stderr is None
+    assert "FAIL" in GateResult(accuracy=0.5, stderr=0.01, threshold=0.88, tolerance=0.08).describe()
+
+
+@pytest.mark.parametrize("cores, ranks, expected", [(2, 2, "0|1"), (8, 2, "0-3|4-7"), (1, 2, "0|0"), (6, 3, "0-1|2-3|4-5")])
+def test_cpu_bind_per_rank(cores, ranks, expected):
+    assert cpu_bind_per_rank(cores, ranks) == expected
+
+
+def test_server_environment_defaults_and_config_wins(tmp_path: Path):
+    base = {"PATH": "/bin"}
+    env = server_environment(base, {}, on_cpu=True, world_size=2, run_dir=tmp_path)
+    assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and env["VLLM_CPU_KVCACHE_SPACE"]
+    assert "VLLM_CPU_OMP_THREADS_BIND" in env and env["MOE_EVAL_RUN_DIR"] == str(tmp_path)
+    env = server_environment(base, {"VLLM_CPU_KVCACHE_SPACE": "7"}, on_cpu=True, world_size=1, run_dir=tmp_path)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "7" and "VLLM_CPU_OMP_THREADS_BIND" not in env
+    gpu_env = server_environment(base, {}, on_cpu=False, world_size=2, run_dir=tmp_path)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in gpu_env
+    assert base == {"PATH": "/bin"}  # the caller's environment is not modified
+
+
+def test_allowlisted_env_never_records_secrets():
+    env = {"VLLM_X": "1", "HF_TOKEN": "s", "VLLM_API_KEY": "s", "HOME": "/root", "CUDA_VISIBLE_DEVICES": "0,1"}
+    assert allowlisted_env(env) == {"CUDA_VISIBLE_DEVICES": "0,1", "VLLM_X": "1"}
+
+
+def test_vllm_backend_line_is_parsed():
+    log = ("(Worker pid=1) INFO [unquantized.py:364] Using CPU Unquantized MoE backend out of potential backends: "
+           "['CPU'].\n(Worker pid=2) INFO Using CPU Unquantized MoE backend out of potential backends: ['CPU'].\n")
+    assert vllm_moe_backends(log) == ["CPU"]
+    assert vllm_moe_backends("nothing here") == []

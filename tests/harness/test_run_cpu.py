@@ -1,0 +1,163 @@
+"""`moe-eval run` end to end against real vLLM CPU servers and real lm-eval; faults too.
+
+Each test asserts the exit code, the message, and that no process of the run outlives it
+(found by the MOE_EVAL_RUN_DIR marker the launcher puts in the server's environment).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT, processes_with_env, run_cli
+
+pytestmark = pytest.mark.server
+
+TINY = """model_name: "builtin:tiny-qwen3-moe"
+accuracy_threshold: {threshold}
+num_questions: {questions}
+num_fewshot: 5
+max_tokens: 32
+max_retries: 1
+server_args: "--enforce-eager --max-model-len 4096"
+"""
+
+
+def _config(tmp_path: Path, name: str, threshold: float = 0.0, questions: int = 8, extra: str = "") -> Path:
+    path = tmp_path / "configs" / "cpu" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(TINY.format(threshold=threshold, questions=questions) + extra)
+    return path
+
+
+def _run_args(tmp_path: Path, gsm8k_dir: str | None, *configs: Path) -> list[str]:
+    args = ["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out"), *map(str, configs)]
+    return args + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else [])
+
+
+def _results(tmp_path: Path) -> dict[str, dict]:
+    return {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "out").rglob("results.json")}
+
+
+def _assert_nothing_left(tmp_path: Path) -> None:
+    left = processes_with_env("MOE_EVAL_RUN_DIR", str(tmp_path / "out"))
+    assert not left, f"processes of the run survived it: {left}"
+
+
+def test_readme_main_job_runs_the_embedded_default(tmp_path, gsm8k_dir, repo_root):
+    """`moe-eval run --hw cpu`: both embedded configs (TP=1, TP=2) served by real vLLM, scored by lm-eval."""
+    result = run_cli(["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out")]
+                     + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []), cwd=repo_root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = _results(tmp_path)
+    assert set(results) == {"Tiny-Qwen3-MoE-BF16-vllm-tp1", "Tiny-Qwen3-MoE-BF16-vllm-tp2"}
+    for name, record in results.items():
+        assert record["status"] == "passed", name
+        assert record["num_questions_evaluated"] == record["config"]["num_questions"] == 20
+        assert record["moe_backend_used"] == "CPU"  # what vLLM's own log says it used
+        assert record["timings"]["startup_seconds"] > 0
+        assert record["versions"]["vllm"] == "0.32.0" and record["versions"]["lm-eval"] == "0.4.13"
+        run_dir = Path(record["server"]["log"]).parent
+        log = (run_dir / "server.log").read_text()
+        # Every question reached the server (plus the launcher's warm-up): the numbers came from it.
+        assert log.count("POST /v1/completions") == 20 + 1
+        samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+        assert {s["doc_id"] for s in samples} == set(range(20))
+        assert all(s["resps"][0][0] for s in samples), "every reply carries generated text"
+    assert "|Config|" in result.stdout and "PASS" in result.stdout
+    _assert_nothing_left(tmp_path)
+
+
+def test_threshold_one_fails_the_gate_with_exit_1(tmp_path, gsm8k_dir):
+    path = _config(tmp_path, "Tiny-BF16-strict", threshold=1.0, questions=4)
+    result = run_cli(_run_args(tmp_path, gsm8k_dir, path))
+    assert result.returncode == 1, result.stderr[-3000:]
+    record = _results(tmp_path)["Tiny-BF16-strict"]
+    assert record["status"] == "failed" and record["gate"]["passed"] is False
+    assert record["gate"]["floor"] == pytest.approx(0.92) and record["num_questions_evaluated"] == 4
+    assert "FAIL" in result.stdout and "FAIL: accuracy" in result.stderr
+    _assert_nothing_left(tmp_path)
+
+
+def test_server_that_exits_at_start_is_exit_3_with_its_log(tmp_path, gsm8k_dir):
+    path = _config(tmp_path, "Tiny-BF16-badargs", extra="")
+    path.write_text(path.read_text().replace("--enforce-eager", "--no-such-vllm-flag"))
+    result = run_cli(_run_args(tmp_path, gsm8k_dir, path))
+    assert result.returncode == 3
+    assert "vLLM server exited with code" in result.stderr and "before it was ready" in result.stderr
+    assert "--no-such-vllm-flag" in result.stderr  # the log's last lines travel with the error
+    assert _results(tmp_path)["Tiny-BF16-badargs"]["status"] == "error"
+    _assert_nothing_left(tmp_path)
+
+
+def test_startup_timeout_is_exit_3_and_kills_the_server(tmp_path, gsm8k_dir):
+    path = _config(tmp_path, "Tiny-BF16-slow", extra="startup_max_wait_seconds: 8\n")
+    result = run_cli(_run_args(tmp_path, gsm8k_dir, path))
+    assert result.returncode == 3
+    assert "not ready after 8 s" in result.stderr
+    _assert_nothing_left(tmp_path)
+
+
+def test_server_killed_during_evaluation_is_exit_3(tmp_path, gsm8k_dir):
+    path = _config(tmp_path, "Tiny-BF16-killed", questions=200, extra="max_concurrency: 2\n")
+    proc = subprocess.Popen([sys.executable, "-m", "moe_eval", *_run_args(tmp_path, gsm8k_dir, path)],
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        log_path, deadline = None, time.monotonic() + 300
+        while time.monotonic() < deadline:  # wait until the evaluation is under way
+            logs = list((tmp_path / "out").rglob("server.log"))
+            if logs and logs[0].read_text(errors="replace").count("POST /v1/completions") >= 4:
+                log_path = logs[0]
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.5)
+        assert log_path is not None, "evaluation never started"
+        api_pid = int(re.search(r"\(APIServer pid=(\d+)\)", log_path.read_text()).group(1))
+        os.killpg(api_pid, signal.SIGKILL)  # the whole server, as an OOM killer or a crash would
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3, stderr[-3000:]
+    assert "during the evaluation" in stderr and "exited with code -9" in stderr
+    assert _results(tmp_path)["Tiny-BF16-killed"]["status"] == "error"
+    _assert_nothing_left(tmp_path)
+
+
+def test_ctrl_c_tears_down_and_keeps_partial_results(tmp_path, gsm8k_dir):
+    path = _config(tmp_path, "Tiny-BF16-interrupted")
+    proc = subprocess.Popen([sys.executable, "-m", "moe_eval", *_run_args(tmp_path, gsm8k_dir, path)],
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "out").rglob("server.log")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(3)  # the server is starting: its workers exist
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "interrupted" in stderr
+    assert _results(tmp_path)["Tiny-BF16-interrupted"]["status"] == "error"
+    assert (next((tmp_path / "out").iterdir()) / "summary.json").exists()
+    _assert_nothing_left(tmp_path)
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("hang", "lm-eval failed"),  # a request that never returns: the request timeout fires
+    ("error500", "lm-eval failed"),  # HTTP errors are infrastructure, never wrong answers
+    ("garbage", "lm-eval failed"),  # a 200 whose body is not JSON
+])
+def test_misbehaving_server_is_exit_3(tmp_path, gsm8k_dir, mode, message):
+    path = _config(tmp_path, f"Fake-{mode}", questions=2, extra="request_timeout_seconds: 3\n")
+    env = {"MOE_EVAL_SERVER_MODULE": "tests.fakes.misbehaving_server", "FAKE_SERVER_MODE": mode}
+    result = run_cli(_run_args(tmp_path, gsm8k_dir, path), env=env, timeout=300)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert message in result.stderr
+    _assert_nothing_left(tmp_path)
