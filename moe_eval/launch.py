@@ -35,6 +35,8 @@ SERVER_MODULE_ENV = "MOE_EVAL_SERVER_MODULE"
 # Set in the server's environment (inherited by every worker) so that a leftover process of a run
 # can be found by what it carries, whatever its process group.
 RUN_MARKER_ENV = "MOE_EVAL_RUN_DIR"
+MOE_BACKEND_ENV = "MOE_EVAL_MOE_BACKEND"  # read by moe_eval.kernels.plugin in every vLLM process
+PLUGIN_NAME = "moe_eval_kernels"  # the vllm.general_plugins entry point in pyproject.toml
 TEARDOWN_GRACE_SECONDS = 15.0
 LOG_TAIL_LINES = 40
 # Environment keys worth recording in results.json; the whole environment holds tokens.
@@ -81,11 +83,18 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def server_environment(base: dict[str, str], overrides: dict[str, str], *, on_cpu: bool,
-                       world_size: int, run_dir: Path) -> dict[str, str]:
+                       world_size: int, run_dir: Path, moe_backend: str | None = None) -> dict[str, str]:
     """os.environ + config env + what vLLM needs to behave here; the config always wins."""
     env = dict(base)
     env[RUN_MARKER_ENV] = str(run_dir)
+    env.pop(MOE_BACKEND_ENV, None)  # only the config decides whether the plugin is active
     defaults = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    if moe_backend is not None:
+        env[MOE_BACKEND_ENV] = moe_backend
+        allowed = base.get("VLLM_PLUGINS")
+        if allowed is not None and PLUGIN_NAME not in allowed.split(","):
+            # An inherited allowlist would silently keep the bundled kernel out of the server.
+            defaults["VLLM_PLUGINS"] = f"{allowed},{PLUGIN_NAME}" if allowed else PLUGIN_NAME
     if on_cpu:
         # Without it vLLM's CPU backend reserves most of the RAM for the KV cache.
         defaults["VLLM_CPU_KVCACHE_SPACE"] = "2"

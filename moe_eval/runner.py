@@ -22,7 +22,15 @@ from moe_eval.hardware import gpu_names
 from moe_eval.layout import LayoutKind
 from moe_eval.models import resolve_model
 from moe_eval.results import RESULTS_SCHEMA_VERSION, atomic_write_json, cpu_model, versions, write_samples
-from moe_eval.server_log import read_log, vllm_moe_backends
+from moe_eval.server_log import (
+    bundled_kernel_lines,
+    kernel_call_counts,
+    read_log,
+    verify_moe_backend,
+    vllm_moe_backends,
+)
+
+STATS_INTERVAL_SECONDS = 0.5  # moe_eval.kernels.plugin.STATS_INTERVAL_SECONDS (no torch import here)
 
 Progress = Callable[[str], None]
 
@@ -82,12 +90,16 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
                                  seed=config.seed, env_overrides=config.env,
                                  startup_max_wait_seconds=config.startup_max_wait_seconds)
         env = launch.server_environment(dict(os.environ), config.env, on_cpu=options.hw == "cpu",
-                                        world_size=config.layout.world_size, run_dir=run_dir)
+                                        world_size=config.layout.world_size, run_dir=run_dir,
+                                        moe_backend=config.moe_backend)
         record["server"] = {"argv": spec.argv, "port": port, "env": launch.allowlisted_env(env),
                             "log": str(log_path)}
         options.progress(f"  starting vLLM ({config.layout.describe()}) on port {port}; log: {log_path}")
         with launch.VllmServer(spec, env, progress=options.progress) as server:
             outcome.timings["startup_seconds"] = server.startup_seconds or 0.0
+            # Checked before the evaluation: answers from the wrong kernel would prove nothing.
+            outcome.moe_backend_used = verify_moe_backend(config.moe_backend, config.name, read_log(log_path))
+            options.progress(f"  MoE kernel serving: {outcome.moe_backend_used}")
             options.progress(f"  server ready in {server.startup_seconds:.1f} s; "
                              f"GSM8K {config.num_questions} questions, {config.num_fewshot}-shot")
             eval_started = time.monotonic()
@@ -98,6 +110,8 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
                 raise
             server.check_alive("during the evaluation")
             outcome.timings["eval_seconds"] = time.monotonic() - eval_started
+            if config.moe_backend is not None:
+                time.sleep(2 * STATS_INTERVAL_SECONDS)  # let the plugin's counters flush
         write_samples(run_dir / "samples.jsonl", result.samples)
         strict = result.scores["strict-match"]
         outcome.scores = result.scores
@@ -118,10 +132,12 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
     else:
         raise_after = None
     finally:
-        backends = vllm_moe_backends(read_log(log_path))
-        outcome.moe_backend_used = backends[0] if backends else None
+        log_text = read_log(log_path)
         outcome.timings["total_seconds"] = time.monotonic() - started
-        record.update({"moe_backend_used": outcome.moe_backend_used, "vllm_moe_backends_logged": backends,
+        record.update({"moe_backend_requested": config.moe_backend, "moe_backend_used": outcome.moe_backend_used,
+                       "vllm_moe_backends_logged": vllm_moe_backends(log_text),
+                       "bundled_kernel_logged": bundled_kernel_lines(log_text),
+                       "bundled_kernel_calls": kernel_call_counts(run_dir),
                        "timings": outcome.timings, "status": outcome.status})
         atomic_write_json(run_dir / "results.json", record)
     if raise_after is not None and not isinstance(raise_after, MoeEvalError):

@@ -1,13 +1,25 @@
-"""What the server's own log says about the MoE kernel it used."""
+"""What the server's own log says about the MoE kernel it used, checked against the config.
+
+Two sources: vLLM's own selection line, and the structured line the moe-eval plugin prints in
+every process that runs a bundled kernel. A run whose server used another MoE kernel than the
+config asked for proves nothing about the kernel under test, so it is an infrastructure error.
+"""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
+from moe_eval.errors import InfraError
+
 # vLLM 0.32.0: "Using CPU Unquantized MoE backend out of potential backends: ['CPU']."
-_VLLM_CHOICE = re.compile(r"Using (?P<backend>\S+) Unquantized MoE backend out of potential backends: "
+# Names may hold a space ("FlashInfer CUTLASS"), so the name runs up to " Unquantized".
+_VLLM_CHOICE = re.compile(r"Using (?P<backend>[\w .-]+?) Unquantized MoE backend out of potential backends: "
                           r"\[(?P<candidates>[^\]]*)\]")
+BUNDLED_PREFIX = "moe-eval bundled MoE kernel: "  # moe_eval.kernels.plugin.LOG_PREFIX (no vLLM import here)
+# A config that leaves the MoE kernel to vLLM says in its file name which one it expects.
+NAME_SUFFIX_VLLM_BACKEND = {"-triton": "TRITON", "-fi-cutlass": "FlashInfer CUTLASS"}
 
 
 def vllm_moe_backends(log_text: str) -> list[str]:
@@ -17,6 +29,52 @@ def vllm_moe_backends(log_text: str) -> list[str]:
         if match["backend"] not in seen:
             seen.append(match["backend"])
     return seen
+
+
+def bundled_kernel_lines(log_text: str) -> list[dict]:
+    lines = []
+    for raw in log_text.splitlines():
+        _, found, payload = raw.partition(BUNDLED_PREFIX)
+        if found:
+            try:
+                lines.append(json.loads(payload))
+            except json.JSONDecodeError:
+                continue
+    return lines
+
+
+def verify_moe_backend(requested: str | None, config_stem: str, log_text: str) -> str:
+    """The MoE kernel that served ('bundled:<name>' or 'vllm:<name>'); raises InfraError on a mismatch."""
+    bundled = sorted({line["backend"] for line in bundled_kernel_lines(log_text)})
+    vllm = vllm_moe_backends(log_text)
+    if requested is not None:
+        if bundled != [requested] or vllm:
+            served = ", ".join([f"bundled {b}" for b in bundled] + [f"vLLM's {v}" for v in vllm]) or "nothing logged"
+            raise InfraError(f"MoE kernel mismatch: the config asked for bundled '{requested}', "
+                             f"the server log shows {served}")
+        return f"bundled:{requested}"
+    if bundled:
+        raise InfraError(f"MoE kernel mismatch: the config leaves the MoE kernel to vLLM, but the server log "
+                         f"shows bundled {', '.join(bundled)}")
+    expected = next((b for suffix, b in NAME_SUFFIX_VLLM_BACKEND.items() if config_stem.endswith(suffix)), None)
+    if expected is not None and vllm != [expected]:
+        raise InfraError(f"MoE kernel mismatch: the config file name says '{expected}', the server log shows "
+                         f"vLLM's {', '.join(vllm) or 'no MoE backend line'}")
+    return f"vllm:{vllm[0]}" if vllm else "none logged"
+
+
+def kernel_call_counts(run_dir: Path) -> dict[str, int]:
+    """Sum of the plugin's per-process counters (a lower bound: flushed at most twice a second)."""
+    totals = {"processes": 0, "calls": 0, "tokens": 0}
+    for path in sorted((run_dir / "kernel-stats").glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        totals["processes"] += 1
+        totals["calls"] += int(data.get("calls", 0))
+        totals["tokens"] += int(data.get("tokens", 0))
+    return totals
 
 
 def read_log(path: Path) -> str:

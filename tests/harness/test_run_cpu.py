@@ -53,16 +53,23 @@ def _assert_nothing_left(tmp_path: Path) -> None:
 
 
 def test_readme_main_job_runs_the_embedded_default(tmp_path, gsm8k_dir, repo_root):
-    """`moe-eval run --hw cpu`: both embedded configs (TP=1, TP=2) served by real vLLM, scored by lm-eval."""
+    """`moe-eval run --hw cpu`: both embedded configs (TP, TEP) served by real vLLM with the bundled torch
+    kernel, scored by lm-eval."""
     result = run_cli(["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out")]
                      + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []), cwd=repo_root)
     assert result.returncode == 0, result.stderr[-3000:]
-    results = _results(tmp_path)
-    assert set(results) == {"Tiny-Qwen3-MoE-BF16-vllm-tp1", "Tiny-Qwen3-MoE-BF16-vllm-tp2"}
-    for name, record in results.items():
-        assert record["status"] == "passed", name
+    records = {json.loads(p.read_text())["layout"]["kind"]: json.loads(p.read_text())
+               for p in (tmp_path / "out").rglob("results.json")}
+    assert set(records) == {"TP", "TEP"}
+    for kind, record in records.items():
+        assert record["status"] == "passed", kind
         assert record["num_questions_evaluated"] == record["config"]["num_questions"] == 20
-        assert record["moe_backend_used"] == "CPU"  # what vLLM's own log says it used
+        # What the server's own log says served: the bundled kernel, in every rank, never vLLM's.
+        assert record["moe_backend_used"] == "bundled:torch" and record["vllm_moe_backends_logged"] == []
+        ranks = 2 if kind == "TEP" else 1
+        assert len({line["pid"] for line in record["bundled_kernel_logged"]}) == ranks
+        assert all(line["layer"]["expert_map"] is (kind == "TEP") for line in record["bundled_kernel_logged"])
+        assert record["bundled_kernel_calls"]["processes"] == ranks and record["bundled_kernel_calls"]["calls"] > 20
         assert record["timings"]["startup_seconds"] > 0
         assert record["versions"]["vllm"] == "0.32.0" and record["versions"]["lm-eval"] == "0.4.13"
         run_dir = Path(record["server"]["log"]).parent
@@ -72,7 +79,7 @@ def test_readme_main_job_runs_the_embedded_default(tmp_path, gsm8k_dir, repo_roo
         samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
         assert {s["doc_id"] for s in samples} == set(range(20))
         assert all(s["resps"][0][0] for s in samples), "every reply carries generated text"
-    assert "|Config|" in result.stdout and "PASS" in result.stdout
+    assert "|Config|" in result.stdout and "PASS" in result.stdout and "bundled:torch" in result.stdout
     _assert_nothing_left(tmp_path)
 
 
@@ -83,6 +90,7 @@ def test_threshold_one_fails_the_gate_with_exit_1(tmp_path, gsm8k_dir):
     record = _results(tmp_path)["Tiny-BF16-strict"]
     assert record["status"] == "failed" and record["gate"]["passed"] is False
     assert record["gate"]["floor"] == pytest.approx(0.92) and record["num_questions_evaluated"] == 4
+    assert record["moe_backend_used"] == "vllm:CPU"  # no moe_backend: vLLM's own kernel, as its log says
     assert "FAIL" in result.stdout and "FAIL: accuracy" in result.stderr
     _assert_nothing_left(tmp_path)
 

@@ -1,0 +1,322 @@
+"""Benchmark the bundled Triton fused MoE against its peers on the shipped per-rank shapes (GPU).
+
+Peers, interleaved replay by replay so they share the card's thermal and power state:
+  triton      moe_eval.kernels.fused_moe.fused_moe (alignment included), CUDA graph
+  grouped_mm  moe_eval.kernels.torch_moe.grouped_mm_moe (sort, grouped GEMM, SiLU-and-mul,
+              grouped GEMM, unpermute, sum), CUDA graph
+  reference   moe_eval.kernels.fused_moe.fused_moe_ref (fp32; it syncs the host, so it runs eagerly)
+Each graph holds one call per rotated input set (different tokens and routing, so the experts a
+call hits were not the previous call's), replayed back to back after a warm-up; the time of a call
+is a replay's time over the calls in it; the median of the replays is reported.
+
+Roofline: max(FLOPs / matmul ceiling, bytes / copy ceiling), FLOPs = 6 * slots * D * F (slots on
+this rank), bytes = experts hit * 3 * D * F * 2 + x + out, ceilings measured in the same run
+(8192^3 bf16 matmul on random data; device-to-device copy counting read + write).
+
+Usage: python benchmarks/bench_fused_moe.py --out-dir DIR [--shapes "Qwen3-30B-A3B TP1" ...] [--m 1 16]
+Writes DIR/bench.json, DIR/bench.md and DIR/roofline_<model>.png; prints the table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from moe_eval.kernels.fused_moe import fused_moe, fused_moe_ref
+from moe_eval.kernels.testing import MoeCase, shape_case
+from moe_eval.kernels.tile_configs import M_GRID, SHIPPED_SHAPES, MoeShape
+from moe_eval.kernels.torch_moe import grouped_mm_moe
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --- ceilings ------------------------------------------------------------------------------------
+
+
+def measure_ceilings() -> dict[str, float]:
+    """Sustained bf16 matmul TFLOP/s and device-to-device copy GB/s (read + write), this card, now."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(20):  # warm-up long enough for the clocks to settle at the power cap
+        a @ b
+    times = _event_times(lambda: a @ b, reps=20)
+    tflops = 2 * n**3 / statistics.median(times) / 1e12
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB, 34x the L2
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = _event_times(lambda: dst.copy_(src), reps=20)
+    gbps = 2 * src.numel() * 2 / statistics.median(times) / 1e9
+    del a, b, src, dst
+    torch.cuda.empty_cache()
+    return {"matmul_tflops": tflops, "copy_gbps": gbps}
+
+
+def _event_times(fn: Callable[[], object], reps: int) -> list[float]:
+    """Seconds per call, one pair of events around each call."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) / 1e3 for start, end in events]
+
+
+# --- CUDA-graph timing ---------------------------------------------------------------------------
+
+
+class GraphTimer:
+    """One CUDA graph that runs `calls` (one per input set) in order; replays are timed with events."""
+
+    def __init__(self, calls: list[Callable[[], object]]):
+        self.num_calls = len(calls)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # compile and warm up outside the capture
+            for call in calls:
+                call()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            for call in calls:
+                call()
+        self.graph.replay()
+        torch.cuda.synchronize()
+
+    def warm(self, seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            self.graph.replay()
+            torch.cuda.synchronize()
+
+    def replay_us(self) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / self.num_calls
+
+
+def time_interleaved(timers: dict[str, GraphTimer], replays: int, warm_s: float = 0.2) -> dict[str, list[float]]:
+    """Microseconds per call for each timer, replays interleaved A, B, A, B, ..."""
+    for timer in timers.values():
+        timer.warm(warm_s / len(timers))
+    samples: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(replays):
+        for name, timer in timers.items():
+            samples[name].append(timer.replay_us())
+    return samples
+
+
+def median_us(calls: list[Callable[[], object]], replays: int = 20, warm_s: float = 0.05) -> float:
+    timer = GraphTimer(calls)
+    return statistics.median(time_interleaved({"x": timer}, replays, warm_s)["x"])
+
+
+# --- inputs and accounting -----------------------------------------------------------------------
+
+
+def rotated_sets(shape: MoeShape, M: int, weights_from: MoeCase) -> list[MoeCase]:
+    """Input sets with their own tokens and routing, sharing `weights_from`'s weights (the layer is
+    0.3-4 GB, beyond the 60 MB L2; rotating the routing keeps a call's experts out of L2)."""
+    n_sets = 4 if M <= 1024 else 2
+    return [shape_case(shape, M, seed=1000 * M + i, weights_from=weights_from) for i in range(n_sets)]
+
+
+def layer_counts(shape: MoeShape, cases: list[MoeCase]) -> dict[str, float]:
+    """Mean experts hit, slots computed on this rank, FLOPs and bytes of one call."""
+    hits, slots = [], []
+    for case in cases:
+        local = case.topk_ids_TK.reshape(-1).long()
+        if case.expert_map_E is not None:
+            local = case.expert_map_E.long()[local]
+        local = local[local >= 0]
+        hits.append(local.unique().numel())
+        slots.append(local.numel())
+    M = cases[0].hidden_TD.shape[0]
+    hit, slot = statistics.mean(hits), statistics.mean(slots)
+    flops = 6 * slot * shape.D * shape.F
+    bytes_ = hit * 3 * shape.D * shape.F * 2 + 2 * M * shape.D * 2
+    return {"experts_hit": hit, "slots": slot, "flops": flops, "bytes": bytes_}
+
+
+def _call(fn: Callable, case: MoeCase) -> Callable[[], object]:
+    return lambda: fn(*case.args(), **case.kwargs())
+
+
+def bench_shape(shape: MoeShape, Ms: list[int], ceilings: dict[str, float], replays: int) -> list[dict]:
+    rows = []
+    base = shape_case(shape, 1, seed=7)  # holds the weights every set shares
+    for M in Ms:
+        cases = rotated_sets(shape, M, base)
+        counts = layer_counts(shape, cases)
+        timers = {
+            "triton": GraphTimer([_call(fused_moe, c) for c in cases]),
+            "grouped_mm": GraphTimer([_call(grouped_mm_moe, c) for c in cases]),
+        }
+        samples = time_interleaved(timers, replays)
+        del timers
+        # The reference syncs the host (nonzero), so it cannot be captured: eager, fewer calls.
+        ref_reps = 3 if M >= 4096 else 5
+        fused_moe_ref(*cases[0].args(), **cases[0].kwargs())
+        torch.cuda.synchronize()
+        ref_times = []
+        for i in range(ref_reps):
+            case = cases[i % len(cases)]
+            t0 = time.perf_counter()
+            fused_moe_ref(*case.args(), **case.kwargs())
+            torch.cuda.synchronize()
+            ref_times.append((time.perf_counter() - t0) * 1e6)
+        samples["reference"] = ref_times
+        roof_us = max(counts["flops"] / (ceilings["matmul_tflops"] * 1e12), counts["bytes"] / (ceilings["copy_gbps"] * 1e9)) * 1e6
+        for impl, us in samples.items():
+            med = statistics.median(us)
+            rows.append({
+                "model": shape.model, "layout": shape.layout, "M": M, "impl": impl,
+                "median_us": med, "min_us": min(us), "max_us": max(us), "samples": len(us),
+                "tflops": counts["flops"] / med / 1e6, "gbps": counts["bytes"] / med / 1e3,
+                "roofline_us": roof_us, "frac_roofline": roof_us / med,
+                "experts_hit": counts["experts_hit"], "slots": counts["slots"],
+            })  # fmt: skip
+        tri = statistics.median(samples["triton"])
+        gmm = statistics.median(samples["grouped_mm"])
+        log(f"  {shape.name:24s} M={M:6d} triton {tri:9.1f} us  grouped_mm {gmm:9.1f} us  x{gmm / tri:5.2f}  "
+            f"roofline {roof_us:8.1f} us ({roof_us / tri:5.1%})")  # fmt: skip
+        del cases
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_alignment(shape: MoeShape, Ms: list[int], replays: int) -> list[dict]:
+    """Alignment alone, one program vs count/scan/scatter, to place SINGLE_PROGRAM_MAX_SLOTS."""
+    from moe_eval.kernels import fused_moe as module
+
+    rows = []
+    saved = module.SINGLE_PROGRAM_MAX_SLOTS
+    base = shape_case(shape, 1, seed=7)
+    try:
+        for M in Ms:
+            cases = rotated_sets(shape, M, base)
+            for block_m in (16, 64):
+                times = {}
+                for path, limit in (("single", 1 << 40), ("three-launch", 0)):
+                    module.SINGLE_PROGRAM_MAX_SLOTS = limit
+                    calls = [
+                        lambda c=c: module.moe_align_block_size(c.topk_ids_TK, block_m, shape.local_experts, c.expert_map_E)
+                        for c in cases
+                    ]
+                    times[path] = median_us(calls, replays)
+                rows.append({"shape": shape.name, "M": M, "block_m": block_m, **{f"{k}_us": v for k, v in times.items()}})
+                log(f"  align {shape.name} M={M} bm={block_m}: " + ", ".join(f"{k} {v:.1f} us" for k, v in times.items()))
+    finally:
+        module.SINGLE_PROGRAM_MAX_SLOTS = saved
+    return rows
+
+
+# --- report --------------------------------------------------------------------------------------
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = [
+        "| model | layout | M | impl | median us | TFLOP/s | GB/s | roofline us | of roofline | vs grouped_mm |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    by_key = {(r["model"], r["layout"], r["M"], r["impl"]): r for r in rows}
+    for r in rows:
+        peer = by_key.get((r["model"], r["layout"], r["M"], "grouped_mm"))
+        speedup = f"{peer['median_us'] / r['median_us']:.2f}x" if peer else ""
+        lines.append(
+            f"| {r['model']} | {r['layout']} | {r['M']} | {r['impl']} | {r['median_us']:.1f} | {r['tflops']:.1f} | "
+            f"{r['gbps']:.0f} | {r['roofline_us']:.1f} | {r['frac_roofline']:.1%} | {speedup} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mrows = [r for r in rows if r["model"] == model]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        styles = {"triton": "-o", "grouped_mm": "--s", "reference": ":^"}
+        for layout in dict.fromkeys(r["layout"] for r in mrows):
+            for impl, style in styles.items():
+                pts = sorted((r["M"], r["frac_roofline"]) for r in mrows if r["layout"] == layout and r["impl"] == impl)
+                if pts:
+                    ax.plot(*zip(*pts), style, label=f"{impl} {layout}", alpha=0.85)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("M (tokens)")
+        ax.set_ylabel("fraction of roofline")
+        ax.set_title(f"{model} MoE layer, H200, bf16 (CUDA-graph medians)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        path = out_dir / f"roofline_{model}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--shapes", nargs="*", help='names like "Qwen3-30B-A3B TP1" (default: all shipped)')
+    parser.add_argument("--m", nargs="*", type=int, default=list(M_GRID))
+    parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--skip-alignment", action="store_true", help="skip the alignment-path comparison")
+    args = parser.parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    by_name = {s.name: s for s in SHIPPED_SHAPES}
+    shapes = [by_name[n] for n in args.shapes] if args.shapes else list(SHIPPED_SHAPES)
+    import triton
+
+    ceilings = measure_ceilings()
+    log(f"ceilings: {ceilings}")
+    rows = []
+    for shape in shapes:
+        rows += bench_shape(shape, args.m, ceilings, args.replays)
+    align_rows = []
+    if not args.skip_alignment:
+        for shape in shapes[:1]:
+            align_rows += bench_alignment(shape, args.m, 20)
+    ceilings_after = measure_ceilings()
+    log(f"ceilings after: {ceilings_after}")
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "command": "python " + " ".join(sys.argv),
+        "ceilings_before": ceilings,
+        "ceilings_after": ceilings_after,
+    }
+    (args.out_dir / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows, "alignment": align_rows}, indent=1))
+    table = markdown_table(rows)
+    (args.out_dir / "bench.md").write_text(table + "\n")
+    plot(rows, args.out_dir)
+    print(json.dumps(meta))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

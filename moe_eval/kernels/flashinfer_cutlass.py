@@ -1,0 +1,107 @@
+"""Adapter for FlashInfer's CUTLASS fused MoE (BF16): weight layout, lazy import, clear errors.
+
+FlashInfer's `cutlass_fused_moe` (0.7.0.post1) wants w13 with its halves swapped per expert,
+[up; gate] ("w31"); unswapped weights give a relative error of 0.75 (measured on the H200, see
+shared/notes/flashinfer-h200.md). It has no expert map: it skips experts outside this rank's
+range [ep_rank * e, (ep_rank + 1) * e), so slots of experts held elsewhere are sent to id e
+with ep_size=2, ep_rank=0, where a second rank would own them. It has no
+apply_router_weight_on_input either: for K = 1 the weight is applied to x here, in fp32.
+
+Not run on a GPU in this project yet (the first call JIT-builds for ~7 minutes; see the notes),
+so the oracle never picks it on its own under expert parallelism. Usage:
+
+    w31 = to_flashinfer_w31(w13_eFD)
+    out_TD = flashinfer_cutlass_moe(hidden_TD, w31, w2_eDF, topk_weights_TK, topk_ids_TK)
+
+T tokens, D hidden, F intermediate per rank, E experts (global), e local experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+
+class FlashInferUnavailable(RuntimeError):
+    """FlashInfer or a GPU it supports (SM90 or newer) is missing."""
+
+
+MIN_COMPUTE_CAPABILITY = (9, 0)
+
+
+def flashinfer_importable() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def swap_w13_halves(w_eFD: torch.Tensor) -> torch.Tensor:
+    """[gate; up] <-> [up; gate] per expert. Its own inverse."""
+    F = w_eFD.shape[1] // 2
+    assert w_eFD.shape[1] == 2 * F, f"w13 rows must be even, got {w_eFD.shape[1]}"
+    return torch.cat([w_eFD[:, F:], w_eFD[:, :F]], dim=1).contiguous()
+
+
+def to_flashinfer_w31(w13_eFD: torch.Tensor) -> torch.Tensor:
+    return swap_w13_halves(w13_eFD)
+
+
+def from_flashinfer_w31(w31_eFD: torch.Tensor) -> torch.Tensor:
+    return swap_w13_halves(w31_eFD)
+
+
+def check_flashinfer_supported(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise FlashInferUnavailable(f"FlashInfer CUTLASS MoE needs a CUDA GPU; tensors are on {device}")
+    cc = torch.cuda.get_device_capability(device)
+    if cc < MIN_COMPUTE_CAPABILITY:
+        raise FlashInferUnavailable(
+            f"FlashInfer CUTLASS MoE (BF16) needs SM90 or newer; {torch.cuda.get_device_name(device)} is SM{cc[0]}{cc[1]}"
+        )
+    if not flashinfer_importable():
+        raise FlashInferUnavailable(
+            "flashinfer is not installed: pip install 'moe-eval[gpu]' (flashinfer-python==0.7.0.post1)"
+        )
+
+
+def flashinfer_cutlass_moe(
+    hidden_TD: torch.Tensor,
+    w31_eFD: torch.Tensor,
+    w2_eDF: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    *,
+    expert_map_E: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """FlashInfer CUTLASS fused MoE on weights already converted by `to_flashinfer_w31`.
+
+    Pass `workspace` (sized with flashinfer's `cutlass_fused_moe_workspace_size`) to capture the
+    call in a CUDA graph: without it FlashInfer allocates per call.
+    """
+    check_flashinfer_supported(hidden_TD.device)
+    from flashinfer.fused_moe import cutlass_fused_moe  # lazy: importing flashinfer costs seconds
+
+    e = w31_eFD.shape[0]
+    K = topk_ids_TK.shape[1]
+    assert hidden_TD.dtype == torch.bfloat16, "this adapter is BF16-only (the JIT module is built for BF16)"
+    ids_TK = topk_ids_TK.int()
+    ep_size, ep_rank = 1, 0
+    if expert_map_E is not None:
+        local_TK = expert_map_E[topk_ids_TK.long()]
+        ids_TK = torch.where(local_TK >= 0, local_TK, e).int()
+        ep_size = 2  # a phantom rank 1 owns ids [e, 2e): FlashInfer skips them on rank 0
+    weights_TK = topk_weights_TK.float()
+    if apply_router_weight_on_input:
+        if K != 1:
+            raise ValueError("apply_router_weight_on_input with FlashInfer needs top-k 1 (weight folded into x)")
+        hidden_TD = (hidden_TD.float() * weights_TK).to(hidden_TD.dtype)
+        weights_TK = torch.ones_like(weights_TK)
+    kwargs = {"output": out, "ep_size": ep_size, "ep_rank": ep_rank}
+    if workspace is not None:
+        kwargs["workspace_buffer"] = workspace
+    result = cutlass_fused_moe(
+        hidden_TD, ids_TK, weights_TK, w31_eFD, w2_eDF, hidden_TD.dtype, quant_scales=[], **kwargs
+    )
+    return result[0] if isinstance(result, (list, tuple)) else result

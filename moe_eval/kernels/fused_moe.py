@@ -1,0 +1,307 @@
+"""BF16 fused MoE: the readable reference `fused_moe_ref` and the Triton launcher `fused_moe`.
+
+For each token t and each of its K experts: y = (silu(x W_gate^T) * (x W_up^T)) W_down^T, and
+out_t = sum_k w_tk * y_tk. Under expert parallelism `expert_map_E` sends global expert ids to
+local slots (-1: the expert lives on another rank and the slot contributes nothing here). With
+`apply_router_weight_on_input` the weight multiplies x before GEMM1 instead of y.
+
+`fused_moe` stages (bodies in `_fused_moe_kernels.py`): align slots by expert into BLOCK_M
+blocks -> GEMM1 with SiLU-and-mul in its epilogue -> GEMM2 with the routing weight in its
+epilogue -> sum over K. Usage:
+
+    out_TD = fused_moe(hidden_TD, w13_eFD, w2_eDF, topk_weights_TK, topk_ids_TK)
+
+T tokens, D hidden, F intermediate per rank, E experts (global), e local experts, K top-k,
+P padded slot count. w13_eFD is [e, 2F, D], gate rows first, then up rows; w2_eDF is [e, D, F].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from moe_eval.kernels import _fused_moe_kernels as kernels
+from moe_eval.kernels.tile_configs import GemmTile, MoeTileConfig, get_tile_config
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Above this many slots (T*K) the alignment runs as three launches (count per chunk, scan, scatter)
+# instead of one program that walks all slots twice. TODO(measure): set from the alignment timings
+# of benchmarks/bench_fused_moe.py on the H200.
+SINGLE_PROGRAM_MAX_SLOTS = 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------
+
+
+def fused_moe_ref(
+    hidden_TD: torch.Tensor,
+    w13_eFD: torch.Tensor,
+    w2_eDF: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    *,
+    expert_map_E: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
+) -> torch.Tensor:
+    """The oracle: every product and sum in fp32, one loop over local experts, output in x's dtype."""
+    T, D = hidden_TD.shape
+    F = w2_eDF.shape[2]
+    x_TD = hidden_TD.float()
+    local_TK = topk_ids_TK.long()
+    if expert_map_E is not None:
+        local_TK = expert_map_E.long()[local_TK]
+    out_TD = torch.zeros(T, D, dtype=torch.float32, device=hidden_TD.device)
+    for expert in range(w13_eFD.shape[0]):
+        t_idx, k_idx = (local_TK == expert).nonzero(as_tuple=True)
+        if t_idx.numel() == 0:
+            continue
+        x_ND = x_TD[t_idx]
+        w_N1 = topk_weights_TK[t_idx, k_idx].float()[:, None]
+        if apply_router_weight_on_input:
+            x_ND = x_ND * w_N1
+        gate_up_N2F = x_ND @ w13_eFD[expert].float().T
+        h_NF = torch.nn.functional.silu(gate_up_N2F[:, :F]) * gate_up_N2F[:, F:]
+        y_ND = h_NF @ w2_eDF[expert].float().T
+        if not apply_router_weight_on_input:
+            y_ND = y_ND * w_N1
+        out_TD.index_add_(0, t_idx, y_ND)
+    return out_TD.to(hidden_TD.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing alignment
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoeAlignment:
+    """Slots sorted by local expert into blocks of `block_m` rows (stays on the device: no sync).
+
+    sorted_ids_P: slot index t*K + k at each sorted position; `num_slots` marks padding.
+    expert_ids_B: local expert owning each block; -1 for blocks past `num_post_pad`.
+    num_post_pad_1: positions in use (a multiple of block_m); the rest of the buffers is unwritten.
+    """
+
+    sorted_ids_P: torch.Tensor
+    expert_ids_B: torch.Tensor
+    num_post_pad_1: torch.Tensor
+    block_m: int
+    num_slots: int
+
+    @property
+    def max_blocks(self) -> int:
+        return self.expert_ids_B.numel()
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def moe_align_block_size(
+    topk_ids_TK: torch.Tensor, block_m: int, num_local_experts: int, expert_map_E: torch.Tensor | None = None
+) -> MoeAlignment:
+    num_slots = topk_ids_TK.numel()
+    assert topk_ids_TK.dtype == torch.int32 and topk_ids_TK.is_contiguous(), "topk_ids: contiguous int32"
+    assert block_m >= 16 and block_m & (block_m - 1) == 0, f"block_m must be a power of two >= 16, got {block_m}"
+    if expert_map_E is not None:
+        assert expert_map_E.dtype == torch.int32 and expert_map_E.is_contiguous(), "expert_map: contiguous int32"
+    # Worst case without a device->host sync: every non-empty expert pads by block_m - 1, and at
+    # most min(T*K, e) experts are non-empty.
+    max_padded = num_slots + min(num_slots, num_local_experts) * (block_m - 1)
+    max_blocks = triton.cdiv(max_padded, block_m)
+    device = topk_ids_TK.device
+    sorted_ids_P = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+    expert_ids_B = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_post_pad_1 = torch.empty(1, dtype=torch.int32, device=device)
+    align = MoeAlignment(sorted_ids_P, expert_ids_B, num_post_pad_1, block_m, num_slots)
+    if num_slots == 0:
+        num_post_pad_1.zero_()
+        return align
+
+    has_map = expert_map_E is not None
+    map_arg = expert_map_E if has_map else topk_ids_TK  # any int32 pointer; never read
+    e_pad = max(16, _next_pow2(num_local_experts))
+    # One-hot tiles are [CHUNK, e_pad] int32: keep them near 8K elements (32 KiB of registers
+    # for the program) whatever the expert count.
+    blocks_tile = max(16, 8192 // e_pad)
+    if num_slots <= SINGLE_PROGRAM_MAX_SLOTS:
+        chunk = max(16, min(_next_pow2(num_slots), 8192 // e_pad))
+        kernels._align_single_kernel[(1,)](
+            topk_ids_TK, map_arg, sorted_ids_P, expert_ids_B, num_post_pad_1,
+            num_slots, max_blocks,
+            HAS_EXPERT_MAP=has_map, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, BLOCKS_TILE=blocks_tile,
+            num_warps=8,
+        )  # fmt: skip
+        return align
+
+    chunk = max(16, min(1024, 16384 // e_pad))
+    num_chunks = triton.cdiv(num_slots, chunk)
+    chunk_counts_CE = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=device)
+    rank_S = torch.empty(num_slots, dtype=torch.int32, device=device)
+    kernels._align_count_kernel[(num_chunks,)](
+        topk_ids_TK, map_arg, chunk_counts_CE, rank_S, num_slots,
+        HAS_EXPERT_MAP=has_map, E_PAD=e_pad, CHUNK=chunk, num_warps=8,
+    )  # fmt: skip
+    kernels._align_scan_kernel[(1,)](
+        chunk_counts_CE, sorted_ids_P, expert_ids_B, num_post_pad_1, num_chunks, num_slots, max_blocks,
+        BLOCK_M=block_m, E_PAD=e_pad, ROWS=max(1, 4096 // e_pad), BLOCKS_TILE=blocks_tile, num_warps=8,
+    )  # fmt: skip
+    kernels._align_scatter_kernel[(num_chunks,)](
+        topk_ids_TK, map_arg, chunk_counts_CE, rank_S, sorted_ids_P, num_slots,
+        HAS_EXPERT_MAP=has_map, E_PAD=e_pad, CHUNK=chunk, num_warps=8,
+    )  # fmt: skip
+    return align
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    # The decorator read TRITON_INTERPRET when the bodies were imported; what counts is what it made.
+    return type(kernels._gemm1_silu_kernel).__name__ == "InterpretedFunction"
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def fused_moe(
+    hidden_TD: torch.Tensor,
+    w13_eFD: torch.Tensor,
+    w2_eDF: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    *,
+    expert_map_E: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
+    out: torch.Tensor | None = None,
+    config: MoeTileConfig | None = None,
+) -> torch.Tensor:
+    """Triton fused MoE; same contract as `fused_moe_ref`. `config` overrides the tuned tiles."""
+    T, D = hidden_TD.shape
+    e, F2, D_w = w13_eFD.shape
+    F = F2 // 2
+    K = topk_ids_TK.shape[1]
+    dtype = hidden_TD.dtype
+    # Contract.
+    assert dtype in SUPPORTED_DTYPES, f"hidden dtype {dtype} not in {SUPPORTED_DTYPES}"
+    assert w13_eFD.dtype == dtype and w2_eDF.dtype == dtype, "weights must have the activations' dtype"
+    assert D_w == D and F2 == 2 * F and w2_eDF.shape == (e, D, F), (
+        f"shapes: hidden {tuple(hidden_TD.shape)}, w13 {tuple(w13_eFD.shape)}, w2 {tuple(w2_eDF.shape)}"
+    )
+    assert hidden_TD.stride(1) == 1 and w13_eFD.stride(2) == 1 and w2_eDF.stride(2) == 1, "inner dims contiguous"
+    assert topk_ids_TK.shape == (T, K) and topk_weights_TK.shape == (T, K), "topk shapes must be (T, K)"
+    assert topk_ids_TK.dtype == torch.int32 and topk_ids_TK.is_contiguous(), "topk_ids: contiguous int32"
+    assert topk_weights_TK.is_floating_point() and topk_weights_TK.is_contiguous(), "topk_weights: contiguous float"
+    if expert_map_E is not None:
+        assert expert_map_E.dtype == torch.int32 and expert_map_E.dim() == 1, "expert_map: int32 [E]"
+        assert K <= expert_map_E.numel(), f"top-k {K} > E {expert_map_E.numel()}"
+    else:
+        assert K <= e, f"top-k {K} > experts {e}"
+    on_cpu = hidden_TD.device.type == "cpu"
+    if on_cpu and not _interpreting():
+        raise RuntimeError("fused_moe needs CUDA tensors (CPU tensors only when the kernels were imported under TRITON_INTERPRET=1, for tests)")
+    if on_cpu and dtype == torch.bfloat16:
+        # HACK: the triton 3.9 interpreter's tl.dot on bf16 operands returns garbage (rel. err ~1e10,
+        # measured); the CPU tests run fp16/fp32. Remove when the interpreter's bf16 dot is fixed.
+        raise RuntimeError("fused_moe under TRITON_INTERPRET: bf16 tl.dot is broken there; use fp16 or fp32")
+
+    # Tile config.
+    if config is None:
+        config = get_tile_config(
+            num_tokens=T, num_experts=e, F=F, D=D, top_k=K, device_name=_device_name(hidden_TD.device)
+        )
+
+    # Allocate.
+    if out is None:
+        out = torch.empty_like(hidden_TD)
+    assert out.shape == (T, D) and out.dtype == dtype and out.stride(1) == 1, "out: (T, D), x's dtype"
+    if T == 0:
+        return out
+    align = moe_align_block_size(topk_ids_TK, config.block_m, e, expert_map_E)
+    h_PF = torch.empty(align.sorted_ids_P.numel(), F, dtype=dtype, device=hidden_TD.device)
+    if K == 1:
+        # One slot per token: GEMM2 writes the output directly, and tokens whose expert lives on
+        # another rank must read as zero because GEMM2 never visits them.
+        y_SD = out
+        if expert_map_E is not None:
+            out.zero_()
+    else:
+        y_SD = torch.empty(T * K, D, dtype=dtype, device=hidden_TD.device)
+
+    # Launch.
+    launch_gemm1(hidden_TD, w13_eFD, h_PF, topk_weights_TK, align, K, config.gemm1, apply_router_weight_on_input)
+    launch_gemm2(h_PF, w2_eDF, y_SD, topk_weights_TK, align, config.gemm2, not apply_router_weight_on_input)
+    if K > 1:
+        launch_sum(y_SD, out, topk_ids_TK, expert_map_E)
+    return out
+
+
+# The three launches, also called one by one by benchmarks/tune_fused_moe.py to time each GEMM.
+
+
+def launch_gemm1(
+    hidden_TD: torch.Tensor,
+    w13_eFD: torch.Tensor,
+    h_PF: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    align: MoeAlignment,
+    top_k: int,
+    tile: GemmTile,
+    mul_routed_weight: bool,
+) -> None:
+    D = hidden_TD.shape[1]
+    F = h_PF.shape[1]
+    num_pid_m = align.max_blocks
+    kernels._gemm1_silu_kernel[(num_pid_m * triton.cdiv(F, tile.block_n),)](
+        hidden_TD, w13_eFD, h_PF, topk_weights_TK,
+        align.sorted_ids_P, align.expert_ids_B, align.num_post_pad_1,
+        align.num_slots, top_k, num_pid_m, F, D,
+        hidden_TD.stride(0), w13_eFD.stride(0), w13_eFD.stride(1), h_PF.stride(0),
+        MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=D % tile.block_k == 0,
+        BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+
+
+def launch_gemm2(
+    h_PF: torch.Tensor,
+    w2_eDF: torch.Tensor,
+    y_SD: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    align: MoeAlignment,
+    tile: GemmTile,
+    mul_routed_weight: bool,
+) -> None:
+    D = y_SD.shape[1]
+    F = h_PF.shape[1]
+    num_pid_m = align.max_blocks
+    kernels._gemm2_kernel[(num_pid_m * triton.cdiv(D, tile.block_n),)](
+        h_PF, w2_eDF, y_SD, topk_weights_TK,
+        align.sorted_ids_P, align.expert_ids_B, align.num_post_pad_1,
+        align.num_slots, num_pid_m, D, F,
+        h_PF.stride(0), w2_eDF.stride(0), w2_eDF.stride(1), y_SD.stride(0),
+        MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=F % tile.block_k == 0,
+        BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+
+
+def launch_sum(
+    y_SD: torch.Tensor, out_TD: torch.Tensor, topk_ids_TK: torch.Tensor, expert_map_E: torch.Tensor | None
+) -> None:
+    T, K = topk_ids_TK.shape
+    D = out_TD.shape[1]
+    block_d = min(1024, _next_pow2(D))
+    kernels._moe_sum_kernel[(T, triton.cdiv(D, block_d))](
+        y_SD, out_TD, topk_ids_TK, expert_map_E if expert_map_E is not None else topk_ids_TK,
+        D, y_SD.stride(0), out_TD.stride(0),
+        TOP_K=K, HAS_EXPERT_MAP=expert_map_E is not None, BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,157 @@
+"""vLLM plugin: puts the bundled MoE kernels inside the server when the launcher asks for one.
+
+vLLM runs `register()` (entry point `vllm.general_plugins`) once in every process it starts. It
+does nothing unless MOE_EVAL_MOE_BACKEND names a bundled backend (the launcher sets it from the
+config's `moe_backend`); then it registers `BundledUnquantizedFusedMoEMethod` in place of vLLM's
+`UnquantizedFusedMoEMethod`. That subclass asks the oracle for the kernel (an impossible request
+fails the server start with the oracle's reason, never a fallback), converts the weights once
+after loading, and runs the kernel in `apply()` with the expert map and
+apply_router_weight_on_input honoured. Each process logs one structured line per layer shape,
+
+    moe-eval bundled MoE kernel: {"backend": "torch", "reason": ..., "layer": {...}, "pid": ...}
+
+which the harness reads from server.log to prove which kernel served, and keeps a call counter
+in <run dir>/kernel-stats/<pid>.json (MOE_EVAL_RUN_DIR).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+BACKEND_ENV = "MOE_EVAL_MOE_BACKEND"
+LOG_PREFIX = "moe-eval bundled MoE kernel: "  # moe_eval.server_log.BUNDLED_PREFIX reads it
+STATS_DIR = "kernel-stats"
+STATS_INTERVAL_SECONDS = 0.5  # the counter file is rewritten at most this often (apply() is hot)
+
+logger = logging.getLogger("moe_eval.kernels.plugin")
+_OOT_NAME = "UnquantizedFusedMoEMethod"  # vLLM's registry key is the class name, not the op name
+
+
+def register() -> None:
+    backend = os.environ.get(BACKEND_ENV)
+    if not backend:
+        return
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    if _OOT_NAME in op_registry_oot:  # vLLM calls plugins once per process, but be idempotent anyway
+        return
+    UnquantizedFusedMoEMethod.register_oot(_bundled_method_class())
+
+
+def _layout_from_moe_config(moe: Any):
+    from moe_eval.layout import Layout, LayoutKind
+
+    pc = moe.moe_parallel_config
+    if pc.use_ep and pc.dp_size > 1:
+        kind = LayoutKind.DEP
+    elif pc.use_ep and pc.ep_size > 1:
+        kind = LayoutKind.TEP
+    else:
+        kind = LayoutKind.TP
+    tp = pc.ep_size // max(pc.dp_size, 1) if pc.use_ep else pc.tp_size
+    return Layout(kind=kind, tensor_parallel=max(tp, 1), data_parallel=pc.dp_size)
+
+
+class KernelStats:
+    """Per-process call counter, flushed to a small JSON file (atomically) at most twice a second."""
+
+    def __init__(self, backend: str) -> None:
+        run_dir = os.environ.get("MOE_EVAL_RUN_DIR")
+        self.path = Path(run_dir) / STATS_DIR / f"{os.getpid()}.json" if run_dir else None
+        self.data = {"backend": backend, "pid": os.getpid(), "calls": 0, "tokens": 0}
+        self.last_flush = 0.0
+
+    def count(self, tokens: int) -> None:
+        self.data["calls"] += 1
+        self.data["tokens"] += tokens
+        now = time.monotonic()
+        if self.path is not None and now - self.last_flush >= STATS_INTERVAL_SECONDS:
+            self.last_flush = now
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.data))
+            os.replace(tmp, self.path)
+
+
+_STATS: dict[str, KernelStats] = {}
+_LOGGED_SHAPES: set[tuple] = set()
+
+
+def _bundled_method_class() -> type:
+    import torch
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    from moe_eval.kernels.oracle import (
+        MoeBackend,
+        convert_to_kernel_format,
+        detect_hardware,
+        make_moe_kernel,
+        select_moe_backend,
+    )
+
+    class BundledUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
+        """vLLM's unquantized MoE method with the experts computed by a moe-eval kernel."""
+
+        def __init__(self, moe: Any) -> None:
+            # Skip UnquantizedFusedMoEMethod.__init__: it runs vLLM's own backend selection, which
+            # would log a choice that never serves and confuse the harness's log check.
+            FusedMoEMethodBase.__init__(self, moe)
+            # OOT: vLLM builds no kernel of its own and leaves the weights in checkpoint layout.
+            self.unquantized_backend = UnquantizedMoeBackend.OOT
+            self.experts_cls = None
+            self.supports_pre_processed_weights = True
+            requested = MoeBackend(os.environ[BACKEND_ENV])
+            self.layout = _layout_from_moe_config(moe)
+            # Raises MoeBackendUnavailable with the oracle's reason: the server start fails.
+            self.choice = select_moe_backend(detect_hardware(), self.layout, requested)
+            self.kernel = make_moe_kernel(self.choice.backend)
+            self.weights = None
+            self.stats = _STATS.setdefault(self.choice.backend.value, KernelStats(self.choice.backend.value))
+
+        @property
+        def is_monolithic(self) -> bool:
+            return False  # routing happens in vLLM's router; apply() gets topk ids and weights
+
+        def process_weights_after_loading(self, layer: Any) -> None:
+            super().process_weights_after_loading(layer)  # pads if needed, then returns early for OOT
+            self.weights = convert_to_kernel_format(self.choice.backend, layer.w13_weight.data,
+                                                    layer.w2_weight.data)
+            # Keep one copy: the converted tensors replace the checkpoint-layout ones.
+            layer.w13_weight.data = self.weights.w13_eFD
+            layer.w2_weight.data = self.weights.w2_eDF
+            self._log_choice(layer)
+
+        def _log_choice(self, layer: Any) -> None:
+            e, f2, d = layer.w13_weight.shape
+            shapes = (e, f2 // 2, d, self.moe.num_experts, self.moe.experts_per_token)
+            if shapes in _LOGGED_SHAPES:
+                return
+            _LOGGED_SHAPES.add(shapes)
+            line = {"backend": self.choice.backend.value, "reason": self.choice.reason,
+                    "rejected": [[b.value, why] for b, why in self.choice.rejected],
+                    "layout": self.layout.describe(), "pid": os.getpid(),
+                    "layer": {"local_experts": e, "F": f2 // 2, "D": d, "global_experts": self.moe.num_experts,
+                              "top_k": self.moe.experts_per_token, "dtype": str(layer.w13_weight.dtype),
+                              "expert_map": getattr(layer, "expert_map", None) is not None}}
+            # print, not logging: vLLM's logging config may drop a foreign logger's INFO lines.
+            print(LOG_PREFIX + json.dumps(line), flush=True)
+
+        def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  shared_experts: Any, shared_experts_input: Any) -> torch.Tensor:
+            if layer.activation != MoEActivation.SILU:
+                raise NotImplementedError(f"moe-eval bundled kernels implement SiLU-and-mul only; "
+                                          f"layer activation is {layer.activation}")
+            self.stats.count(x.shape[0])
+            return self.kernel(x, self.weights, topk_weights, topk_ids, getattr(layer, "expert_map", None),
+                               bool(layer.apply_router_weight_on_input))
+
+    return BundledUnquantizedFusedMoEMethod

@@ -1,0 +1,178 @@
+"""Tile configs of the Triton fused MoE: tuned JSON per (local experts, F, D, device), else a default.
+
+A tuned file is `tuned_configs/E=<e>,F=<F>,D=<D>,device=<GPU name, spaces as _>.json`, written by
+`benchmarks/tune_fused_moe.py`. E in the name is the number of experts this rank holds (the
+shape the kernel sees): Qwen3-30B-A3B at EP2 is `E=64`. A call with T tokens takes the entry
+whose M is nearest to T on a log scale (the grid is geometric, 1 ... 16384), logged once per file;
+with no file the default heuristic is used, with a warning once per shape.
+
+Usage: `cfg = get_tile_config(num_tokens=T, num_experts=e, F=F, D=D, top_k=K, device_name=name)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+TUNED_DIR = Path(__file__).parent / "tuned_configs"
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """One GEMM's tiling. BLOCK_M is shared by both GEMMs (it is the alignment's block size)."""
+
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @classmethod
+    def from_json(cls, data: dict) -> GemmTile:
+        _check_keys(data, {f for f in cls.__dataclass_fields__}, "GemmTile")
+        return cls(**{k: int(v) for k, v in data.items()})
+
+
+@dataclass(frozen=True)
+class MoeTileConfig:
+    block_m: int
+    gemm1: GemmTile
+    gemm2: GemmTile
+
+    def to_json(self) -> dict:
+        return {"block_m": self.block_m, "gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> MoeTileConfig:
+        _check_keys(data, {"block_m", "gemm1", "gemm2"}, "MoeTileConfig")
+        return cls(
+            block_m=int(data["block_m"]),
+            gemm1=GemmTile.from_json(data["gemm1"]),
+            gemm2=GemmTile.from_json(data["gemm2"]),
+        )
+
+
+def _check_keys(data: dict, allowed: set[str], what: str) -> None:
+    # A key the code ignores is an error (house style): a typo must not silently use a default.
+    unknown = set(data) - allowed
+    if unknown:
+        raise ValueError(f"{what}: unknown keys {sorted(unknown)} (allowed: {sorted(allowed)})")
+
+
+def device_tag(device_name: str) -> str:
+    return device_name.strip().replace(" ", "_")
+
+
+def config_file_name(num_experts: int, F: int, D: int, device_name: str) -> str:
+    return f"E={num_experts},F={F},D={D},device={device_tag(device_name)}.json"
+
+
+def write_tuned_file(path: Path, configs: dict[int, MoeTileConfig], meta: dict) -> None:
+    body = {"meta": meta, "configs": {str(m): configs[m].to_json() for m in sorted(configs)}}
+    path.write_text(json.dumps(body, indent=1, sort_keys=False) + "\n")
+
+
+def read_tuned_file(path: Path) -> dict[int, MoeTileConfig]:
+    body = json.loads(path.read_text())
+    _check_keys(body, {"meta", "configs"}, path.name)
+    configs = {int(m): MoeTileConfig.from_json(c) for m, c in body["configs"].items()}
+    if not configs:
+        raise ValueError(f"{path}: no configs")
+    return configs
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(num_experts: int, F: int, D: int, device_name: str) -> dict[int, MoeTileConfig] | None:
+    path = TUNED_DIR / config_file_name(num_experts, F, D, device_name)
+    if not path.is_file():
+        log.warning(
+            "fused_moe: no tuned tile configs for e=%d F=%d D=%d on %s (%s); using the default heuristic",
+            num_experts, F, D, device_name, path.name,
+        )
+        return None
+    configs = read_tuned_file(path)
+    log.info("fused_moe: tile configs from %s (M = %s)", path.name, sorted(configs))
+    return configs
+
+
+def nearest_m(available: list[int], num_tokens: int) -> int:
+    """Nearest tuned M on a log2 scale; ties go to the smaller M (fewer rows, smaller blocks)."""
+    target = math.log2(max(num_tokens, 1))
+    return min(sorted(available), key=lambda m: abs(math.log2(max(m, 1)) - target))
+
+
+def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeTileConfig:
+    """Heuristic for shapes with no tuned file, by the mean rows per expert.
+
+    Few rows per expert: the layer streams weights, so the smallest MMA-friendly BLOCK_M (16)
+    wastes the least and a long K-step keeps bytes in flight. Many rows: compute-bound, so large
+    tiles with GROUP_M swizzle for L2 reuse.
+    """
+    rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    if rows_per_expert <= 16:
+        tile = GemmTile(block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+        return MoeTileConfig(block_m=16, gemm1=tile, gemm2=tile)
+    if rows_per_expert <= 96:
+        tile = GemmTile(block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4)
+        return MoeTileConfig(block_m=64, gemm1=tile, gemm2=tile)
+    return MoeTileConfig(
+        block_m=128,
+        gemm1=GemmTile(block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3),
+        gemm2=GemmTile(block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    )
+
+
+def get_tile_config(
+    *, num_tokens: int, num_experts: int, F: int, D: int, top_k: int, device_name: str
+) -> MoeTileConfig:
+    tuned = _tuned(num_experts, F, D, device_name)
+    if tuned is None:
+        return default_config(num_tokens, num_experts, top_k)
+    return tuned[nearest_m(list(tuned), num_tokens)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-rank shapes the shipped configs produce: tuned, benchmarked and tested at these.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """One MoE layer as one rank sees it."""
+
+    model: str
+    layout: str  # TP1, TP2, TEP2 (TP2 + expert parallel: the per-rank shape of DEP2 too)
+    num_experts: int  # E, global
+    local_experts: int  # e, on this rank
+    top_k: int
+    D: int
+    F: int  # per rank
+    apply_router_weight_on_input: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.model} {self.layout}"
+
+    @property
+    def tuned_file(self) -> str:
+        return config_file_name(self.local_experts, self.F, self.D, "NVIDIA H200")
+
+
+SHIPPED_SHAPES = (
+    MoeShape("Qwen3-30B-A3B", "TP1", 128, 128, 8, 2048, 768),
+    MoeShape("Qwen3-30B-A3B", "TP2", 128, 128, 8, 2048, 384),
+    MoeShape("Qwen3-30B-A3B", "TEP2", 128, 64, 8, 2048, 768),
+    MoeShape("Mixtral-8x7B", "TP1", 8, 8, 2, 4096, 14336),
+    MoeShape("Mixtral-8x7B", "TP2", 8, 8, 2, 4096, 7168),
+    # Llama-4 routes top-1 and scales the expert's input by the router weight.
+    MoeShape("Llama-4-Scout", "TP1", 16, 16, 1, 5120, 8192, apply_router_weight_on_input=True),
+    MoeShape("Llama-4-Scout", "TP2", 16, 16, 1, 5120, 4096, apply_router_weight_on_input=True),
+)
+
+M_GRID = (1, 16, 64, 256, 1024, 4096, 16384)
