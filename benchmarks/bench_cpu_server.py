@@ -5,7 +5,8 @@ orders (A B B A) so that warm caches and machine drift fall on both, and drives 
 a fixed number of concurrent completion requests of fixed length (ignore_eos). Reports generated
 tokens per second per server and the ratio. Usage:
 
-    python benchmarks/bench_cpu_server.py --concurrency 16 --requests 64 --max-tokens 128 --out docs/cpu-throughput.json
+    python benchmarks/bench_cpu_server.py --concurrency 16 --requests 128 --max-tokens 128 --pairs 2 \
+        --out docs/cpu-throughput.json
 """
 
 from __future__ import annotations
@@ -67,11 +68,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--pairs", type=int, default=1, help="repeat the A B B A block this many times")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model = resolve_model("builtin:tiny-qwen3-moe")
     runs: dict[str, list[float]] = {k: [] for k in KERNELS}
-    order = ["vllm-cpu", "bundled-torch", "bundled-torch", "vllm-cpu"]  # both orders in one run
+    order = ["vllm-cpu", "bundled-torch", "bundled-torch", "vllm-cpu"] * args.pairs  # both orders in one run
     with tempfile.TemporaryDirectory() as tmp:
         for kernel in order:
             result = serve_and_drive(kernel, model, args, Path(tmp))

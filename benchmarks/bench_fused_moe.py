@@ -255,12 +255,12 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     for model in dict.fromkeys(r["model"] for r in rows):
         mrows = [r for r in rows if r["model"] == model]
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        styles = {"triton": "-o", "grouped_mm": "--s", "reference": ":^"}
-        for layout in dict.fromkeys(r["layout"] for r in mrows):
+        styles = {"triton": "-o", "grouped_mm": "--s", "reference": ":^"}  # line style = implementation
+        for color, layout in zip(["C0", "C1", "C2"], dict.fromkeys(r["layout"] for r in mrows)):  # color = layout
             for impl, style in styles.items():
                 pts = sorted((r["M"], r["frac_roofline"]) for r in mrows if r["layout"] == layout and r["impl"] == impl)
                 if pts:
-                    ax.plot(*zip(*pts), style, label=f"{impl} {layout}", alpha=0.85)
+                    ax.plot(*zip(*pts), style, color=color, label=f"{impl} {layout}", alpha=0.85)
         ax.set_xscale("log", base=2)
         ax.set_ylim(0, 1.05)
         ax.set_xlabel("M (tokens)")

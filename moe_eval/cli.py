@@ -145,14 +145,13 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], shard_text: str | N
 @root_option
 @click.option("--shard", "shard_text", default=None, help="Show shard i of n (i/n, 0-based).")
 def list_configs(hw: str, root: str | None, shard_text: str | None) -> None:
-    """Show what `run` would run: config, model, layout, devices needed, backend, gate."""
+    """Show what `run` would run: config, model, layout, devices (GPUs, or CPU ranks) needed, backend, gate."""
     hw = resolve_hw(hw)
     selected, source = select_configs(hw, (), shard_text, root)
     click.echo(f"# {source}")
-    click.echo("config\tmodel\tlayout\tgpus\tmoe_backend\tthreshold\tquestions")
+    click.echo(f"config\tmodel\tlayout\t{'cpu_ranks' if hw == 'cpu' else 'gpus'}\tmoe_backend\tthreshold\tquestions")
     for c in selected:
-        gpus = c.layout.world_size if hw != "cpu" else 0
-        click.echo(f"{c.path.parent.name}/{c.path.name}\t{c.model_name}\t{c.layout.describe()}\t{gpus}\t"
+        click.echo(f"{c.path.parent.name}/{c.path.name}\t{c.model_name}\t{c.layout.describe()}\t{c.layout.world_size}\t"
                    f"{c.moe_backend or 'vllm-default'}\t{c.accuracy_threshold}\t{c.num_questions}")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -124,6 +125,33 @@ def allowlisted_env(env: dict[str, str]) -> dict[str, str]:
             if k.startswith(ENV_ALLOWLIST_PREFIXES) and not any(s in k for s in ENV_DENY_SUBSTRINGS)}
 
 
+_ERROR_LINE = re.compile(r"\b\w*(Error|Exception|Unavailable)\b: .+")
+
+
+def log_errors(path: Path, limit: int = 3) -> list[str]:
+    """The first distinct exception lines of a log: the cause, which the tail often buries under
+    the shutdown noise of the other processes."""
+    found: list[str] = []
+    try:
+        with path.open(errors="replace") as fh:
+            for line in fh:
+                match = _ERROR_LINE.search(line)
+                if match and match.group(0) not in found:
+                    found.append(match.group(0).strip())
+                    if len(found) == limit:
+                        break
+    except FileNotFoundError:
+        pass
+    return found
+
+
+def describe_log(path: Path) -> str:
+    errors = log_errors(path)
+    cause = "".join(f"\n  {line}" for line in errors)
+    head = f"errors in {path}:{cause}\n" if errors else ""
+    return f"{head}last lines of {path}:\n{log_tail(path)}"
+
+
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         with path.open(errors="replace") as fh:
@@ -175,7 +203,7 @@ class VllmServer:
             if now > deadline:
                 raise InfraError(
                     f"vLLM server not ready after {self.spec.startup_max_wait_seconds:g} s "
-                    f"(startup_max_wait_seconds); last lines of {self.spec.log_path}:\n{log_tail(self.spec.log_path)}")
+                    f"(startup_max_wait_seconds); {describe_log(self.spec.log_path)}")
             if now > next_note:
                 self.progress(f"  server starting… {now - started:.0f} s")
                 next_note = now + 30
@@ -203,8 +231,7 @@ class VllmServer:
     def check_alive(self, when: str) -> None:
         if self.proc is not None and self.proc.poll() is not None:
             raise InfraError(
-                f"vLLM server exited with code {self.proc.returncode} {when}; last lines of "
-                f"{self.spec.log_path}:\n{log_tail(self.spec.log_path)}")
+                f"vLLM server exited with code {self.proc.returncode} {when}; {describe_log(self.spec.log_path)}")
 
     # --- stop ---
     def stop(self) -> None:

@@ -5,8 +5,9 @@ The launcher in `fused_moe.py` calls these in order; read that file first.
 Stages (a "slot" is one (token, k) pair, numbered t * K + k):
   1. alignment: sort the slots by local expert into blocks of BLOCK_M rows, each block owned by
      one expert, the tail of each expert's last block padded with the sentinel `num_slots`.
-     `_align_single_kernel` does it in one program (small T*K, one launch); the
-     count -> scan -> scatter trio does it with one program per chunk of slots (large T*K).
+     Histogram of experts, scan, then each slot takes its position with an atomic increment of
+     its expert's cursor. `_align_single_kernel` does it all in one program (small T*K, one
+     launch); count -> scan -> scatter does it with one program per chunk of slots (large T*K).
   2. `_gemm1_silu_kernel`: h = silu(x W_gate^T) * (x W_up^T) for the gathered rows of one block,
      gate and up tiles computed by the same program so the SiLU-and-mul is the epilogue and the
      [T*K, 2F] product never reaches memory. h rows are indexed by sorted position, so GEMM2
@@ -37,49 +38,40 @@ import triton.language as tl
 
 
 @triton.jit
-def _local_expert(
+def _expert_bins(
     topk_ids_ptr,  # (T*K,) int32 global expert ids
     expert_map_ptr,  # (E,) int32 global -> local slot, -1 = not on this rank
     offs,
     num_slots,
     HAS_EXPERT_MAP: tl.constexpr,
+    NBINS: tl.constexpr,  # next power of two > e: bin NBINS - 1 (>= e) collects the slots not computed here
 ):
-    """Local expert of each slot in `offs`, -1 for slots past the end or held on another rank."""
+    """Local expert of each slot in `offs`; NBINS - 1 for slots past the end or held on another rank.
+
+    tl.histogram counts every lane, masked or not, so the slots to ignore need a bin of their own.
+    """
     in_range = offs < num_slots
-    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1)
+    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=0)
     if HAS_EXPERT_MAP:
         ids = tl.load(expert_map_ptr + ids, mask=in_range, other=-1)
-    return tl.where(in_range, ids, -1)
+    return tl.where(in_range & (ids >= 0), ids, NBINS - 1)
 
 
 @triton.jit
-def _write_block_experts(
-    expert_ids_ptr,  # (max_blocks,) int32 out
-    ends,  # (E_PAD,) inclusive cumsum of padded counts
-    total,
-    max_blocks,
-    BLOCK_M: tl.constexpr,
-    BLOCKS_TILE: tl.constexpr,
-):
-    """expert_ids[b] = owner of block b, or -1 for blocks past the padded total.
-
-    The owner of position p is the number of experts whose padded range ends at or before p:
-    experts with no slot have an empty range and are skipped by that count.
-    """
-    for b0 in range(0, max_blocks, BLOCKS_TILE):
-        blocks = b0 + tl.arange(0, BLOCKS_TILE)
-        pos = blocks * BLOCK_M
-        owner = tl.sum((ends[None, :] <= pos[:, None]).to(tl.int32), axis=1)
-        owner = tl.where(pos < total, owner, -1)
-        tl.store(expert_ids_ptr + blocks, owner, mask=blocks < max_blocks)
+def _padded_layout(counts, num_experts, BLOCK_M: tl.constexpr, NBINS: tl.constexpr):
+    """Per expert: its slots, first and one-past-last padded position; and the padded total."""
+    counts = tl.where(tl.arange(0, NBINS) < num_experts, counts, 0)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    return counts, ends - padded, ends, tl.sum(padded, axis=0)
 
 
 @triton.jit
 def _write_padding(
     sorted_ids_ptr,  # (P,) int32 out
-    starts,  # (E_PAD,) first padded position of each expert
-    counts,  # (E_PAD,) slots of each expert
-    ends,  # (E_PAD,) one past the last padded position of each expert
+    starts,  # (NBINS,) first padded position of each expert
+    counts,  # (NBINS,) slots of each expert
+    ends,  # (NBINS,) one past the last padded position of each expert
     num_slots,
     BLOCK_M: tl.constexpr,
 ):
@@ -96,127 +88,104 @@ def _align_single_kernel(
     sorted_ids_ptr,  # (P,) int32 out: slot index, or num_slots for padding
     expert_ids_ptr,  # (max_blocks,) int32 out: local expert of each block, -1 past the end
     num_post_pad_ptr,  # (1,) int32 out: padded slot count (a multiple of BLOCK_M)
+    cursor_ptr,  # (NBINS,) int32 scratch: next free position of each expert
     num_slots,
+    num_experts,
     max_blocks,
     HAS_EXPERT_MAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    E_PAD: tl.constexpr,  # next power of two >= e
-    CHUNK: tl.constexpr,  # slots per step; CHUNK * E_PAD one-hot elements live at once
-    BLOCKS_TILE: tl.constexpr,
+    NBINS: tl.constexpr,
+    SLOTS: tl.constexpr,  # next power of two >= num_slots: every slot in registers at once
+    NB_BLOCKS: tl.constexpr,  # next power of two > max_blocks
 ):
-    """Whole alignment in one program: count, scan, write block owners and padding, scatter."""
-    experts = tl.arange(0, E_PAD)
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for start in range(0, num_slots, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        local = _local_expert(topk_ids_ptr, expert_map_ptr, offs, num_slots, HAS_EXPERT_MAP)
-        onehot = (local[:, None] == experts[None, :]).to(tl.int32)
-        counts += tl.sum(onehot, axis=0)
+    """The whole alignment in one program (one launch for small T*K): histogram, scan, scatter.
 
-    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    total = tl.sum(padded, axis=0)
+    A slot's position is taken with an atomic increment of its expert's cursor, so the order of
+    slots inside an expert is not fixed; each output row is computed from its own slot only, so
+    the results do not depend on it.
+    """
+    offs = tl.arange(0, SLOTS)
+    bins = _expert_bins(topk_ids_ptr, expert_map_ptr, offs, num_slots, HAS_EXPERT_MAP, NBINS)
+    counts, starts, ends, total = _padded_layout(tl.histogram(bins, NBINS), num_experts, BLOCK_M, NBINS)
     tl.store(num_post_pad_ptr, total)
-    _write_block_experts(expert_ids_ptr, ends, total, max_blocks, BLOCK_M, BLOCKS_TILE)
+    tl.store(cursor_ptr + tl.arange(0, NBINS), starts)
     _write_padding(sorted_ids_ptr, starts, counts, ends, num_slots, BLOCK_M)
-
-    # Second pass: a slot's position is its expert's start, plus the slots of that expert in
-    # earlier chunks (`cursor`), plus its rank among that expert's slots in this chunk.
-    cursor = starts
-    for start in range(0, num_slots, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        local = _local_expert(topk_ids_ptr, expert_map_ptr, offs, num_slots, HAS_EXPERT_MAP)
-        onehot = (local[:, None] == experts[None, :]).to(tl.int32)
-        rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
-        base = tl.sum(onehot * cursor[None, :], axis=1)
-        tl.store(sorted_ids_ptr + base + rank, offs, mask=local >= 0)
-        cursor += tl.sum(onehot, axis=0)
+    # Owner of block b = experts whose padded range ends at or before b * BLOCK_M (empty experts
+    # end where the previous one does): a histogram of the end blocks, summed up to b.
+    owner = tl.cumsum(tl.histogram(ends // BLOCK_M, NB_BLOCKS), axis=0)
+    blocks = tl.arange(0, NB_BLOCKS)
+    tl.store(expert_ids_ptr + blocks, tl.where(blocks * BLOCK_M < total, owner, -1), mask=blocks < max_blocks)
+    tl.debug_barrier()  # the cursors stored above are what the atomics below read
+    valid = bins < num_experts
+    pos = tl.atomic_add(cursor_ptr + bins, 1, mask=valid)
+    tl.store(sorted_ids_ptr + pos, offs, mask=valid)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
 def _align_count_kernel(
     topk_ids_ptr,  # (T*K,) int32 global expert ids
-    expert_map_ptr,  # (E,) int32, or a dummy when HAS_EXPERT_MAP is False
-    chunk_counts_ptr,  # (num_chunks, E_PAD) int32 out: slots of each expert in each chunk
-    rank_ptr,  # (T*K,) int32 out: rank of a slot among its expert's slots in its chunk
+    expert_map_ptr,  # (E,) int32, or a dummy
+    counts_ptr,  # (NBINS,) int32, zeroed: slots of each expert (atomically summed over programs)
     num_slots,
     HAS_EXPERT_MAP: tl.constexpr,
-    E_PAD: tl.constexpr,
+    NBINS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    experts = tl.arange(0, E_PAD)
-    offs = pid * CHUNK + tl.arange(0, CHUNK)
-    local = _local_expert(topk_ids_ptr, expert_map_ptr, offs, num_slots, HAS_EXPERT_MAP)
-    onehot = (local[:, None] == experts[None, :]).to(tl.int32)
-    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
-    tl.store(rank_ptr + offs, rank, mask=offs < num_slots)
-    tl.store(chunk_counts_ptr + pid * E_PAD + experts, tl.sum(onehot, axis=0))
-
-
-@triton.jit(do_not_specialize=["num_chunks", "num_slots", "max_blocks"])
-def _align_scan_kernel(
-    chunk_counts_ptr,  # (num_chunks, E_PAD) int32 in: counts; out: first position of each (chunk, expert)
-    sorted_ids_ptr,  # (P,) int32 out: padding sentinels only (the scatter writes the slots)
-    expert_ids_ptr,  # (max_blocks,) int32 out
-    num_post_pad_ptr,  # (1,) int32 out
-    num_chunks,
-    num_slots,
-    max_blocks,
-    BLOCK_M: tl.constexpr,
-    E_PAD: tl.constexpr,
-    ROWS: tl.constexpr,  # chunk rows per step
-    BLOCKS_TILE: tl.constexpr,
-):
-    experts = tl.arange(0, E_PAD)
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for r0 in range(0, num_chunks, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        tile = tl.load(
-            chunk_counts_ptr + rows[:, None] * E_PAD + experts[None, :], mask=rows[:, None] < num_chunks, other=0
-        )
-        counts += tl.sum(tile, axis=0)
-
-    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    total = tl.sum(padded, axis=0)
-    tl.store(num_post_pad_ptr, total)
-    _write_block_experts(expert_ids_ptr, ends, total, max_blocks, BLOCK_M, BLOCKS_TILE)
-    _write_padding(sorted_ids_ptr, starts, counts, ends, num_slots, BLOCK_M)
-
-    # Exclusive scan over chunks, per expert, turned into absolute positions in place.
-    cursor = starts
-    for r0 in range(0, num_chunks, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        ptrs = chunk_counts_ptr + rows[:, None] * E_PAD + experts[None, :]
-        row_ok = rows[:, None] < num_chunks
-        tile = tl.load(ptrs, mask=row_ok, other=0)
-        first = tl.cumsum(tile, axis=0) - tile + cursor[None, :]
-        tl.store(ptrs, first, mask=row_ok)
-        cursor += tl.sum(tile, axis=0)
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    hist = tl.histogram(_expert_bins(topk_ids_ptr, expert_map_ptr, offs, num_slots, HAS_EXPERT_MAP, NBINS), NBINS)
+    tl.atomic_add(counts_ptr + tl.arange(0, NBINS), hist, mask=hist > 0)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
+def _align_scan_kernel(
+    counts_ptr,  # (NBINS,) int32 slots of each expert
+    cursor_ptr,  # (NBINS,) int32 out: first padded position of each expert (the scatter's cursors)
+    ends_ptr,  # (NBINS,) int32 out: one past the last padded position of each expert
+    sorted_ids_ptr,  # (P,) int32 out: padding sentinels only
+    num_post_pad_ptr,  # (1,) int32 out
+    num_slots,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    NBINS: tl.constexpr,
+):
+    bins = tl.arange(0, NBINS)
+    counts, starts, ends, total = _padded_layout(tl.load(counts_ptr + bins), num_experts, BLOCK_M, NBINS)
+    tl.store(num_post_pad_ptr, total)
+    tl.store(cursor_ptr + bins, starts)
+    tl.store(ends_ptr + bins, ends)
+    _write_padding(sorted_ids_ptr, starts, counts, ends, num_slots, BLOCK_M)
+
+
+@triton.jit(do_not_specialize=["num_slots", "max_blocks"])
 def _align_scatter_kernel(
     topk_ids_ptr,  # (T*K,) int32 global expert ids
     expert_map_ptr,  # (E,) int32, or a dummy
-    chunk_first_ptr,  # (num_chunks, E_PAD) int32: first position of each (chunk, expert)
-    rank_ptr,  # (T*K,) int32
+    cursor_ptr,  # (NBINS,) int32: next free position of each expert
+    ends_ptr,  # (NBINS,) int32
+    num_post_pad_ptr,  # (1,) int32
     sorted_ids_ptr,  # (P,) int32 out
+    expert_ids_ptr,  # (max_blocks,) int32 out
     num_slots,
+    num_experts,
+    max_blocks,
     HAS_EXPERT_MAP: tl.constexpr,
-    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    NBINS: tl.constexpr,
     CHUNK: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,  # power of two; programs * this >= max_blocks
 ):
     pid = tl.program_id(0)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
-    local = _local_expert(topk_ids_ptr, expert_map_ptr, offs, num_slots, HAS_EXPERT_MAP)
-    valid = local >= 0
-    rank = tl.load(rank_ptr + offs, mask=valid, other=0)
-    base = tl.load(chunk_first_ptr + pid * E_PAD + local, mask=valid, other=0)
-    tl.store(sorted_ids_ptr + base + rank, offs, mask=valid)
+    bins = _expert_bins(topk_ids_ptr, expert_map_ptr, offs, num_slots, HAS_EXPERT_MAP, NBINS)
+    valid = bins < num_experts
+    pos = tl.atomic_add(cursor_ptr + bins, 1, mask=valid)  # order inside an expert: see the single kernel
+    tl.store(sorted_ids_ptr + pos, offs, mask=valid)
+    # This program's share of the block owners: experts whose range ends at or before the block.
+    blocks = pid * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
+    ends = tl.load(ends_ptr + tl.arange(0, NBINS))
+    owner = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+    total = tl.load(num_post_pad_ptr)
+    tl.store(expert_ids_ptr + blocks, tl.where(blocks * BLOCK_M < total, owner, -1), mask=blocks < max_blocks)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,9 +28,9 @@ from moe_eval.kernels.tile_configs import GemmTile, MoeTileConfig, get_tile_conf
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Above this many slots (T*K) the alignment runs as three launches (count per chunk, scan, scatter)
-# instead of one program that walks all slots twice. TODO(measure): set from the alignment timings
-# of benchmarks/bench_fused_moe.py on the H200.
-SINGLE_PROGRAM_MAX_SLOTS = 1024
+# instead of one program holding every slot in registers. TODO(measure): place from the alignment
+# timings of benchmarks/bench_fused_moe.py on the H200.
+SINGLE_PROGRAM_MAX_SLOTS = 4096
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,35 +125,33 @@ def moe_align_block_size(
 
     has_map = expert_map_E is not None
     map_arg = expert_map_E if has_map else topk_ids_TK  # any int32 pointer; never read
-    e_pad = max(16, _next_pow2(num_local_experts))
-    # One-hot tiles are [CHUNK, e_pad] int32: keep them near 8K elements (32 KiB of registers
-    # for the program) whatever the expert count.
-    blocks_tile = max(16, 8192 // e_pad)
+    nbins = _next_pow2(num_local_experts + 1)  # + 1: the bin of slots not computed on this rank
     if num_slots <= SINGLE_PROGRAM_MAX_SLOTS:
-        chunk = max(16, min(_next_pow2(num_slots), 8192 // e_pad))
+        cursor = torch.empty(nbins, dtype=torch.int32, device=device)
         kernels._align_single_kernel[(1,)](
-            topk_ids_TK, map_arg, sorted_ids_P, expert_ids_B, num_post_pad_1,
-            num_slots, max_blocks,
-            HAS_EXPERT_MAP=has_map, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, BLOCKS_TILE=blocks_tile,
-            num_warps=8,
+            topk_ids_TK, map_arg, sorted_ids_P, expert_ids_B, num_post_pad_1, cursor,
+            num_slots, num_local_experts, max_blocks,
+            HAS_EXPERT_MAP=has_map, BLOCK_M=block_m, NBINS=nbins, SLOTS=max(16, _next_pow2(num_slots)),
+            NB_BLOCKS=_next_pow2(max_blocks + 1), num_warps=8,
         )  # fmt: skip
         return align
 
-    chunk = max(16, min(1024, 16384 // e_pad))
+    chunk = 1024
     num_chunks = triton.cdiv(num_slots, chunk)
-    chunk_counts_CE = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=device)
-    rank_S = torch.empty(num_slots, dtype=torch.int32, device=device)
+    counts_cursor_ends = torch.zeros(3, nbins, dtype=torch.int32, device=device)
+    counts, cursor, ends = counts_cursor_ends.unbind(0)
     kernels._align_count_kernel[(num_chunks,)](
-        topk_ids_TK, map_arg, chunk_counts_CE, rank_S, num_slots,
-        HAS_EXPERT_MAP=has_map, E_PAD=e_pad, CHUNK=chunk, num_warps=8,
+        topk_ids_TK, map_arg, counts, num_slots, HAS_EXPERT_MAP=has_map, NBINS=nbins, CHUNK=chunk, num_warps=4,
     )  # fmt: skip
     kernels._align_scan_kernel[(1,)](
-        chunk_counts_CE, sorted_ids_P, expert_ids_B, num_post_pad_1, num_chunks, num_slots, max_blocks,
-        BLOCK_M=block_m, E_PAD=e_pad, ROWS=max(1, 4096 // e_pad), BLOCKS_TILE=blocks_tile, num_warps=8,
+        counts, cursor, ends, sorted_ids_P, num_post_pad_1, num_slots, num_local_experts,
+        BLOCK_M=block_m, NBINS=nbins, num_warps=4,
     )  # fmt: skip
     kernels._align_scatter_kernel[(num_chunks,)](
-        topk_ids_TK, map_arg, chunk_counts_CE, rank_S, sorted_ids_P, num_slots,
-        HAS_EXPERT_MAP=has_map, E_PAD=e_pad, CHUNK=chunk, num_warps=8,
+        topk_ids_TK, map_arg, cursor, ends, num_post_pad_1, sorted_ids_P, expert_ids_B,
+        num_slots, num_local_experts, max_blocks,
+        HAS_EXPERT_MAP=has_map, BLOCK_M=block_m, NBINS=nbins, CHUNK=chunk,
+        BLOCKS_PER_PROGRAM=max(16, _next_pow2(triton.cdiv(max_blocks, num_chunks))), num_warps=4,
     )  # fmt: skip
     return align
 

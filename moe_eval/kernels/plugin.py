@@ -83,20 +83,63 @@ _STATS: dict[str, KernelStats] = {}
 _LOGGED_SHAPES: set[tuple] = set()
 
 
+class BundledExperts:
+    """The vLLM-free half of the method: choose, convert once, log, count, compute.
+
+    `layer` is anything with vLLM's RoutedExperts attributes (w13_weight, w2_weight, expert_map,
+    apply_router_weight_on_input, activation), so the GPU tests drive it with the tensors vLLM
+    passes, on a machine without vLLM.
+    """
+
+    def __init__(self, requested: str, layout: Any, hardware: Any = None) -> None:
+        from moe_eval.kernels.oracle import MoeBackend, detect_hardware, make_moe_kernel, select_moe_backend
+
+        self.layout = layout
+        # Raises MoeBackendUnavailable with the oracle's reason: the server start fails, no fallback.
+        self.choice = select_moe_backend(hardware or detect_hardware(), layout, MoeBackend(requested))
+        self.kernel = make_moe_kernel(self.choice.backend)
+        self.weights = None
+        self.stats = _STATS.setdefault(self.choice.backend.value, KernelStats(self.choice.backend.value))
+
+    def process_weights(self, layer: Any, global_experts: int, top_k: int) -> None:
+        from moe_eval.kernels.oracle import convert_to_kernel_format
+
+        self.weights = convert_to_kernel_format(self.choice.backend, layer.w13_weight.data, layer.w2_weight.data)
+        # Keep one copy: the converted tensors replace the checkpoint-layout ones.
+        layer.w13_weight.data = self.weights.w13_eFD
+        layer.w2_weight.data = self.weights.w2_eDF
+        self._log_choice(layer, global_experts, top_k)
+
+    def _log_choice(self, layer: Any, global_experts: int, top_k: int) -> None:
+        e, f2, d = layer.w13_weight.shape
+        shapes = (e, f2 // 2, d, global_experts, top_k)
+        if shapes in _LOGGED_SHAPES:
+            return
+        _LOGGED_SHAPES.add(shapes)
+        line = {"backend": self.choice.backend.value, "reason": self.choice.reason,
+                "rejected": [[b.value, why] for b, why in self.choice.rejected],
+                "layout": self.layout.describe(), "pid": os.getpid(),
+                "layer": {"local_experts": e, "F": f2 // 2, "D": d, "global_experts": global_experts,
+                          "top_k": top_k, "dtype": str(layer.w13_weight.dtype),
+                          "expert_map": getattr(layer, "expert_map", None) is not None}}
+        # print, not logging: vLLM's logging config may drop a foreign logger's INFO lines.
+        print(LOG_PREFIX + json.dumps(line), flush=True)
+
+    def apply(self, layer: Any, x: Any, topk_weights: Any, topk_ids: Any) -> Any:
+        activation = getattr(layer.activation, "value", layer.activation)
+        if activation != "silu":
+            raise NotImplementedError(f"moe-eval bundled kernels implement SiLU-and-mul only; "
+                                      f"layer activation is {activation}")
+        self.stats.count(x.shape[0])
+        return self.kernel(x, self.weights, topk_weights, topk_ids, getattr(layer, "expert_map", None),
+                           bool(layer.apply_router_weight_on_input))
+
+
 def _bundled_method_class() -> type:
     import torch
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-
-    from moe_eval.kernels.oracle import (
-        MoeBackend,
-        convert_to_kernel_format,
-        detect_hardware,
-        make_moe_kernel,
-        select_moe_backend,
-    )
 
     class BundledUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         """vLLM's unquantized MoE method with the experts computed by a moe-eval kernel."""
@@ -109,13 +152,7 @@ def _bundled_method_class() -> type:
             self.unquantized_backend = UnquantizedMoeBackend.OOT
             self.experts_cls = None
             self.supports_pre_processed_weights = True
-            requested = MoeBackend(os.environ[BACKEND_ENV])
-            self.layout = _layout_from_moe_config(moe)
-            # Raises MoeBackendUnavailable with the oracle's reason: the server start fails.
-            self.choice = select_moe_backend(detect_hardware(), self.layout, requested)
-            self.kernel = make_moe_kernel(self.choice.backend)
-            self.weights = None
-            self.stats = _STATS.setdefault(self.choice.backend.value, KernelStats(self.choice.backend.value))
+            self.bundled = BundledExperts(os.environ[BACKEND_ENV], _layout_from_moe_config(moe))
 
         @property
         def is_monolithic(self) -> bool:
@@ -123,35 +160,11 @@ def _bundled_method_class() -> type:
 
         def process_weights_after_loading(self, layer: Any) -> None:
             super().process_weights_after_loading(layer)  # pads if needed, then returns early for OOT
-            self.weights = convert_to_kernel_format(self.choice.backend, layer.w13_weight.data,
-                                                    layer.w2_weight.data)
-            # Keep one copy: the converted tensors replace the checkpoint-layout ones.
-            layer.w13_weight.data = self.weights.w13_eFD
-            layer.w2_weight.data = self.weights.w2_eDF
-            self._log_choice(layer)
-
-        def _log_choice(self, layer: Any) -> None:
-            e, f2, d = layer.w13_weight.shape
-            shapes = (e, f2 // 2, d, self.moe.num_experts, self.moe.experts_per_token)
-            if shapes in _LOGGED_SHAPES:
-                return
-            _LOGGED_SHAPES.add(shapes)
-            line = {"backend": self.choice.backend.value, "reason": self.choice.reason,
-                    "rejected": [[b.value, why] for b, why in self.choice.rejected],
-                    "layout": self.layout.describe(), "pid": os.getpid(),
-                    "layer": {"local_experts": e, "F": f2 // 2, "D": d, "global_experts": self.moe.num_experts,
-                              "top_k": self.moe.experts_per_token, "dtype": str(layer.w13_weight.dtype),
-                              "expert_map": getattr(layer, "expert_map", None) is not None}}
-            # print, not logging: vLLM's logging config may drop a foreign logger's INFO lines.
-            print(LOG_PREFIX + json.dumps(line), flush=True)
+            self.bundled.process_weights(layer, self.moe.num_experts, self.moe.experts_per_token)
 
         def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   shared_experts: Any, shared_experts_input: Any) -> torch.Tensor:
-            if layer.activation != MoEActivation.SILU:
-                raise NotImplementedError(f"moe-eval bundled kernels implement SiLU-and-mul only; "
-                                          f"layer activation is {layer.activation}")
-            self.stats.count(x.shape[0])
-            return self.kernel(x, self.weights, topk_weights, topk_ids, getattr(layer, "expert_map", None),
-                               bool(layer.apply_router_weight_on_input))
+            # Shared experts are run by vLLM's MoE runner around this call; apply() owns the routed ones.
+            return self.bundled.apply(layer, x, topk_weights, topk_ids)
 
     return BundledUnquantizedFusedMoEMethod

@@ -50,3 +50,16 @@ def test_vllm_backend_line_is_parsed():
            "['CPU'].\n(Worker pid=2) INFO Using CPU Unquantized MoE backend out of potential backends: ['CPU'].\n")
     assert vllm_moe_backends(log) == ["CPU"]
     assert vllm_moe_backends("nothing here") == []
+
+
+def test_log_errors_surface_the_cause_before_the_shutdown_noise(tmp_path):
+    from moe_eval.launch import describe_log
+
+    log = tmp_path / "server.log"
+    log.write_text("INFO starting\n(Worker pid=3) moe_eval.kernels.oracle.MoeBackendUnavailable: requested MoE "
+                   "backend 'triton' cannot run: Triton kernels need a CUDA GPU\n"
+                   + "".join(f"INFO shutdown noise {i}\n" for i in range(100))
+                   + "RuntimeError: Engine core initialization failed.\n")
+    text = describe_log(log)
+    assert text.index("MoeBackendUnavailable: requested MoE backend 'triton'") < text.index("last lines")
+    assert "RuntimeError: Engine core initialization failed." in text.split("last lines")[0]

@@ -84,3 +84,17 @@ def test_requested_backend_missing_from_server_is_exit_3(tmp_path, gsm8k_dir):
     record = json.loads(next((tmp_path / "out").rglob("results.json")).read_text())
     assert record["status"] == "error" and "samples" not in record  # stopped before the evaluation
     assert not processes_with_env("MOE_EVAL_RUN_DIR", str(tmp_path / "out"))
+
+
+def test_backend_that_cannot_run_here_fails_the_server_start_with_the_oracles_reason(tmp_path, gsm8k_dir):
+    # No fallback: a config that asks for the Triton kernel on a CPU server must not be served by torch.
+    path = tmp_path / "configs" / "cpu" / "Tiny-BF16-triton.yaml"
+    path.parent.mkdir(parents=True)
+    path.write_text('model_name: "builtin:tiny-qwen3-moe"\naccuracy_threshold: 0.0\nnum_questions: 2\n'
+                    'num_fewshot: 5\nmoe_backend: triton\nserver_args: "--enforce-eager --max-model-len 4096"\n')
+    args = ["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out"), str(path)]
+    result = run_cli(args + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []))
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "before it was ready" in result.stderr
+    assert "requested MoE backend 'triton' cannot run: Triton kernels need a CUDA GPU" in result.stderr
+    assert not processes_with_env("MOE_EVAL_RUN_DIR", str(tmp_path / "out"))
