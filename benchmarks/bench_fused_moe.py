@@ -5,6 +5,7 @@ Peers, interleaved replay by replay so they share the card's thermal and power s
   grouped_mm  moe_eval.kernels.torch_moe.grouped_mm_moe (sort, grouped GEMM, SiLU-and-mul,
               grouped GEMM, unpermute, sum), CUDA graph
   reference   moe_eval.kernels.fused_moe.fused_moe_ref (fp32; it syncs the host, so it runs eagerly)
+  torch_moe_eager  moe_eval.kernels.torch_moe.torch_moe (the CPU path; syncs the host: eager, M <= 1024)
 Each graph holds one call per rotated input set (different tokens and routing, so the experts a
 call hits were not the previous call's), replayed back to back after a warm-up; the time of a call
 is a replay's time over the calls in it; the median of the replays is reported.
@@ -33,7 +34,7 @@ import torch
 from moe_eval.kernels.fused_moe import fused_moe, fused_moe_ref
 from moe_eval.kernels.testing import MoeCase, shape_case
 from moe_eval.kernels.tile_configs import M_GRID, SHIPPED_SHAPES, MoeShape
-from moe_eval.kernels.torch_moe import grouped_mm_moe
+from moe_eval.kernels.torch_moe import grouped_mm_moe, torch_moe
 
 
 def log(msg: str) -> None:
@@ -181,6 +182,8 @@ def bench_shape(shape: MoeShape, Ms: list[int], ceilings: dict[str, float], repl
             torch.cuda.synchronize()
             ref_times.append((time.perf_counter() - t0) * 1e6)
         samples["reference"] = ref_times
+        if M <= 1024:  # torch_moe syncs the host once per call (bincount().tolist()): eager too
+            samples["torch_moe_eager"] = _eager_us(torch_moe, cases, reps=5)
         roof_us = max(counts["flops"] / (ceilings["matmul_tflops"] * 1e12), counts["bytes"] / (ceilings["copy_gbps"] * 1e9)) * 1e6
         for impl, us in samples.items():
             med = statistics.median(us)
@@ -213,6 +216,8 @@ def bench_alignment(shape: MoeShape, Ms: list[int], replays: int) -> list[dict]:
             for block_m in (16, 64):
                 times = {}
                 for path, limit in (("single", 1 << 40), ("three-launch", 0)):
+                    if path == "single" and M * shape.top_k > 8192:
+                        continue  # every slot in one program's registers: not meant for this size
                     module.SINGLE_PROGRAM_MAX_SLOTS = limit
                     calls = [
                         lambda c=c: module.moe_align_block_size(c.topk_ids_TK, block_m, shape.local_experts, c.expert_map_E)
@@ -224,6 +229,19 @@ def bench_alignment(shape: MoeShape, Ms: list[int], replays: int) -> list[dict]:
     finally:
         module.SINGLE_PROGRAM_MAX_SLOTS = saved
     return rows
+
+
+def _eager_us(fn: Callable, cases: list[MoeCase], reps: int) -> list[float]:
+    fn(*cases[0].args(), **cases[0].kwargs())
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        case = cases[i % len(cases)]
+        t0 = time.perf_counter()
+        fn(*case.args(), **case.kwargs())
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return times
 
 
 # --- report --------------------------------------------------------------------------------------
@@ -255,7 +273,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     for model in dict.fromkeys(r["model"] for r in rows):
         mrows = [r for r in rows if r["model"] == model]
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        styles = {"triton": "-o", "grouped_mm": "--s", "reference": ":^"}  # line style = implementation
+        styles = {"triton": "-o", "grouped_mm": "--s", "reference": ":^", "torch_moe_eager": "-.x"}  # style = impl
         for color, layout in zip(["C0", "C1", "C2"], dict.fromkeys(r["layout"] for r in mrows)):  # color = layout
             for impl, style in styles.items():
                 pts = sorted((r["M"], r["frac_roofline"]) for r in mrows if r["layout"] == layout and r["impl"] == impl)

@@ -9,7 +9,7 @@ Every candidate is compiled first by parallel worker processes into Triton's dis
 hundred variants compiled one after another would spend minutes of GPU time on the CPU.
 
 Usage: PYTHONPATH=. python benchmarks/tune_fused_moe.py [--out-dir moe_eval/kernels/tuned_configs]
-       [--shapes "Qwen3-30B-A3B TP1" ...] [--m 1 16 ...] [--workers 16]
+       [--shapes "Qwen3-30B-A3B TP1" ...] [--m 1 16 ...] [--workers 16] [--merge]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import concurrent.futures
 import datetime
 import itertools
+import json
 import multiprocessing
 import sys
 import time
@@ -36,15 +37,16 @@ from moe_eval.kernels.tile_configs import (
     MoeShape,
     MoeTileConfig,
     config_file_name,
+    read_tuned_file,
     write_tuned_file,
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_fused_moe import log, median_us, rotated_sets  # noqa: E402
 
-# Hopper allows 227 KiB of shared memory per block; Triton keeps num_stages - 1 tiles in flight
-# (seen in the sm_90 TTGIR: shared = (stages - 1) * stage bytes) plus epilogue scratch.
-SMEM_LIMIT = 200 * 1024
+# Hopper allows 227 KiB (232448 bytes) of shared memory per block, and Triton 3.6 allocates
+# num_stages tiles (seen on the H200: "Required: 245760" for 3 stages of 80 KiB).
+SMEM_LIMIT = 232448
 
 
 def rows_per_expert(shape: MoeShape, M: int) -> float:
@@ -67,24 +69,27 @@ def block_m_candidates(rows: float) -> list[int]:
 def gemm_candidates(kind: int, block_m: int) -> list[GemmTile]:
     """GEMM1 computes gate and up tiles (two B tiles per stage); GEMM2 one."""
     n_b = 2 if kind == 1 else 1
-    if block_m <= 32:
+    grids = []
+    if block_m <= 64:
         # Weight streaming: long K steps and deep pipelines keep bytes in flight; narrow N tiles
-        # give enough programs when few experts are hit.
+        # give enough programs when few experts are hit. BLOCK_M = 64 is in both spaces: with
+        # 64 rows per expert the layer is still bandwidth-bound (H200 run 2: Mixtral M=256 GEMM1
+        # streamed 3.6 TB/s with the compute tiles against 4.3 TB/s at M=64).
         if kind == 1:
-            grid = itertools.product([16, 32, 64, 128], [128, 256], [4], [3, 4, 5])
+            grids.append(itertools.product([16, 32, 64, 128], [128, 256], [4], [3, 4, 5]))
         else:
-            grid = itertools.product([32, 64, 128], [64, 128, 256], [4], [3, 4])
-    else:
+            grids.append(itertools.product([32, 64, 128], [64, 128, 256], [4], [3, 4]))
+    if block_m >= 64:
         # Compute-bound: wgmma-sized tiles, GROUP_M swizzle for weight reuse in L2.
         if kind == 1:
-            grid = itertools.product([64, 128], [64, 128], [4, 8], [3, 4])
+            grids.append(itertools.product([64, 128], [64, 128], [4, 8], [3, 4]))
         else:
-            grid = itertools.product([64, 128, 256], [64, 128], [4, 8], [3, 4])
+            grids.append(itertools.product([64, 128, 256], [64, 128], [4, 8], [3, 4]))
     tiles = []
-    for bn, bk, warps, stages in grid:
-        stage_bytes = (block_m * bk + n_b * bk * bn) * 2
-        if (stages - 1) * stage_bytes <= SMEM_LIMIT:
-            tiles.append(GemmTile(block_n=bn, block_k=bk, group_m=8, num_warps=warps, num_stages=stages))
+    for bn, bk, warps, stages in itertools.chain(*grids):
+        tile = GemmTile(block_n=bn, block_k=bk, group_m=8, num_warps=warps, num_stages=stages)
+        if stages * (block_m * bk + n_b * bk * bn) * 2 <= SMEM_LIMIT and tile not in tiles:
+            tiles.append(tile)
     return tiles
 
 
@@ -226,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="*", help='names like "Qwen3-30B-A3B TP1" (default: all shipped)')
     parser.add_argument("--m", nargs="*", type=int, default=list(M_GRID))
     parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--merge", action="store_true", help="keep the entries of an existing file for M not tuned now")
     args = parser.parse_args(argv)
     import triton
 
@@ -246,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
             "timings_us": timings,
         }  # fmt: skip
         path = args.out_dir / config_file_name(shape.local_experts, shape.F, shape.D, device)
+        if args.merge and path.is_file():
+            old = json.loads(path.read_text())
+            configs = {**read_tuned_file(path), **configs}
+            meta["timings_us"] = {**old["meta"].get("timings_us", {}), **timings}
+            meta["command"] = f"{old['meta'].get('command')}; then {meta['command']}"
         write_tuned_file(path, configs, meta)
         log(f"wrote {path} ({time.perf_counter() - t0:.0f} s)")
     return 0

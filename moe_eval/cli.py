@@ -84,9 +84,17 @@ def cli() -> None:
 @click.option("--port", type=click.IntRange(1, 65535), default=None, help="Server port (default: a free one).")
 @click.option("--limit", type=click.IntRange(1, 1319), default=None,
               help="Evaluate at most this many questions per config (overrides num_questions; recorded).")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write JUnit XML here (one testcase per config, named after its file stem).")
+@click.option("--baseline", "baseline_path", type=click.Path(exists=True), default=None,
+              help="A run folder (or results.json) of the same model and questions: adds the paired gate.")
 def run(hw: str, root: str | None, configs: tuple[str, ...], shard_text: str | None, gsm8k_dir: str | None,
-        output_dir: str, port: int | None, limit: int | None) -> None:
+        output_dir: str, port: int | None, limit: int | None, junit_path: str | None,
+        baseline_path: str | None) -> None:
     """Serve each selected config with vLLM, run GSM8K through lm-eval, gate, report."""
+    import os
+
+    from moe_eval.checks import find_baseline
     from moe_eval.gsm8k import gsm8k_data
     from moe_eval.hardware import gpu_names
     from moe_eval.report import markdown, print_table
@@ -100,9 +108,10 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], shard_text: str | N
 
         selected = [dataclasses.replace(c, num_questions=min(limit, c.num_questions)) for c in selected]
     data = gsm8k_data(gsm8k_dir)
-    gpus = len(gpu_names())
+    gpu_list = gpu_names()
     for config in selected:
-        preflight(config, hw, gpus)
+        preflight(config, hw, len(gpu_list))
+    baselines = {c.path: find_baseline(Path(baseline_path).resolve(), c) for c in selected} if baseline_path else {}
     run_root = Path(output_dir).resolve() / time.strftime("%Y%m%d-%H%M%S")
     suffix = 1
     while run_root.exists():
@@ -112,7 +121,7 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], shard_text: str | N
     atomic_write_text(run_root / "command.txt", " ".join(sys.argv) + "\n")
     progress(f"{len(selected)} config(s) from {source} on {hw}; results in {run_root}")
 
-    options = RunOptions(hw=hw, run_root=run_root, data=data, port=port, progress=progress)
+    options = RunOptions(hw=hw, run_root=run_root, data=data, port=port, progress=progress, baselines=baselines)
     outcomes = []
     try:
         for i, config in enumerate(selected, start=1):
@@ -121,17 +130,27 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], shard_text: str | N
             outcomes.append(outcome)
             if outcome.error:
                 progress(f"  ERROR: {outcome.error}")
-            else:
-                progress(f"  {outcome.gate.describe()}")
+            for check in outcome.checks:
+                progress(f"  {check.name}: {check.detail}")
     finally:
         summary = {"hw": hw, "source": source, "run_root": str(run_root),
                    "configs": [{"config": str(o.config.path), "status": o.status, "run_dir": str(o.run_dir),
                                 "error": o.error, "gate": o.gate.as_dict() if o.gate else None,
+                                "checks": [c.as_dict() for c in o.checks],
                                 "moe_backend_used": o.moe_backend_used} for o in outcomes],
                    "complete": len(outcomes) == len(selected)}
         atomic_write_json(run_root / "summary.json", summary)
         if outcomes:
-            atomic_write_text(run_root / "summary.md", markdown(outcomes))
+            table = markdown(outcomes)
+            atomic_write_text(run_root / "summary.md", table)
+            if junit_path:
+                from moe_eval.junit import write_junit
+
+                write_junit(Path(junit_path), outcomes, hw, gpu_list)
+            step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
+            if step_summary:  # GitHub Actions renders this file on the job's page
+                with open(step_summary, "a") as fh:
+                    fh.write(f"## moe-eval GSM8K ({hw})\n\n{table}\n")
     print_table(outcomes, rich_output=sys.stdout.isatty())
     progress(f"results: {run_root}")
     if any(o.status == "error" for o in outcomes):
@@ -169,6 +188,21 @@ def validate(root: str | None) -> None:
         click.echo(f"{len(problems)} problem(s) in {checked} file(s)", err=True)
         sys.exit(ExitCode.CONFIG)
     click.echo(f"ok: {checked} file(s) valid")
+
+
+@cli.command()
+@click.argument("results", nargs=-1, required=True, type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(("auto", "markdown", "rich")), default="auto", show_default=True,
+              help="auto: rich on a terminal, Markdown (ready to paste into a pull request) otherwise.")
+def compare(results: tuple[str, ...], fmt: str) -> None:
+    """Side-by-side accuracy of run folders or results.json files, one table per model."""
+    from moe_eval import compare as cmp
+
+    groups = cmp.group_runs([Path(r) for r in results])
+    if fmt == "rich" or (fmt == "auto" and sys.stdout.isatty()):
+        cmp.print_rich(groups)
+    else:
+        click.echo(cmp.markdown(groups), nl=False)
 
 
 class _Terminated(Exception):

@@ -83,6 +83,13 @@ CONFIG_KEYS: dict[str, KeySpec] = {
     # --- moe-eval keys ---
     "moe_backend": KeySpec((str,), None, _one_of(MOE_BACKENDS), "bundled MoE kernel the server must use"),
     "max_retries": KeySpec((int,), 3, _non_negative, "retries of a failed request before the run is an infra error"),
+    "stderr_gate_k": KeySpec(NUMBER, None, _non_negative, "also require accuracy >= threshold - k * stderr"),
+    "paired_alpha": KeySpec(NUMBER, 0.05, _between(1e-9, 0.5), "paired gate: fail when McNemar p(worse) < this"),
+    "max_empty_rate": KeySpec(NUMBER, None, _between(0.0, 1.0), "fail when more answers than this are empty"),
+    "max_truncated_rate": KeySpec(NUMBER, None, _between(0.0, 1.0),
+                                  "fail when more answers than this hit max_tokens"),
+    "max_invalid_rate": KeySpec(NUMBER, None, _between(0.0, 1.0),
+                                "fail when more answers than this hold no number at all"),
 }
 
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", dict: "a mapping"}
@@ -107,6 +114,11 @@ class EvalConfig:
     request_timeout_seconds: float = 600
     moe_backend: str | None = None
     max_retries: int = 3
+    stderr_gate_k: float | None = None
+    paired_alpha: float = 0.05
+    max_empty_rate: float | None = None
+    max_truncated_rate: float | None = None
+    max_invalid_rate: float | None = None
 
     @property
     def name(self) -> str:

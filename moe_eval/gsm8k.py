@@ -86,7 +86,6 @@ class Gsm8kOutcome:
     scores: dict[str, dict[str, float]]  # filter -> {"accuracy", "stderr"}
     num_questions: int
     samples: list[dict[str, Any]]
-    empty_answers: int  # replies with no text: lm-eval scores them wrong without a word
     lm_eval_config: dict[str, Any]
 
 
@@ -140,18 +139,11 @@ def _outcome(results: dict, task: str, model_args: dict, gen_kwargs: dict) -> Gs
                         "stderr": _float_or_nan(metrics.get(f"exact_match_stderr,{name}"))}
     samples = results.get("samples", {}).get(task, [])
     # lm-eval logs one sample per (question, filter); a question is one doc_id.
-    first_per_doc = {s["doc_id"]: s for s in reversed(samples)}
-    empty = sum(1 for s in first_per_doc.values() if not _first_response(s).strip())
-    return Gsm8kOutcome(scores=scores, num_questions=len(first_per_doc), samples=samples, empty_answers=empty,
+    questions = {s["doc_id"] for s in samples}
+    return Gsm8kOutcome(scores=scores, num_questions=len(questions), samples=samples,
                         lm_eval_config={"model_args": {k: v for k, v in model_args.items()},
                                         "gen_kwargs": gen_kwargs, "task": task,
                                         "n_samples": results.get("n-samples", {}).get(task)})
-
-
-def _first_response(sample: dict) -> str:
-    resps = sample.get("resps") or [[""]]
-    first = resps[0]
-    return first[0] if isinstance(first, list) and first else str(first)
 
 
 def _float_or_nan(value: Any) -> float:

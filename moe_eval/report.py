@@ -17,6 +17,12 @@ def _fmt(value: float | None, digits: int = 4) -> str:
     return f"{value:.{digits}f}"
 
 
+def _verdict(o: ConfigOutcome) -> str:
+    if o.status == "passed":
+        return "PASS"
+    return "FAIL (" + ", ".join(c.name for c in o.failed_checks) + ")"
+
+
 def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
     table = []
     for o in outcomes:
@@ -34,7 +40,7 @@ def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
                 name if i == 0 else "", cfg.layout.describe() if i == 0 else "", backend if i == 0 else "",
                 filt, str(cfg.num_fewshot), "exact_match", _fmt(score["accuracy"]), "±", _fmt(score["stderr"]),
                 _fmt(o.gate.floor) if gated and o.gate else "", f"{sigma:+.1f}" if sigma is not None else "",
-                ("PASS" if o.gate.passed else "FAIL") if gated and o.gate else "",
+                _verdict(o) if gated else "",
             ])
     return table
 
@@ -56,6 +62,6 @@ def print_table(outcomes: list[ConfigOutcome], rich_output: bool) -> None:
     for col in COLUMNS:
         table.add_column(col, justify="right" if col in ("Value", "Stderr", "Floor", "Margin (stderr)") else "left")
     for row in rows(outcomes):
-        style = {"PASS": "green", "FAIL": "red", "ERROR": "yellow"}.get(row[-1])
+        style = {"P": "green", "F": "red", "E": "yellow"}.get(row[-1][:1])
         table.add_row(*row, style=style)
     Console().print(table)

@@ -1,8 +1,10 @@
-"""Run one config end to end: resolve the model, serve it, evaluate GSM8K, gate, write results.
+"""Run one config end to end: resolve the model, serve it, evaluate GSM8K, check, write results.
 
-Stages per config: preflight (layout fits the hardware) -> server up -> lm-eval -> server
-down -> gate -> results.json + samples.jsonl in the config's run folder. A failure at any
-stage still leaves a results.json saying what happened and the server log beside it.
+Stages per config: preflight (layout fits the hardware, baseline found) -> server up -> MoE
+kernel verified from the server's log -> lm-eval -> answer lengths counted on the server ->
+server down -> checks (accuracy gate, garbage, paired gate) -> results.json + samples.jsonl in
+the config's run folder. A failure at any stage still leaves a results.json saying what
+happened and the server log beside it.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import requests
+
 from moe_eval import launch
+from moe_eval.checks import Baseline, Check, answer_stats, first_response, garbage_checks, paired_check, per_question
 from moe_eval.config import EvalConfig
-from moe_eval.errors import ConfigError, InfraError, MoeEvalError
+from moe_eval.errors import ConfigError, MoeEvalError
 from moe_eval.gate import GateResult
 from moe_eval.gsm8k import Gsm8kData, run_gsm8k
 from moe_eval.hardware import gpu_names
@@ -30,9 +35,8 @@ from moe_eval.server_log import (
     vllm_moe_backends,
 )
 
-STATS_INTERVAL_SECONDS = 0.5  # moe_eval.kernels.plugin.STATS_INTERVAL_SECONDS (no torch import here)
-
 Progress = Callable[[str], None]
+STATS_INTERVAL_SECONDS = 0.5  # moe_eval.kernels.plugin.STATS_INTERVAL_SECONDS (no torch import here)
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class RunOptions:
     data: Gsm8kData
     port: int | None = None
     progress: Progress = field(default=lambda _: None)
+    baselines: dict[Path, Baseline] = field(default_factory=dict)  # config path -> its paired baseline
 
 
 @dataclass
@@ -50,10 +55,15 @@ class ConfigOutcome:
     run_dir: Path
     status: str = "error"  # passed | failed | error
     gate: GateResult | None = None
+    checks: list[Check] = field(default_factory=list)
     scores: dict[str, dict[str, float]] | None = None
     moe_backend_used: str | None = None
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def failed_checks(self) -> list[Check]:
+        return [c for c in self.checks if not c.passed]
 
 
 def config_run_dir(run_root: Path, config: EvalConfig) -> Path:
@@ -75,6 +85,20 @@ def preflight(config: EvalConfig, hw: str, gpus: int) -> None:
                           f"{layout.world_size} GPUs; this machine has {gpus}")
 
 
+def count_answer_tokens(base_url: str, model: str, samples: list[dict]) -> dict[int, int] | None:
+    """Token count of each answer, by the server's own tokenizer (/tokenize); None if it cannot say."""
+    counts = {}
+    try:
+        for qid, sample in per_question(samples, "strict-match").items():
+            reply = requests.post(f"{base_url}/tokenize", timeout=60, json={
+                "model": model, "prompt": first_response(sample), "add_special_tokens": False})
+            reply.raise_for_status()
+            counts[qid] = int(reply.json()["count"])
+    except (requests.RequestException, KeyError, ValueError):
+        return None
+    return counts
+
+
 def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
     run_dir = config_run_dir(options.run_root, config)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -82,55 +106,17 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
     record: dict[str, Any] = _base_record(config, options)
     log_path = run_dir / "server.log"
     started = time.monotonic()
+    raise_after: BaseException | None = None
     try:
-        model = resolve_model(config.model_name)
-        record["model_path"] = model
-        port = options.port or launch.free_port()
-        spec = launch.ServerSpec(model=model, server_args=config.server_argv, log_path=log_path, port=port,
-                                 seed=config.seed, env_overrides=config.env,
-                                 startup_max_wait_seconds=config.startup_max_wait_seconds)
-        env = launch.server_environment(dict(os.environ), config.env, on_cpu=options.hw == "cpu",
-                                        world_size=config.layout.world_size, run_dir=run_dir,
-                                        moe_backend=config.moe_backend)
-        record["server"] = {"argv": spec.argv, "port": port, "env": launch.allowlisted_env(env),
-                            "log": str(log_path)}
-        options.progress(f"  starting vLLM ({config.layout.describe()}) on port {port}; log: {log_path}")
-        with launch.VllmServer(spec, env, progress=options.progress) as server:
-            outcome.timings["startup_seconds"] = server.startup_seconds or 0.0
-            # Checked before the evaluation: answers from the wrong kernel would prove nothing.
-            outcome.moe_backend_used = verify_moe_backend(config.moe_backend, config.name, read_log(log_path))
-            options.progress(f"  MoE kernel serving: {outcome.moe_backend_used}")
-            options.progress(f"  server ready in {server.startup_seconds:.1f} s; "
-                             f"GSM8K {config.num_questions} questions, {config.num_fewshot}-shot")
-            eval_started = time.monotonic()
-            try:
-                result = run_gsm8k(config, server.base_url, model, options.data, run_dir)
-            except InfraError:
-                server.check_alive("during the evaluation")  # a dead server explains the failure better
-                raise
-            server.check_alive("during the evaluation")
-            outcome.timings["eval_seconds"] = time.monotonic() - eval_started
-            if config.moe_backend is not None:
-                time.sleep(2 * STATS_INTERVAL_SECONDS)  # let the plugin's counters flush
-        write_samples(run_dir / "samples.jsonl", result.samples)
-        strict = result.scores["strict-match"]
-        outcome.scores = result.scores
-        outcome.gate = GateResult(accuracy=strict["accuracy"], stderr=strict["stderr"],
-                                  threshold=config.accuracy_threshold, tolerance=config.tolerance)
-        outcome.status = "passed" if outcome.gate.passed else "failed"
-        record.update({"scores": result.scores, "num_questions_evaluated": result.num_questions,
-                       "empty_answers": result.empty_answers, "gate": outcome.gate.as_dict(),
-                       "lm_eval": result.lm_eval_config, "samples": "samples.jsonl"})
+        _serve_and_evaluate(config, options, run_dir, log_path, outcome, record)
     except MoeEvalError as exc:
         outcome.error = str(exc)
         record["error"] = {"type": type(exc).__name__, "exit_code": int(exc.exit_code), "message": str(exc)}
-        raise_after = exc
-    except BaseException as exc:  # Ctrl-C, SIGTERM: still write what we know, then propagate
+        raise_after = exc if isinstance(exc, ConfigError) else None
+    except BaseException as exc:  # Ctrl-C, SIGTERM, a bug: still write what we know, then propagate
         outcome.error = f"interrupted: {type(exc).__name__}"
         record["error"] = {"type": type(exc).__name__, "message": outcome.error}
         raise_after = exc
-    else:
-        raise_after = None
     finally:
         log_text = read_log(log_path)
         outcome.timings["total_seconds"] = time.monotonic() - started
@@ -138,13 +124,63 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
                        "vllm_moe_backends_logged": vllm_moe_backends(log_text),
                        "bundled_kernel_logged": bundled_kernel_lines(log_text),
                        "bundled_kernel_calls": kernel_call_counts(run_dir),
-                       "timings": outcome.timings, "status": outcome.status})
+                       "checks": [c.as_dict() for c in outcome.checks],
+                       "timings": outcome.timings, "status": outcome.status,
+                       "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         atomic_write_json(run_dir / "results.json", record)
-    if raise_after is not None and not isinstance(raise_after, MoeEvalError):
-        raise raise_after
-    if isinstance(raise_after, ConfigError):
+    if raise_after is not None:
         raise raise_after
     return outcome
+
+
+def _serve_and_evaluate(config: EvalConfig, options: RunOptions, run_dir: Path, log_path: Path,
+                        outcome: ConfigOutcome, record: dict[str, Any]) -> None:
+    model = resolve_model(config.model_name)
+    record["model_path"] = model
+    port = options.port or launch.free_port()
+    spec = launch.ServerSpec(model=model, server_args=config.server_argv, log_path=log_path, port=port,
+                             seed=config.seed, env_overrides=config.env,
+                             startup_max_wait_seconds=config.startup_max_wait_seconds)
+    env = launch.server_environment(dict(os.environ), config.env, on_cpu=options.hw == "cpu",
+                                    world_size=config.layout.world_size, run_dir=run_dir,
+                                    moe_backend=config.moe_backend)
+    record["server"] = {"argv": spec.argv, "port": port, "env": launch.allowlisted_env(env), "log": str(log_path)}
+    options.progress(f"  starting vLLM ({config.layout.describe()}) on port {port}; log: {log_path}")
+    with launch.VllmServer(spec, env, progress=options.progress) as server:
+        outcome.timings["startup_seconds"] = server.startup_seconds or 0.0
+        # Checked before the evaluation: answers from the wrong kernel would prove nothing.
+        outcome.moe_backend_used = verify_moe_backend(config.moe_backend, config.name, read_log(log_path))
+        options.progress(f"  server ready in {server.startup_seconds:.1f} s; MoE kernel: {outcome.moe_backend_used}; "
+                         f"GSM8K {config.num_questions} questions, {config.num_fewshot}-shot")
+        eval_started = time.monotonic()
+        try:
+            result = run_gsm8k(config, server.base_url, model, options.data, run_dir)
+        except MoeEvalError:
+            server.check_alive("during the evaluation")  # a dead server explains the failure better
+            raise
+        server.check_alive("during the evaluation")
+        outcome.timings["eval_seconds"] = time.monotonic() - eval_started
+        token_counts = count_answer_tokens(server.base_url, model, result.samples)
+        if config.moe_backend is not None:
+            time.sleep(2 * STATS_INTERVAL_SECONDS)  # let the plugin's call counters flush
+    write_samples(run_dir / "samples.jsonl", result.samples)
+    strict = result.scores["strict-match"]
+    outcome.scores = result.scores
+    outcome.gate = GateResult(accuracy=strict["accuracy"], stderr=strict["stderr"],
+                              threshold=config.accuracy_threshold, tolerance=config.tolerance,
+                              stderr_k=config.stderr_gate_k)
+    stats = answer_stats(result.samples, token_counts, config.max_tokens)
+    outcome.checks = [Check("accuracy_gate", outcome.gate.passed, outcome.gate.describe()),
+                      *garbage_checks(config, stats)]
+    baseline = options.baselines.get(config.path)
+    if baseline is not None:
+        check, paired = paired_check(baseline, result.samples, config.paired_alpha)
+        outcome.checks.append(check)
+        record["paired"] = paired.as_dict() | {"baseline": str(baseline.results_path)}
+    outcome.status = "passed" if not outcome.failed_checks else "failed"
+    record.update({"scores": result.scores, "num_questions_evaluated": result.num_questions,
+                   "answers": stats, "gate": outcome.gate.as_dict(), "lm_eval": result.lm_eval_config,
+                   "samples": "samples.jsonl"})
 
 
 def _base_record(config: EvalConfig, options: RunOptions) -> dict[str, Any]:

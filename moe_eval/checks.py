@@ -1,0 +1,123 @@
+"""Checks beyond the accuracy gate, computed from lm-eval's per-question samples.
+
+- Garbage: empty answers, answers that ran to max_tokens, answers with no number at all. A
+  broken kernel often produces these while a lenient accuracy gate still passes.
+- Paired: per-question flips against a baseline run of the same model and questions, with an
+  exact McNemar test (moe_eval.stats).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moe_eval.config import EvalConfig
+from moe_eval.errors import ConfigError
+from moe_eval.stats import PairedResult, paired_compare
+
+INVALID = "[invalid]"  # what lm-eval's regex filters leave when they find nothing
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    passed: bool
+    detail: str
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "passed": self.passed, "detail": self.detail}
+
+
+def first_response(sample: dict) -> str:
+    resps = sample.get("resps") or [[""]]
+    first = resps[0]
+    return first[0] if isinstance(first, list) and first else str(first)
+
+
+def _filtered(sample: dict) -> str:
+    filtered = sample.get("filtered_resps") or [""]
+    return filtered[0] if isinstance(filtered, list) else str(filtered)
+
+
+def per_question(samples: list[dict], filter_name: str) -> dict[int, dict]:
+    return {s["doc_id"]: s for s in samples if s.get("filter") == filter_name}
+
+
+def correctness(samples: list[dict], filter_name: str = "strict-match") -> dict[int, bool]:
+    return {qid: bool(s.get("exact_match")) for qid, s in per_question(samples, filter_name).items()}
+
+
+def answer_stats(samples: list[dict], token_counts: dict[int, int] | None, max_tokens: int) -> dict[str, Any]:
+    strict = per_question(samples, "strict-match")
+    flexible = per_question(samples, "flexible-extract")
+    n = len(strict)
+    empty = sum(1 for s in strict.values() if not first_response(s).strip())
+    invalid = sum(1 for qid in strict if qid in flexible and _filtered(flexible[qid]) == INVALID)
+    no_strict = sum(1 for s in strict.values() if _filtered(s) == INVALID)
+    truncated = None if token_counts is None else sum(1 for c in token_counts.values() if c >= max_tokens)
+    return {"questions": n, "empty": empty, "invalid": invalid, "no_strict_answer": no_strict,
+            "truncated": truncated, "max_tokens": max_tokens}
+
+
+def garbage_checks(config: EvalConfig, stats: dict[str, Any]) -> list[Check]:
+    n = max(stats["questions"], 1)
+    checks = []
+    for key, count_key, what in (("max_empty_rate", "empty", "empty answers"),
+                                 ("max_truncated_rate", "truncated", "answers cut at max_tokens"),
+                                 ("max_invalid_rate", "invalid", "answers with no number")):
+        limit = getattr(config, key)
+        if limit is None:
+            continue
+        count = stats[count_key]
+        if count is None:
+            checks.append(Check(key, False, f"{what}: could not be counted (token counts unavailable)"))
+            continue
+        rate = count / n
+        checks.append(Check(key, rate <= limit, f"{what}: {count}/{n} = {rate:.3f} (limit {limit:g})"))
+    return checks
+
+
+@dataclass(frozen=True)
+class Baseline:
+    results_path: Path
+    correctness: dict[int, bool]
+
+
+def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
+    """The results.json under baseline_root for the same model, question count and few-shot count;
+    the same config name wins a tie. Refused (ConfigError) when there is none or it is ambiguous."""
+    candidates = []
+    paths = [baseline_root] if baseline_root.is_file() else sorted(baseline_root.rglob("results.json"))
+    for path in paths:
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        cfg = record.get("config", {})
+        if (record.get("status") in ("passed", "failed") and cfg.get("model_name") == config.model_name
+                and record.get("num_questions_evaluated") == config.num_questions
+                and cfg.get("num_fewshot") == config.num_fewshot):
+            candidates.append((record.get("config_name") == config.name, path))
+    if not candidates:
+        raise ConfigError(f"--baseline: value '{baseline_root}' holds no finished result for model "
+                          f"{config.model_name} with {config.num_questions} questions, {config.num_fewshot}-shot "
+                          f"(needed by {config.path})")
+    same_name = [p for same, p in candidates if same]
+    pool = same_name or [p for _, p in candidates]
+    if len(pool) > 1:
+        raise ConfigError(f"--baseline: value '{baseline_root}' holds {len(pool)} results that fit {config.path}: "
+                          f"{', '.join(map(str, pool[:4]))}; point --baseline at one run folder or results.json")
+    path = pool[0]
+    samples_path = path.parent / "samples.jsonl"
+    try:
+        samples = [json.loads(line) for line in samples_path.read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--baseline: {samples_path}: cannot read per-question samples ({exc})") from None
+    return Baseline(path, correctness(samples))
+
+
+def paired_check(baseline: Baseline, samples: list[dict], alpha: float) -> tuple[Check, PairedResult]:
+    result = paired_compare(baseline.correctness, correctness(samples), alpha)
+    return Check("paired_gate", result.passed, result.describe() + f" [baseline {baseline.results_path}]"), result

@@ -1,0 +1,140 @@
+"""`moe-eval compare`: side-by-side accuracy of several runs, one table per model.
+
+Columns are the runs (MoE kernel and layout, e.g. Triton TP vs FlashInfer CUTLASS TEP), cells
+are accuracy ± stderr for both filters, and a last row gives the per-question flips against the
+first column with the exact McNemar p-value. Runs that did not answer the same questions with
+the same few-shot count are refused, not compared. Usage:
+
+    moe-eval compare moe-eval-results/20261129-120000 moe-eval-results/20261129-130000
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_eval.checks import correctness
+from moe_eval.errors import ConfigError
+from moe_eval.gsm8k import FILTERS
+from moe_eval.stats import paired_compare
+
+
+@dataclass(frozen=True)
+class RunResult:
+    path: Path
+    model: str
+    label: str
+    num_fewshot: int
+    questions: frozenset[int]
+    scores: dict[str, dict[str, float]]
+    verdict: str
+    correct: dict[int, bool]
+
+
+def _result_files(inputs: list[Path]) -> list[Path]:
+    files = []
+    for item in inputs:
+        if item.is_file():
+            files.append(item)
+        elif item.is_dir():
+            found = sorted(item.rglob("results.json"))
+            if not found:
+                raise ConfigError(f"compare: '{item}' holds no results.json")
+            files.extend(found)
+        else:
+            raise ConfigError(f"compare: '{item}' does not exist")
+    return files
+
+
+def load_run(path: Path) -> RunResult | None:
+    """None for a config that errored (nothing to compare); ConfigError for an unreadable file."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"compare: {path}: not a moe-eval results.json ({exc})") from None
+    if record.get("status") not in ("passed", "failed"):
+        return None
+    samples_path = path.parent / record.get("samples", "samples.jsonl")
+    try:
+        samples = [json.loads(line) for line in samples_path.read_text().splitlines() if line.strip()]
+    except OSError as exc:
+        raise ConfigError(f"compare: {samples_path}: per-question samples missing ({exc})") from None
+    backend = record.get("moe_backend_used") or record.get("moe_backend_requested") or "vllm"
+    correct = correctness(samples)
+    return RunResult(path=path, model=record["config"]["model_name"],
+                     label=f"{backend} {record['layout']['describe']}", num_fewshot=record["config"]["num_fewshot"],
+                     questions=frozenset(correct), scores=record["scores"], verdict=record["status"].upper(),
+                     correct=correct)
+
+
+def group_runs(inputs: list[Path]) -> dict[str, list[RunResult]]:
+    runs = [r for r in (load_run(p) for p in _result_files(inputs)) if r is not None]
+    groups: dict[str, list[RunResult]] = defaultdict(list)
+    for run in runs:
+        groups[run.model].append(run)
+    if not groups:
+        raise ConfigError("compare: no finished results among the inputs (errored configs have no scores)")
+    for model, members in groups.items():
+        if len(members) < 2:
+            raise ConfigError(f"compare: model {model} has one result ({members[0].path}); nothing to compare it "
+                              "with (results of different models are never compared)")
+        first = members[0]
+        for other in members[1:]:
+            if other.num_fewshot != first.num_fewshot:
+                raise ConfigError(f"compare: {model}: few-shot counts differ ({first.num_fewshot} in {first.path}, "
+                                  f"{other.num_fewshot} in {other.path})")
+            if other.questions != first.questions:
+                raise ConfigError(f"compare: {model}: question sets differ ({len(first.questions)} questions in "
+                                  f"{first.path}, {len(other.questions)} in {other.path}, "
+                                  f"{len(first.questions ^ other.questions)} not in both)")
+        labels = [m.label for m in members]
+        if len(set(labels)) < len(labels):  # same kernel and layout twice: tell the runs apart
+            groups[model] = [RunResult(**{**m.__dict__, "label": f"{m.label} [{m.path.parents[2].name}]"})
+                             for m in members]
+    return dict(groups)
+
+
+def _cell(score: dict[str, float]) -> str:
+    stderr = score.get("stderr")
+    return f"{score['accuracy']:.4f} ± {stderr:.4f}" if stderr is not None else f"{score['accuracy']:.4f}"
+
+
+def table_rows(members: list[RunResult]) -> tuple[list[str], list[list[str]]]:
+    header = ["Filter", "n-shot", "Metric", *[m.label for m in members]]
+    rows = [[f, str(members[0].num_fewshot), "exact_match", *[_cell(m.scores[f]) for m in members]] for f in FILTERS]
+    flips = ["flips vs first", "", "strict-match", "-"]
+    for m in members[1:]:
+        p = paired_compare(members[0].correct, m.correct, alpha=0.05)
+        flips.append(f"{p.baseline_only} right->wrong, {p.new_only} wrong->right (McNemar p={p.p_two_sided:.3g})")
+    rows.append(flips)
+    rows.append(["verdict", "", "", *[m.verdict for m in members]])
+    return header, rows
+
+
+def markdown(groups: dict[str, list[RunResult]]) -> str:
+    out = []
+    for model, members in groups.items():
+        header, rows = table_rows(members)
+        out.append(f"### {model}: GSM8K, {len(members[0].questions)} questions, {members[0].num_fewshot}-shot\n")
+        out.append("|" + "|".join(header) + "|")
+        out.append("|" + "|".join("---" for _ in header) + "|")
+        out += ["|" + "|".join(r) + "|" for r in rows]
+        out.append("")
+    return "\n".join(out)
+
+
+def print_rich(groups: dict[str, list[RunResult]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    for model, members in groups.items():
+        header, rows = table_rows(members)
+        table = Table(title=f"{model}: GSM8K, {len(members[0].questions)} questions, {members[0].num_fewshot}-shot")
+        for col in header:
+            table.add_column(col)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
