@@ -109,11 +109,15 @@ def _preference(hw: Hardware) -> tuple[MoeBackend, ...]:
         return (MoeBackend.TRITON, MoeBackend.FLASHINFER_CUTLASS, MoeBackend.TORCH)
     # Hopper (H200), Qwen3-30B-A3B TP1 layer, CUDA-graph medians in us for M = 1, 16, 64, 256,
     # 1024, 4096, 16384:
+    #   bundled Triton (alignment included):  30, 192, 293, 314, 382, 779, 2483
+    #     (docs/perf.md, 2026-11-29, torch 2.11, triton 3.6);
     #   FlashInfer CUTLASS (autotuned, 0.7.0.post1): 44, 190, 291, 313, 386, 757, 2633
-    #     (shared/notes/flashinfer-h200.md, 2026-11-29);
-    #   bundled Triton: see docs/perf.md (TODO(measure): fill from the H200 run).
-    # torch_moe last: it syncs the host once per call (bincount().tolist()) and runs one
-    # matmul pair per expert, so it cannot be captured in a CUDA graph.
+    #     (shared/notes/flashinfer-h200.md, 2026-11-29, another session: not interleaved).
+    # Triton is faster at M = 1, 1024, 16384, within 1% at 16-256 and 3% slower at 4096, and it
+    # needs no 7-minute JIT build of FlashInfer's MoE module; so Triton first.
+    # torch_moe last: eager on the H200 it took 1087 us at M = 1 and 13.4 ms at M = 1024 (36x and
+    # 35x Triton; docs/perf.md): one host sync (bincount().tolist()) and one matmul pair per
+    # expert hit, and no CUDA graph.
     return (MoeBackend.TRITON, MoeBackend.FLASHINFER_CUTLASS, MoeBackend.TORCH)
 
 

@@ -1,0 +1,79 @@
+"""Expert parallelism over 2 ranks (gloo, one process per rank): TEP and DEP around the bundled
+torch kernel and the Triton kernel (interpreter), against the single-rank reference of the full layer.
+
+Tolerances (relative error ||out - ref|| / ||ref||, reference fp32 on the same rounded inputs):
+  torch backend, bf16: 1e-2. bf16 rounding of the intermediate h and of the output (~2^-8 each,
+      relative) dominates; the fp32 combine adds nothing. Measured ~3e-3 on these shapes.
+  Triton backend, fp32 under the interpreter: 1e-5. fp32 products and sums, only the order differs.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from moe_eval.kernels.expert_parallel import expert_map, local_experts
+from moe_eval.kernels.testing import make_case, rel_err
+
+TOLERANCE = {"torch": 1e-2, "triton": 1e-5}
+DTYPE = {"torch": torch.bfloat16, "triton": torch.float32}  # interpreter: no bf16 tl.dot (see conftest)
+WORLD = 2
+CASES = [  # (name, E, K, D, F, tokens per rank, why)
+    ("even", 8, 2, 32, 16, (6, 6), "E divides over the ranks: 4 experts each"),
+    ("uneven", 7, 2, 24, 12, (5, 3), "E = 7: ranks hold 4 and 3 (vLLM's linear placement); DEP ranks hold 5 and 3 tokens"),
+    ("one-token-k1", 6, 1, 16, 8, (1, 0), "K = 1 with an empty rank in DEP"),
+]
+
+
+def test_linear_placement_like_vllm():
+    assert [list(local_experts(7, 2, r)) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6]]
+    assert [len(local_experts(128, 2, r)) for r in range(2)] == [64, 64]
+    assert expert_map(7, 2, 1).tolist() == [-1, -1, -1, -1, 0, 1, 2]
+    with pytest.raises(ValueError, match="cannot be split over 4 ranks"):
+        local_experts(3, 4, 0)
+
+
+def _rank_main(rank: int, backend: str, store: str, out_dir: str) -> None:
+    if backend == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported in this fresh process
+    import torch.distributed as dist
+
+    from moe_eval.kernels.expert_parallel import dep_moe, shard_experts, tep_moe
+
+    if backend == "triton":
+        from moe_eval.kernels.fused_moe import fused_moe as moe
+    else:
+        from moe_eval.kernels.torch_moe import torch_moe as moe
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    results = {}
+    for name, E, K, D, F, per_rank, _ in CASES:
+        full = make_case(sum(per_rank), E, K, D, F, dtype=DTYPE[backend], device="cpu", seed=11)
+        w13, w2, emap = shard_experts(full.w13_eFD, full.w2_eDF, WORLD, rank)
+        tep = tep_moe(moe, full.hidden_TD, w13, w2, full.topk_weights_TK, full.topk_ids_TK, emap)
+        start = sum(per_rank[:rank])
+        rows = slice(start, start + per_rank[rank])
+        dep = dep_moe(moe, full.hidden_TD[rows], w13, w2, full.topk_weights_TK[rows].contiguous(),
+                      full.topk_ids_TK[rows].contiguous(), emap)
+        results[name] = {"tep": tep, "dep": dep, "rows": (rows.start, rows.stop)}
+    dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tep_and_dep_match_the_single_rank_reference(backend, tmp_path):
+    mp.spawn(_rank_main, args=(backend, str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+    per_rank = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(WORLD)]
+    for name, E, K, D, F, tokens, why in CASES:
+        full = make_case(sum(tokens), E, K, D, F, dtype=DTYPE[backend], device="cpu", seed=11)
+        ref = full.reference_fp32()
+        for rank in range(WORLD):
+            tep = per_rank[rank][name]["tep"]
+            assert not tep.isnan().any() and rel_err(tep, ref) < TOLERANCE[backend], (name, "TEP", rank, why)
+        dep = torch.cat([per_rank[r][name]["dep"] for r in range(WORLD)])
+        assert dep.shape == ref.shape, (name, why)
+        assert not dep.isnan().any() and rel_err(dep, ref) < TOLERANCE[backend], (name, "DEP", why)
