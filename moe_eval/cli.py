@@ -86,10 +86,13 @@ def cli() -> None:
               help="Evaluate at most this many questions per config (overrides num_questions; recorded).")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None,
               help="Also write JUnit XML here (one testcase per config, named after its file stem).")
+@click.option("--mutate", "mutation", default=None, metavar="NAME",
+              help="Run the bundled kernel with a deliberate bug (swap_gate_up, ignore_routing_weights, "
+                   "shift_expert_ids, ignore_expert_map) to check that the gate catches it.")
 @click.option("--baseline", "baseline_path", type=click.Path(exists=True), default=None,
               help="A run folder (or results.json) of the same model and questions: adds the paired gate.")
 def run(hw: str, root: str | None, configs: tuple[str, ...], shard_text: str | None, gsm8k_dir: str | None,
-        output_dir: str, port: int | None, limit: int | None, junit_path: str | None,
+        output_dir: str, port: int | None, limit: int | None, junit_path: str | None, mutation: str | None,
         baseline_path: str | None) -> None:
     """Serve each selected config with vLLM, run GSM8K through lm-eval, gate, report."""
     import os
@@ -110,7 +113,7 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], shard_text: str | N
     data = gsm8k_data(gsm8k_dir)
     gpu_list = gpu_names()
     for config in selected:
-        preflight(config, hw, len(gpu_list))
+        preflight(config, hw, len(gpu_list), mutation)
     baselines = {c.path: find_baseline(Path(baseline_path).resolve(), c) for c in selected} if baseline_path else {}
     run_root = Path(output_dir).resolve() / time.strftime("%Y%m%d-%H%M%S")
     suffix = 1
@@ -121,7 +124,8 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], shard_text: str | N
     atomic_write_text(run_root / "command.txt", " ".join(sys.argv) + "\n")
     progress(f"{len(selected)} config(s) from {source} on {hw}; results in {run_root}")
 
-    options = RunOptions(hw=hw, run_root=run_root, data=data, port=port, progress=progress, baselines=baselines)
+    options = RunOptions(hw=hw, run_root=run_root, data=data, port=port, progress=progress, baselines=baselines,
+                         mutation=mutation)
     outcomes = []
     try:
         for i, config in enumerate(selected, start=1):

@@ -21,6 +21,7 @@ from moe_eval.layout import Layout, layout_from_server_args
 
 # Backends a config may ask the server to use; absent means vLLM's own MoE path.
 MOE_BACKENDS = ("triton", "flashinfer_cutlass", "torch")
+TASKS = ("gsm8k", "canary")
 GSM8K_TEST_QUESTIONS = 1319
 REQUIRED = object()
 
@@ -82,6 +83,7 @@ CONFIG_KEYS: dict[str, KeySpec] = {
     "request_timeout_seconds": KeySpec(NUMBER, 600, _positive, "per-request timeout"),
     # --- moe-eval keys ---
     "moe_backend": KeySpec((str,), None, _one_of(MOE_BACKENDS), "bundled MoE kernel the server must use"),
+    "task": KeySpec((str,), "gsm8k", _one_of(TASKS), "gsm8k, or canary (the canary model's generated task)"),
     "max_retries": KeySpec((int,), 3, _non_negative, "retries of a failed request before the run is an infra error"),
     "stderr_gate_k": KeySpec(NUMBER, None, _non_negative, "also require accuracy >= threshold - k * stderr"),
     "paired_alpha": KeySpec(NUMBER, 0.05, _between(1e-9, 0.5), "paired gate: fail when McNemar p(worse) < this"),
@@ -113,6 +115,7 @@ class EvalConfig:
     max_concurrency: int = 16
     request_timeout_seconds: float = 600
     moe_backend: str | None = None
+    task: str = "gsm8k"
     max_retries: int = 3
     stderr_gate_k: float | None = None
     paired_alpha: float = 0.05

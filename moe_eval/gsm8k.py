@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from moe_eval.config import EvalConfig
+from moe_eval.config import GSM8K_TEST_QUESTIONS, EvalConfig
 from moe_eval.errors import ConfigError, InfraError
 
 # sha256 of the original OpenAI release (grade-school-math @ 3101c7d), as lm-eval's hub copy.
@@ -27,25 +27,46 @@ ORIGINAL_SHA256 = {
 }
 HUB_TASK = "gsm8k"
 LOCAL_TASK = "gsm8k_local_files"
+CANARY_TASK = "canary_arith"
 FILTERS = ("strict-match", "flexible-extract")
 
 
 @dataclass(frozen=True)
 class Gsm8kData:
-    """Where the questions come from: the hub (dir None) or a local folder."""
+    """Where the questions come from: the hub (dir None), a local GSM8K folder, or the canary's
+    generated task (same prompt, few-shot layout and filters as gsm8k, other rows)."""
 
     dir: Path | None
+    generated: bool = False
 
     @property
     def task_name(self) -> str:
+        if self.generated:
+            return CANARY_TASK
         return HUB_TASK if self.dir is None else LOCAL_TASK
 
     def describe(self) -> dict[str, Any]:
         if self.dir is None:
             return {"source": "hub", "dataset": "openai/gsm8k (main)"}
         hashes = {name: _sha256(self.dir / name) for name in ORIGINAL_SHA256}
+        if self.generated:
+            return {"source": "generated", "task": CANARY_TASK, "generator": "moe_eval.canary.task", "seed": 0,
+                    "dir": str(self.dir), "sha256": hashes}
         return {"source": "local", "dir": str(self.dir), "sha256": hashes,
                 "matches_original_release": hashes == ORIGINAL_SHA256}
+
+
+def canary_data() -> Gsm8kData:
+    """The canary task's splits, generated once into the cache (deterministic: seed 0)."""
+    from moe_eval.canary.task import write_splits
+    from moe_eval.models import cache_root
+
+    folder = cache_root() / "tasks" / "canary-arith-v1-seed0"
+    if not (folder / "test.jsonl").exists():
+        write_splits(folder.with_name(folder.name + ".tmp"), seed=0, n_train=2000, n_test=GSM8K_TEST_QUESTIONS)
+        folder.with_name(folder.name + ".tmp").replace(folder)
+    return Gsm8kData(folder, generated=True)
+
 
 
 def gsm8k_data(dir_option: str | None) -> Gsm8kData:
@@ -63,20 +84,20 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def write_local_task(data_dir: Path, task_dir: Path) -> Path:
-    """lm-eval's gsm8k.yaml, unchanged except for where its rows come from."""
+def write_local_task(data_dir: Path, task_dir: Path, task_name: str = LOCAL_TASK) -> Path:
+    """lm-eval's gsm8k.yaml, unchanged except for its name and where its rows come from."""
     import lm_eval
 
     stock = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml"
     task = yaml.safe_load(stock.read_text())
     task.pop("tag", None)  # keep the copy out of lm-eval's groups
-    task["task"] = LOCAL_TASK
+    task["task"] = task_name
     task["dataset_path"] = "json"
     task["dataset_name"] = None
     task["dataset_kwargs"] = {"data_files": {"train": str(data_dir / "train.jsonl"),
                                              "test": str(data_dir / "test.jsonl")}}
     task_dir.mkdir(parents=True, exist_ok=True)
-    path = task_dir / f"{LOCAL_TASK}.yaml"
+    path = task_dir / f"{task_name}.yaml"
     path.write_text(yaml.safe_dump(task, sort_keys=False))
     return path
 
@@ -99,7 +120,7 @@ def run_gsm8k(config: EvalConfig, base_url: str, model: str, data: Gsm8kData, wo
 
     include = None
     if data.dir is not None:
-        include = str(write_local_task(data.dir, work_dir / "lm_eval_tasks").parent)
+        include = str(write_local_task(data.dir, work_dir / "lm_eval_tasks", data.task_name).parent)
     model_args = {
         "model": model,
         "base_url": f"{base_url}/v1/completions",

@@ -37,6 +37,7 @@ SERVER_MODULE_ENV = "MOE_EVAL_SERVER_MODULE"
 # can be found by what it carries, whatever its process group.
 RUN_MARKER_ENV = "MOE_EVAL_RUN_DIR"
 MOE_BACKEND_ENV = "MOE_EVAL_MOE_BACKEND"  # read by moe_eval.kernels.plugin in every vLLM process
+MUTATION_ENV = "MOE_EVAL_MUTATION"  # read by moe_eval.kernels.plugin: a deliberate bug, for `run --mutate`
 PLUGIN_NAME = "moe_eval_kernels"  # the vllm.general_plugins entry point in pyproject.toml
 TEARDOWN_GRACE_SECONDS = 15.0
 LOG_TAIL_LINES = 40
@@ -84,11 +85,15 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def server_environment(base: dict[str, str], overrides: dict[str, str], *, on_cpu: bool,
-                       world_size: int, run_dir: Path, moe_backend: str | None = None) -> dict[str, str]:
+                       world_size: int, run_dir: Path, moe_backend: str | None = None,
+                       mutation: str | None = None) -> dict[str, str]:
     """os.environ + config env + what vLLM needs to behave here; the config always wins."""
     env = dict(base)
     env[RUN_MARKER_ENV] = str(run_dir)
     env.pop(MOE_BACKEND_ENV, None)  # only the config decides whether the plugin is active
+    env.pop(MUTATION_ENV, None)
+    if mutation is not None:
+        env[MUTATION_ENV] = mutation
     defaults = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     if moe_backend is not None:
         env[MOE_BACKEND_ENV] = moe_backend

@@ -22,7 +22,7 @@ from moe_eval.checks import Baseline, Check, answer_stats, first_response, garba
 from moe_eval.config import EvalConfig
 from moe_eval.errors import ConfigError, MoeEvalError
 from moe_eval.gate import GateResult
-from moe_eval.gsm8k import Gsm8kData, run_gsm8k
+from moe_eval.gsm8k import Gsm8kData, canary_data, run_gsm8k
 from moe_eval.hardware import gpu_names
 from moe_eval.layout import LayoutKind
 from moe_eval.models import resolve_model
@@ -47,6 +47,7 @@ class RunOptions:
     port: int | None = None
     progress: Progress = field(default=lambda _: None)
     baselines: dict[Path, Baseline] = field(default_factory=dict)  # config path -> its paired baseline
+    mutation: str | None = None  # a deliberate kernel bug (moe_eval.kernels.mutations), to prove the gate
 
 
 @dataclass
@@ -66,12 +67,16 @@ class ConfigOutcome:
         return [c for c in self.checks if not c.passed]
 
 
+def task_data(config: EvalConfig, options: RunOptions) -> Gsm8kData:
+    return canary_data() if config.task == "canary" else options.data
+
+
 def config_run_dir(run_root: Path, config: EvalConfig) -> Path:
     # Two layout families ship configs with the same file name: keep the folder in the path.
     return run_root / config.path.parent.name / config.path.stem
 
 
-def preflight(config: EvalConfig, hw: str, gpus: int) -> None:
+def preflight(config: EvalConfig, hw: str, gpus: int, mutation: str | None = None) -> None:
     """Refuse, before launching anything, a layout this machine cannot serve."""
     layout = config.layout
     if hw == "cpu" and layout.kind is LayoutKind.DEP:
@@ -80,6 +85,10 @@ def preflight(config: EvalConfig, hw: str, gpus: int) -> None:
         raise ConfigError(f"{config.path}: key 'server_args': value {config.server_args!r} asks for DEP "
                           "(data parallel + expert parallel), which the CPU build of vLLM 0.32.0 cannot serve "
                           "(its CPU communicator lacks all_gatherv)")
+    if mutation is not None:
+        from moe_eval.kernels.mutations import check_mutation
+
+        check_mutation(mutation, config)
     if hw != "cpu" and layout.world_size > gpus:
         raise ConfigError(f"{config.path}: key 'server_args': layout {layout.describe()} needs "
                           f"{layout.world_size} GPUs; this machine has {gpus}")
@@ -143,7 +152,7 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, run_dir: Path, 
                              startup_max_wait_seconds=config.startup_max_wait_seconds)
     env = launch.server_environment(dict(os.environ), config.env, on_cpu=options.hw == "cpu",
                                     world_size=config.layout.world_size, run_dir=run_dir,
-                                    moe_backend=config.moe_backend)
+                                    moe_backend=config.moe_backend, mutation=options.mutation)
     record["server"] = {"argv": spec.argv, "port": port, "env": launch.allowlisted_env(env), "log": str(log_path)}
     options.progress(f"  starting vLLM ({config.layout.describe()}) on port {port}; log: {log_path}")
     with launch.VllmServer(spec, env, progress=options.progress) as server:
@@ -154,7 +163,7 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, run_dir: Path, 
                          f"GSM8K {config.num_questions} questions, {config.num_fewshot}-shot")
         eval_started = time.monotonic()
         try:
-            result = run_gsm8k(config, server.base_url, model, options.data, run_dir)
+            result = run_gsm8k(config, server.base_url, model, task_data(config, options), run_dir)
         except MoeEvalError:
             server.check_alive("during the evaluation")  # a dead server explains the failure better
             raise
@@ -194,6 +203,7 @@ def _base_record(config: EvalConfig, options: RunOptions) -> dict[str, Any]:
                    "world_size": config.layout.world_size},
         "hardware": {"selected": options.hw, "gpus": gpu_names(), "cpu": cpu_model()},
         "versions": versions(),
-        "gsm8k": options.data.describe(),
+        "gsm8k": task_data(config, options).describe(),
+        "mutation": options.mutation,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

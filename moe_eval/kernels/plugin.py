@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 BACKEND_ENV = "MOE_EVAL_MOE_BACKEND"
+MUTATION_ENV = "MOE_EVAL_MUTATION"  # `moe-eval run --mutate NAME`: a deliberate bug (kernels/mutations.py)
 LOG_PREFIX = "moe-eval bundled MoE kernel: "  # moe_eval.server_log.BUNDLED_PREFIX reads it
 STATS_DIR = "kernel-stats"
 STATS_INTERVAL_SECONDS = 0.5  # the counter file is rewritten at most this often (apply() is hot)
@@ -91,10 +92,11 @@ class BundledExperts:
     passes, on a machine without vLLM.
     """
 
-    def __init__(self, requested: str, layout: Any, hardware: Any = None) -> None:
+    def __init__(self, requested: str, layout: Any, hardware: Any = None, mutation: str | None = None) -> None:
         from moe_eval.kernels.oracle import MoeBackend, detect_hardware, make_moe_kernel, select_moe_backend
 
         self.layout = layout
+        self.mutation = mutation
         # Raises MoeBackendUnavailable with the oracle's reason: the server start fails, no fallback.
         self.choice = select_moe_backend(hardware or detect_hardware(), layout, MoeBackend(requested))
         self.kernel = make_moe_kernel(self.choice.backend)
@@ -104,7 +106,10 @@ class BundledExperts:
     def process_weights(self, layer: Any, global_experts: int, top_k: int) -> None:
         from moe_eval.kernels.oracle import convert_to_kernel_format
 
-        self.weights = convert_to_kernel_format(self.choice.backend, layer.w13_weight.data, layer.w2_weight.data)
+        from moe_eval.kernels.mutations import mutate_weights
+
+        w13 = mutate_weights(self.mutation, layer.w13_weight.data)
+        self.weights = convert_to_kernel_format(self.choice.backend, w13, layer.w2_weight.data)
         # Keep one copy: the converted tensors replace the checkpoint-layout ones.
         layer.w13_weight.data = self.weights.w13_eFD
         layer.w2_weight.data = self.weights.w2_eDF
@@ -116,7 +121,7 @@ class BundledExperts:
         if shapes in _LOGGED_SHAPES:
             return
         _LOGGED_SHAPES.add(shapes)
-        line = {"backend": self.choice.backend.value, "reason": self.choice.reason,
+        line = {"backend": self.choice.backend.value, "reason": self.choice.reason, "mutation": self.mutation,
                 "rejected": [[b.value, why] for b, why in self.choice.rejected],
                 "layout": self.layout.describe(), "pid": os.getpid(),
                 "layer": {"local_experts": e, "F": f2 // 2, "D": d, "global_experts": global_experts,
@@ -131,7 +136,13 @@ class BundledExperts:
             raise NotImplementedError(f"moe-eval bundled kernels implement SiLU-and-mul only; "
                                       f"layer activation is {activation}")
         self.stats.count(x.shape[0])
-        return self.kernel(x, self.weights, topk_weights, topk_ids, getattr(layer, "expert_map", None),
+        expert_map = getattr(layer, "expert_map", None)
+        if self.mutation is not None:
+            from moe_eval.kernels.mutations import mutate_call
+
+            topk_weights, topk_ids, expert_map = mutate_call(self.mutation, topk_weights, topk_ids, expert_map,
+                                                             self.weights.w13_eFD.shape[0])
+        return self.kernel(x, self.weights, topk_weights, topk_ids, expert_map,
                            bool(layer.apply_router_weight_on_input))
 
 
@@ -152,7 +163,8 @@ def _bundled_method_class() -> type:
             self.unquantized_backend = UnquantizedMoeBackend.OOT
             self.experts_cls = None
             self.supports_pre_processed_weights = True
-            self.bundled = BundledExperts(os.environ[BACKEND_ENV], _layout_from_moe_config(moe))
+            self.bundled = BundledExperts(os.environ[BACKEND_ENV], _layout_from_moe_config(moe),
+                                          mutation=os.environ.get(MUTATION_ENV) or None)
 
         @property
         def is_monolithic(self) -> bool:

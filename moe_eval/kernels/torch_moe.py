@@ -89,7 +89,8 @@ def grouped_mm_moe(
     grouped GEMM, unpermute, sum. No host sync, so it can be captured in a CUDA graph.
 
     Same contract as `fused_moe_ref`. Needs bf16 on CUDA SM80+ (or a torch whose CPU grouped_mm
-    exists: 2.13 has one).
+    exists: 2.13 has one), and D and F whose rows are multiples of 16 bytes (grouped_mm refuses
+    others: "strides should be multiple of 16 bytes").
     """
     T, D = hidden_TD.shape
     e = w13_eFD.shape[0]

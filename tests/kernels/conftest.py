@@ -43,6 +43,17 @@ def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _one_cpu_thread():
+    # Tiny CPU matmuls gain nothing from a second thread, and on the 2-core CI machine with a
+    # server busy beside them, OpenMP's spinning turned a 256-token torch_moe call from ~1 ms
+    # into 0.6-2.5 s (measured 2026-11-29). One thread keeps the suite's time independent of load.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if HAS_GPU else "cpu")

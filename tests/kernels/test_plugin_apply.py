@@ -98,3 +98,46 @@ def test_triton_backend_apply_on_gpu_matches_reference(T, ep):
     out = experts.apply(layer, x, topk_weights, topk_ids)
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), topk_weights, topk_ids, expert_map_E=emap)
     assert not out.isnan().any() and _rel_err(out, ref) < REL_TOL_BF16
+
+
+@pytest.mark.parametrize("mutation", ["swap_gate_up", "ignore_routing_weights", "shift_expert_ids",
+                                      "ignore_expert_map"])
+def test_each_mutation_changes_the_output(mutation):
+    """`run --mutate` must break the computation (or it could not prove a gate); None must not."""
+    torch.manual_seed(1)
+    E, K, D, F, T = 8, 2, 64, 32, 16
+    emap = torch.full((E,), -1, dtype=torch.int32)
+    emap[4:] = torch.arange(4, dtype=torch.int32)
+    layout = Layout(LayoutKind.TEP, tensor_parallel=2)
+    x = torch.randn(T, D)
+    topk_weights, topk_ids = _routing(T, E, K, "cpu")
+    layer = _vllm_like_layer(4, F, D, torch.float32, "cpu", emap)
+    ref = fused_moe_ref(x, layer.w13_weight.data.clone(), layer.w2_weight.data.clone(), topk_weights, topk_ids,
+                        expert_map_E=emap)
+    outs = {}
+    for name in (None, mutation):
+        layer_copy = _vllm_like_layer(4, F, D, torch.float32, "cpu", emap)
+        layer_copy.w13_weight.data.copy_(layer.w13_weight.data)
+        layer_copy.w2_weight.data.copy_(layer.w2_weight.data)
+        experts = BundledExperts("torch", layout, CPU, mutation=name)
+        experts.process_weights(layer_copy, E, K)
+        outs[name] = experts.apply(layer_copy, x, topk_weights, topk_ids)
+    assert _rel_err(outs[None], ref) < REL_TOL_FP32
+    assert _rel_err(outs[mutation], ref) > 0.1, f"{mutation} left the output nearly unchanged"
+
+
+def test_mutations_are_refused_where_they_cannot_apply(tmp_path):
+    from moe_eval.config import parse_config
+    from moe_eval.errors import ConfigError
+    from moe_eval.kernels.mutations import check_mutation
+
+    base = "model_name: m\naccuracy_threshold: 0.5\nnum_questions: 4\nnum_fewshot: 5\n"
+    tp = parse_config(tmp_path / "a.yaml", base + "moe_backend: torch\n")
+    vllm_own = parse_config(tmp_path / "b.yaml", base)
+    with pytest.raises(ConfigError, match="not one of"):
+        check_mutation("flip_signs", tp)
+    with pytest.raises(ConfigError, match="bundled kernels only"):
+        check_mutation("swap_gate_up", vllm_own)
+    with pytest.raises(ConfigError, match="no\\s+expert map"):
+        check_mutation("ignore_expert_map", tp)
+    check_mutation("swap_gate_up", tp)
