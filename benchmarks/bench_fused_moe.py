@@ -58,14 +58,14 @@ def measure_ceilings() -> dict[str, float]:
     dst.copy_(src)
     times = _event_times(lambda: dst.copy_(src), reps=20)
     gbps = 2 * src.numel() * 2 / statistics.median(times) / 1e9
-    del a, b, src, dst
-    torch.cuda.empty_cache()
     return {"matmul_tflops": tflops, "copy_gbps": gbps}
 
 
 def _event_times(fn: Callable[[], object], reps: int) -> list[float]:
     """Seconds per call, one pair of events around each call."""
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)
+    ]
     for start, end in events:
         start.record()
         fn()
@@ -111,7 +111,9 @@ class GraphTimer:
         return start.elapsed_time(end) * 1e3 / self.num_calls
 
 
-def time_interleaved(timers: dict[str, GraphTimer], replays: int, warm_s: float = 0.2) -> dict[str, list[float]]:
+def time_interleaved(
+    timers: dict[str, GraphTimer], replays: int, warm_s: float = 0.2
+) -> dict[str, list[float]]:
     """Microseconds per call for each timer, replays interleaved A, B, A, B, ..."""
     for timer in timers.values():
         timer.warm(warm_s / len(timers))
@@ -184,7 +186,13 @@ def bench_shape(shape: MoeShape, Ms: list[int], ceilings: dict[str, float], repl
         samples["reference"] = ref_times
         if M <= 1024:  # torch_moe syncs the host once per call (bincount().tolist()): eager too
             samples["torch_moe_eager"] = _eager_us(torch_moe, cases, reps=5)
-        roof_us = max(counts["flops"] / (ceilings["matmul_tflops"] * 1e12), counts["bytes"] / (ceilings["copy_gbps"] * 1e9)) * 1e6
+        roof_us = (
+            max(
+                counts["flops"] / (ceilings["matmul_tflops"] * 1e12),
+                counts["bytes"] / (ceilings["copy_gbps"] * 1e9),
+            )
+            * 1e6
+        )
         for impl, us in samples.items():
             med = statistics.median(us)
             rows.append({
@@ -220,12 +228,24 @@ def bench_alignment(shape: MoeShape, Ms: list[int], replays: int) -> list[dict]:
                         continue  # every slot in one program's registers: not meant for this size
                     module.SINGLE_PROGRAM_MAX_SLOTS = limit
                     calls = [
-                        lambda c=c: module.moe_align_block_size(c.topk_ids_TK, block_m, shape.local_experts, c.expert_map_E)
+                        lambda c=c, bm=block_m: module.moe_align_block_size(
+                            c.topk_ids_TK, bm, shape.local_experts, c.expert_map_E
+                        )
                         for c in cases
                     ]
                     times[path] = median_us(calls, replays)
-                rows.append({"shape": shape.name, "M": M, "block_m": block_m, **{f"{k}_us": v for k, v in times.items()}})
-                log(f"  align {shape.name} M={M} bm={block_m}: " + ", ".join(f"{k} {v:.1f} us" for k, v in times.items()))
+                rows.append(
+                    {
+                        "shape": shape.name,
+                        "M": M,
+                        "block_m": block_m,
+                        **{f"{k}_us": v for k, v in times.items()},
+                    }
+                )
+                log(
+                    f"  align {shape.name} M={M} bm={block_m}: "
+                    + ", ".join(f"{k} {v:.1f} us" for k, v in times.items())
+                )
     finally:
         module.SINGLE_PROGRAM_MAX_SLOTS = saved
     return rows
@@ -273,10 +293,19 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     for model in dict.fromkeys(r["model"] for r in rows):
         mrows = [r for r in rows if r["model"] == model]
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        styles = {"triton": "-o", "grouped_mm": "--s", "reference": ":^", "torch_moe_eager": "-.x"}  # style = impl
-        for color, layout in zip(["C0", "C1", "C2"], dict.fromkeys(r["layout"] for r in mrows)):  # color = layout
+        styles = {
+            "triton": "-o",
+            "grouped_mm": "--s",
+            "reference": ":^",
+            "torch_moe_eager": "-.x",
+        }  # style = impl
+        for color, layout in zip(
+            ["C0", "C1", "C2"], dict.fromkeys(r["layout"] for r in mrows)
+        ):  # color = layout
             for impl, style in styles.items():
-                pts = sorted((r["M"], r["frac_roofline"]) for r in mrows if r["layout"] == layout and r["impl"] == impl)
+                pts = sorted(
+                    (r["M"], r["frac_roofline"]) for r in mrows if r["layout"] == layout and r["impl"] == impl
+                )
                 if pts:
                     ax.plot(*zip(*pts), style, color=color, label=f"{impl} {layout}", alpha=0.85)
         ax.set_xscale("log", base=2)
@@ -327,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         "ceilings_before": ceilings,
         "ceilings_after": ceilings_after,
     }
-    (args.out_dir / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows, "alignment": align_rows}, indent=1))
+    (args.out_dir / "bench.json").write_text(
+        json.dumps({"meta": meta, "rows": rows, "alignment": align_rows}, indent=1)
+    )
     table = markdown_table(rows)
     (args.out_dir / "bench.md").write_text(table + "\n")
     plot(rows, args.out_dir)

@@ -47,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
             for T in args.tokens:
                 case = make_case(T, E, K, D, F, dtype=torch.bfloat16, device="cpu", seed=T)
                 row = [best_us(fn, case, args.repeats) for fn in (torch_moe, grouped_mm_moe, fused_moe_ref)]
-                print(f"| {E} | {K} | {D} | {F} | {T} | {threads} | " + " | ".join(f"{v:.0f}" for v in row) + " |")
+                print(
+                    f"| {E} | {K} | {D} | {F} | {T} | {threads} | "
+                    + " | ".join(f"{v:.0f}" for v in row)
+                    + " |"
+                )
     return 0
 
 

@@ -42,7 +42,7 @@ from moe_eval.kernels.tile_configs import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_fused_moe import log, median_us, rotated_sets  # noqa: E402
+from bench_fused_moe import log, median_us, rotated_sets
 
 # Hopper allows 227 KiB (232448 bytes) of shared memory per block, and Triton 3.6 allocates
 # num_stages tiles (seen on the H200: "Required: 245760" for 3 stages of 80 KiB).
@@ -100,7 +100,9 @@ def candidate_jobs(shape: MoeShape, Ms: list[int]) -> list[tuple[int, int, GemmT
             for kind in (1, 2):
                 for tile in gemm_candidates(kind, bm):
                     jobs.add((bm, kind, tile))
-    return sorted(jobs, key=lambda j: (j[0], j[1], j[2].block_n, j[2].block_k, j[2].num_warps, j[2].num_stages))
+    return sorted(
+        jobs, key=lambda j: (j[0], j[1], j[2].block_n, j[2].block_k, j[2].num_warps, j[2].num_stages)
+    )
 
 
 class Buffers:
@@ -143,7 +145,7 @@ def _precompile(shape_index: int, jobs: list[tuple[int, int, GemmTile]]) -> list
         try:
             (buffers[bm].gemm1 if kind == 1 else buffers[bm].gemm2)(shape, tile)
             torch.cuda.synchronize()
-        except Exception as exc:  # out of shared memory and the like: the tuner skips it too
+        except Exception as exc:  # noqa: BLE001 - out of shared memory and the like: skipped, logged
             errors.append(f"{shape.name} bm={bm} gemm{kind} {tile}: {type(exc).__name__}: {str(exc)[:200]}")
     return errors
 
@@ -157,11 +159,15 @@ def precompile(shapes: list[MoeShape], Ms: list[int], workers: int, per_task: in
         for bm, kind, tile in candidate_jobs(shape, Ms):
             mul_routed = shape.apply_router_weight_on_input == (kind == 1)
             even_k = (shape.D if kind == 1 else shape.F) % tile.block_k == 0
-            owner.setdefault((bm, kind, tile, mul_routed, even_k), (SHIPPED_SHAPES.index(shape), (bm, kind, tile)))
+            owner.setdefault(
+                (bm, kind, tile, mul_routed, even_k), (SHIPPED_SHAPES.index(shape), (bm, kind, tile))
+            )
     by_shape: dict[int, list] = {}
     for shape_index, job in owner.values():
         by_shape.setdefault(shape_index, []).append(job)
-    tasks = [(si, jobs[i : i + per_task]) for si, jobs in by_shape.items() for i in range(0, len(jobs), per_task)]
+    tasks = [
+        (si, jobs[i : i + per_task]) for si, jobs in by_shape.items() for i in range(0, len(jobs), per_task)
+    ]
     log(f"precompiling {len(owner)} variants in {len(tasks)} tasks on {workers} workers")
     ctx = multiprocessing.get_context("spawn")
     try:
@@ -169,7 +175,7 @@ def precompile(shapes: list[MoeShape], Ms: list[int], workers: int, per_task: in
             for errors in pool.map(_precompile, *zip(*tasks)):
                 for err in errors:
                     log(f"  compile failed: {err}")
-    except Exception as exc:  # whatever is left compiles inline while tuning: slower, not wrong
+    except Exception as exc:  # noqa: BLE001 - what is left compiles inline while tuning: slower, not wrong
         log(f"precompile stopped: {type(exc).__name__}: {str(exc)[:300]}")
     log(f"precompiled in {time.perf_counter() - t0:.0f} s")
 
@@ -185,7 +191,7 @@ def tune_shape(shape: MoeShape, Ms: list[int]) -> tuple[dict[int, MoeTileConfig]
         for bm in block_m_candidates(rows_per_expert(shape, M)):
             bufs = [Buffers(c, shape, bm) for c in cases]
             align_us = median_us(
-                [lambda c=c: moe_align_block_size(c.topk_ids_TK, bm, shape.local_experts, c.expert_map_E) for c in cases],
+                [lambda c=c, bm=bm: moe_align_block_size(c.topk_ids_TK, bm, shape.local_experts, c.expert_map_E) for c in cases],
                 replays,
             )  # fmt: skip
             picks = {}
@@ -194,8 +200,10 @@ def tune_shape(shape: MoeShape, Ms: list[int]) -> tuple[dict[int, MoeTileConfig]
                 for tile in gemm_candidates(kind, bm):
                     fn = Buffers.gemm1 if kind == 1 else Buffers.gemm2
                     try:
-                        us = median_us([lambda b=b, t=tile: fn(b, shape, t) for b in bufs], replays, warm_s=0.01)
-                    except Exception as exc:
+                        us = median_us(
+                            [lambda b=b, t=tile, fn=fn: fn(b, shape, t) for b in bufs], replays, warm_s=0.01
+                        )
+                    except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is skipped, logged
                         log(f"  skip bm={bm} gemm{kind} {tile}: {type(exc).__name__}")
                         continue
                     scores.append((us, tile))
@@ -231,13 +239,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="*", help='names like "Qwen3-30B-A3B TP1" (default: all shipped)')
     parser.add_argument("--m", nargs="*", type=int, default=list(M_GRID))
     parser.add_argument("--workers", type=int, default=16)
-    parser.add_argument("--merge", action="store_true", help="keep the entries of an existing file for M not tuned now")
+    parser.add_argument(
+        "--merge", action="store_true", help="keep the entries of an existing file for M not tuned now"
+    )
     args = parser.parse_args(argv)
     import triton
 
     by_name = {s.name: s for s in SHIPPED_SHAPES}
     # TP1 shapes first: they carry the targets, and a time-boxed run keeps what it finished.
-    shapes = [by_name[n] for n in args.shapes] if args.shapes else sorted(SHIPPED_SHAPES, key=lambda s: s.layout != "TP1")
+    shapes = (
+        [by_name[n] for n in args.shapes]
+        if args.shapes
+        else sorted(SHIPPED_SHAPES, key=lambda s: s.layout != "TP1")
+    )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.workers > 0:
         precompile(shapes, args.m, args.workers)

@@ -47,6 +47,9 @@ class TinyMoeSpec:
 
 
 BUILTIN_MODELS = {"tiny-qwen3-moe": TinyMoeSpec()}
+# Shipped, not built: trained by `python -m moe_eval.canary.train` (docs/canary.md).
+CANARY_NAME = "canary-qwen3-moe"
+CANARY_DIR = Path(__file__).resolve().parent / "canary" / "checkpoint"
 
 
 def cache_root() -> Path:
@@ -58,9 +61,13 @@ def resolve_model(model_name: str) -> str:
     if not model_name.startswith(BUILTIN_PREFIX):
         return model_name
     name = model_name[len(BUILTIN_PREFIX):]
+    if name == CANARY_NAME:
+        if not (CANARY_DIR / "model.safetensors").exists():
+            raise ConfigError(f"model_name: value '{model_name}': the canary checkpoint is missing from {CANARY_DIR}")
+        return str(CANARY_DIR)
     if name not in BUILTIN_MODELS:
         raise ConfigError(f"model_name: value '{model_name}' names no builtin model; "
-                          f"known: {', '.join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)}")
+                          f"known: {', '.join(BUILTIN_PREFIX + n for n in [*BUILTIN_MODELS, CANARY_NAME])}")
     return str(ensure_tiny_moe(BUILTIN_MODELS[name], cache_root() / "models"))
 
 

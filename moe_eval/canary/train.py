@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--eval-questions", type=int, default=300)
+    parser.add_argument("--stop-at", type=float, default=0.995, help="stop early once fp32 greedy accuracy reaches this")
     args = parser.parse_args()
     spec = CanarySpec()
     torch.manual_seed(spec.seed)
@@ -178,6 +179,8 @@ def main() -> None:
             history.append({"step": step, "loss": loss.item(), "greedy_accuracy_fp32": acc,
                             "seconds": time.time() - started})
             print(f"step {step} greedy accuracy (fp32, {args.eval_questions} test questions): {acc:.3f}", flush=True)
+            if acc >= args.stop_at:
+                break
 
     model = model.to(torch.bfloat16)
     acc_bf16 = greedy_accuracy(model, tokenizer, test_items, shots, args.device, args.eval_questions)

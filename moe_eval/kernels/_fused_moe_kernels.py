@@ -132,7 +132,9 @@ def _align_count_kernel(
     CHUNK: tl.constexpr,
 ):
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    hist = tl.histogram(_expert_bins(topk_ids_ptr, expert_map_ptr, offs, num_slots, HAS_EXPERT_MAP, NBINS), NBINS)
+    hist = tl.histogram(
+        _expert_bins(topk_ids_ptr, expert_map_ptr, offs, num_slots, HAS_EXPERT_MAP, NBINS), NBINS
+    )
     tl.atomic_add(counts_ptr + tl.arange(0, NBINS), hist, mask=hist > 0)
 
 
@@ -257,7 +259,7 @@ def _gemm1_silu_kernel(
 
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(D, BLOCK_K)):
+    for k in range(tl.cdiv(D, BLOCK_K)):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             wg = tl.load(wg_ptrs, mask=n_ok[None, :], other=0.0)
@@ -325,7 +327,7 @@ def _gemm2_kernel(
     w_ptrs = w2_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(F, BLOCK_K)):
+    for k in range(tl.cdiv(F, BLOCK_K)):
         if EVEN_K:
             h = tl.load(h_ptrs)
             w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)

@@ -55,7 +55,8 @@ def check_flashinfer_supported(device: torch.device) -> None:
     cc = torch.cuda.get_device_capability(device)
     if cc < MIN_COMPUTE_CAPABILITY:
         raise FlashInferUnavailable(
-            f"FlashInfer CUTLASS MoE (BF16) needs SM90 or newer; {torch.cuda.get_device_name(device)} is SM{cc[0]}{cc[1]}"
+            f"FlashInfer CUTLASS MoE (BF16) needs SM90 or newer; "
+            f"{torch.cuda.get_device_name(device)} is SM{cc[0]}{cc[1]}"
         )
     if not flashinfer_importable():
         raise FlashInferUnavailable(
@@ -95,7 +96,9 @@ def flashinfer_cutlass_moe(
     weights_TK = topk_weights_TK.float()
     if apply_router_weight_on_input:
         if K != 1:
-            raise ValueError("apply_router_weight_on_input with FlashInfer needs top-k 1 (weight folded into x)")
+            raise ValueError(
+                "apply_router_weight_on_input with FlashInfer needs top-k 1 (weight folded into x)"
+            )
         hidden_TD = (hidden_TD.float() * weights_TK).to(hidden_TD.dtype)
         weights_TK = torch.ones_like(weights_TK)
     kwargs = {"output": out, "ep_size": ep_size, "ep_rank": ep_rank}

@@ -109,9 +109,13 @@ def moe_align_block_size(
 ) -> MoeAlignment:
     num_slots = topk_ids_TK.numel()
     assert topk_ids_TK.dtype == torch.int32 and topk_ids_TK.is_contiguous(), "topk_ids: contiguous int32"
-    assert block_m >= 16 and block_m & (block_m - 1) == 0, f"block_m must be a power of two >= 16, got {block_m}"
+    assert block_m >= 16 and block_m & (block_m - 1) == 0, (
+        f"block_m must be a power of two >= 16, got {block_m}"
+    )
     if expert_map_E is not None:
-        assert expert_map_E.dtype == torch.int32 and expert_map_E.is_contiguous(), "expert_map: contiguous int32"
+        assert expert_map_E.dtype == torch.int32 and expert_map_E.is_contiguous(), (
+            "expert_map: contiguous int32"
+        )
     # Worst case without a device->host sync: every non-empty expert pads by block_m - 1, and at
     # most min(T*K, e) experts are non-empty.
     max_padded = num_slots + min(num_slots, num_local_experts) * (block_m - 1)
@@ -196,10 +200,14 @@ def fused_moe(
     assert D_w == D and F2 == 2 * F and w2_eDF.shape == (e, D, F), (
         f"shapes: hidden {tuple(hidden_TD.shape)}, w13 {tuple(w13_eFD.shape)}, w2 {tuple(w2_eDF.shape)}"
     )
-    assert hidden_TD.stride(1) == 1 and w13_eFD.stride(2) == 1 and w2_eDF.stride(2) == 1, "inner dims contiguous"
+    assert hidden_TD.stride(1) == 1 and w13_eFD.stride(2) == 1 and w2_eDF.stride(2) == 1, (
+        "inner dims contiguous"
+    )
     assert topk_ids_TK.shape == (T, K) and topk_weights_TK.shape == (T, K), "topk shapes must be (T, K)"
     assert topk_ids_TK.dtype == torch.int32 and topk_ids_TK.is_contiguous(), "topk_ids: contiguous int32"
-    assert topk_weights_TK.is_floating_point() and topk_weights_TK.is_contiguous(), "topk_weights: contiguous float"
+    assert topk_weights_TK.is_floating_point() and topk_weights_TK.is_contiguous(), (
+        "topk_weights: contiguous float"
+    )
     if expert_map_E is not None:
         assert expert_map_E.dtype == torch.int32 and expert_map_E.dim() == 1, "expert_map: int32 [E]"
         assert K <= expert_map_E.numel(), f"top-k {K} > E {expert_map_E.numel()}"
@@ -207,7 +215,10 @@ def fused_moe(
         assert K <= e, f"top-k {K} > experts {e}"
     on_cpu = hidden_TD.device.type == "cpu"
     if on_cpu and not _interpreting():
-        raise RuntimeError("fused_moe needs CUDA tensors (CPU tensors only when the kernels were imported under TRITON_INTERPRET=1, for tests)")
+        raise RuntimeError(
+            "fused_moe needs CUDA tensors (CPU tensors only when the kernels were imported under "
+            "TRITON_INTERPRET=1, for tests)"
+        )
     if on_cpu and dtype == torch.bfloat16:
         # HACK: the triton 3.9 interpreter's tl.dot on bf16 operands returns garbage (rel. err ~1e10,
         # measured); the CPU tests run fp16/fp32. Remove when the interpreter's bf16 dot is fixed.
@@ -237,7 +248,9 @@ def fused_moe(
         y_SD = torch.empty(T * K, D, dtype=dtype, device=hidden_TD.device)
 
     # Launch.
-    launch_gemm1(hidden_TD, w13_eFD, h_PF, topk_weights_TK, align, K, config.gemm1, apply_router_weight_on_input)
+    launch_gemm1(
+        hidden_TD, w13_eFD, h_PF, topk_weights_TK, align, K, config.gemm1, apply_router_weight_on_input
+    )
     launch_gemm2(h_PF, w2_eDF, y_SD, topk_weights_TK, align, config.gemm2, not apply_router_weight_on_input)
     if K > 1:
         launch_sum(y_SD, out, topk_ids_TK, expert_map_E)

@@ -125,7 +125,9 @@ def _sm(cc: tuple[int, int] | None) -> str:
     return "no compute capability" if cc is None else f"SM{cc[0]}{cc[1]}"
 
 
-def select_moe_backend(hardware: Hardware, layout: Layout, requested: MoeBackend | None = None) -> BackendChoice:
+def select_moe_backend(
+    hardware: Hardware, layout: Layout, requested: MoeBackend | None = None
+) -> BackendChoice:
     """Pick the MoE backend. Pure: same inputs, same answer; no globals, no environment."""
     if hardware.platform not in KNOWN_PLATFORMS:
         raise UnknownPlatformError(
@@ -152,8 +154,12 @@ def select_moe_backend(hardware: Hardware, layout: Layout, requested: MoeBackend
         for lower in order[i + 1 :]:
             lower_ok, lower_why = verdicts[lower]
             rejected.append((lower, f"ranked below {backend.value}" if lower_ok else lower_why))
-        return BackendChoice(backend, f"first usable in order {[b.value for b in order]}: {why}", tuple(rejected))
-    raise MoeBackendUnavailable("no MoE backend can run: " + "; ".join(f"{b.value}: {w}" for b, w in rejected))
+        return BackendChoice(
+            backend, f"first usable in order {[b.value for b in order]}: {why}", tuple(rejected)
+        )
+    raise MoeBackendUnavailable(
+        "no MoE backend can run: " + "; ".join(f"{b.value}: {w}" for b, w in rejected)
+    )
 
 
 # --- the impure edge ---------------------------------------------------------------------------
@@ -169,7 +175,9 @@ def detect_hardware() -> Hardware:
             # ROCm builds answer through torch.cuda; the oracle has no rules for them and says so.
             return Hardware("rocm", name, None, triton_ok, flashinfer_ok)
         return Hardware("cuda", name, torch.cuda.get_device_capability(0), triton_ok, flashinfer_ok)
-    return Hardware("cpu", _platform.processor() or _platform.machine() or "cpu", None, triton_ok, flashinfer_ok)
+    return Hardware(
+        "cpu", _platform.processor() or _platform.machine() or "cpu", None, triton_ok, flashinfer_ok
+    )
 
 
 # --- weights and kernels -----------------------------------------------------------------------
@@ -209,7 +217,8 @@ def convert_from_kernel_format(weights: MoeWeights) -> tuple[torch.Tensor, torch
 
 
 def make_moe_kernel(backend: MoeBackend) -> MoeKernel:
-    """callable(hidden_TD, weights, topk_weights_TK, topk_ids_TK, expert_map_E, apply_router_weight_on_input)."""
+    """The backend as one callable:
+    kernel(hidden_TD, weights, topk_weights_TK, topk_ids_TK, expert_map_E, apply_router_weight_on_input)."""
     backend = MoeBackend(backend)
     if backend is MoeBackend.TRITON:
         from moe_eval.kernels.fused_moe import fused_moe as impl

@@ -26,7 +26,10 @@ class MoeCase:
         return self.hidden_TD, self.w13_eFD, self.w2_eDF, self.topk_weights_TK, self.topk_ids_TK
 
     def kwargs(self) -> dict:
-        return {"expert_map_E": self.expert_map_E, "apply_router_weight_on_input": self.apply_router_weight_on_input}
+        return {
+            "expert_map_E": self.expert_map_E,
+            "apply_router_weight_on_input": self.apply_router_weight_on_input,
+        }
 
     def reference_fp32(self) -> torch.Tensor:
         """fused_moe_ref on the same (already rounded) inputs upcast to fp32: fp32 output."""

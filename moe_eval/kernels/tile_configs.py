@@ -87,13 +87,17 @@ def read_tuned_file(path: Path) -> dict[int, MoeTileConfig]:
     return configs
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tuned(num_experts: int, F: int, D: int, device_name: str) -> dict[int, MoeTileConfig] | None:
     path = TUNED_DIR / config_file_name(num_experts, F, D, device_name)
     if not path.is_file():
         log.warning(
             "fused_moe: no tuned tile configs for e=%d F=%d D=%d on %s (%s); using the default heuristic",
-            num_experts, F, D, device_name, path.name,
+            num_experts,
+            F,
+            D,
+            device_name,
+            path.name,
         )
         return None
     configs = read_tuned_file(path)

@@ -65,7 +65,9 @@ def test_gpu_without_support_says_why():
 def test_matches_reference_on_gpu(local_experts):
     if torch.cuda.get_device_capability() < (9, 0) or not flashinfer_importable():
         pytest.skip("needs SM90+ and flashinfer")
-    case = make_case(64, 8, 2, 256, 128, dtype=torch.bfloat16, device="cuda", seed=2, local_experts=local_experts)
+    case = make_case(
+        64, 8, 2, 256, 128, dtype=torch.bfloat16, device="cuda", seed=2, local_experts=local_experts
+    )
     out_TD = flashinfer_cutlass_moe(
         case.hidden_TD, to_flashinfer_w31(case.w13_eFD), case.w2_eDF, case.topk_weights_TK, case.topk_ids_TK,
         expert_map_E=case.expert_map_E,

@@ -62,7 +62,9 @@ def test_unknown_key_is_an_error(tmp_path):
         read_tuned_file(path)
 
 
-@pytest.mark.parametrize(("T", "e", "K", "block_m"), [(1, 128, 8, 16), (64, 8, 2, 16), (512, 8, 2, 128), (256, 64, 8, 64)])
+@pytest.mark.parametrize(
+    ("T", "e", "K", "block_m"), [(1, 128, 8, 16), (64, 8, 2, 16), (512, 8, 2, 128), (256, 64, 8, 64)]
+)
 def test_default_heuristic(T, e, K, block_m):
     assert default_config(T, e, K).block_m == block_m
 
@@ -90,6 +92,8 @@ def test_shipped_file_covers_the_grid(shape):
                                top_k=shape.top_k, device_name="NVIDIA H200") == cfg  # fmt: skip
         for n_b, tile in ((2, cfg.gemm1), (1, cfg.gemm2)):
             sizes = (cfg.block_m, tile.block_n, tile.block_k)
-            assert all(v >= 16 and v & (v - 1) == 0 for v in sizes), f"M={M}: tl.dot needs powers of two >= 16"
+            assert all(v >= 16 and v & (v - 1) == 0 for v in sizes), (
+                f"M={M}: tl.dot needs powers of two >= 16"
+            )
             smem = tile.num_stages * (cfg.block_m * tile.block_k + n_b * tile.block_k * tile.block_n) * 2
             assert smem <= SMEM_LIMIT, f"M={M}: {smem} bytes of shared memory"

@@ -100,7 +100,9 @@ def test_no_slot_on_this_rank_gives_zeros(impl):
 @pytest.mark.parametrize("K", [1, 3])
 def test_apply_router_weight_on_input(K, impl, dtype):
     _skip_unsupported(impl, dtype)
-    case = make_case(21, 6, K, 32, 32, dtype=dtype, device=_device(), seed=7 + K, apply_router_weight_on_input=True)
+    case = make_case(
+        21, 6, K, 32, 32, dtype=dtype, device=_device(), seed=7 + K, apply_router_weight_on_input=True
+    )
     _check(impl, case)
 
 
