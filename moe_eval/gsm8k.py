@@ -96,6 +96,10 @@ def write_local_task(data_dir: Path, task_dir: Path, task_name: str = LOCAL_TASK
     task["dataset_name"] = None
     task["dataset_kwargs"] = {"data_files": {"train": str(data_dir / "train.jsonl"),
                                              "test": str(data_dir / "test.jsonl")}}
+    if task_name == CANARY_TASK:
+        # The canary was trained with its loss on answers and the blank line after them, not on the next
+        # "Question:", so it ends an answer with blank lines; its answers never hold one, so stop there too.
+        task["generation_kwargs"]["until"] = [*task["generation_kwargs"]["until"], "\n\n"]
     task_dir.mkdir(parents=True, exist_ok=True)
     path = task_dir / f"{task_name}.yaml"
     path.write_text(yaml.safe_dump(task, sort_keys=False))

@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--eval-questions", type=int, default=300)
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training time")
     parser.add_argument("--stop-at", type=float, default=0.995, help="stop early once fp32 greedy accuracy reaches this")
     args = parser.parse_args()
     spec = CanarySpec()
@@ -181,6 +182,12 @@ def main() -> None:
             print(f"step {step} greedy accuracy (fp32, {args.eval_questions} test questions): {acc:.3f}", flush=True)
             if acc >= args.stop_at:
                 break
+        if args.max_seconds is not None and time.time() - started > args.max_seconds:
+            acc = greedy_accuracy(model, tokenizer, test_items, shots, args.device, args.eval_questions)
+            history.append({"step": step, "loss": loss.item(), "greedy_accuracy_fp32": acc,
+                            "seconds": time.time() - started, "stopped": "max_seconds"})
+            print(f"step {step}: time budget spent; greedy accuracy (fp32) {acc:.3f}", flush=True)
+            break
 
     model = model.to(torch.bfloat16)
     acc_bf16 = greedy_accuracy(model, tokenizer, test_items, shots, args.device, args.eval_questions)
