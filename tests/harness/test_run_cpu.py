@@ -53,8 +53,8 @@ def _assert_nothing_left(tmp_path: Path) -> None:
 
 
 def test_readme_main_job_runs_the_embedded_default(tmp_path, gsm8k_dir, repo_root):
-    """`moe-eval run --hw cpu`: both embedded configs (TP, TEP) served by real vLLM with the bundled torch
-    kernel, scored by lm-eval."""
+    """`moe-eval run --hw cpu`: the canary at TP and TEP, served by real vLLM with the bundled torch kernel,
+    scored by lm-eval on its generated task, passing its measured gate."""
     result = run_cli(["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out")]
                      + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []), cwd=repo_root)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -63,21 +63,22 @@ def test_readme_main_job_runs_the_embedded_default(tmp_path, gsm8k_dir, repo_roo
     assert set(records) == {"TP", "TEP"}
     for kind, record in records.items():
         assert record["status"] == "passed", kind
-        assert record["num_questions_evaluated"] == record["config"]["num_questions"] == 20
+        assert record["num_questions_evaluated"] == record["config"]["num_questions"] == 200
+        assert record["scores"]["strict-match"]["accuracy"] >= 0.98 and record["gsm8k"]["source"] == "generated"
         # What the server's own log says served: the bundled kernel, in every rank, never vLLM's.
         assert record["moe_backend_used"] == "bundled:torch" and record["vllm_moe_backends_logged"] == []
         ranks = 2 if kind == "TEP" else 1
         assert len({line["pid"] for line in record["bundled_kernel_logged"]}) == ranks
         assert all(line["layer"]["expert_map"] is (kind == "TEP") for line in record["bundled_kernel_logged"])
-        assert record["bundled_kernel_calls"]["processes"] == ranks and record["bundled_kernel_calls"]["calls"] > 20
+        assert record["bundled_kernel_calls"]["processes"] == ranks and record["bundled_kernel_calls"]["calls"] > 200
         assert record["timings"]["startup_seconds"] > 0
         assert record["versions"]["vllm"] == "0.32.0" and record["versions"]["lm-eval"] == "0.4.13"
         run_dir = Path(record["server"]["log"]).parent
         log = (run_dir / "server.log").read_text()
         # Every question reached the server (plus the launcher's warm-up): the numbers came from it.
-        assert log.count("POST /v1/completions") == 20 + 1
+        assert log.count("POST /v1/completions") == 200 + 1
         samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-        assert {s["doc_id"] for s in samples} == set(range(20))
+        assert {s["doc_id"] for s in samples} == set(range(200))
         assert all(s["resps"][0][0] for s in samples), "every reply carries generated text"
     assert "|Config|" in result.stdout and "PASS" in result.stdout and "bundled:torch" in result.stdout
     _assert_nothing_left(tmp_path)
@@ -168,4 +169,17 @@ def test_misbehaving_server_is_exit_3(tmp_path, gsm8k_dir, mode, message):
     result = run_cli(_run_args(tmp_path, gsm8k_dir, path), env=env, timeout=300)
     assert result.returncode == 3, result.stderr[-3000:]
     assert message in result.stderr
+    _assert_nothing_left(tmp_path)
+
+
+def test_a_kernel_mutation_fails_the_canary_gate_with_exit_1(tmp_path, repo_root):
+    """The gate means something: the bundled kernel with gate/up swapped must fail it (not crash: exit 1)."""
+    config = repo_root / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml"
+    result = run_cli(["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out"), "--mutate", "swap_gate_up",
+                      "--limit", "50", str(config)])
+    assert result.returncode == 1, result.stderr[-3000:]
+    record = next(iter(_results(tmp_path).values()))
+    assert record["mutation"] == "swap_gate_up" and record["moe_backend_used"] == "bundled:torch"
+    assert all(line["mutation"] == "swap_gate_up" for line in record["bundled_kernel_logged"])
+    assert record["scores"]["strict-match"]["accuracy"] < 0.5 and record["status"] == "failed"
     _assert_nothing_left(tmp_path)
