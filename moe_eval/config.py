@@ -50,11 +50,18 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
     return lambda v: None if v in choices else f"must be one of {', '.join(choices)}"
 
 
+# moe-eval sets these itself (the model it resolved, a free port on loopback, the config's seed key).
+RESERVED_SERVER_FLAGS = ("--model", "--port", "--host", "--seed")
+
+
 def _shell_splittable(v: str) -> str | None:
     try:
-        shlex.split(v)
+        words = shlex.split(v)
     except ValueError as exc:
         return f"is not a valid shell-quoted argument string ({exc})"
+    for word in words:
+        if word.split("=", 1)[0] in RESERVED_SERVER_FLAGS:
+            return f"sets {word.split('=', 1)[0]}, which moe-eval sets itself (use model_name, --port or seed)"
     return None
 
 

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from tests.conftest import REPO_ROOT, processes_with_env, run_cli
@@ -61,6 +62,9 @@ def test_readme_main_job_runs_the_embedded_default(tmp_path, gsm8k_dir, repo_roo
     records = {json.loads(p.read_text())["layout"]["kind"]: json.loads(p.read_text())
                for p in (tmp_path / "out").rglob("results.json")}
     assert set(records) == {"TP", "TEP"}
+    schema = json.loads((repo_root / "docs" / "results.schema.json").read_text())
+    for record in records.values():
+        jsonschema.validate(record, schema)
     for kind, record in records.items():
         assert record["status"] == "passed", kind
         assert record["num_questions_evaluated"] == record["config"]["num_questions"] == 200
