@@ -95,13 +95,11 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], shard_text: str | N
         output_dir: str, port: int | None, limit: int | None, junit_path: str | None, mutation: str | None,
         baseline_path: str | None) -> None:
     """Serve each selected config with vLLM, run GSM8K through lm-eval, gate, report."""
-    import os
-
     from moe_eval.checks import find_baseline
     from moe_eval.gsm8k import gsm8k_data
     from moe_eval.hardware import gpu_names
-    from moe_eval.report import markdown, print_table
-    from moe_eval.results import atomic_write_json, atomic_write_text
+    from moe_eval.report import print_table
+    from moe_eval.results import atomic_write_text
     from moe_eval.runner import RunOptions, preflight, run_config
 
     hw = resolve_hw(hw)
@@ -136,31 +134,43 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], shard_text: str | N
                 progress(f"  ERROR: {outcome.error}")
             for check in outcome.checks:
                 progress(f"  {check.name}: {check.detail}")
-    finally:
-        summary = {"hw": hw, "source": source, "run_root": str(run_root),
-                   "configs": [{"config": str(o.config.path), "status": o.status, "run_dir": str(o.run_dir),
-                                "error": o.error, "gate": o.gate.as_dict() if o.gate else None,
-                                "checks": [c.as_dict() for c in o.checks],
-                                "moe_backend_used": o.moe_backend_used} for o in outcomes],
-                   "complete": len(outcomes) == len(selected)}
-        atomic_write_json(run_root / "summary.json", summary)
-        if outcomes:
-            table = markdown(outcomes)
-            atomic_write_text(run_root / "summary.md", table)
-            if junit_path:
-                from moe_eval.junit import write_junit
-
-                write_junit(Path(junit_path), outcomes, hw, gpu_list)
-            step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
-            if step_summary:  # GitHub Actions renders this file on the job's page
-                with open(step_summary, "a") as fh:
-                    fh.write(f"## moe-eval GSM8K ({hw})\n\n{table}\n")
+    finally:  # also on Ctrl-C and errors: what finished is reported
+        write_run_reports(run_root, outcomes, complete=len(outcomes) == len(selected), hw=hw, source=source,
+                          junit_path=junit_path, gpus=gpu_list)
     print_table(outcomes, rich_output=sys.stdout.isatty())
     progress(f"results: {run_root}")
     if any(o.status == "error" for o in outcomes):
         sys.exit(ExitCode.INFRA)
     if any(o.status == "failed" for o in outcomes):
         sys.exit(ExitCode.GATE_FAILED)
+
+
+def write_run_reports(run_root: Path, outcomes: list, *, complete: bool, hw: str, source: str,
+                      junit_path: str | None, gpus: list[str]) -> None:
+    """summary.json and summary.md in the run folder, the JUnit file, GitHub's step summary."""
+    import os
+
+    from moe_eval.report import markdown
+    from moe_eval.results import atomic_write_json, atomic_write_text
+
+    summary = {"hw": hw, "source": source, "run_root": str(run_root), "complete": complete,
+               "configs": [{"config": str(o.config.path), "status": o.status, "run_dir": str(o.run_dir),
+                            "error": o.error, "gate": o.gate.as_dict() if o.gate else None,
+                            "checks": [c.as_dict() for c in o.checks], "moe_backend_used": o.moe_backend_used}
+                           for o in outcomes]}
+    atomic_write_json(run_root / "summary.json", summary)
+    if not outcomes:
+        return
+    table = markdown(outcomes)
+    atomic_write_text(run_root / "summary.md", table)
+    if junit_path:
+        from moe_eval.junit import write_junit
+
+        write_junit(Path(junit_path), outcomes, hw, gpus)
+    step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if step_summary:  # GitHub Actions renders this file on the job's page
+        with open(step_summary, "a") as fh:
+            fh.write(f"## moe-eval GSM8K ({hw})\n\n{table}\n")
 
 
 @cli.command(name="list")
