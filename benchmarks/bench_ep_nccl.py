@@ -72,7 +72,7 @@ def _rank(rank: int, store: str, out: str | None) -> None:
         rotations = [make_case(M * WORLD, E, K, D, F, dtype=torch.bfloat16, device="cuda", seed=100 + i,
                                weights_from=full) for i in range(4)]
         local = [(c.hidden_TD, w13, w2, c.topk_weights_TK, c.topk_ids_TK) for c in rotations]
-        us_local = _time_graph(lambda *a: fused_moe(*a, expert_map_E=emap), local)
+        us_local = _time_graph(lambda *a, m=emap: fused_moe(*a, expert_map_E=m), local)
         single = [(c.hidden_TD, c.w13_eFD, c.w2_eDF, c.topk_weights_TK, c.topk_ids_TK) for c in rotations]
         us_single = _time_graph(lambda *a: fused_moe(*a), single)
         ok = err_tep < REL_TOL and err_dep < REL_TOL and not tep.isnan().any() and not dep.isnan().any()

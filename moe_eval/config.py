@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -187,7 +188,7 @@ def parse_config(path: Path, text: str) -> EvalConfig:
         values[key] = _check_value(path, key, data[key], spec)
     config = EvalConfig(path=path, sha256=hashlib.sha256(text.encode()).hexdigest(), **values)
     try:
-        config.layout
+        _ = config.layout  # derived from server_args: an impossible layout is a config error now, not at launch
     except ValueError as exc:
         raise ConfigError(f"{path}: key 'server_args': value {config.server_args!r}: {exc}") from None
     return config

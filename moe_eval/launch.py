@@ -20,9 +20,9 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import requests
 
@@ -258,7 +258,7 @@ class VllmServer:
         if _group_alive(pgid):
             raise InfraError(f"processes of the vLLM server group {pgid} survived SIGKILL")
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         try:
             self.start()
         except BaseException:

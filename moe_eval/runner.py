@@ -11,14 +11,23 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import requests
 
 from moe_eval import launch
-from moe_eval.checks import Baseline, Check, answer_stats, first_response, garbage_checks, paired_check, per_question
+from moe_eval.checks import (
+    Baseline,
+    Check,
+    answer_stats,
+    first_response,
+    garbage_checks,
+    paired_check,
+    per_question,
+)
 from moe_eval.config import EvalConfig
 from moe_eval.errors import ConfigError, MoeEvalError
 from moe_eval.gate import GateResult
@@ -122,7 +131,7 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
         outcome.error = str(exc)
         record["error"] = {"type": type(exc).__name__, "exit_code": int(exc.exit_code), "message": str(exc)}
         raise_after = exc if isinstance(exc, ConfigError) else None
-    except BaseException as exc:  # Ctrl-C, SIGTERM, a bug: still write what we know, then propagate
+    except BaseException as exc:  # noqa: BLE001  Ctrl-C, SIGTERM, a bug: write what we know, then re-raise
         outcome.error = f"interrupted: {type(exc).__name__}"
         record["error"] = {"type": type(exc).__name__, "message": outcome.error}
         raise_after = exc

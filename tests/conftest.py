@@ -40,7 +40,7 @@ def run_cli(args: list[str], *, cwd: Path = REPO_ROOT, env: dict[str, str] | Non
     """The installed entry point, as a user runs it: a real process with a real exit code."""
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "moe_eval", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, check=False)
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
 

@@ -19,7 +19,7 @@ T tokens, D hidden, F intermediate, E experts (global), e local experts, K top-k
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -104,9 +104,8 @@ class BundledExperts:
         self.stats = _STATS.setdefault(self.choice.backend.value, KernelStats(self.choice.backend.value))
 
     def process_weights(self, layer: Any, global_experts: int, top_k: int) -> None:
-        from moe_eval.kernels.oracle import convert_to_kernel_format
-
         from moe_eval.kernels.mutations import mutate_weights
+        from moe_eval.kernels.oracle import convert_to_kernel_format
 
         w13 = mutate_weights(self.mutation, layer.w13_weight.data)
         self.weights = convert_to_kernel_format(self.choice.backend, w13, layer.w2_weight.data)

@@ -135,7 +135,7 @@ def test_server_killed_during_evaluation_is_exit_3(tmp_path, gsm8k_dir):
         assert log_path is not None, "evaluation never started"
         api_pid = int(re.search(r"\(APIServer pid=(\d+)\)", log_path.read_text()).group(1))
         os.killpg(api_pid, signal.SIGKILL)  # the whole server, as an OOM killer or a crash would
-        stdout, stderr = proc.communicate(timeout=300)
+        _, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -12,7 +12,12 @@ import requests
 
 from moe_eval import launch
 from moe_eval.models import TinyMoeSpec, ensure_tiny_moe
-from moe_eval.server_log import bundled_kernel_lines, kernel_call_counts, verify_moe_backend, vllm_moe_backends
+from moe_eval.server_log import (
+    bundled_kernel_lines,
+    kernel_call_counts,
+    verify_moe_backend,
+    vllm_moe_backends,
+)
 from tests.conftest import processes_with_env, run_cli
 
 pytestmark = pytest.mark.server

@@ -87,13 +87,13 @@ def test_compare_puts_backends_side_by_side_with_flips(tmp_path):
 
 
 @pytest.mark.parametrize("second, message", [
-    (dict(fewshot=3), "few-shot counts differ"),
-    (dict(correct=[True] * 9), "question sets differ"),
-    (dict(model="Mixtral"), "has one result"),
+    ({"fewshot": 3}, "few-shot counts differ"),
+    ({"correct": [True] * 9}, "question sets differ"),
+    ({"model": "Mixtral"}, "has one result"),
 ])
 def test_compare_refuses_mismatches(tmp_path, second, message):
     _write_run(tmp_path, "r1", "Q-BF16-triton", "Qwen", "bundled:triton", "TP (TP2)", [True] * 10)
-    kwargs = dict(model="Qwen", correct=[True] * 10, fewshot=5) | second
+    kwargs = {"model": "Qwen", "correct": [True] * 10, "fewshot": 5} | second
     _write_run(tmp_path, "r2", "Q-BF16-fi-cutlass", kwargs["model"], "bundled:flashinfer_cutlass", "TEP",
                kwargs["correct"], fewshot=kwargs["fewshot"])
     with pytest.raises(ConfigError, match=message):

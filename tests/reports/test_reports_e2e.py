@@ -4,7 +4,6 @@ own), JUnit with one pass and one failure, the GitHub step summary, compare, and
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
