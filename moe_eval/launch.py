@@ -21,6 +21,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Self
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -258,7 +259,7 @@ class VllmServer:
         if _group_alive(pgid):
             raise InfraError(f"processes of the vLLM server group {pgid} survived SIGKILL")
 
-    def __enter__(self) -> VllmServer:
+    def __enter__(self) -> Self:
         try:
             self.start()
         except BaseException:
