@@ -21,9 +21,9 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Self
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import requests
 
