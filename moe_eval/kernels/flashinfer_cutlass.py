@@ -7,8 +7,9 @@ range [ep_rank * e, (ep_rank + 1) * e), so slots of experts held elsewhere are s
 with ep_size=2, ep_rank=0, where a second rank would own them. It has no
 apply_router_weight_on_input either: for K = 1 the weight is applied to x here, in fp32.
 
-Not run on a GPU in this project yet (the first call JIT-builds for ~7 minutes; see the notes),
-so the oracle never picks it on its own under expert parallelism. Usage:
+Checked on the H200 against fused_moe_ref at Qwen3-30B-A3B TP1 and TEP2 (expert map) and
+Mixtral-8x7B TP2, M in {1, 64, 1024, 8192}: relative error 3.8e-3..3.9e-3 (docs/flashinfer.md).
+The first call JIT-builds its CUTLASS module (429 s for the BF16-only sources there). Usage:
 
     w31 = to_flashinfer_w31(w13_eFD)
     out_TD = flashinfer_cutlass_moe(hidden_TD, w31, w2_eDF, topk_weights_TK, topk_ids_TK)

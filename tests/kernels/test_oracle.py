@@ -53,7 +53,8 @@ CHOICES = [
     (H200, TP1, FLASHINFER, FLASHINFER),  # an explicit request that can run is honoured
     (H200, TP1, TORCH, TORCH),
     (H200_NO_TRITON, TP1, None, FLASHINFER),  # the next usable one, with Triton's reason recorded
-    (H200_NO_TRITON, TEP2, None, TORCH),  # FlashInfer's expert-map path is untested on GPU
+    (H200_NO_TRITON, TEP2, None, FLASHINFER),  # FlashInfer's expert-map path, checked on the H200
+    (H200, TEP2, FLASHINFER, FLASHINFER),  # the shipped fi-cutlass configs are TEP
     (B200, TP1, None, TRITON),  # Blackwell: not measured here, Triton is the GPU-tested path
     (B200, TP1, FLASHINFER, FLASHINFER),
     (A100, TP1, None, TRITON),  # SM80: FlashInfer adapter needs SM90
@@ -72,7 +73,6 @@ IMPOSSIBLE = [
     (V100, TP1, TRITON, "SM80"),
     (H200_NO_FLASHINFER, TP1, FLASHINFER, "not importable"),
     (H200_NO_TRITON, TP1, TRITON, "not importable"),
-    (H200, TEP2, FLASHINFER, "untested"),
 ]
 
 
