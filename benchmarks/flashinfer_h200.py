@@ -257,7 +257,7 @@ def timing(
             ws = torch.empty(ws_bytes, dtype=torch.uint8, device="cuda")
             outs = [torch.empty_like(c.hidden_TD) for c in cases]
 
-            def fi(c, o):
+            def fi(c, o, w31=w31, ws=ws):  # bound now: the closures are timed within this iteration
                 return lambda: flashinfer_cutlass_moe(
                     c.hidden_TD, w31, c.w2_eDF, c.topk_weights_TK, c.topk_ids_TK,
                     expert_map_E=c.expert_map_E, out=o, workspace=ws,
