@@ -123,7 +123,7 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], shard_text: str | N
     progress(f"{len(selected)} config(s) from {source} on {hw}; results in {run_root}")
 
     options = RunOptions(hw=hw, run_root=run_root, data=data, port=port, progress=progress, baselines=baselines,
-                         mutation=mutation)
+                         mutation=mutation, gpus=tuple(gpu_list))
     outcomes = []
     try:
         for i, config in enumerate(selected, start=1):

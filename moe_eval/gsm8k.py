@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,8 +64,12 @@ def canary_data() -> Gsm8kData:
 
     folder = cache_root() / "tasks" / "canary-arith-v1-seed0"
     if not (folder / "test.jsonl").exists():
-        write_splits(folder.with_name(folder.name + ".tmp"), seed=0, n_train=2000, n_test=GSM8K_TEST_QUESTIONS)
-        folder.with_name(folder.name + ".tmp").replace(folder)
+        staging = write_splits(folder.with_name(f"{folder.name}.tmp-{os.getpid()}"), seed=0, n_train=2000,
+                               n_test=GSM8K_TEST_QUESTIONS)
+        try:
+            staging.replace(folder)  # atomic: readers see both splits or none
+        except OSError:  # another run made it first: same seed, same files
+            shutil.rmtree(staging, ignore_errors=True)
     return Gsm8kData(folder, generated=True)
 
 
@@ -166,7 +171,7 @@ def _outcome(results: dict, task: str, model_args: dict, gen_kwargs: dict) -> Gs
     # lm-eval logs one sample per (question, filter); a question is one doc_id.
     questions = {s["doc_id"] for s in samples}
     return Gsm8kOutcome(scores=scores, num_questions=len(questions), samples=samples,
-                        lm_eval_config={"model_args": {k: v for k, v in model_args.items()},
+                        lm_eval_config={"model_args": dict(model_args),
                                         "gen_kwargs": gen_kwargs, "task": task,
                                         "n_samples": results.get("n-samples", {}).get(task)})
 

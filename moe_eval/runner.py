@@ -32,9 +32,9 @@ from moe_eval.config import EvalConfig
 from moe_eval.errors import ConfigError, MoeEvalError
 from moe_eval.gate import GateResult
 from moe_eval.gsm8k import Gsm8kData, canary_data, run_gsm8k
-from moe_eval.hardware import gpu_names
 from moe_eval.layout import LayoutKind
 from moe_eval.models import resolve_model
+from moe_eval.plugin_protocol import STATS_INTERVAL_SECONDS
 from moe_eval.results import RESULTS_SCHEMA_VERSION, atomic_write_json, cpu_model, versions, write_samples
 from moe_eval.server_log import (
     bundled_kernel_lines,
@@ -45,7 +45,6 @@ from moe_eval.server_log import (
 )
 
 Progress = Callable[[str], None]
-STATS_INTERVAL_SECONDS = 0.5  # moe_eval.kernels.plugin.STATS_INTERVAL_SECONDS (no torch import here)
 
 
 @dataclass(frozen=True)
@@ -57,6 +56,7 @@ class RunOptions:
     progress: Progress = field(default=lambda _: None)
     baselines: dict[Path, Baseline] = field(default_factory=dict)  # config path -> its paired baseline
     mutation: str | None = None  # a deliberate kernel bug (moe_eval.kernels.mutations), to prove the gate
+    gpus: tuple[str, ...] = ()  # read once per run (nvidia-smi), recorded in every results.json
 
 
 @dataclass
@@ -121,12 +121,13 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
     run_dir = config_run_dir(options.run_root, config)
     run_dir.mkdir(parents=True, exist_ok=True)
     outcome = ConfigOutcome(config=config, run_dir=run_dir)
-    record: dict[str, Any] = _base_record(config, options)
+    data = task_data(config, options)
+    record: dict[str, Any] = _base_record(config, options, data)
     log_path = run_dir / "server.log"
     started = time.monotonic()
     raise_after: BaseException | None = None
     try:
-        _serve_and_evaluate(config, options, run_dir, log_path, outcome, record)
+        _serve_and_evaluate(config, options, data, run_dir, log_path, outcome, record)
     except MoeEvalError as exc:
         outcome.error = str(exc)
         record["error"] = {"type": type(exc).__name__, "exit_code": int(exc.exit_code), "message": str(exc)}
@@ -151,7 +152,7 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
     return outcome
 
 
-def _serve_and_evaluate(config: EvalConfig, options: RunOptions, run_dir: Path, log_path: Path,
+def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData, run_dir: Path, log_path: Path,
                         outcome: ConfigOutcome, record: dict[str, Any]) -> None:
     model = resolve_model(config.model_name)
     record["model_path"] = model
@@ -172,7 +173,7 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, run_dir: Path, 
                          f"GSM8K {config.num_questions} questions, {config.num_fewshot}-shot")
         eval_started = time.monotonic()
         try:
-            result = run_gsm8k(config, server.base_url, model, task_data(config, options), run_dir)
+            result = run_gsm8k(config, server.base_url, model, data, run_dir)
         except MoeEvalError:
             server.check_alive("during the evaluation")  # a dead server explains the failure better
             raise
@@ -201,7 +202,7 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, run_dir: Path, 
                    "samples": "samples.jsonl"})
 
 
-def _base_record(config: EvalConfig, options: RunOptions) -> dict[str, Any]:
+def _base_record(config: EvalConfig, options: RunOptions, data: Gsm8kData) -> dict[str, Any]:
     return {
         "schema_version": RESULTS_SCHEMA_VERSION,
         "config_path": str(config.path),
@@ -210,9 +211,9 @@ def _base_record(config: EvalConfig, options: RunOptions) -> dict[str, Any]:
         "config": config.resolved(),
         "layout": {"kind": config.layout.kind.value, "describe": config.layout.describe(),
                    "world_size": config.layout.world_size},
-        "hardware": {"selected": options.hw, "gpus": gpu_names(), "cpu": cpu_model()},
+        "hardware": {"selected": options.hw, "gpus": list(options.gpus), "cpu": cpu_model()},
         "versions": versions(),
-        "gsm8k": task_data(config, options).describe(),
+        "gsm8k": data.describe(),
         "mutation": options.mutation,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

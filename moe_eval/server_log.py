@@ -12,12 +12,12 @@ import re
 from pathlib import Path
 
 from moe_eval.errors import InfraError
+from moe_eval.plugin_protocol import LOG_PREFIX, STATS_DIR
 
 # vLLM 0.32.0: "Using CPU Unquantized MoE backend out of potential backends: ['CPU']."
 # Names may hold a space ("FlashInfer CUTLASS"), so the name runs up to " Unquantized".
 _VLLM_CHOICE = re.compile(r"Using (?P<backend>[\w .-]+?) Unquantized MoE backend out of potential backends: "
                           r"\[(?P<candidates>[^\]]*)\]")
-BUNDLED_PREFIX = "moe-eval bundled MoE kernel: "  # moe_eval.kernels.plugin.LOG_PREFIX (no vLLM import here)
 # A config that leaves the MoE kernel to vLLM says in its file name which one it expects.
 NAME_SUFFIX_VLLM_BACKEND = {"-triton": "TRITON", "-fi-cutlass": "FlashInfer CUTLASS"}
 
@@ -34,7 +34,7 @@ def vllm_moe_backends(log_text: str) -> list[str]:
 def bundled_kernel_lines(log_text: str) -> list[dict]:
     lines = []
     for raw in log_text.splitlines():
-        _, found, payload = raw.partition(BUNDLED_PREFIX)
+        _, found, payload = raw.partition(LOG_PREFIX)
         if found:
             try:
                 lines.append(json.loads(payload))
@@ -66,7 +66,7 @@ def verify_moe_backend(requested: str | None, config_stem: str, log_text: str) -
 def kernel_call_counts(run_dir: Path) -> dict[str, int]:
     """Sum of the plugin's per-process counters (a lower bound: flushed at most twice a second)."""
     totals = {"processes": 0, "calls": 0, "tokens": 0}
-    for path in sorted((run_dir / "kernel-stats").glob("*.json")):
+    for path in sorted((run_dir / STATS_DIR).glob("*.json")):
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -161,7 +162,7 @@ def main() -> None:
     warmup = max(args.steps // 20, 1)
     # Linear warm-up, then cosine decay to 5% of the peak.
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min((s + 1) / warmup, 0.05 + 0.95 * 0.5 * (
-        1 + __import__("math").cos(__import__("math").pi * min(s / args.steps, 1.0)))))
+        1 + math.cos(math.pi * min(s / args.steps, 1.0)))))
     shots = train_items[:5]
     history = []
     for step in range(1, args.steps + 1):

@@ -23,11 +23,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-BACKEND_ENV = "MOE_EVAL_MOE_BACKEND"
-MUTATION_ENV = "MOE_EVAL_MUTATION"  # `moe-eval run --mutate NAME`: a deliberate bug (kernels/mutations.py)
-LOG_PREFIX = "moe-eval bundled MoE kernel: "  # moe_eval.server_log.BUNDLED_PREFIX reads it
-STATS_DIR = "kernel-stats"
-STATS_INTERVAL_SECONDS = 0.5  # the counter file is rewritten at most this often (apply() is hot)
+from moe_eval.plugin_protocol import (
+    BACKEND_ENV,
+    LOG_PREFIX,
+    MUTATION_ENV,
+    RUN_DIR_ENV,
+    STATS_DIR,
+    STATS_INTERVAL_SECONDS,
+)
 
 logger = logging.getLogger("moe_eval.kernels.plugin")
 _OOT_NAME = "UnquantizedFusedMoEMethod"  # vLLM's registry key is the class name, not the op name
@@ -63,7 +66,7 @@ class KernelStats:
     """Per-process call counter, flushed to a small JSON file (atomically) at most twice a second."""
 
     def __init__(self, backend: str) -> None:
-        run_dir = os.environ.get("MOE_EVAL_RUN_DIR")
+        run_dir = os.environ.get(RUN_DIR_ENV)
         self.path = Path(run_dir) / STATS_DIR / f"{os.getpid()}.json" if run_dir else None
         self.data = {"backend": backend, "pid": os.getpid(), "calls": 0, "tokens": 0}
         self.last_flush = 0.0
