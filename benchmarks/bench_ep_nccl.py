@@ -1,110 +1,284 @@
-"""Two-GPU expert parallelism (TEP and DEP) around the bundled Triton kernel, over NCCL.
+"""Expert parallelism (TEP and DEP) over two ranks around the bundled Triton kernel, over NCCL.
 
-For `nvidia-h200-x2` (or any 2-GPU host): one process per GPU, the Qwen3-30B-A3B layer
-(E=128, K=8, D=2048, F=768) split 64 + 64 experts, M tokens per rank in {1, 64, 4096}.
-Checks each combine against the single-rank reference of the full layer (bf16 relative error
-< 1e-2, no NaN), then times each rank's kernel on its local work (CUDA graph, rotated inputs,
-median) against the same local work on one GPU. Prints a table; writes JSON with --out.
+For `nvidia-h200-x2` (any host with 2 GPUs): one process per GPU, the Qwen3-30B-A3B layer
+(E=128, K=8, D=2048, F=768) split 64 + 64 experts (vLLM's linear placement), M tokens per rank.
 
-    NCCL_NVLS_ENABLE=0 python benchmarks/bench_ep_nccl.py --out ep-nccl.json
+Correctness, per M, against fused_moe_ref (fp32) of the full layer on one rank:
+  TEP  both ranks take the same M tokens; partial outputs all-reduced.
+  DEP  each rank has its own M tokens; all-gather, local experts, then the combine back, both ways:
+       reduce-scatter (what NCCL runs by default) and all-reduce keeping own rows (gloo's way).
+  Bound: relative error < 1e-2 and no NaN, as in the kernel tests.
 
-NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the lent multi-GPU machines require.
+Timing (GPU only), CUDA graphs over 4 rotated input sets sharing the weights, medians:
+  tep_local   this rank's kernel on TEP's local work: M tokens, its 64 experts (expert map)
+  dep_local   this rank's kernel on DEP's local work: the 2M gathered tokens, its 64 experts
+  one_gpu     the full layer (128 experts) on M tokens on one GPU: what TP1 would run
+each replayed with both ranks at once ("concurrent") and with the other rank idle at a barrier
+("alone": the single-GPU time of the same local work), interleaved round by round. Plus the whole
+TEP and DEP layer step, collectives included, eager (DEP syncs the host for the token counts).
+
+    python benchmarks/bench_ep_nccl.py --out-dir DIR                       # 2 GPUs, NCCL
+    python benchmarks/bench_ep_nccl.py --out-dir DIR --cpu-smoke           # 2 CPU ranks, gloo, small
+
+--cpu-smoke checks the script itself on a CPU (torch kernel, small shape, no timing). NVLink
+multicast stays off in NCCL and torch (the lent multi-GPU machines require it); set here for the
+rank processes, whatever the caller's environment says.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-E, K, D, F = 128, 8, 2048, 768
-M_GRID = (1, 64, 4096)
 WORLD = 2
+QWEN3_30B_A3B = {"E": 128, "K": 8, "D": 2048, "F": 768}
+SMOKE_SHAPE = {"E": 8, "K": 2, "D": 64, "F": 32}
+M_GRID = (1, 64, 4096)
 REL_TOL = 1e-2
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
-def _time_graph(fn, inputs, reps: int = 50) -> float:
-    """Median microseconds of one call, replayed from a CUDA graph over rotated input sets."""
-    for args in inputs:  # warm-up (Triton compile, autotune lookups) outside the graph
-        fn(*args)
+def _sample_us(graph: torch.cuda.CUDAGraph, calls_per_replay: int, inner: int) -> float:
+    """Microseconds per call over `inner` back-to-back replays (long enough that host skew
+    between the ranks is small next to the window in which both GPUs run)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(inner):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (inner * calls_per_replay)
+
+
+def _capture(calls: list) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for args in inputs:
-            fn(*args)
-    times = []
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def _barrier(rank: int) -> None:
+    dist.barrier(device_ids=[rank])
+    torch.cuda.synchronize()
+
+
+def _time_rounds(
+    graphs: dict[str, tuple[torch.cuda.CUDAGraph, int]], rank: int, rounds: int, inner: int
+) -> dict[str, dict[str, list[float]]]:
+    """Per graph: samples with both ranks replaying at once, and with this rank alone."""
+    samples = {name: {"concurrent": [], "alone": []} for name in graphs}
+    for name, (graph, n) in graphs.items():  # warm-up: clocks up, caches in their steady state
+        for _ in range(3):
+            _sample_us(graph, n, inner)
+    for _ in range(rounds):
+        for name, (graph, n) in graphs.items():
+            _barrier(rank)
+            samples[name]["concurrent"].append(_sample_us(graph, n, inner))
+            for turn in range(WORLD):
+                _barrier(rank)
+                if turn == rank:
+                    samples[name]["alone"].append(_sample_us(graph, n, inner))
+    return samples
+
+
+def _time_layer_steps(steps: dict[str, object], rank: int, reps: int) -> dict[str, list[float]]:
+    """Wall microseconds of a whole layer step (kernel + collectives), both ranks together."""
+    out = {name: [] for name in steps}
+    for step in steps.values():
+        step()
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(inputs))
-    return statistics.median(times)
+        for name, step in steps.items():
+            _barrier(rank)
+            t = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            out[name].append((time.perf_counter() - t) * 1e6)
+    return out
 
 
-def _rank(rank: int, store: str, out: str | None) -> None:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+def _timings(moe, full, w13, w2, emap, M: int, rank: int, rounds: int) -> dict[str, float]:
+    """Medians in microseconds: the local works and the one-GPU layer (graphs), the layer steps (eager)."""
+    from moe_eval.kernels.expert_parallel import dep_moe, tep_moe
+    from moe_eval.kernels.testing import make_case
+
+    E, K, D, F = QWEN3_30B_A3B.values()
+    rotations = [make_case(WORLD * M, E, K, D, F, dtype=torch.bfloat16, device=full.hidden_TD.device,
+                           seed=100 * M + i, weights_from=full) for i in range(4)]  # fmt: skip
+
+    def kernel(c, tokens: slice, w13, w2, emap):
+        return lambda: moe(c.hidden_TD[tokens], w13, w2, c.topk_weights_TK[tokens], c.topk_ids_TK[tokens],
+                           expert_map_E=emap)  # fmt: skip
+
+    first_m, every = slice(0, M), slice(0, WORLD * M)
+    works = {
+        "tep_local": [kernel(c, first_m, w13, w2, emap) for c in rotations],
+        "dep_local": [kernel(c, every, w13, w2, emap) for c in rotations],
+        "one_gpu": [kernel(c, first_m, full.w13_eFD, full.w2_eDF, None) for c in rotations],
+    }
+    graphs = {name: (_capture(calls), len(calls)) for name, calls in works.items()}
+    out = {}
+    for name, modes in _time_rounds(graphs, rank, rounds, inner=5).items():
+        for mode, us in modes.items():
+            out[f"us_{name}_{mode}"] = statistics.median(us)
+    del graphs
+    c, mine = rotations[0], slice(rank * M, (rank + 1) * M)
+    hidden, weights, ids = c.hidden_TD, c.topk_weights_TK, c.topk_ids_TK
+    steps = {
+        "tep_step": lambda: tep_moe(moe, hidden[:M], w13, w2, weights[:M], ids[:M], emap),
+        "dep_step": lambda: dep_moe(moe, hidden[mine], w13, w2, weights[mine].contiguous(),
+                                    ids[mine].contiguous(), emap),
+    }  # fmt: skip
+    for name, us in _time_layer_steps(steps, rank, reps=20).items():
+        out[f"us_{name}_eager"] = statistics.median(us)
+    del rotations
+    torch.cuda.empty_cache()
+    return out
+
+
+def _rank_main(rank: int, store: str, out_dir: str, Ms: list[int], cpu_smoke: bool, rounds: int) -> None:
+    os.environ.update(NO_MULTICAST_ENV)
     from moe_eval.kernels.expert_parallel import dep_moe, shard_experts, tep_moe
-    from moe_eval.kernels.fused_moe import fused_moe
     from moe_eval.kernels.testing import make_case, rel_err
 
+    if cpu_smoke:
+        from moe_eval.kernels.torch_moe import torch_moe as moe
+
+        device, backend, shape = torch.device("cpu"), "gloo", SMOKE_SHAPE
+    else:
+        from moe_eval.kernels.fused_moe import fused_moe as moe
+
+        torch.cuda.set_device(rank)
+        device, backend, shape = torch.device("cuda", rank), "nccl", QWEN3_30B_A3B
+    init = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=WORLD, **init)
+    E, K, D, F = shape["E"], shape["K"], shape["D"], shape["F"]
+    combines = ["all_reduce"] if cpu_smoke else ["reduce_scatter", "all_reduce"]  # gloo: no reduce_scatter
     rows = []
-    for M in M_GRID:
-        full = make_case(M * WORLD, E, K, D, F, dtype=torch.bfloat16, device="cuda", seed=M)
+    for M in Ms:
+        t0 = time.perf_counter()
+        full = make_case(WORLD * M, E, K, D, F, dtype=torch.bfloat16, device=device, seed=M)
         ref = full.reference_fp32()
         w13, w2, emap = shard_experts(full.w13_eFD, full.w2_eDF, WORLD, rank)
-        tep = tep_moe(fused_moe, full.hidden_TD, w13, w2, full.topk_weights_TK, full.topk_ids_TK, emap)
+        tep = tep_moe(moe, full.hidden_TD[:M], w13, w2, full.topk_weights_TK[:M], full.topk_ids_TK[:M], emap)
+        row = {"rank": rank, "M_per_rank": M, "rel_err_tep": rel_err(tep, ref[:M]),
+               "nan_tep": bool(tep.isnan().any())}  # fmt: skip
         mine = slice(rank * M, (rank + 1) * M)
-        dep = dep_moe(fused_moe, full.hidden_TD[mine], w13, w2, full.topk_weights_TK[mine].contiguous(),
-                      full.topk_ids_TK[mine].contiguous(), emap)
-        dep_all = [torch.empty_like(dep) for _ in range(WORLD)]
-        dist.all_gather(dep_all, dep)
-        err_tep, err_dep = rel_err(tep, ref), rel_err(torch.cat(dep_all), ref)
-        # Per-rank kernel time on its local work (all M*W tokens, its 64 experts) vs one GPU, all 128.
-        rotations = [make_case(M * WORLD, E, K, D, F, dtype=torch.bfloat16, device="cuda", seed=100 + i,
-                               weights_from=full) for i in range(4)]
-        local = [(c.hidden_TD, w13, w2, c.topk_weights_TK, c.topk_ids_TK) for c in rotations]
-        us_local = _time_graph(lambda *a, m=emap: fused_moe(*a, expert_map_E=m), local)
-        single = [(c.hidden_TD, c.w13_eFD, c.w2_eDF, c.topk_weights_TK, c.topk_ids_TK) for c in rotations]
-        us_single = _time_graph(lambda *a: fused_moe(*a), single)
-        ok = err_tep < REL_TOL and err_dep < REL_TOL and not tep.isnan().any() and not dep.isnan().any()
-        rows.append({"rank": rank, "M_per_rank": M, "rel_err_tep": err_tep, "rel_err_dep": err_dep, "ok": ok,
-                     "us_rank_local_experts": us_local, "us_one_gpu_all_experts": us_single})
-    gathered = [None] * WORLD
-    dist.all_gather_object(gathered, rows)
+        for combine in combines:
+            dep = dep_moe(moe, full.hidden_TD[mine], w13, w2, full.topk_weights_TK[mine].contiguous(),
+                          full.topk_ids_TK[mine].contiguous(), emap, combine=combine)  # fmt: skip
+            sent = dep.float() if cpu_smoke else dep  # gloo: no bf16 all_gather
+            gathered = [torch.empty_like(sent) for _ in range(WORLD)]
+            dist.all_gather(gathered, sent)
+            dep_all = torch.cat(gathered)
+            row[f"rel_err_dep_{combine}"] = rel_err(dep_all, ref)
+            row[f"nan_dep_{combine}"] = bool(dep_all.isnan().any())
+        errs = [v for k, v in row.items() if k.startswith("rel_err")]
+        row["ok"] = all(e < REL_TOL for e in errs) and not any(
+            v for k, v in row.items() if k.startswith("nan")
+        )
+        if not cpu_smoke:
+            row |= _timings(moe, full, w13, w2, emap, M, rank, rounds)
+        row["seconds"] = time.perf_counter() - t0
+        rows.append(row)
+        print(f"rank {rank} M/rank {M}: {'ok' if row['ok'] else 'FAIL'} "
+              + " ".join(f"{k}={v:.3g}" for k, v in row.items() if k.startswith(("rel_err", "us_"))),
+              file=sys.stderr, flush=True)  # fmt: skip
+    gathered_rows = [None] * WORLD
+    dist.all_gather_object(gathered_rows, rows)
     if rank == 0:
-        flat = [r for part in gathered for r in part]
-        for r in flat:
-            print(f"rank {r['rank']} M/rank {r['M_per_rank']:5d}  err TEP {r['rel_err_tep']:.2e}  "
-                  f"DEP {r['rel_err_dep']:.2e}  {'OK' if r['ok'] else 'FAIL'}  kernel {r['us_rank_local_experts']:.1f} us "
-                  f"(one GPU, all experts: {r['us_one_gpu_all_experts']:.1f} us)")
-        if out:
-            with open(out, "w") as fh:
-                json.dump({"gpus": [torch.cuda.get_device_name(i) for i in range(WORLD)],
-                           "torch": torch.__version__, "rows": flat}, fh, indent=2)
+        meta = {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "backend": backend, "shape": shape, "world": WORLD, "torch": torch.__version__,
+            "devices": [torch.cuda.get_device_name(i) for i in range(WORLD)] if not cpu_smoke else ["cpu"] * WORLD,
+            "env": {k: os.environ.get(k) for k in NO_MULTICAST_ENV}, "command": "python " + " ".join(sys.argv),
+        }  # fmt: skip
+        if not cpu_smoke:
+            import triton
+
+            meta["triton"] = triton.__version__
+        flat = [r for part in gathered_rows for r in part]
+        doc = {"meta": meta, "rows": flat}
+        tmp = Path(out_dir) / "ep.json.tmp"
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(Path(out_dir) / "ep.json")
+        (Path(out_dir) / "ep.md").write_text(markdown(flat) + "\n")
     dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--store", default=None, help="rendezvous file (default: a fresh temporary file)")
-    args = parser.parse_args()
-    if torch.cuda.device_count() < WORLD:
-        raise SystemExit(f"needs {WORLD} GPUs; this machine has {torch.cuda.device_count()}")
-    import tempfile
+def markdown(rows: list[dict]) -> str:
+    errs = "| rank | M/rank | TEP rel err | DEP rel err (reduce-scatter) | DEP rel err (all-reduce) | ok |"
+    lines = [errs, "|---:|---:|---:|---:|---:|:---:|"]
+    for r in rows:
+        rs = r.get("rel_err_dep_reduce_scatter")
+        lines.append(f"| {r['rank']} | {r['M_per_rank']} | {r['rel_err_tep']:.2e} | "
+                     f"{'' if rs is None else f'{rs:.2e}'} | {r['rel_err_dep_all_reduce']:.2e} | "
+                     f"{'yes' if r['ok'] else 'NO'} |")  # fmt: skip
+    if any("us_tep_local_alone" in r for r in rows):
+        lines += ["", "| rank | M/rank | work | alone us | concurrent us | conc / alone |",
+                  "|---:|---:|---|---:|---:|---:|"]  # fmt: skip
+        for r in rows:
+            for work in ("tep_local", "dep_local", "one_gpu"):
+                a, c = r[f"us_{work}_alone"], r[f"us_{work}_concurrent"]
+                lines.append(
+                    f"| {r['rank']} | {r['M_per_rank']} | {work} | {a:.1f} | {c:.1f} | {c / a:.3f} |"
+                )
+        lines += ["", "| rank | M/rank | TEP layer step us (eager) | DEP layer step us (eager) |",
+                  "|---:|---:|---:|---:|"]  # fmt: skip
+        for r in rows:
+            lines.append(f"| {r['rank']} | {r['M_per_rank']} | {r['us_tep_step_eager']:.1f} | "
+                         f"{r['us_dep_step_eager']:.1f} |")  # fmt: skip
+    return "\n".join(lines)
 
-    store = args.store or os.path.join(tempfile.mkdtemp(), "store")
-    mp.spawn(_rank, args=(store, args.out), nprocs=WORLD, join=True)
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, required=True, help="writes ep.json and ep.md there")
+    parser.add_argument("--m", nargs="*", type=int, default=None, help=f"tokens per rank (default {M_GRID})")
+    parser.add_argument("--rounds", type=int, default=20, help="timing rounds (each: concurrent, then alone)")
+    parser.add_argument(
+        "--cpu-smoke", action="store_true", help="2 CPU ranks over gloo, small shape, no timing"
+    )
+    args = parser.parse_args(argv)
+    os.environ.update(NO_MULTICAST_ENV)  # inherited by the spawned ranks as well
+    if not args.cpu_smoke and torch.cuda.device_count() < WORLD:
+        print(f"needs {WORLD} GPUs; this machine has {torch.cuda.device_count()} (--cpu-smoke runs on CPUs)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    Ms = args.m or ([1, 3] if args.cpu_smoke else list(M_GRID))
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    mp.spawn(
+        _rank_main, args=(store, str(args.out_dir), Ms, args.cpu_smoke, args.rounds), nprocs=WORLD, join=True
+    )
+    doc = json.loads((args.out_dir / "ep.json").read_text())
+    print(markdown(doc["rows"]))
+    return 0 if all(r["ok"] for r in doc["rows"]) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

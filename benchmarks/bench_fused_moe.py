@@ -1,11 +1,15 @@
 """Benchmark the bundled Triton fused MoE against its peers on the shipped per-rank shapes (GPU).
 
-Peers, interleaved replay by replay so they share the card's thermal and power state:
+Peers (--peers), interleaved replay by replay so they share the card's thermal and power state:
   triton      moe_eval.kernels.fused_moe.fused_moe (alignment included), CUDA graph
   grouped_mm  moe_eval.kernels.torch_moe.grouped_mm_moe (sort, grouped GEMM, SiLU-and-mul,
               grouped GEMM, unpermute, sum), CUDA graph
-  reference   moe_eval.kernels.fused_moe.fused_moe_ref (fp32; it syncs the host, so it runs eagerly)
-  torch_moe_eager  moe_eval.kernels.torch_moe.torch_moe (the CPU path; syncs the host: eager, M <= 1024)
+  flashinfer_cutlass  moe_eval.kernels.flashinfer_cutlass (FlashInfer's CUTLASS fused MoE, BF16),
+              autotuned at exactly the M timed before capture, CUDA graph (needs flashinfer and its
+              built module: benchmarks/flashinfer_h200.py installs both on a lent H200)
+Eager, unless --skip-eager (they sync the host, so they cannot be captured):
+  reference   moe_eval.kernels.fused_moe.fused_moe_ref (fp32)
+  torch_moe_eager  moe_eval.kernels.torch_moe.torch_moe (the CPU path; M <= 1024)
 Each graph holds one call per rotated input set (different tokens and routing, so the experts a
 call hits were not the previous call's), replayed back to back after a warm-up; the time of a call
 is a replay's time over the calls in it; the median of the replays is reported.
@@ -15,6 +19,7 @@ this rank), bytes = experts hit * 3 * D * F * 2 + x + out, ceilings measured in 
 (8192^3 bf16 matmul on random data; device-to-device copy counting read + write).
 
 Usage: python benchmarks/bench_fused_moe.py --out-dir DIR [--shapes "Qwen3-30B-A3B TP1" ...] [--m 1 16]
+                                           [--peers triton grouped_mm flashinfer_cutlass] [--skip-eager]
 Writes DIR/bench.json, DIR/bench.md and DIR/roofline_<model>.png; prints the table on stdout.
 """
 
@@ -160,32 +165,101 @@ def _call(fn: Callable, case: MoeCase) -> Callable[[], object]:
     return lambda: fn(*case.args(), **case.kwargs())
 
 
-def bench_shape(shape: MoeShape, Ms: list[int], ceilings: dict[str, float], replays: int) -> list[dict]:
+# --- peers: each turns the rotated input sets into one call per set, plus notes for its rows -----
+
+PeerCalls = tuple[list[Callable[[], object]], dict]
+
+
+def triton_peer(shape: MoeShape, cases: list[MoeCase]) -> PeerCalls:
+    return [_call(fused_moe, c) for c in cases], {}
+
+
+def grouped_mm_peer(shape: MoeShape, cases: list[MoeCase]) -> PeerCalls:
+    return [_call(grouped_mm_moe, c) for c in cases], {}
+
+
+_w31_cache: dict[int, torch.Tensor] = {}  # one shape's converted weights (the sets share them)
+
+
+def flashinfer_cutlass_peer(shape: MoeShape, cases: list[MoeCase]) -> PeerCalls:
+    """FlashInfer's CUTLASS MoE with a preallocated workspace (capturable), autotuned at this M.
+
+    The tactic search runs kernels and so cannot happen inside a graph capture; tuning at exactly
+    the M timed (tuning_buckets) gives FlashInfer its best tactic for this case, as vLLM's warm-up does.
+    """
+    from flashinfer.autotuner import autotune
+    from flashinfer.fused_moe import cutlass_fused_moe_workspace_size
+
+    from moe_eval.kernels.flashinfer_cutlass import flashinfer_cutlass_moe, to_flashinfer_w31
+
+    w13 = cases[0].w13_eFD
+    if w13.data_ptr() not in _w31_cache:
+        _w31_cache.clear()
+        _w31_cache[w13.data_ptr()] = to_flashinfer_w31(w13)
+    w31 = _w31_cache[w13.data_ptr()]
+    M = cases[0].hidden_TD.shape[0]
+    ep_size = 1 if cases[0].expert_map_E is None else 2  # the adapter's phantom second rank
+    ws = torch.empty(
+        cutlass_fused_moe_workspace_size(
+            M, shape.D, shape.F, shape.local_experts * ep_size, shape.top_k,
+            x_dtype=torch.bfloat16, weight_dtype=torch.bfloat16, ep_size=ep_size, ep_rank=0,
+        ),
+        dtype=torch.uint8, device="cuda",
+    )  # fmt: skip
+    outs = [torch.empty_like(c.hidden_TD) for c in cases]
+
+    def call(c: MoeCase, out: torch.Tensor) -> Callable[[], object]:
+        return lambda: flashinfer_cutlass_moe(
+            c.hidden_TD, w31, c.w2_eDF, c.topk_weights_TK, c.topk_ids_TK,
+            expert_map_E=c.expert_map_E, out=out, workspace=ws,
+        )  # fmt: skip
+
+    t = time.perf_counter()
+    with autotune(True, tuning_buckets=(M,)):
+        call(cases[0], outs[0])()
+    torch.cuda.synchronize()
+    return [call(c, o) for c, o in zip(cases, outs)], {"tune_s": time.perf_counter() - t}
+
+
+GRAPH_PEERS: dict[str, Callable[[MoeShape, list[MoeCase]], PeerCalls]] = {
+    "triton": triton_peer,
+    "grouped_mm": grouped_mm_peer,
+    "flashinfer_cutlass": flashinfer_cutlass_peer,
+}
+DEFAULT_PEERS = ("triton", "grouped_mm")
+
+
+def bench_shape(
+    shape: MoeShape,
+    Ms: list[int],
+    ceilings: dict[str, float],
+    replays: int,
+    peers: tuple[str, ...] = DEFAULT_PEERS,
+    eager: bool = True,
+    deadline: float | None = None,
+    on_rows: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
+    """Rows for every (M, impl). Stops before an M once time.perf_counter() passes `deadline`;
+    `on_rows` sees each M's rows as soon as they exist (for callers that save as they go)."""
     rows = []
     base = shape_case(shape, 1, seed=7)  # holds the weights every set shares
     for M in Ms:
+        if deadline is not None and time.perf_counter() > deadline:
+            log(f"  {shape.name}: deadline reached before M={M}")
+            break
         cases = rotated_sets(shape, M, base)
         counts = layer_counts(shape, cases)
-        timers = {
-            "triton": GraphTimer([_call(fused_moe, c) for c in cases]),
-            "grouped_mm": GraphTimer([_call(grouped_mm_moe, c) for c in cases]),
-        }
+        timers, notes = {}, {}
+        for name in peers:
+            calls, notes[name] = GRAPH_PEERS[name](shape, cases)
+            timers[name] = GraphTimer(calls)
         samples = time_interleaved(timers, replays)
         del timers
-        # The reference syncs the host (nonzero), so it cannot be captured: eager, fewer calls.
-        ref_reps = 3 if M >= 4096 else 5
-        fused_moe_ref(*cases[0].args(), **cases[0].kwargs())
-        torch.cuda.synchronize()
-        ref_times = []
-        for i in range(ref_reps):
-            case = cases[i % len(cases)]
-            t0 = time.perf_counter()
-            fused_moe_ref(*case.args(), **case.kwargs())
-            torch.cuda.synchronize()
-            ref_times.append((time.perf_counter() - t0) * 1e6)
-        samples["reference"] = ref_times
-        if M <= 1024:  # torch_moe syncs the host once per call (bincount().tolist()): eager too
-            samples["torch_moe_eager"] = _eager_us(torch_moe, cases, reps=5)
+        if eager:
+            # The reference syncs the host (nonzero), so it cannot be captured: eager, fewer calls.
+            samples["reference"] = _eager_us(fused_moe_ref, cases, reps=3 if M >= 4096 else 5)
+            if M <= 1024:  # torch_moe syncs the host once per call (bincount().tolist()): eager too
+                samples["torch_moe_eager"] = _eager_us(torch_moe, cases, reps=5)
         roof_us = (
             max(
                 counts["flops"] / (ceilings["matmul_tflops"] * 1e12),
@@ -193,19 +267,22 @@ def bench_shape(shape: MoeShape, Ms: list[int], ceilings: dict[str, float], repl
             )
             * 1e6
         )
+        m_rows = []
         for impl, us in samples.items():
             med = statistics.median(us)
-            rows.append({
+            m_rows.append({
                 "model": shape.model, "layout": shape.layout, "M": M, "impl": impl,
                 "median_us": med, "min_us": min(us), "max_us": max(us), "samples": len(us),
                 "tflops": counts["flops"] / med / 1e6, "gbps": counts["bytes"] / med / 1e3,
                 "roofline_us": roof_us, "frac_roofline": roof_us / med,
-                "experts_hit": counts["experts_hit"], "slots": counts["slots"],
+                "experts_hit": counts["experts_hit"], "slots": counts["slots"], **notes.get(impl, {}),
             })  # fmt: skip
-        tri = statistics.median(samples["triton"])
-        gmm = statistics.median(samples["grouped_mm"])
-        log(f"  {shape.name:24s} M={M:6d} triton {tri:9.1f} us  grouped_mm {gmm:9.1f} us  x{gmm / tri:5.2f}  "
-            f"roofline {roof_us:8.1f} us ({roof_us / tri:5.1%})")  # fmt: skip
+        rows += m_rows
+        if on_rows is not None:
+            on_rows(m_rows)
+        meds = {impl: statistics.median(samples[impl]) for impl in peers}
+        log(f"  {shape.name:24s} M={M:6d} " + "  ".join(f"{k} {v:9.1f} us" for k, v in meds.items())
+            + f"  roofline {roof_us:8.1f} us")  # fmt: skip
         del cases
         torch.cuda.empty_cache()
     return rows
@@ -268,17 +345,18 @@ def _eager_us(fn: Callable, cases: list[MoeCase], reps: int) -> list[float]:
 
 
 def markdown_table(rows: list[dict]) -> str:
+    """One row per (shape, M, impl); 'x triton' is this impl's time over Triton's (> 1: slower)."""
     lines = [
-        "| model | layout | M | impl | median us | TFLOP/s | GB/s | roofline us | of roofline | vs grouped_mm |",
+        "| model | layout | M | impl | median us | TFLOP/s | GB/s | roofline us | of roofline | x triton |",
         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     by_key = {(r["model"], r["layout"], r["M"], r["impl"]): r for r in rows}
     for r in rows:
-        peer = by_key.get((r["model"], r["layout"], r["M"], "grouped_mm"))
-        speedup = f"{peer['median_us'] / r['median_us']:.2f}x" if peer else ""
+        triton = by_key.get((r["model"], r["layout"], r["M"], "triton"))
+        ratio = f"{r['median_us'] / triton['median_us']:.2f}" if triton else ""
         lines.append(
             f"| {r['model']} | {r['layout']} | {r['M']} | {r['impl']} | {r['median_us']:.1f} | {r['tflops']:.1f} | "
-            f"{r['gbps']:.0f} | {r['roofline_us']:.1f} | {r['frac_roofline']:.1%} | {speedup} |"
+            f"{r['gbps']:.0f} | {r['roofline_us']:.1f} | {r['frac_roofline']:.1%} | {ratio} |"
         )
     return "\n".join(lines)
 
@@ -296,6 +374,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         styles = {
             "triton": "-o",
             "grouped_mm": "--s",
+            "flashinfer_cutlass": "-D",
             "reference": ":^",
             "torch_moe_eager": "-.x",
         }  # style = impl
@@ -330,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--m", nargs="*", type=int, default=list(M_GRID))
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--skip-alignment", action="store_true", help="skip the alignment-path comparison")
+    parser.add_argument("--peers", nargs="*", default=list(DEFAULT_PEERS), choices=list(GRAPH_PEERS))
+    parser.add_argument(
+        "--skip-eager", action="store_true", help="skip the eager reference and torch_moe rows"
+    )
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     by_name = {s.name: s for s in SHIPPED_SHAPES}
@@ -340,7 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"ceilings: {ceilings}")
     rows = []
     for shape in shapes:
-        rows += bench_shape(shape, args.m, ceilings, args.replays)
+        rows += bench_shape(
+            shape, args.m, ceilings, args.replays, tuple(args.peers), eager=not args.skip_eager
+        )
     align_rows = []
     if not args.skip_alignment:
         for shape in shapes[:1]:
@@ -356,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
         "ceilings_before": ceilings,
         "ceilings_after": ceilings_after,
     }
+    if "flashinfer_cutlass" in args.peers:
+        import flashinfer
+
+        meta["flashinfer"] = flashinfer.__version__
     (args.out_dir / "bench.json").write_text(
         json.dumps({"meta": meta, "rows": rows, "alignment": align_rows}, indent=1)
     )

@@ -7,8 +7,9 @@ after every case so a run cut short keeps what it has:
            as an AOT module (<site-packages>/flashinfer/data/aot/fused_moe_90/fused_moe_90.so).
   correct  the adapter through the oracle (convert_to_kernel_format + make_moe_kernel) and, with its
            output poisoned (NaN), directly, against fused_moe_ref in fp32 at the shipped shapes.
-  time     autotuned FlashInfer vs the bundled Triton kernel, CUDA graphs, interleaved replays
-           (bench_fused_moe's GraphTimer and rotated input sets), while --deadline-s allows.
+  time     bench_fused_moe.bench_shape with peers triton, flashinfer_cutlass (autotuned at each M)
+           and grouped_mm: CUDA graphs over rotated input sets, interleaved replays, ceilings
+           measured before and after, while --timing-deadline-s allows.
 
 FlashInfer must already be importable (the wheels are installed by the caller; this installs nothing).
 Usage: python benchmarks/flashinfer_h200.py --out-dir DIR [--deadline-s 470] [--timing-deadline-s 430]
@@ -24,7 +25,6 @@ import datetime
 import json
 import os
 import shutil
-import statistics
 import sys
 import threading
 import time
@@ -42,7 +42,9 @@ BUILD_ENV = {
 }
 
 SHAPES = ("Qwen3-30B-A3B TP1", "Mixtral-8x7B TP2", "Qwen3-30B-A3B TEP2")  # timing order: TP1 first
-MS = (1, 64, 1024, 8192)
+MS = (1, 64, 1024, 8192)  # correctness
+TIMED_MS = (1, 16, 64, 256, 1024, 4096, 16384)  # bench_fused_moe's grid (M_GRID)
+TIMED_PEERS = ("triton", "flashinfer_cutlass", "grouped_mm")
 TOLERANCE_BF16 = 1e-2  # the issue's bound; 3e-3..5e-3 expected (bf16 rounding of x, weights, out)
 BF16_GROUPED_SM90 = "INSTANTIATE_TMA_WARP_SPECIALIZED_MOE_GEMM(Sm90, __nv_bfloat16, __nv_bfloat16"
 T0 = time.perf_counter()
@@ -165,7 +167,7 @@ def warm_triton(shapes: list, Ms: tuple[int, ...], report: dict) -> threading.Th
                 torch.cuda.synchronize()
                 del base
             report["triton_warm_s"] = time.perf_counter() - t
-        except Exception as exc:  # timing will compile on demand instead; say why
+        except Exception as exc:  # noqa: BLE001 -- timing will compile on demand instead; say why
             report["triton_warm_error"] = f"{type(exc).__name__}: {exc}"[:2000]
 
     thread = threading.Thread(target=run, name="triton-warm", daemon=True)
@@ -230,64 +232,32 @@ def correctness(res: Results, shapes: list, Ms: tuple[int, ...], deadline: float
 def timing(
     res: Results, shapes: list, Ms: tuple[int, ...], deadline: float, replays: int, out_dir: Path
 ) -> None:
-    """Autotune FlashInfer at exactly Ms, then time both kernels interleaved in CUDA graphs."""
-    import torch
-    from bench_fused_moe import GraphTimer, layer_counts, rotated_sets, time_interleaved
-    from flashinfer.autotuner import autotune
-    from flashinfer.fused_moe import cutlass_fused_moe_workspace_size
+    """bench_fused_moe's peers, FlashInfer among them, interleaved in CUDA graphs; ceilings around."""
+    from bench_fused_moe import bench_shape, markdown_table, measure_ceilings
 
-    from moe_eval.kernels.flashinfer_cutlass import flashinfer_cutlass_moe, to_flashinfer_w31
-    from moe_eval.kernels.fused_moe import fused_moe
-    from moe_eval.kernels.testing import shape_case
+    ceilings = measure_ceilings()
+    res.doc["ceilings_before"] = ceilings
+    log(f"time: ceilings {ceilings}")
+
+    def save(rows: list[dict]) -> None:
+        res.doc["timing"] += rows
+        res.save()
+        copy_small_modules(out_dir)  # autotuning's helper module, kept in case the run is cut off
 
     for shape in shapes:
-        base = shape_case(shape, 1, seed=7)
-        w31 = to_flashinfer_w31(base.w13_eFD)
-        ep_size = 2 if shape.local_experts != shape.num_experts else 1  # the adapter's phantom rank
-        for M in Ms:
-            if time.perf_counter() > deadline:
-                res.doc["errors"].append(f"timing stopped before {shape.name} M={M}: deadline")
-                res.save()
-                return
-            cases = rotated_sets(shape, M, base)
-            ws_bytes = cutlass_fused_moe_workspace_size(
-                M, shape.D, shape.F, shape.local_experts * ep_size, shape.top_k,
-                x_dtype=torch.bfloat16, weight_dtype=torch.bfloat16, ep_size=ep_size, ep_rank=0,
-            )  # fmt: skip
-            ws = torch.empty(ws_bytes, dtype=torch.uint8, device="cuda")
-            outs = [torch.empty_like(c.hidden_TD) for c in cases]
-
-            def fi(c, o, w31=w31, ws=ws):  # bound now: the closures are timed within this iteration
-                return lambda: flashinfer_cutlass_moe(
-                    c.hidden_TD, w31, c.w2_eDF, c.topk_weights_TK, c.topk_ids_TK,
-                    expert_map_E=c.expert_map_E, out=o, workspace=ws,
-                )  # fmt: skip
-
-            t = time.perf_counter()
-            with autotune(True, tuning_buckets=(M,)):  # tuning raises inside capture: tune first
-                fi(cases[0], outs[0])()
-            torch.cuda.synchronize()
-            tune_s = time.perf_counter() - t
-            copy_small_modules(out_dir)  # now, in case the run is cut off before the end
-            timers = {
-                "triton": GraphTimer([lambda c=c: fused_moe(*c.args(), **c.kwargs()) for c in cases]),
-                "flashinfer_cutlass": GraphTimer([fi(c, o) for c, o in zip(cases, outs)]),
-            }
-            samples = time_interleaved(timers, replays)
-            counts = layer_counts(shape, cases)
-            meds = {k: statistics.median(v) for k, v in samples.items()}
-            for impl, us in samples.items():
-                res.doc["timing"].append({
-                    "shape": shape.name, "M": M, "impl": impl, "median_us": meds[impl], "min_us": min(us),
-                    "max_us": max(us), "samples": len(us), "tflops": counts["flops"] / meds[impl] / 1e6,
-                    "gbps": counts["bytes"] / meds[impl] / 1e3,
-                    "tune_s": tune_s if impl != "triton" else None,
-                })  # fmt: skip
-            res.save()
-            log(f"time {shape.name:20s} M={M:5d} triton {meds['triton']:8.1f} us  flashinfer "
-                f"{meds['flashinfer_cutlass']:8.1f} us  (tuned in {tune_s:.1f} s)")  # fmt: skip
-            del timers, cases, outs, ws
-            torch.cuda.empty_cache()
+        bench_shape(
+            shape,
+            list(Ms),
+            ceilings,
+            replays,
+            peers=TIMED_PEERS,
+            eager=False,
+            deadline=deadline,
+            on_rows=save,
+        )
+    res.doc["ceilings_after"] = measure_ceilings()
+    res.save()
+    (out_dir / "bench.md").write_text(markdown_table(res.doc["timing"]) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline-s", type=float, default=470.0, help="no correctness case after this")
     parser.add_argument("--timing-deadline-s", type=float, default=430.0, help="no timing case after this")
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
-    parser.add_argument("--m", nargs="*", type=int, default=list(MS))
+    parser.add_argument("--m", nargs="*", type=int, default=list(MS), help="M for correctness")
+    parser.add_argument("--timed-m", nargs="*", type=int, default=list(TIMED_MS), help="M for timing")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument(
@@ -332,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             res.doc["build"]["aot_installed"] = install_aot_libraries(args.aot_library)
         stats = install_bf16_source_filter()
         warm_report: dict = {}  # filled by the side thread, merged once it has joined
-        warm = warm_triton(shapes, Ms, warm_report) if not args.skip_timing else None
+        warm = warm_triton(shapes, tuple(args.timed_m), warm_report) if not args.skip_timing else None
         build(args.out_dir, res, stats)
         if warm is not None:
             warm.join()
@@ -346,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     if not args.skip_timing:
         try:
-            timing(res, shapes, Ms, T0 + args.timing_deadline_s, args.replays, args.out_dir)
-        except Exception as exc:  # correctness is already recorded; keep it and say why timing stopped
+            timing(res, shapes, tuple(args.timed_m), T0 + args.timing_deadline_s, args.replays, args.out_dir)
+        except Exception as exc:  # noqa: BLE001 -- correctness is kept; say why timing stopped
             log(f"timing failed: {type(exc).__name__}: {exc}")
             res.doc["errors"].append(f"timing: {type(exc).__name__}: {exc}"[:4000])
     res.save()
@@ -355,10 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     summary["build"] = {k: v for k, v in summary["build"].items() if k != "kept"}
     print(json.dumps(summary))
     for r in res.doc["correctness"]:
-        print(f"{r['shape']:20s} M={r['M']:5d} rel_err {r['rel_err_oracle']:.2e} "
-              f"/ {r['rel_err_poisoned_out']:.2e} pass={r['pass']}")
+        print(
+            f"{r['shape']:20s} M={r['M']:5d} rel_err {r['rel_err_oracle']:.2e} "
+            f"/ {r['rel_err_poisoned_out']:.2e} pass={r['pass']}"
+        )
     for r in res.doc["timing"]:
-        print(f"{r['shape']:20s} M={r['M']:5d} {r['impl']:18s} {r['median_us']:9.1f} us")
+        print(f"{r['model']} {r['layout']:5s} M={r['M']:5d} {r['impl']:18s} {r['median_us']:9.1f} us")
     return 0 if ok else 3  # 3: a correctness gate failed (distinct from a crash)
 
 

@@ -7,7 +7,8 @@ combines, written with torch.distributed so they run over gloo (CPU, in CI) and 
   the partial outputs are summed across ranks (all-reduce).
 - DEP: every rank has its own tokens. Tokens and routing are all-gathered, each rank computes its
   experts for all tokens, and the partial outputs are summed and scattered back, each rank keeping
-  its own rows (vLLM's naive dispatch/combine: all-gather, then reduce-scatter).
+  its own rows (vLLM's naive dispatch/combine: all-gather, then reduce-scatter; over gloo, which
+  has no reduce-scatter, an all-reduce of which each rank keeps its rows).
 
 Usage, in each rank's process after init_process_group:
 
@@ -81,8 +82,13 @@ def _all_gather_rows(rows: torch.Tensor, counts: list[int], group: dist.ProcessG
 
 def dep_moe(moe: MoeFn, hidden_TD: torch.Tensor, w13_eFD: torch.Tensor, w2_eDF: torch.Tensor,
             topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor, expert_map_E: torch.Tensor, *,
-            group: dist.ProcessGroup | None = None, apply_router_weight_on_input: bool = False) -> torch.Tensor:
-    """Own tokens per rank: all-gather tokens and routing, local experts over all, reduce-scatter back."""
+            group: dist.ProcessGroup | None = None, apply_router_weight_on_input: bool = False,
+            combine: str | None = None) -> torch.Tensor:
+    """Own tokens per rank: all-gather tokens and routing, local experts over all, reduce-scatter back.
+
+    combine: "reduce_scatter" or "all_reduce" (then keep own rows); default: all_reduce on gloo,
+    which has no reduce-scatter, reduce_scatter elsewhere.
+    """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     count = torch.tensor([hidden_TD.shape[0]], dtype=torch.int64, device=hidden_TD.device)
     counts_t = [torch.empty_like(count) for _ in range(world)]
@@ -95,7 +101,29 @@ def dep_moe(moe: MoeFn, hidden_TD: torch.Tensor, w13_eFD: torch.Tensor, w2_eDF: 
     ids_all = _all_gather_rows(topk_ids_TK, counts, group).contiguous()
     partial_all = moe(hidden_all, w13_eFD, w2_eDF, weights_all.contiguous(), ids_all, expert_map_E=expert_map_E,
                       apply_router_weight_on_input=apply_router_weight_on_input)
-    # gloo has no reduce_scatter: all-reduce then keep this rank's rows is the same sum.
-    total = _sum_across_ranks(partial_all, group)
     start = sum(counts[:rank])
-    return total[start:start + counts[rank]].to(hidden_TD.dtype)
+    if combine is None:
+        combine = "all_reduce" if dist.get_backend(group) == "gloo" else "reduce_scatter"
+    if combine not in ("all_reduce", "reduce_scatter"):
+        raise ValueError(f"combine must be 'all_reduce' or 'reduce_scatter', got {combine!r}")
+    if combine == "all_reduce":  # the same sum; each rank keeps its own rows
+        total = _sum_across_ranks(partial_all, group)
+        return total[start:start + counts[rank]].to(hidden_TD.dtype)
+    return _reduce_scatter_rows(partial_all, counts, group)[: counts[rank]].to(hidden_TD.dtype)
+
+
+def _reduce_scatter_rows(rows: torch.Tensor, counts: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum over ranks and hand rank r its counts[r] rows (the first rows of the result).
+
+    Each rank's block is padded to the largest count, as the collective wants equal blocks; summed in
+    fp32 like the all-reduce path, so the two combines give the same numbers.
+    """
+    most = max(counts)
+    padded = torch.zeros((len(counts) * most, *rows.shape[1:]), dtype=torch.float32, device=rows.device)
+    start = 0
+    for r, n in enumerate(counts):
+        padded[r * most : r * most + n] = rows[start : start + n]
+        start += n
+    mine = torch.empty((most, *rows.shape[1:]), dtype=torch.float32, device=rows.device)
+    dist.reduce_scatter_tensor(mine, padded, group=group)
+    return mine
