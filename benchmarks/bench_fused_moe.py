@@ -5,8 +5,8 @@ Peers (--peers), interleaved replay by replay so they share the card's thermal a
   grouped_mm  moe_eval.kernels.torch_moe.grouped_mm_moe (sort, grouped GEMM, SiLU-and-mul,
               grouped GEMM, unpermute, sum), CUDA graph
   flashinfer_cutlass  moe_eval.kernels.flashinfer_cutlass (FlashInfer's CUTLASS fused MoE, BF16),
-              autotuned at exactly the M timed before capture, CUDA graph (needs flashinfer and its
-              built module: benchmarks/flashinfer_h200.py installs both on a lent H200)
+              autotuned once per shape at exactly the M values of the run, CUDA graph (needs
+              flashinfer and its built module: benchmarks/flashinfer_h200.py installs both on an H200)
 Eager, unless --skip-eager (they sync the host, so they cannot be captured):
   reference   moe_eval.kernels.fused_moe.fused_moe_ref (fp32)
   torch_moe_eager  moe_eval.kernels.torch_moe.torch_moe (the CPU path; M <= 1024)
@@ -170,58 +170,72 @@ def _call(fn: Callable, case: MoeCase) -> Callable[[], object]:
 PeerCalls = tuple[list[Callable[[], object]], dict]
 
 
-def triton_peer(shape: MoeShape, cases: list[MoeCase]) -> PeerCalls:
+def triton_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
     return [_call(fused_moe, c) for c in cases], {}
 
 
-def grouped_mm_peer(shape: MoeShape, cases: list[MoeCase]) -> PeerCalls:
+def grouped_mm_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
     return [_call(grouped_mm_moe, c) for c in cases], {}
 
 
-_w31_cache: dict[int, torch.Tensor] = {}  # one shape's converted weights (the sets share them)
+class _FlashInferState:
+    """Per shape (the sets of every M share its weights): w31, one workspace, tuned once."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.w31: torch.Tensor | None = None
+        self.workspace: torch.Tensor | None = None
+        self.max_tokens = 0
+        self.tune_s: float | None = None
 
 
-def flashinfer_cutlass_peer(shape: MoeShape, cases: list[MoeCase]) -> PeerCalls:
-    """FlashInfer's CUTLASS MoE with a preallocated workspace (capturable), autotuned at this M.
+_fi = _FlashInferState()
 
-    The tactic search runs kernels and so cannot happen inside a graph capture; tuning at exactly
-    the M timed (tuning_buckets) gives FlashInfer its best tactic for this case, as vLLM's warm-up does.
+
+def flashinfer_cutlass_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
+    """FlashInfer's CUTLASS MoE, capturable: a preallocated workspace, tactics chosen beforehand.
+
+    Tuned once per shape over exactly the M values of the run (tuning_buckets, up to
+    tune_max_num_tokens = the largest), as vLLM tunes once at warm-up, with one workspace sized
+    for the largest M (valid for every smaller one). Tuning runs kernels, so it cannot happen
+    inside a capture. Tuning each M on its own, with a workspace sized for that M, hit an illegal
+    memory access at Qwen3-30B-A3B TP1 M=256 on the H200 (docs/flashinfer.md).
     """
     from flashinfer.autotuner import autotune
     from flashinfer.fused_moe import cutlass_fused_moe_workspace_size
 
     from moe_eval.kernels.flashinfer_cutlass import flashinfer_cutlass_moe, to_flashinfer_w31
 
-    w13 = cases[0].w13_eFD
-    if w13.data_ptr() not in _w31_cache:
-        _w31_cache.clear()
-        _w31_cache[w13.data_ptr()] = to_flashinfer_w31(w13)
-    w31 = _w31_cache[w13.data_ptr()]
-    M = cases[0].hidden_TD.shape[0]
     ep_size = 1 if cases[0].expert_map_E is None else 2  # the adapter's phantom second rank
-    ws = torch.empty(
-        cutlass_fused_moe_workspace_size(
-            M, shape.D, shape.F, shape.local_experts * ep_size, shape.top_k,
+    key = (shape.name, cases[0].w13_eFD.data_ptr(), tuple(Ms))
+    if _fi.key != key:
+        _fi.__init__()  # drop the previous shape's weights and workspace first
+        _fi.key, _fi.w31, _fi.max_tokens = key, to_flashinfer_w31(cases[0].w13_eFD), max(Ms)
+        ws_bytes = cutlass_fused_moe_workspace_size(
+            _fi.max_tokens, shape.D, shape.F, shape.local_experts * ep_size, shape.top_k,
             x_dtype=torch.bfloat16, weight_dtype=torch.bfloat16, ep_size=ep_size, ep_rank=0,
-        ),
-        dtype=torch.uint8, device="cuda",
-    )  # fmt: skip
+        )  # fmt: skip
+        _fi.workspace = torch.empty(ws_bytes, dtype=torch.uint8, device="cuda")
+
     outs = [torch.empty_like(c.hidden_TD) for c in cases]
 
     def call(c: MoeCase, out: torch.Tensor) -> Callable[[], object]:
         return lambda: flashinfer_cutlass_moe(
-            c.hidden_TD, w31, c.w2_eDF, c.topk_weights_TK, c.topk_ids_TK,
-            expert_map_E=c.expert_map_E, out=out, workspace=ws,
+            c.hidden_TD, _fi.w31, c.w2_eDF, c.topk_weights_TK, c.topk_ids_TK, expert_map_E=c.expert_map_E,
+            out=out, workspace=_fi.workspace, tune_max_num_tokens=_fi.max_tokens,
         )  # fmt: skip
 
-    t = time.perf_counter()
-    with autotune(True, tuning_buckets=(M,)):
-        call(cases[0], outs[0])()
-    torch.cuda.synchronize()
-    return [call(c, o) for c, o in zip(cases, outs)], {"tune_s": time.perf_counter() - t}
+    if _fi.tune_s is None:
+        t = time.perf_counter()
+        with autotune(True, tuning_buckets=tuple(sorted(set(Ms)))):
+            call(cases[0], outs[0])()
+        torch.cuda.synchronize()
+        _fi.tune_s = time.perf_counter() - t
+        log(f"  flashinfer_cutlass: tuned {shape.name} at M in {sorted(set(Ms))} in {_fi.tune_s:.1f} s")
+    return [call(c, o) for c, o in zip(cases, outs)], {"tune_s_shape": _fi.tune_s}
 
 
-GRAPH_PEERS: dict[str, Callable[[MoeShape, list[MoeCase]], PeerCalls]] = {
+GRAPH_PEERS: dict[str, Callable[[MoeShape, list[MoeCase], list[int]], PeerCalls]] = {
     "triton": triton_peer,
     "grouped_mm": grouped_mm_peer,
     "flashinfer_cutlass": flashinfer_cutlass_peer,
@@ -251,7 +265,7 @@ def bench_shape(
         counts = layer_counts(shape, cases)
         timers, notes = {}, {}
         for name in peers:
-            calls, notes[name] = GRAPH_PEERS[name](shape, cases)
+            calls, notes[name] = GRAPH_PEERS[name](shape, cases, Ms)
             timers[name] = GraphTimer(calls)
         samples = time_interleaved(timers, replays)
         del timers

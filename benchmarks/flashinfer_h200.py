@@ -137,14 +137,6 @@ def install_aot_libraries(paths: list[Path]) -> list[str]:
     return placed
 
 
-def copy_small_modules(out_dir: Path) -> None:
-    """trtllm_utils (autotuning's helper module) beside fused_moe_90, for the next machine."""
-    from flashinfer.jit import env as jit_env
-
-    for so in sorted(jit_env.FLASHINFER_JIT_DIR.glob("trtllm_utils*/*.so"))[:1]:
-        shutil.copy2(so, out_dir / so.name)
-
-
 def warm_triton(shapes: list, Ms: tuple[int, ...], report: dict) -> threading.Thread:
     """Compile the Triton kernels for every (shape, M) on a side thread while nvcc builds FlashInfer.
 
@@ -242,7 +234,6 @@ def timing(
     def save(rows: list[dict]) -> None:
         res.doc["timing"] += rows
         res.save()
-        copy_small_modules(out_dir)  # autotuning's helper module, kept in case the run is cut off
 
     for shape in shapes:
         bench_shape(
@@ -270,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timed-m", nargs="*", type=int, default=list(TIMED_MS), help="M for timing")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument(
         "--aot-library", nargs="*", type=Path, default=[],
         help="fused_moe_90.so (and trtllm_utils .so) from an earlier run: loaded instead of building",
@@ -310,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             res.doc["build"].update(warm_report)
             res.save()
             log(f"triton warm-up: {warm_report}")
-        ok = correctness(res, shapes, Ms, deadline)
+        ok = True if args.skip_correctness else correctness(res, shapes, Ms, deadline)
     except Exception as exc:  # record, then fail loudly: the JSON must say where it stopped
         res.doc["errors"].append(f"{type(exc).__name__}: {exc}"[:4000])
         res.save()

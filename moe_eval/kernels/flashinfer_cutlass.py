@@ -76,11 +76,13 @@ def flashinfer_cutlass_moe(
     apply_router_weight_on_input: bool = False,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    tune_max_num_tokens: int | None = None,
 ) -> torch.Tensor:
     """FlashInfer CUTLASS fused MoE on weights already converted by `to_flashinfer_w31`.
 
     Pass `workspace` (sized with flashinfer's `cutlass_fused_moe_workspace_size`) to capture the
-    call in a CUDA graph: without it FlashInfer allocates per call.
+    call in a CUDA graph: without it FlashInfer allocates per call. `tune_max_num_tokens` is the
+    largest token count its autotuner profiles (FlashInfer's default: 8192).
     """
     check_flashinfer_supported(hidden_TD.device)
     from flashinfer.fused_moe import cutlass_fused_moe  # lazy: importing flashinfer costs seconds
@@ -105,6 +107,8 @@ def flashinfer_cutlass_moe(
     kwargs = {"output": out, "ep_size": ep_size, "ep_rank": ep_rank}
     if workspace is not None:
         kwargs["workspace_buffer"] = workspace
+    if tune_max_num_tokens is not None:
+        kwargs["tune_max_num_tokens"] = tune_max_num_tokens
     result = cutlass_fused_moe(
         hidden_TD, ids_TK, weights_TK, w31_eFD, w2_eDF, hidden_TD.dtype, quant_scales=[], **kwargs
     )
