@@ -184,12 +184,15 @@ class _FlashInferState:
     def __init__(self) -> None:
         self.key: tuple | None = None
         self.w31: torch.Tensor | None = None
-        self.workspace: torch.Tensor | None = None
+        self.workspace: list[torch.Tensor] = []
         self.max_tokens = 0
         self.tune_s: float | None = None
 
 
 _fi = _FlashInferState()
+# Call options, set from the command line: a workspace per input set instead of one shared, and
+# FlashInfer's programmatic dependent launch on (None: its default) or off (False).
+FLASHINFER_OPTIONS: dict = {"workspace_per_call": False, "enable_pdl": None}
 
 
 def flashinfer_cutlass_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
@@ -215,24 +218,40 @@ def flashinfer_cutlass_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]
             _fi.max_tokens, shape.D, shape.F, shape.local_experts * ep_size, shape.top_k,
             x_dtype=torch.bfloat16, weight_dtype=torch.bfloat16, ep_size=ep_size, ep_rank=0,
         )  # fmt: skip
-        _fi.workspace = torch.empty(ws_bytes, dtype=torch.uint8, device="cuda")
+        n_spaces = len(cases) if FLASHINFER_OPTIONS["workspace_per_call"] else 1
+        _fi.workspace = [torch.empty(ws_bytes, dtype=torch.uint8, device="cuda") for _ in range(n_spaces)]
 
     outs = [torch.empty_like(c.hidden_TD) for c in cases]
 
-    def call(c: MoeCase, out: torch.Tensor) -> Callable[[], object]:
+    def call(i: int) -> Callable[[], object]:
+        c, out, ws = cases[i], outs[i], _fi.workspace[i % len(_fi.workspace)]
         return lambda: flashinfer_cutlass_moe(
             c.hidden_TD, _fi.w31, c.w2_eDF, c.topk_weights_TK, c.topk_ids_TK, expert_map_E=c.expert_map_E,
-            out=out, workspace=_fi.workspace, tune_max_num_tokens=_fi.max_tokens,
+            out=out, workspace=ws, tune_max_num_tokens=_fi.max_tokens, enable_pdl=FLASHINFER_OPTIONS["enable_pdl"],
         )  # fmt: skip
 
     if _fi.tune_s is None:
         t = time.perf_counter()
         with autotune(True, tuning_buckets=tuple(sorted(set(Ms)))):
-            call(cases[0], outs[0])()
+            call(0)()
         torch.cuda.synchronize()
         _fi.tune_s = time.perf_counter() - t
         log(f"  flashinfer_cutlass: tuned {shape.name} at M in {sorted(set(Ms))} in {_fi.tune_s:.1f} s")
-    return [call(c, o) for c, o in zip(cases, outs)], {"tune_s_shape": _fi.tune_s}
+    return [call(i) for i in range(len(cases))], {"tune_s_shape": _fi.tune_s, **FLASHINFER_OPTIONS}
+
+
+def add_flashinfer_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--fi-workspace-per-call", action="store_true", help="flashinfer: a workspace per input set"
+    )
+    parser.add_argument(
+        "--fi-no-pdl", action="store_true", help="flashinfer: programmatic dependent launch off"
+    )
+
+
+def apply_flashinfer_options(args: argparse.Namespace) -> None:
+    FLASHINFER_OPTIONS["workspace_per_call"] = args.fi_workspace_per_call
+    FLASHINFER_OPTIONS["enable_pdl"] = False if args.fi_no_pdl else None
 
 
 GRAPH_PEERS: dict[str, Callable[[MoeShape, list[MoeCase], list[int]], PeerCalls]] = {
@@ -427,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--skip-eager", action="store_true", help="skip the eager reference and torch_moe rows"
     )
+    add_flashinfer_options(parser)
     args = parser.parse_args(argv)
+    apply_flashinfer_options(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     by_name = {s.name: s for s in SHIPPED_SHAPES}
     shapes = [by_name[n] for n in args.shapes] if args.shapes else list(SHIPPED_SHAPES)

@@ -28,6 +28,7 @@ import shutil
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 # Build settings measured on the H200 (shared/notes/flashinfer-h200.md): 16 jobs of one nvcc thread,
@@ -262,11 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--skip-correctness", action="store_true")
+    from bench_fused_moe import add_flashinfer_options, apply_flashinfer_options
+
+    add_flashinfer_options(parser)
     parser.add_argument(
         "--aot-library", nargs="*", type=Path, default=[],
         help="fused_moe_90.so (and trtllm_utils .so) from an earlier run: loaded instead of building",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    apply_flashinfer_options(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for key, value in BUILD_ENV.items():
         os.environ.setdefault(key, value)
@@ -311,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             timing(res, shapes, tuple(args.timed_m), T0 + args.timing_deadline_s, args.replays, args.out_dir)
         except Exception as exc:  # noqa: BLE001 -- correctness is kept; say why timing stopped
-            log(f"timing failed: {type(exc).__name__}: {exc}")
+            log(f"timing failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             res.doc["errors"].append(f"timing: {type(exc).__name__}: {exc}"[:4000])
     res.save()
     summary = {k: res.doc[k] for k in ("build", "errors")}

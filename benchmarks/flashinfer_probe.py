@@ -4,13 +4,15 @@ An illegal memory access poisons the CUDA context, so every variant runs in a pr
   tune      none: FlashInfer's default tactic; per-m: autotune(tuning_buckets=(M,)) at this M;
             once: autotune over --buckets with tune_max_num_tokens = the largest bucket
   workspace none: FlashInfer allocates per call; m: sized for this M; max: sized for the largest bucket
-Each variant runs the call twice after tuning (plus once more per other bucket for `once`) and
-checks it against fused_moe_ref (fp32). One JSON line per variant on stdout and in --out.
+  mode      eager1, eager4 or graph4 (CUDA graph of 4 calls on rotated inputs, as the benchmark
+            times them); flags wspercall and nopdl (see run_one)
+Each variant checks its outputs against fused_moe_ref (fp32). One JSON line per variant on stdout
+and in --out.
 
 FlashInfer must be importable and its fused_moe_90 module built or installed (flashinfer_h200.py
 --aot-library installs it into site-packages). Usage:
     python benchmarks/flashinfer_probe.py --out probe.jsonl --shape "Qwen3-30B-A3B TP1" --m 256 \\
-        --variants none:m per-m:none per-m:m once:max
+        --variants none:m per-m:none per-m:m once:max once:max:graph4 once:max:graph4:nopdl
 """
 
 from __future__ import annotations
@@ -21,11 +23,15 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 
 
-def run_one(shape_name: str, M: int, tune: str, workspace: str, buckets: tuple[int, ...]) -> dict:
+def run_one(shape_name: str, M: int, variant: str, buckets: tuple[int, ...]) -> dict:
+    """variant = TUNE:WORKSPACE[:MODE[:FLAG...]]; MODE eager1 (default: one input set, called twice),
+    eager4 (4 input sets back to back), graph4 (those 4 calls captured in one CUDA graph on a side
+    stream, then replayed 3 times); FLAGs: wspercall (a workspace per input set), nopdl."""
     import torch
 
     sys.path.insert(0, os.path.dirname(__file__))
@@ -39,41 +45,89 @@ def run_one(shape_name: str, M: int, tune: str, workspace: str, buckets: tuple[i
     from moe_eval.kernels.testing import rel_err, shape_case
     from moe_eval.kernels.tile_configs import SHIPPED_SHAPES
 
+    parts = variant.split(":")
+    tune, workspace = parts[:2]
+    mode, flags = (parts[2] if len(parts) > 2 else "eager1"), parts[3:]
     shape = {s.name: s for s in SHIPPED_SHAPES}[shape_name]
-    case = shape_case(shape, M, seed=11 + M)
-    w31 = to_flashinfer_w31(case.w13_eFD)
-    ep_size = 1 if case.expert_map_E is None else 2
+    base = shape_case(shape, M, seed=11 + M)
+    n_sets = 1 if mode == "eager1" else 4
+    cases = [base] + [shape_case(shape, M, seed=1000 * M + i, weights_from=base) for i in range(1, n_sets)]
+    w31 = to_flashinfer_w31(base.w13_eFD)
+    ep_size = 1 if base.expert_map_E is None else 2
     max_tokens = max(buckets) if tune == "once" else None
-    ws = None
-    if workspace != "none":
-        tokens = M if workspace == "m" else max(buckets)
-        ws = torch.empty(
-            cutlass_fused_moe_workspace_size(
-                tokens, shape.D, shape.F, shape.local_experts * ep_size, shape.top_k,
-                x_dtype=torch.bfloat16, weight_dtype=torch.bfloat16, ep_size=ep_size, ep_rank=0,
-            ),
-            dtype=torch.uint8, device="cuda",
-        )  # fmt: skip
-    out = torch.empty_like(case.hidden_TD)
 
-    def call() -> None:
+    def new_workspace() -> torch.Tensor | None:
+        if workspace == "none":
+            return None
+        tokens = M if workspace == "m" else max(buckets)
+        size = cutlass_fused_moe_workspace_size(
+            tokens, shape.D, shape.F, shape.local_experts * ep_size, shape.top_k,
+            x_dtype=torch.bfloat16, weight_dtype=torch.bfloat16, ep_size=ep_size, ep_rank=0,
+        )  # fmt: skip
+        return torch.empty(size, dtype=torch.uint8, device="cuda")
+
+    shared = new_workspace()
+    spaces = [new_workspace() for _ in cases] if "wspercall" in flags else [shared] * len(cases)
+    outs = [torch.empty_like(c.hidden_TD) for c in cases]
+    pdl = False if "nopdl" in flags else None
+
+    def call(i: int) -> None:
+        c = cases[i]
         flashinfer_cutlass_moe(
-            case.hidden_TD, w31, case.w2_eDF, case.topk_weights_TK, case.topk_ids_TK,
-            expert_map_E=case.expert_map_E, out=out, workspace=ws, tune_max_num_tokens=max_tokens,
+            c.hidden_TD, w31, c.w2_eDF, c.topk_weights_TK, c.topk_ids_TK, expert_map_E=c.expert_map_E,
+            out=outs[i], workspace=spaces[i], tune_max_num_tokens=max_tokens, enable_pdl=pdl,
         )  # fmt: skip
 
     print("stage: tune", file=sys.stderr, flush=True)  # the parent names the stage a fault came in
     t = time.perf_counter()
     if tune != "none":
         with autotune(True, tuning_buckets=(M,) if tune == "per-m" else buckets):
-            call()
+            call(0)
         torch.cuda.synchronize()
     tune_s = time.perf_counter() - t
-    print("stage: run", file=sys.stderr, flush=True)
-    for _ in range(2):
-        call()
+    print("stage: eager", file=sys.stderr, flush=True)
+    for _ in range(2 if mode == "eager1" else 1):
+        for i in range(len(cases)):
+            call(i)
     torch.cuda.synchronize()
-    return {"rel_err": rel_err(out, case.reference_fp32()), "nan": bool(out.isnan().any()), "tune_s": tune_s}
+    if mode == "graph4":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        print("stage: side-stream", file=sys.stderr, flush=True)
+        with torch.cuda.stream(stream):
+            for i in range(len(cases)):
+                call(i)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        print("stage: capture", file=sys.stderr, flush=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(len(cases)):
+                call(i)
+        torch.cuda.synchronize()
+        print("stage: replay", file=sys.stderr, flush=True)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+    errs = [rel_err(o, c.reference_fp32()) for o, c in zip(outs, cases)]
+    return {"rel_err": max(errs), "nan": any(bool(o.isnan().any()) for o in outs), "tune_s": tune_s}
+
+
+GRAPH_SETUPS = {  # probe variant -> the benchmark's flags for the same call setup
+    "once:max:graph4": "",
+    "once:max:graph4:nopdl": "--fi-no-pdl",
+    "once:max:graph4:wspercall": "--fi-workspace-per-call",
+    "once:max:graph4:wspercall:nopdl": "--fi-workspace-per-call --fi-no-pdl",
+}
+
+
+def suggest_flags(probe_jsonl: str) -> str:
+    rows = [json.loads(line) for line in Path(probe_jsonl).read_text().splitlines() if line.strip()]
+    clean = {r["variant"] for r in rows if r["rc"] == 0 and not r["nan"] and r["rel_err"] < 1e-2}
+    for variant, flags in GRAPH_SETUPS.items():
+        if variant in clean:
+            return flags
+    return "--fi-workspace-per-call --fi-no-pdl"  # nothing clean probed: the most conservative setup
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,14 +136,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="Qwen3-30B-A3B TP1")
     parser.add_argument("--m", type=int, nargs="+", default=[256])
     parser.add_argument("--variants", nargs="+", default=["none:m", "per-m:none", "per-m:m", "once:max"],
-                        help="TUNE:WORKSPACE pairs")  # fmt: skip
+                        help="TUNE:WORKSPACE[:MODE[:FLAG...]] (see run_one)")  # fmt: skip
     parser.add_argument("--buckets", type=int, nargs="+", default=list(BUCKETS))
     parser.add_argument("--timeout-s", type=float, default=120)
+    parser.add_argument("--suggest-flags", action="store_true",
+                        help="print bench_fused_moe's --fi-* flags of the first clean graph4 setup in --out")  # fmt: skip
     parser.add_argument("--child", nargs=2, metavar=("M", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.suggest_flags:
+        print(suggest_flags(args.out))
+        return 0
     if args.child:  # one variant in this process; the parent reads the last line
-        tune, workspace = args.child[1].split(":")
-        print(json.dumps(run_one(args.shape, int(args.child[0]), tune, workspace, tuple(args.buckets))))
+        print(json.dumps(run_one(args.shape, int(args.child[0]), args.child[1], tuple(args.buckets))))
         return 0
     with open(args.out, "a") as fh:
         for M in args.m:

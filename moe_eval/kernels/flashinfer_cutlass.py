@@ -77,12 +77,14 @@ def flashinfer_cutlass_moe(
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     tune_max_num_tokens: int | None = None,
+    enable_pdl: bool | None = None,
 ) -> torch.Tensor:
     """FlashInfer CUTLASS fused MoE on weights already converted by `to_flashinfer_w31`.
 
     Pass `workspace` (sized with flashinfer's `cutlass_fused_moe_workspace_size`) to capture the
     call in a CUDA graph: without it FlashInfer allocates per call. `tune_max_num_tokens` is the
-    largest token count its autotuner profiles (FlashInfer's default: 8192).
+    largest token count its autotuner profiles (FlashInfer's default: 8192). `enable_pdl`:
+    programmatic dependent launch (FlashInfer's default: on where the GPU has it, SM90+).
     """
     check_flashinfer_supported(hidden_TD.device)
     from flashinfer.fused_moe import cutlass_fused_moe  # lazy: importing flashinfer costs seconds
@@ -109,6 +111,8 @@ def flashinfer_cutlass_moe(
         kwargs["workspace_buffer"] = workspace
     if tune_max_num_tokens is not None:
         kwargs["tune_max_num_tokens"] = tune_max_num_tokens
+    if enable_pdl is not None:
+        kwargs["enable_pdl"] = enable_pdl
     result = cutlass_fused_moe(
         hidden_TD, ids_TK, weights_TK, w31_eFD, w2_eDF, hidden_TD.dtype, quant_scales=[], **kwargs
     )
