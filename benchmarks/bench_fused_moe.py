@@ -120,8 +120,11 @@ def time_interleaved(
     timers: dict[str, GraphTimer], replays: int, warm_s: float = 0.2
 ) -> dict[str, list[float]]:
     """Microseconds per call for each timer, replays interleaved A, B, A, B, ..."""
-    for timer in timers.values():
-        timer.warm(warm_s / len(timers))
+    for name, timer in timers.items():
+        try:
+            timer.warm(warm_s / len(timers))
+        except RuntimeError as exc:  # a fault surfaces at the sync after the replay: name the graph
+            raise RuntimeError(f"{name}'s graph failed while warming up: {exc}") from exc
     samples: dict[str, list[float]] = {name: [] for name in timers}
     for _ in range(replays):
         for name, timer in timers.items():
