@@ -123,7 +123,7 @@ def time_interleaved(
     for name, timer in timers.items():
         try:
             timer.warm(warm_s / len(timers))
-        except RuntimeError as exc:  # a fault surfaces at the sync after the replay: name the graph
+        except Exception as exc:  # a fault surfaces at the sync after a replay: name the graph
             raise RuntimeError(f"{name}'s graph failed while warming up: {exc}") from exc
     samples: dict[str, list[float]] = {name: [] for name in timers}
     for _ in range(replays):
