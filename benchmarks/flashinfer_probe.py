@@ -29,7 +29,9 @@ BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 GRAPH_REPLAYS = 300
 
 
-def run_one(shape_name: str, M: int, variant: str, buckets: tuple[int, ...]) -> dict:
+def run_one(
+    shape_name: str, M: int, variant: str, buckets: tuple[int, ...], bench_inputs: bool = False
+) -> dict:
     """variant = TUNE:WORKSPACE[:MODE[:FLAG...]]; MODE eager1 (default: one input set, called twice),
     eager4 (4 input sets back to back), graph4 (those 4 calls captured in one CUDA graph on a side
     stream, then replayed GRAPH_REPLAYS times); FLAGs: wspercall (a workspace per input set), nopdl."""
@@ -50,9 +52,17 @@ def run_one(shape_name: str, M: int, variant: str, buckets: tuple[int, ...]) -> 
     tune, workspace = parts[:2]
     mode, flags = (parts[2] if len(parts) > 2 else "eager1"), parts[3:]
     shape = {s.name: s for s in SHIPPED_SHAPES}[shape_name]
-    base = shape_case(shape, M, seed=11 + M)
-    n_sets = 1 if mode == "eager1" else 4
-    cases = [base] + [shape_case(shape, M, seed=1000 * M + i, weights_from=base) for i in range(1, n_sets)]
+    if bench_inputs:  # exactly bench_fused_moe's weights and rotated input sets at this M
+        from bench_fused_moe import rotated_sets
+
+        base = shape_case(shape, 1, seed=7)
+        cases = rotated_sets(shape, M, base)[: 1 if mode == "eager1" else 4]
+    else:
+        base = shape_case(shape, M, seed=11 + M)
+        n_sets = 1 if mode == "eager1" else 4
+        cases = [base] + [
+            shape_case(shape, M, seed=1000 * M + i, weights_from=base) for i in range(1, n_sets)
+        ]
     w31 = to_flashinfer_w31(base.w13_eFD)
     ep_size = 1 if base.expert_map_E is None else 2
     max_tokens = max(buckets) if tune == "once" else None
@@ -140,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="TUNE:WORKSPACE[:MODE[:FLAG...]] (see run_one)")  # fmt: skip
     parser.add_argument("--buckets", type=int, nargs="+", default=list(BUCKETS))
     parser.add_argument("--timeout-s", type=float, default=120)
+    parser.add_argument(
+        "--bench-inputs", action="store_true", help="bench_fused_moe's weights and input sets"
+    )
     parser.add_argument("--suggest-flags", action="store_true",
                         help="print bench_fused_moe's --fi-* flags of the first clean graph4 setup in --out")  # fmt: skip
     parser.add_argument("--child", nargs=2, metavar=("M", "VARIANT"), help=argparse.SUPPRESS)
@@ -148,13 +161,18 @@ def main(argv: list[str] | None = None) -> int:
         print(suggest_flags(args.out))
         return 0
     if args.child:  # one variant in this process; the parent reads the last line
-        print(json.dumps(run_one(args.shape, int(args.child[0]), args.child[1], tuple(args.buckets))))
+        print(
+            json.dumps(
+                run_one(args.shape, int(args.child[0]), args.child[1], tuple(args.buckets), args.bench_inputs)
+            )
+        )
         return 0
     with open(args.out, "a") as fh:
         for M in args.m:
             for variant in args.variants:
                 cmd = [sys.executable, __file__, "--out", args.out, "--shape", args.shape,
-                       "--buckets", *map(str, args.buckets), "--child", str(M), variant]  # fmt: skip
+                       "--buckets", *map(str, args.buckets), "--child", str(M), variant,
+                       *(["--bench-inputs"] if args.bench_inputs else [])]  # fmt: skip
                 t = time.perf_counter()
                 try:
                     proc = subprocess.run(
@@ -163,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
                 except subprocess.TimeoutExpired as exc:
                     rc, stdout, stderr = "timeout", str(exc.stdout or ""), str(exc.stderr or "")
-                row = {"shape": args.shape, "M": M, "variant": variant, "rc": rc,
+                row = {"shape": args.shape, "M": M, "variant": variant, "rc": rc, "bench_inputs": args.bench_inputs,
                        "seconds": round(time.perf_counter() - t, 1)}  # fmt: skip
                 if rc == 0:
                     row |= json.loads(stdout.strip().splitlines()[-1])
