@@ -27,6 +27,7 @@ from pathlib import Path
 
 BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
 GRAPH_REPLAYS = 300
+EAGER_ROUNDS = 50  # eager4: the 4 calls, this many times
 
 
 def run_one(
@@ -97,10 +98,10 @@ def run_one(
         torch.cuda.synchronize()
     tune_s = time.perf_counter() - t
     print("stage: eager", file=sys.stderr, flush=True)
-    for _ in range(2 if mode == "eager1" else 1):
+    for _ in range(2 if mode == "eager1" else EAGER_ROUNDS):
         for i in range(len(cases)):
             call(i)
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
     if mode == "graph4":
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
