@@ -86,6 +86,10 @@ class GraphTimer:
     """One CUDA graph that runs `calls` (one per input set) in order; replays are timed with events."""
 
     def __init__(self, calls: list[Callable[[], object]]):
+        # The graph replays raw pointers: whatever the calls hold (outputs, workspaces made outside
+        # the capture) must live as long as the graph. Dropping FlashInfer's output buffers with
+        # its call list let the next capture reuse them: an illegal address at M=256 (2026-11-29).
+        self.calls = calls
         self.num_calls = len(calls)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
