@@ -106,14 +106,15 @@ def _preference(hw: Hardware) -> tuple[MoeBackend, ...]:
         # Blackwell: no measurement in this project (no B200 lent). Triton first because it is the
         # backend whose outputs are checked on a GPU here; FlashInfer stays selectable by request.
         return (MoeBackend.TRITON, MoeBackend.FLASHINFER_CUTLASS, MoeBackend.TORCH)
-    # Hopper (H200), Qwen3-30B-A3B TP1 layer, CUDA-graph medians in us for M = 1, 16, 64, 256,
-    # 1024, 4096, 16384:
-    #   bundled Triton (alignment included):  30, 192, 293, 314, 382, 779, 2483
-    #     (docs/perf.md, 2026-11-29, torch 2.11, triton 3.6);
-    #   FlashInfer CUTLASS (autotuned, 0.7.0.post1): 44, 190, 291, 313, 386, 757, 2633
-    #     (shared/notes/flashinfer-h200.md, 2026-11-29, another session: not interleaved).
-    # Triton is faster at M = 1, 1024, 16384, within 1% at 16-256 and 3% slower at 4096, and it
-    # needs no 7-minute JIT build of FlashInfer's MoE module; so Triton first.
+    # Hopper (H200): CUDA-graph medians, interleaved in one run, FlashInfer 0.7.0.post1 autotuned
+    # (docs/perf.md "FlashInfer CUTLASS beside Triton", 2026-11-29). FlashInfer time / Triton time
+    # for M = 1, 16, 64, 256, 1024, 4096, 16384:
+    #   Qwen3-30B-A3B TP1:  1.39 1.04 1.02 1.02 1.03 0.99 1.03
+    #   Qwen3-30B-A3B TEP2: 1.62 1.13 1.10 1.07 1.07 1.02 1.04
+    #   Mixtral-8x7B TP2:   1.09 1.05 1.05 1.00 0.87 0.83 0.82
+    # Triton is as fast or faster everywhere but Mixtral's few large experts at M >= 1024 (there
+    # FlashInfer is 13-18% faster), and it needs no 7-minute JIT build of FlashInfer's MoE module;
+    # so Triton first. The oracle does not look at the shape; a config can ask for FlashInfer.
     # torch_moe last: eager on the H200 it took 1087 us at M = 1 and 13.4 ms at M = 1024 (36x and
     # 35x Triton; docs/perf.md): one host sync (bincount().tolist()) and one matmul pair per
     # expert hit, and no CUDA graph.
