@@ -65,23 +65,6 @@ def _sample_us(graph: torch.cuda.CUDAGraph, calls_per_replay: int, inner: int) -
     return start.elapsed_time(end) * 1e3 / (inner * calls_per_replay)
 
 
-def _capture(calls: list) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and warm up outside the capture
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
-
-
 def _barrier(rank: int) -> None:
     dist.barrier(device_ids=[rank])
     torch.cuda.synchronize()
@@ -140,12 +123,15 @@ def _timings(moe, full, w13, w2, emap, M: int, rank: int, rounds: int) -> dict[s
         "dep_local": [kernel(c, every, w13, w2, emap) for c in rotations],
         "one_gpu": [kernel(c, first_m, full.w13_eFD, full.w2_eDF, None) for c in rotations],
     }
-    graphs = {name: (_capture(calls), len(calls)) for name, calls in works.items()}
+    from bench_fused_moe import GraphTimer  # this folder; warm-up, capture, one checked replay
+
+    timers = {name: GraphTimer(calls) for name, calls in works.items()}  # they keep the calls alive
+    graphs = {name: (timer.graph, timer.num_calls) for name, timer in timers.items()}
     out = {}
     for name, modes in _time_rounds(graphs, rank, rounds, inner=5).items():
         for mode, us in modes.items():
             out[f"us_{name}_{mode}"] = statistics.median(us)
-    del graphs
+    del graphs, timers
     c, mine = rotations[0], slice(rank * M, (rank + 1) * M)
     hidden, weights, ids = c.hidden_TD, c.topk_weights_TK, c.topk_ids_TK
     steps = {
