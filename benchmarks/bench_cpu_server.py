@@ -1,9 +1,10 @@
 """Throughput of the CPU server with the bundled torch MoE kernel against vLLM's own CPU MoE kernel.
 
-Serves the embedded default's model (builtin:tiny-qwen3-moe, bf16, TP=1) once per kernel, in both
-orders (A B B A) so that warm caches and machine drift fall on both, and drives each server with
-a fixed number of concurrent completion requests of fixed length (ignore_eos). Reports generated
-tokens per second per server and the ratio. Usage:
+Serves builtin:tiny-qwen3-moe (random-weight Qwen3-MoE, bf16, TP=1; not the embedded default, which
+is now the canary of config-cpu.txt) once per kernel, in both orders (A B B A) so that warm caches
+and machine drift fall on both, and drives each server with a fixed number of concurrent completion
+requests of fixed length (ignore_eos). Reports generated tokens per second per server and the
+ratio. Usage:
 
     python benchmarks/bench_cpu_server.py --concurrency 16 --requests 128 --max-tokens 128 --pairs 2 \
         --out docs/cpu-throughput.json

@@ -36,13 +36,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moe_eval.kernels.tile_configs import SHIPPED_SHAPES
+
+if TYPE_CHECKING:
+    from bench_fused_moe import GraphTimer
+
 WORLD = 2
-QWEN3_30B_A3B = {"E": 128, "K": 8, "D": 2048, "F": 768}
+_QWEN3_TP1 = {s.name: s for s in SHIPPED_SHAPES}["Qwen3-30B-A3B TP1"]  # the whole layer; split here
+QWEN3_30B_A3B = {"E": _QWEN3_TP1.num_experts, "K": _QWEN3_TP1.top_k, "D": _QWEN3_TP1.D, "F": _QWEN3_TP1.F}
 SMOKE_SHAPE = {"E": 8, "K": 2, "D": 64, "F": 32}
 M_GRID = (1, 64, 4096)
 REL_TOL = 1e-2
@@ -53,39 +60,29 @@ NO_MULTICAST_ENV = {
 }
 
 
-def _sample_us(graph: torch.cuda.CUDAGraph, calls_per_replay: int, inner: int) -> float:
-    """Microseconds per call over `inner` back-to-back replays (long enough that host skew
-    between the ranks is small next to the window in which both GPUs run)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(inner):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (inner * calls_per_replay)
-
-
 def _barrier(rank: int) -> None:
     dist.barrier(device_ids=[rank])
     torch.cuda.synchronize()
 
 
 def _time_rounds(
-    graphs: dict[str, tuple[torch.cuda.CUDAGraph, int]], rank: int, rounds: int, inner: int
+    timers: dict[str, GraphTimer], rank: int, rounds: int, inner: int
 ) -> dict[str, dict[str, list[float]]]:
-    """Per graph: samples with both ranks replaying at once, and with this rank alone."""
-    samples = {name: {"concurrent": [], "alone": []} for name in graphs}
-    for name, (graph, n) in graphs.items():  # warm-up: clocks up, caches in their steady state
+    """Per graph (bench_fused_moe.GraphTimer): samples with both ranks replaying at once, and with
+    this rank alone. A sample is `inner` back-to-back replays, long enough that host skew between
+    the ranks is small next to the window in which both GPUs run."""
+    samples = {name: {"concurrent": [], "alone": []} for name in timers}
+    for timer in timers.values():  # warm-up: clocks up, caches in their steady state
         for _ in range(3):
-            _sample_us(graph, n, inner)
+            timer.replay_us(inner)
     for _ in range(rounds):
-        for name, (graph, n) in graphs.items():
+        for name, timer in timers.items():
             _barrier(rank)
-            samples[name]["concurrent"].append(_sample_us(graph, n, inner))
+            samples[name]["concurrent"].append(timer.replay_us(inner))
             for turn in range(WORLD):
                 _barrier(rank)
                 if turn == rank:
-                    samples[name]["alone"].append(_sample_us(graph, n, inner))
+                    samples[name]["alone"].append(timer.replay_us(inner))
     return samples
 
 
@@ -126,12 +123,11 @@ def _timings(moe, full, w13, w2, emap, M: int, rank: int, rounds: int) -> dict[s
     from bench_fused_moe import GraphTimer  # this folder; warm-up, capture, one checked replay
 
     timers = {name: GraphTimer(calls) for name, calls in works.items()}  # they keep the calls alive
-    graphs = {name: (timer.graph, timer.num_calls) for name, timer in timers.items()}
     out = {}
-    for name, modes in _time_rounds(graphs, rank, rounds, inner=5).items():
+    for name, modes in _time_rounds(timers, rank, rounds, inner=5).items():
         for mode, us in modes.items():
             out[f"us_{name}_{mode}"] = statistics.median(us)
-    del graphs, timers
+    del timers
     c, mine = rotations[0], slice(rank * M, (rank + 1) * M)
     hidden, weights, ids = c.hidden_TD, c.topk_weights_TK, c.topk_ids_TK
     steps = {

@@ -6,7 +6,8 @@ Peers (--peers), interleaved replay by replay so they share the card's thermal a
               grouped GEMM, unpermute, sum), CUDA graph
   flashinfer_cutlass  moe_eval.kernels.flashinfer_cutlass (FlashInfer's CUTLASS fused MoE, BF16),
               autotuned once per shape at exactly the M values of the run, CUDA graph (needs
-              flashinfer and its built module: benchmarks/flashinfer_h200.py installs both on an H200)
+              flashinfer installed and its fused_moe_90 module: benchmarks/flashinfer_h200.py builds
+              it, or places a prebuilt one with --aot-library)
 Eager, unless --skip-eager (they sync the host, so they cannot be captured):
   reference   moe_eval.kernels.fused_moe.fused_moe_ref (fp32)
   torch_moe_eager  moe_eval.kernels.torch_moe.torch_moe (the CPU path; M <= 1024)
@@ -31,7 +32,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -111,13 +112,15 @@ class GraphTimer:
             self.graph.replay()
             torch.cuda.synchronize()
 
-    def replay_us(self) -> float:
+    def replay_us(self, inner: int = 1) -> float:
+        """Microseconds per call over `inner` back-to-back replays between one pair of events."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        self.graph.replay()
+        for _ in range(inner):
+            self.graph.replay()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) * 1e3 / self.num_calls
+        return start.elapsed_time(end) * 1e3 / (inner * self.num_calls)
 
 
 def time_interleaved(
@@ -141,12 +144,24 @@ def median_us(calls: list[Callable[[], object]], replays: int = 20, warm_s: floa
     return statistics.median(time_interleaved({"x": timer}, replays, warm_s)["x"])
 
 
-# --- inputs and accounting -----------------------------------------------------------------------
+# --- shapes, inputs and accounting ---------------------------------------------------------------
+
+
+def shapes_named(names: Iterable[str]) -> list[MoeShape]:
+    """The shipped shapes of these names ("Qwen3-30B-A3B TP1"), in that order; KeyError on an unknown one."""
+    by_name = {s.name: s for s in SHIPPED_SHAPES}
+    return [by_name[n] for n in names]
+
+
+def add_shape_args(parser: argparse.ArgumentParser) -> None:
+    """--shapes (names; none given: the script's default) and --m (default: the M grid)."""
+    parser.add_argument("--shapes", nargs="*", help='names like "Qwen3-30B-A3B TP1" (default: all shipped)')
+    parser.add_argument("--m", nargs="*", type=int, default=list(M_GRID))
 
 
 def rotated_sets(shape: MoeShape, M: int, weights_from: MoeCase) -> list[MoeCase]:
     """Input sets with their own tokens and routing, sharing `weights_from`'s weights (the layer is
-    0.3-4 GB, beyond the 60 MB L2; rotating the routing keeps a call's experts out of L2)."""
+    0.6-4.0 GB, beyond the 60 MB L2; rotating the routing keeps a call's experts out of L2)."""
     n_sets = 4 if M <= 1024 else 2
     return [shape_case(shape, M, seed=1000 * M + i, weights_from=weights_from) for i in range(n_sets)]
 
@@ -212,18 +227,16 @@ def flashinfer_cutlass_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]
     memory access at Qwen3-30B-A3B TP1 M=256 on the H200 (docs/flashinfer.md).
     """
     from flashinfer.autotuner import autotune
-    from flashinfer.fused_moe import cutlass_fused_moe_workspace_size
 
-    from moe_eval.kernels.flashinfer_cutlass import flashinfer_cutlass_moe, to_flashinfer_w31
+    from moe_eval.kernels.flashinfer_cutlass import flashinfer_cutlass_moe, to_flashinfer_w31, workspace_bytes
 
-    ep_size = 1 if cases[0].expert_map_E is None else 2  # the adapter's phantom second rank
     key = (shape.name, cases[0].w13_eFD.data_ptr(), tuple(Ms))
     if _fi.key != key:
         _fi.__init__()  # drop the previous shape's weights and workspace first
         _fi.key, _fi.w31, _fi.max_tokens = key, to_flashinfer_w31(cases[0].w13_eFD), max(Ms)
-        ws_bytes = cutlass_fused_moe_workspace_size(
-            _fi.max_tokens, shape.D, shape.F, shape.local_experts * ep_size, shape.top_k,
-            x_dtype=torch.bfloat16, weight_dtype=torch.bfloat16, ep_size=ep_size, ep_rank=0,
+        ws_bytes = workspace_bytes(
+            _fi.max_tokens, shape.D, shape.F, shape.local_experts, shape.top_k,
+            expert_map=cases[0].expert_map_E is not None,
         )  # fmt: skip
         n_spaces = len(cases) if FLASHINFER_OPTIONS["workspace_per_call"] else 1
         _fi.workspace = [torch.empty(ws_bytes, dtype=torch.uint8, device="cuda") for _ in range(n_spaces)]
@@ -320,7 +333,7 @@ def bench_shape(
         rows += m_rows
         if on_rows is not None:
             on_rows(m_rows)
-        meds = {impl: statistics.median(samples[impl]) for impl in peers}
+        meds = {r["impl"]: r["median_us"] for r in m_rows if r["impl"] in peers}
         log(f"  {shape.name:24s} M={M:6d} " + "  ".join(f"{k} {v:9.1f} us" for k, v in meds.items())
             + f"  roofline {roof_us:8.1f} us")  # fmt: skip
         del cases
@@ -445,8 +458,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, required=True)
-    parser.add_argument("--shapes", nargs="*", help='names like "Qwen3-30B-A3B TP1" (default: all shipped)')
-    parser.add_argument("--m", nargs="*", type=int, default=list(M_GRID))
+    add_shape_args(parser)
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--skip-alignment", action="store_true", help="skip the alignment-path comparison")
     parser.add_argument("--peers", nargs="*", default=list(DEFAULT_PEERS), choices=list(GRAPH_PEERS))
@@ -457,8 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     apply_flashinfer_options(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    by_name = {s.name: s for s in SHIPPED_SHAPES}
-    shapes = [by_name[n] for n in args.shapes] if args.shapes else list(SHIPPED_SHAPES)
+    shapes = shapes_named(args.shapes) if args.shapes else list(SHIPPED_SHAPES)
     import triton
 
     ceilings = measure_ceilings()

@@ -31,6 +31,8 @@ import time
 import traceback
 from pathlib import Path
 
+from moe_eval.kernels.tile_configs import M_GRID
+
 # Build settings measured on the H200 (shared/notes/flashinfer-h200.md): 16 jobs of one nvcc thread,
 # Hopper only, and lazy binding so the other dtypes' runners (not compiled) stay unresolved.
 BUILD_ENV = {
@@ -44,7 +46,7 @@ BUILD_ENV = {
 
 SHAPES = ("Qwen3-30B-A3B TP1", "Mixtral-8x7B TP2", "Qwen3-30B-A3B TEP2")  # timing order: TP1 first
 MS = (1, 64, 1024, 8192)  # correctness
-TIMED_MS = (1, 16, 64, 256, 1024, 4096, 16384)  # bench_fused_moe's grid (M_GRID)
+TIMED_MS = M_GRID  # bench_fused_moe's grid
 TIMED_PEERS = ("triton", "flashinfer_cutlass", "grouped_mm")
 TOLERANCE_BF16 = 1e-2  # the issue's bound; 3e-3..5e-3 expected (bf16 rounding of x, weights, out)
 BF16_GROUPED_SM90 = "INSTANTIATE_TMA_WARP_SPECIALIZED_MOE_GEMM(Sm90, __nv_bfloat16, __nv_bfloat16"
@@ -171,7 +173,7 @@ def warm_triton(shapes: list, Ms: tuple[int, ...], report: dict) -> threading.Th
 def correctness(res: Results, shapes: list, Ms: tuple[int, ...], deadline: float) -> bool:
     import torch
 
-    from moe_eval.kernels.flashinfer_cutlass import flashinfer_cutlass_moe, to_flashinfer_w31
+    from moe_eval.kernels.flashinfer_cutlass import flashinfer_cutlass_moe
     from moe_eval.kernels.oracle import MoeBackend, convert_to_kernel_format, make_moe_kernel
     from moe_eval.kernels.testing import rel_err, shape_case
 
@@ -190,8 +192,8 @@ def correctness(res: Results, shapes: list, Ms: tuple[int, ...], deadline: float
                 case.apply_router_weight_on_input,
             )  # fmt: skip
             out_TD = torch.full_like(case.hidden_TD, float("nan"))  # poisoned: every row must be written
-            flashinfer_cutlass_moe(
-                case.hidden_TD, to_flashinfer_w31(case.w13_eFD), case.w2_eDF, case.topk_weights_TK,
+            flashinfer_cutlass_moe(  # on the oracle's converted weights (w31)
+                case.hidden_TD, weights.w13_eFD, weights.w2_eDF, case.topk_weights_TK,
                 case.topk_ids_TK, expert_map_E=case.expert_map_E, out=out_TD,
             )  # fmt: skip
             torch.cuda.synchronize()
@@ -263,12 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--skip-correctness", action="store_true")
-    from bench_fused_moe import add_flashinfer_options, apply_flashinfer_options
+    from bench_fused_moe import add_flashinfer_options, apply_flashinfer_options, shapes_named
 
     add_flashinfer_options(parser)
     parser.add_argument(
         "--aot-library", nargs="*", type=Path, default=[],
-        help="fused_moe_90.so (and trtllm_utils .so) from an earlier run: loaded instead of building",
+        help="fused_moe_90.so from an earlier run: loaded instead of building",
     )  # fmt: skip
     args = parser.parse_args(argv)
     apply_flashinfer_options(args)
@@ -277,10 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     deadline = T0 + args.deadline_s
 
-    from moe_eval.kernels.tile_configs import SHIPPED_SHAPES
-
-    by_name = {s.name: s for s in SHIPPED_SHAPES}
-    shapes = [by_name[n] for n in args.shapes]  # KeyError names an unknown shape before any GPU work
+    shapes = shapes_named(args.shapes)  # KeyError names an unknown shape before any GPU work
     Ms = tuple(args.m)
 
     import flashinfer

@@ -25,7 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384)
+from moe_eval.kernels.tile_configs import M_GRID, SHIPPED_SHAPES
+
+BUCKETS = M_GRID  # bench_fused_moe's default M grid: the M values it tunes FlashInfer at
 GRAPH_REPLAYS = 300
 EAGER_ROUNDS = 50  # eager4: the 4 calls, this many times
 
@@ -43,11 +45,9 @@ def run_one(
 
     install_bf16_source_filter()  # a rebuild, should the AOT module be missing, stays BF16-only
     from flashinfer.autotuner import autotune
-    from flashinfer.fused_moe import cutlass_fused_moe_workspace_size
 
-    from moe_eval.kernels.flashinfer_cutlass import flashinfer_cutlass_moe, to_flashinfer_w31
+    from moe_eval.kernels.flashinfer_cutlass import flashinfer_cutlass_moe, new_workspace, to_flashinfer_w31
     from moe_eval.kernels.testing import rel_err, shape_case
-    from moe_eval.kernels.tile_configs import SHIPPED_SHAPES
 
     parts = variant.split(":")
     tune, workspace = parts[:2]
@@ -65,21 +65,19 @@ def run_one(
             shape_case(shape, M, seed=1000 * M + i, weights_from=base) for i in range(1, n_sets)
         ]
     w31 = to_flashinfer_w31(base.w13_eFD)
-    ep_size = 1 if base.expert_map_E is None else 2
     max_tokens = max(buckets) if tune == "once" else None
+    expert_map = base.expert_map_E is not None
 
-    def new_workspace() -> torch.Tensor | None:
+    def variant_workspace() -> torch.Tensor | None:
         if workspace == "none":
             return None
         tokens = M if workspace == "m" else max(buckets)
-        size = cutlass_fused_moe_workspace_size(
-            tokens, shape.D, shape.F, shape.local_experts * ep_size, shape.top_k,
-            x_dtype=torch.bfloat16, weight_dtype=torch.bfloat16, ep_size=ep_size, ep_rank=0,
-        )  # fmt: skip
-        return torch.empty(size, dtype=torch.uint8, device="cuda")
+        return new_workspace(
+            tokens, shape.D, shape.F, shape.local_experts, shape.top_k, expert_map=expert_map
+        )
 
-    shared = new_workspace()
-    spaces = [new_workspace() for _ in cases] if "wspercall" in flags else [shared] * len(cases)
+    shared = variant_workspace()
+    spaces = [variant_workspace() for _ in cases] if "wspercall" in flags else [shared] * len(cases)
     outs = [torch.empty_like(c.hidden_TD) for c in cases]
     pdl = False if "nopdl" in flags else None
 

@@ -30,7 +30,6 @@ import torch
 from moe_eval.kernels.fused_moe import launch_gemm1, launch_gemm2, moe_align_block_size
 from moe_eval.kernels.testing import shape_case
 from moe_eval.kernels.tile_configs import (
-    M_GRID,
     SHIPPED_SHAPES,
     TUNED_DIR,
     GemmTile,
@@ -42,7 +41,7 @@ from moe_eval.kernels.tile_configs import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_fused_moe import log, median_us, rotated_sets
+from bench_fused_moe import add_shape_args, log, median_us, rotated_sets, shapes_named
 
 # Hopper allows 227 KiB (232448 bytes) of shared memory per block, and Triton 3.6 allocates
 # num_stages tiles (seen on the H200: "Required: 245760" for 3 stages of 80 KiB).
@@ -236,8 +235,7 @@ def tune_shape(shape: MoeShape, Ms: list[int]) -> tuple[dict[int, MoeTileConfig]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=TUNED_DIR)
-    parser.add_argument("--shapes", nargs="*", help='names like "Qwen3-30B-A3B TP1" (default: all shipped)')
-    parser.add_argument("--m", nargs="*", type=int, default=list(M_GRID))
+    add_shape_args(parser)
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument(
         "--merge", action="store_true", help="keep the entries of an existing file for M not tuned now"
@@ -245,12 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import triton
 
-    by_name = {s.name: s for s in SHIPPED_SHAPES}
     # TP1 shapes first: they carry the targets, and a time-boxed run keeps what it finished.
     shapes = (
-        [by_name[n] for n in args.shapes]
-        if args.shapes
-        else sorted(SHIPPED_SHAPES, key=lambda s: s.layout != "TP1")
+        shapes_named(args.shapes) if args.shapes else sorted(SHIPPED_SHAPES, key=lambda s: s.layout != "TP1")
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.workers > 0:

@@ -34,12 +34,13 @@ def find_root(root_option: str | None, hw: str) -> Path:
     return REPO_ROOT
 
 
-def resolve_hw(hw: str) -> str:
+def resolve_hw(hw: str, gpus: list[str] | None = None) -> str:
+    """`gpus`: gpu_names()'s answer when the caller has it (saves a second nvidia-smi)."""
     if hw != "auto":
         return hw
     from moe_eval.hardware import detect_hardware
 
-    return detect_hardware()
+    return detect_hardware(gpus)
 
 
 def select_configs(hw: str, config_paths: tuple[str, ...], shard_text: str | None,
@@ -102,14 +103,14 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], shard_text: str | N
     from moe_eval.results import atomic_write_text
     from moe_eval.runner import RunOptions, preflight, run_config
 
-    hw = resolve_hw(hw)
+    gpu_list = gpu_names()  # read once: it picks the hardware list, then preflight and the records use it
+    hw = resolve_hw(hw, gpu_list)
     selected, source = select_configs(hw, configs, shard_text, root)
     if limit is not None:
         import dataclasses
 
         selected = [dataclasses.replace(c, num_questions=min(limit, c.num_questions)) for c in selected]
     data = gsm8k_data(gsm8k_dir)
-    gpu_list = gpu_names()
     for config in selected:
         preflight(config, hw, len(gpu_list), mutation)
     baselines = {c.path: find_baseline(Path(baseline_path).resolve(), c) for c in selected} if baseline_path else {}

@@ -10,6 +10,7 @@ the same few-shot count are refused, not compared. Usage:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import defaultdict
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from pathlib import Path
 from moe_eval.checks import correctness
 from moe_eval.errors import ConfigError
 from moe_eval.gsm8k import FILTERS
+from moe_eval.report import markdown_table, rich_table
 from moe_eval.stats import paired_compare
 
 
@@ -27,10 +29,13 @@ class RunResult:
     model: str
     label: str
     num_fewshot: int
-    questions: frozenset[int]
     scores: dict[str, dict[str, float]]
     verdict: str
     correct: dict[int, bool]
+
+    @property
+    def questions(self) -> frozenset[int]:
+        return frozenset(self.correct)
 
 
 def _result_files(inputs: list[Path]) -> list[Path]:
@@ -65,8 +70,7 @@ def load_run(path: Path) -> RunResult | None:
     correct = correctness(samples)
     return RunResult(path=path, model=record["config"]["model_name"],
                      label=f"{backend} {record['layout']['describe']}", num_fewshot=record["config"]["num_fewshot"],
-                     questions=frozenset(correct), scores=record["scores"], verdict=record["status"].upper(),
-                     correct=correct)
+                     scores=record["scores"], verdict=record["status"].upper(), correct=correct)
 
 
 def group_runs(inputs: list[Path]) -> dict[str, list[RunResult]]:
@@ -91,7 +95,7 @@ def group_runs(inputs: list[Path]) -> dict[str, list[RunResult]]:
                                   f"{len(first.questions ^ other.questions)} not in both)")
         labels = [m.label for m in members]
         if len(set(labels)) < len(labels):  # same kernel and layout twice: tell the runs apart
-            groups[model] = [RunResult(**{**m.__dict__, "label": f"{m.label} [{m.path.parents[2].name}]"})
+            groups[model] = [dataclasses.replace(m, label=f"{m.label} [{m.path.parents[2].name}]")
                              for m in members]
     return dict(groups)
 
@@ -113,28 +117,19 @@ def table_rows(members: list[RunResult]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def _title(model: str, members: list[RunResult]) -> str:
+    return f"{model}: GSM8K, {len(members[0].questions)} questions, {members[0].num_fewshot}-shot"
+
+
 def markdown(groups: dict[str, list[RunResult]]) -> str:
-    out = []
-    for model, members in groups.items():
-        header, rows = table_rows(members)
-        out.append(f"### {model}: GSM8K, {len(members[0].questions)} questions, {members[0].num_fewshot}-shot\n")
-        out.append("|" + "|".join(header) + "|")
-        out.append("|" + "|".join("---" for _ in header) + "|")
-        out += ["|" + "|".join(r) + "|" for r in rows]
-        out.append("")
-    return "\n".join(out)
+    # Labels are never empty, so every separator cell is "---".
+    return "\n".join(f"### {_title(model, members)}\n\n{markdown_table(*table_rows(members))}"
+                     for model, members in groups.items())
 
 
 def print_rich(groups: dict[str, list[RunResult]]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     for model, members in groups.items():
-        header, rows = table_rows(members)
-        table = Table(title=f"{model}: GSM8K, {len(members[0].questions)} questions, {members[0].num_fewshot}-shot")
-        for col in header:
-            table.add_column(col)
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
+        console.print(rich_table(_title(model, members), *table_rows(members)))

@@ -13,7 +13,7 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -27,12 +27,34 @@ GSM8K_TEST_QUESTIONS = 1319
 REQUIRED = object()
 
 
+class NamedBackend(NamedTuple):
+    """The MoE kernel a config's file name says it runs (STYLE: names agree with content)."""
+
+    bundled: str | None  # the bundled backend a config may ask for (moe_backend)
+    vllm: str | None  # vLLM's name for that kernel in its selection log line (a config leaving it to vLLM)
+
+
+# File-name suffix -> the kernel it names; "-torch" has no vLLM counterpart.
+NAME_SUFFIX_BACKEND = {
+    "-triton": NamedBackend("triton", "TRITON"),
+    "-fi-cutlass": NamedBackend("flashinfer_cutlass", "FlashInfer CUTLASS"),
+    "-torch": NamedBackend("torch", None),
+}
+
+
+def backend_named_by(stem: str) -> NamedBackend:
+    """The kernel a config file's stem names by its suffix; both fields None when it names none."""
+    return next((b for suffix, b in NAME_SUFFIX_BACKEND.items() if stem.endswith(suffix)),
+                NamedBackend(None, None))
+
+
 @dataclass(frozen=True)
 class KeySpec:
     types: tuple[type, ...]
     default: Any = REQUIRED
     check: Callable[[Any], str | None] | None = None  # returns a reason when the value is bad
     doc: str = ""
+    normalize: Callable[[Any], Any] | None = None  # applied to a value that passed type and check
 
 
 def _between(lo: float, hi: float) -> Callable[[Any], str | None]:
@@ -73,6 +95,14 @@ def _str_to_str(v: dict) -> str | None:
     return None
 
 
+def _str_values(v: dict) -> dict[str, str]:
+    return {str(k): str(val) for k, val in v.items()}
+
+
+def _single_spaced(v: str) -> str:
+    return " ".join(v.split())  # folded YAML strings keep their newlines; vLLM wants words
+
+
 NUMBER = (int, float)
 CONFIG_KEYS: dict[str, KeySpec] = {
     # --- vLLM's GSM8K harness keys ---
@@ -80,8 +110,10 @@ CONFIG_KEYS: dict[str, KeySpec] = {
     "accuracy_threshold": KeySpec(NUMBER, check=_between(0.0, 1.0), doc="expected strict-match accuracy"),
     "num_questions": KeySpec((int,), check=_between(1, GSM8K_TEST_QUESTIONS), doc="GSM8K test questions"),
     "num_fewshot": KeySpec((int,), check=_between(0, 20), doc="few-shot examples from the train split"),
-    "server_args": KeySpec((str,), "", _shell_splittable, "extra `vllm serve` arguments, shell-split"),
-    "env": KeySpec((dict,), {}, _str_to_str, "environment for the server only, merged over os.environ"),
+    "server_args": KeySpec((str,), "", _shell_splittable, "extra `vllm serve` arguments, shell-split",
+                           normalize=_single_spaced),
+    "env": KeySpec((dict,), {}, _str_to_str, "environment for the server only, merged over os.environ",
+                   normalize=_str_values),
     "tolerance": KeySpec(NUMBER, 0.08, _between(0.0, 1.0), "pass iff accuracy >= threshold - tolerance"),
     "startup_max_wait_seconds": KeySpec(NUMBER, 1200, _positive, "server must be ready within this"),
     "max_tokens": KeySpec((int,), 256, _positive, "generation limit per answer"),
@@ -158,10 +190,8 @@ def _check_value(path: Path, key: str, value: Any, spec: KeySpec) -> Any:
         reason = spec.check(value)
         if reason:
             raise ConfigError(f"{path}: key '{key}': value {value!r} {reason}")
-    if key == "env":
-        value = {str(k): str(v) for k, v in value.items()}
-    if key == "server_args":
-        value = " ".join(value.split())  # folded YAML strings keep their newlines; vLLM wants words
+    if spec.normalize is not None:
+        value = spec.normalize(value)
     return value
 
 

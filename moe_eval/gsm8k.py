@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-from moe_eval.config import GSM8K_TEST_QUESTIONS, EvalConfig
+from moe_eval.canary.task import SPLIT_SEED, write_splits
+from moe_eval.config import EvalConfig
 from moe_eval.errors import ConfigError, InfraError
 
 # sha256 of the original OpenAI release (grade-school-math @ 3101c7d), as lm-eval's hub copy.
@@ -39,6 +40,7 @@ class Gsm8kData:
 
     dir: Path | None
     generated: bool = False
+    extra_stops: tuple[str, ...] = ()  # generation also stops at these, besides lm-eval's own stop sequences
 
     @property
     def task_name(self) -> str:
@@ -51,26 +53,26 @@ class Gsm8kData:
             return {"source": "hub", "dataset": "openai/gsm8k (main)"}
         hashes = {name: _sha256(self.dir / name) for name in ORIGINAL_SHA256}
         if self.generated:
-            return {"source": "generated", "task": CANARY_TASK, "generator": "moe_eval.canary.task", "seed": 0,
-                    "dir": str(self.dir), "sha256": hashes}
+            return {"source": "generated", "task": CANARY_TASK, "generator": "moe_eval.canary.task",
+                    "seed": SPLIT_SEED, "dir": str(self.dir), "sha256": hashes}
         return {"source": "local", "dir": str(self.dir), "sha256": hashes,
                 "matches_original_release": hashes == ORIGINAL_SHA256}
 
 
 def canary_data() -> Gsm8kData:
-    """The canary task's splits, generated once into the cache (deterministic: seed 0)."""
-    from moe_eval.canary.task import write_splits
+    """The canary task's splits, generated once into the cache (deterministic: seed SPLIT_SEED)."""
     from moe_eval.models import cache_root
 
-    folder = cache_root() / "tasks" / "canary-arith-v1-seed0"
+    folder = cache_root() / "tasks" / f"canary-arith-v1-seed{SPLIT_SEED}"
     if not (folder / "test.jsonl").exists():
-        staging = write_splits(folder.with_name(f"{folder.name}.tmp-{os.getpid()}"), seed=0, n_train=2000,
-                               n_test=GSM8K_TEST_QUESTIONS)
+        staging = write_splits(folder.with_name(f"{folder.name}.tmp-{os.getpid()}"))
         try:
             staging.replace(folder)  # atomic: readers see both splits or none
         except OSError:  # another run made it first: same seed, same files
             shutil.rmtree(staging, ignore_errors=True)
-    return Gsm8kData(folder, generated=True)
+    # The canary was trained with its loss on answers and the blank line after them, not on the next
+    # "Question:", so it ends an answer with blank lines; its answers never hold one, so stop there too.
+    return Gsm8kData(folder, generated=True, extra_stops=("\n\n",))
 
 
 
@@ -89,8 +91,9 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def write_local_task(data_dir: Path, task_dir: Path, task_name: str = LOCAL_TASK) -> Path:
-    """lm-eval's gsm8k.yaml, unchanged except for its name and where its rows come from."""
+def write_local_task(data_dir: Path, task_dir: Path, task_name: str = LOCAL_TASK,
+                     extra_stops: tuple[str, ...] = ()) -> Path:
+    """lm-eval's gsm8k.yaml, unchanged except for its name, where its rows come from and any extra stops."""
     import lm_eval
 
     stock = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml"
@@ -101,10 +104,8 @@ def write_local_task(data_dir: Path, task_dir: Path, task_name: str = LOCAL_TASK
     task["dataset_name"] = None
     task["dataset_kwargs"] = {"data_files": {"train": str(data_dir / "train.jsonl"),
                                              "test": str(data_dir / "test.jsonl")}}
-    if task_name == CANARY_TASK:
-        # The canary was trained with its loss on answers and the blank line after them, not on the next
-        # "Question:", so it ends an answer with blank lines; its answers never hold one, so stop there too.
-        task["generation_kwargs"]["until"] = [*task["generation_kwargs"]["until"], "\n\n"]
+    if extra_stops:
+        task["generation_kwargs"]["until"] = [*task["generation_kwargs"]["until"], *extra_stops]
     task_dir.mkdir(parents=True, exist_ok=True)
     path = task_dir / f"{task_name}.yaml"
     path.write_text(yaml.safe_dump(task, sort_keys=False))
@@ -129,7 +130,8 @@ def run_gsm8k(config: EvalConfig, base_url: str, model: str, data: Gsm8kData, wo
 
     include = None
     if data.dir is not None:
-        include = str(write_local_task(data.dir, work_dir / "lm_eval_tasks", data.task_name).parent)
+        include = str(write_local_task(data.dir, work_dir / "lm_eval_tasks", data.task_name,
+                                       data.extra_stops).parent)
     model_args = {
         "model": model,
         "base_url": f"{base_url}/v1/completions",

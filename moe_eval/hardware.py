@@ -28,11 +28,13 @@ def hardware_from_gpu_name(name: str) -> str | None:
     return None
 
 
-def detect_hardware() -> str:
-    """'b200', 'h200', 'h100' or 'cpu'. A GPU of another kind is an error for --hw auto."""
+def detect_hardware(names: list[str] | None = None) -> str:
+    """'b200', 'h200', 'h100' or 'cpu'. A GPU of another kind is an error for --hw auto.
+    `names`: the GPUs as gpu_names() gave them, when the caller has read them already."""
     from moe_eval.errors import ConfigError
 
-    names = gpu_names()
+    if names is None:
+        names = gpu_names()
     if not names:
         return "cpu"
     hw = hardware_from_gpu_name(names[0])

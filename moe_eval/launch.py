@@ -21,7 +21,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
@@ -50,7 +50,6 @@ class ServerSpec:
     log_path: Path
     port: int
     seed: int = 42
-    env_overrides: dict[str, str] = field(default_factory=dict)
     startup_max_wait_seconds: float = 1200.0
     host: str = "127.0.0.1"
 

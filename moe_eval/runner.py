@@ -34,7 +34,6 @@ from moe_eval.gate import GateResult
 from moe_eval.gsm8k import Gsm8kData, canary_data, run_gsm8k
 from moe_eval.layout import LayoutKind
 from moe_eval.models import resolve_model
-from moe_eval.plugin_protocol import STATS_INTERVAL_SECONDS
 from moe_eval.results import RESULTS_SCHEMA_VERSION, atomic_write_json, cpu_model, versions, write_samples
 from moe_eval.server_log import (
     bundled_kernel_lines,
@@ -158,8 +157,7 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData
     record["model_path"] = model
     port = options.port or launch.free_port()
     spec = launch.ServerSpec(model=model, server_args=config.server_argv, log_path=log_path, port=port,
-                             seed=config.seed, env_overrides=config.env,
-                             startup_max_wait_seconds=config.startup_max_wait_seconds)
+                             seed=config.seed, startup_max_wait_seconds=config.startup_max_wait_seconds)
     env = launch.server_environment(dict(os.environ), config.env, on_cpu=options.hw == "cpu",
                                     world_size=config.layout.world_size, run_dir=run_dir,
                                     moe_backend=config.moe_backend, mutation=options.mutation)
@@ -180,8 +178,6 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData
         server.check_alive("during the evaluation")
         outcome.timings["eval_seconds"] = time.monotonic() - eval_started
         token_counts = count_answer_tokens(server.base_url, model, result.samples)
-        if config.moe_backend is not None:
-            time.sleep(2 * STATS_INTERVAL_SECONDS)  # let the plugin's call counters flush
     write_samples(run_dir / "samples.jsonl", result.samples)
     strict = result.scores["strict-match"]
     outcome.scores = result.scores

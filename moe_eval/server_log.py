@@ -11,6 +11,7 @@ import json
 import re
 from pathlib import Path
 
+from moe_eval.config import backend_named_by
 from moe_eval.errors import InfraError
 from moe_eval.plugin_protocol import LOG_PREFIX, STATS_DIR
 
@@ -18,8 +19,6 @@ from moe_eval.plugin_protocol import LOG_PREFIX, STATS_DIR
 # Names may hold a space ("FlashInfer CUTLASS"), so the name runs up to " Unquantized".
 _VLLM_CHOICE = re.compile(r"Using (?P<backend>[\w .-]+?) Unquantized MoE backend out of potential backends: "
                           r"\[(?P<candidates>[^\]]*)\]")
-# A config that leaves the MoE kernel to vLLM says in its file name which one it expects.
-NAME_SUFFIX_VLLM_BACKEND = {"-triton": "TRITON", "-fi-cutlass": "FlashInfer CUTLASS"}
 
 
 def vllm_moe_backends(log_text: str) -> list[str]:
@@ -62,7 +61,7 @@ def verify_moe_backend(requested: str | None, config_stem: str, log_text: str) -
     if bundled:
         raise InfraError(f"MoE kernel mismatch: the config leaves the MoE kernel to vLLM, but the server log "
                          f"shows bundled {', '.join(bundled)}")
-    expected = next((b for suffix, b in NAME_SUFFIX_VLLM_BACKEND.items() if config_stem.endswith(suffix)), None)
+    expected = backend_named_by(config_stem).vllm  # leaving the kernel to vLLM, the file name says which
     if expected is not None and vllm != [expected]:
         raise InfraError(f"MoE kernel mismatch: the config file name says '{expected}', the server log shows "
                          f"vLLM's {', '.join(vllm) or 'no MoE backend line'}")

@@ -4,19 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_eval.config import load_config
+from moe_eval.config import backend_named_by, load_config
 from moe_eval.errors import ConfigError
 from moe_eval.selection import read_list
-
-# File-name suffix -> the backend the config must ask for (STYLE: names agree with content).
-NAME_SUFFIX_BACKEND = {"-triton": "triton", "-fi-cutlass": "flashinfer_cutlass", "-torch": "torch"}
-
-
-def backend_named_by(stem: str) -> str | None:
-    for suffix, backend in NAME_SUFFIX_BACKEND.items():
-        if stem.endswith(suffix):
-            return backend
-    return None
 
 
 def validate_repository(root: Path) -> tuple[list[str], int]:
@@ -29,7 +19,7 @@ def validate_repository(root: Path) -> tuple[list[str], int]:
         except ConfigError as exc:
             problems.append(str(exc))
             continue
-        named = backend_named_by(path.stem)
+        named = backend_named_by(path.stem).bundled  # the backend the config must ask for
         if named and config.moe_backend not in (None, named):
             problems.append(f"{path}: key 'moe_backend': value '{config.moe_backend}' disagrees with the file "
                             f"name, which says '{named}'")

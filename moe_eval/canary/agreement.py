@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from moe_eval.canary.task import make_splits
-from moe_eval.canary.train import FEWSHOT_DELIMITER, doc_text
+from moe_eval.canary.task import canary_splits
+from moe_eval.canary.train import doc_text, fewshot_context
+from moe_eval.checks import INVALID
 
 ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")  # lm-eval gsm8k's strict-match pattern
 
@@ -47,7 +48,7 @@ def answers(model, tokenizer, prompts: list[str], max_new_tokens: int, batch: in
         for text in texts:
             text = text.split("Question:")[0]  # the server cuts here too (lm-eval's stop sequence)
             match = ANSWER.search(text)
-            out.append(match.group(1) if match else "[invalid]")
+            out.append(match.group(1) if match else INVALID)
     return out
 
 
@@ -66,8 +67,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).cuda().eval()
-    train, test = make_splits(0, n_train=2000, n_test=1319)
-    context = FEWSHOT_DELIMITER.join(p + a for p, a in map(doc_text, train[:5])) + FEWSHOT_DELIMITER
+    train, test = canary_splits()
+    context = fewshot_context(train[:5])
     prompts = [context + doc_text(item)[0] for item in test[: args.questions]]
     targets = [item["answer"].rsplit("#### ", 1)[1] for item in test[: args.questions]]
     result = {"questions": len(prompts), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}

@@ -6,7 +6,7 @@ lm-eval's gsm8k prompt ("Question: ...\\nAnswer:"), its few-shot format and its 
 and `flexible-extract` filters apply unchanged. Train and test splits never share a question.
 Usage:
 
-    train, test = make_splits(seed=0, n_train=20000, n_test=500)
+    train, test = canary_splits()  # the canary's own; make_splits(seed, n_train, n_test) for others
 """
 
 from __future__ import annotations
@@ -14,6 +14,13 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+
+from moe_eval.config import GSM8K_TEST_QUESTIONS
+
+# The canary's splits: the training script, the agreement check and the harness's cached task all use these.
+SPLIT_SEED = 0
+N_TRAIN = 2000  # the few-shot pool
+N_TEST = GSM8K_TEST_QUESTIONS  # as many test questions as GSM8K's test split
 
 NAMES = ["Ava", "Ben", "Cara", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jill", "Kai", "Lena", "Milo", "Nora",
          "Omar", "Pia", "Quinn", "Rosa", "Sam", "Tess"]
@@ -59,7 +66,12 @@ def make_splits(seed: int, n_train: int, n_test: int) -> tuple[list[dict], list[
     return items[:n_train], items[n_train:]
 
 
-def write_splits(out_dir: Path, seed: int = 0, n_train: int = 2000, n_test: int = 500) -> Path:
+def canary_splits(seed: int = SPLIT_SEED) -> tuple[list[dict], list[dict]]:
+    """The canary's (train, test) splits."""
+    return make_splits(seed, N_TRAIN, N_TEST)
+
+
+def write_splits(out_dir: Path, seed: int = SPLIT_SEED, n_train: int = N_TRAIN, n_test: int = N_TEST) -> Path:
     """train.jsonl and test.jsonl in GSM8K's format; returns the folder."""
     train, test = make_splits(seed, n_train, n_test)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from moe_eval.canary.task import make_problem, make_splits
+from moe_eval.canary.task import SPLIT_SEED, canary_splits, make_problem
+from moe_eval.models import bpe_tokenizer, qwen3_moe_config
 
-EOS = "<|endoftext|>"
 FEWSHOT_DELIMITER = "\n\n"  # lm-eval's default between few-shot documents
 TARGET_DELIMITER = " "  # lm-eval's default between "Answer:" and the answer
 
@@ -45,42 +45,27 @@ class CanarySpec:
     moe_intermediate_size: int = 128
     max_position_embeddings: int = 2048
     seed: int = 0
-    task_seed: int = 0
+    task_seed: int = SPLIT_SEED
 
 
 def doc_text(item: dict) -> tuple[str, str]:
     return f"Question: {item['question']}\nAnswer:", TARGET_DELIMITER + item["answer"]
 
 
-def train_tokenizer(spec: CanarySpec, corpus: list[str]):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+def fewshot_context(shots: list[dict]) -> str:
+    """The few-shot documents as lm-eval lays them out before a question, blank line after each."""
+    return FEWSHOT_DELIMITER.join(p + a for p, a in map(doc_text, shots)) + FEWSHOT_DELIMITER
 
-    tok = Tokenizer(models.BPE())
+
+def train_tokenizer(spec: CanarySpec, corpus: list[str]):
     # Digits one by one: the model then sees place value, as arithmetic needs.
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, bos_token=None,
-                                   model_max_length=spec.max_position_embeddings)
+    return bpe_tokenizer(corpus, spec.vocab_size, spec.max_position_embeddings, split_digits=True)
 
 
 def build_model(spec: CanarySpec, tokenizer):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.moe_intermediate_size * 2,
-        moe_intermediate_size=spec.moe_intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim, num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
-        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, router_aux_loss_coef=0.01,
-        output_router_logits=False, max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None, torch_dtype="bfloat16",
-    )
+    config = qwen3_moe_config(spec, tokenizer, "bfloat16", router_aux_loss_coef=0.01, output_router_logits=False)
     return Qwen3MoeForCausalLM(config)
 
 
@@ -117,7 +102,7 @@ class Packer:
 def greedy_accuracy(model, tokenizer, test: list[dict], shots: list[dict], device: str, limit: int) -> float:
     """Fraction of questions whose answer tokens are all argmax under teacher forcing (= greedy right)."""
     model.eval()
-    context = FEWSHOT_DELIMITER.join(p + a for p, a in map(doc_text, shots)) + FEWSHOT_DELIMITER
+    context = fewshot_context(shots)
     right = 0
     for item in test[:limit]:
         prompt, answer = doc_text(item)
@@ -149,7 +134,7 @@ def main() -> None:
     torch.manual_seed(spec.seed)
     started = time.time()
 
-    train_items, test_items = make_splits(spec.task_seed, n_train=2000, n_test=1319)
+    train_items, test_items = canary_splits(spec.task_seed)
     corpus = [p + a for p, a in map(doc_text, train_items)]
     tokenizer = train_tokenizer(spec, corpus)
     model = build_model(spec, tokenizer).to(args.device)

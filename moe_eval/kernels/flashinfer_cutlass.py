@@ -50,6 +50,42 @@ def from_flashinfer_w31(w31_eFD: torch.Tensor) -> torch.Tensor:
     return swap_w13_halves(w31_eFD)
 
 
+def ep_size_for(expert_map: bool) -> int:
+    """FlashInfer's ep_size in this adapter's calls (always ep_rank 0): 2 with an expert map, where
+    the slots of experts held elsewhere go to id e, owned by a phantom rank 1 (ids [e, 2e)) that
+    FlashInfer skips on rank 0; else 1."""
+    return 2 if expert_map else 1
+
+
+def workspace_bytes(
+    max_tokens: int, hidden: int, intermediate: int, local_experts: int, top_k: int, *, expert_map: bool
+) -> int:
+    """Bytes of the `workspace` that `flashinfer_cutlass_moe` takes for up to `max_tokens` tokens
+    (FlashInfer's `cutlass_fused_moe_workspace_size` with this adapter's ep_size and dtypes)."""
+    from flashinfer.fused_moe import cutlass_fused_moe_workspace_size  # lazy (seconds to import)
+
+    ep_size = ep_size_for(expert_map)
+    return cutlass_fused_moe_workspace_size(
+        max_tokens, hidden, intermediate, local_experts * ep_size, top_k,
+        x_dtype=torch.bfloat16, weight_dtype=torch.bfloat16, ep_size=ep_size, ep_rank=0,
+    )  # fmt: skip
+
+
+def new_workspace(
+    max_tokens: int,
+    hidden: int,
+    intermediate: int,
+    local_experts: int,
+    top_k: int,
+    *,
+    expert_map: bool,
+    device: torch.device | str = "cuda",
+) -> torch.Tensor:
+    """An uninitialised uint8 workspace of `workspace_bytes(...)` for `flashinfer_cutlass_moe`."""
+    size = workspace_bytes(max_tokens, hidden, intermediate, local_experts, top_k, expert_map=expert_map)
+    return torch.empty(size, dtype=torch.uint8, device=device)
+
+
 def check_flashinfer_supported(device: torch.device) -> None:
     if device.type != "cuda":
         raise FlashInferUnavailable(f"FlashInfer CUTLASS MoE needs a CUDA GPU; tensors are on {device}")
@@ -81,7 +117,7 @@ def flashinfer_cutlass_moe(
 ) -> torch.Tensor:
     """FlashInfer CUTLASS fused MoE on weights already converted by `to_flashinfer_w31`.
 
-    Pass `workspace` (sized with flashinfer's `cutlass_fused_moe_workspace_size`) to capture the
+    Pass `workspace` (from `new_workspace`, or sized with `workspace_bytes`) to capture the
     call in a CUDA graph: without it FlashInfer allocates per call. `tune_max_num_tokens` is the
     largest token count its autotuner profiles (FlashInfer's default: 8192). `enable_pdl`:
     programmatic dependent launch (FlashInfer's default: on where the GPU has it, SM90+).
@@ -93,11 +129,10 @@ def flashinfer_cutlass_moe(
     K = topk_ids_TK.shape[1]
     assert hidden_TD.dtype == torch.bfloat16, "this adapter is BF16-only (the JIT module is built for BF16)"
     ids_TK = topk_ids_TK.int()
-    ep_size, ep_rank = 1, 0
+    ep_size, ep_rank = ep_size_for(expert_map_E is not None), 0
     if expert_map_E is not None:
         local_TK = expert_map_E[topk_ids_TK.long()]
-        ids_TK = torch.where(local_TK >= 0, local_TK, e).int()
-        ep_size = 2  # a phantom rank 1 owns ids [e, 2e): FlashInfer skips them on rank 0
+        ids_TK = torch.where(local_TK >= 0, local_TK, e).int()  # e: the phantom rank 1's first id
     weights_TK = topk_weights_TK.float()
     if apply_router_weight_on_input:
         if K != 1:

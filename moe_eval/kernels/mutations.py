@@ -36,10 +36,9 @@ def mutate_weights(name: str | None, w13_eFD: Any) -> Any:
     """Applied once, to the checkpoint-layout w13 before conversion."""
     if name != "swap_gate_up":
         return w13_eFD
-    import torch
+    from moe_eval.kernels.flashinfer_cutlass import swap_w13_halves  # the same swap FlashInfer's layout needs
 
-    F = w13_eFD.shape[1] // 2
-    return torch.cat([w13_eFD[:, F:], w13_eFD[:, :F]], dim=1).contiguous()
+    return swap_w13_halves(w13_eFD)
 
 
 def mutate_call(name: str | None, topk_weights_TK: Any, topk_ids_TK: Any, expert_map_E: Any,

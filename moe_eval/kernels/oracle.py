@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_eval.kernels.flashinfer_cutlass import MIN_COMPUTE_CAPABILITY, flashinfer_importable
 from moe_eval.layout import Layout
 
 
@@ -64,8 +65,8 @@ class UnknownPlatformError(ValueError):
 # --- the rules ---------------------------------------------------------------------------------
 
 
-def _usable(backend: MoeBackend, hw: Hardware, layout: Layout) -> tuple[bool, str]:
-    """Can `backend` run here at all? (usable, reason)."""
+def _usable(backend: MoeBackend, hw: Hardware) -> tuple[bool, str]:
+    """Can `backend` run here at all? (usable, reason). No rule depends on the layout today."""
     cc = hw.compute_capability
     if backend is MoeBackend.TORCH:
         # Plain torch ops: runs wherever torch does, expert map and all.
@@ -84,7 +85,7 @@ def _usable(backend: MoeBackend, hw: Hardware, layout: Layout) -> tuple[bool, st
     if backend is MoeBackend.FLASHINFER_CUTLASS:
         if hw.platform != "cuda":
             return False, f"FlashInfer CUTLASS MoE needs a CUDA GPU; platform is {hw.platform}"
-        if cc is None or cc < (9, 0):
+        if cc is None or cc < MIN_COMPUTE_CAPABILITY:
             # The adapter targets the SM90+ CUTLASS (TMA warp-specialized) BF16 kernels only.
             return False, f"FlashInfer CUTLASS MoE adapter needs SM90 or newer; device is {_sm(cc)}"
         if not hw.flashinfer_available:
@@ -128,14 +129,17 @@ def _sm(cc: tuple[int, int] | None) -> str:
 def select_moe_backend(
     hardware: Hardware, layout: Layout, requested: MoeBackend | None = None
 ) -> BackendChoice:
-    """Pick the MoE backend. Pure: same inputs, same answer; no globals, no environment."""
+    """Pick the MoE backend. Pure: same inputs, same answer; no globals, no environment.
+
+    `layout` is part of the contract (the plugin and tests pass it) though no rule reads it today.
+    """
     if hardware.platform not in KNOWN_PLATFORMS:
         raise UnknownPlatformError(
             f"unknown platform {hardware.platform!r} (device {hardware.device_name!r}); the MoE oracle knows "
             f"{', '.join(KNOWN_PLATFORMS)}"
         )
     order = _preference(hardware)
-    verdicts = {b: _usable(b, hardware, layout) for b in order}
+    verdicts = {b: _usable(b, hardware) for b in order}
 
     if requested is not None:
         requested = MoeBackend(requested)
@@ -168,7 +172,7 @@ def select_moe_backend(
 def detect_hardware() -> Hardware:
     """Read the machine once (torch, importability of triton / flashinfer) into plain values."""
     triton_ok = importlib.util.find_spec("triton") is not None
-    flashinfer_ok = importlib.util.find_spec("flashinfer") is not None
+    flashinfer_ok = flashinfer_importable()
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
         if torch.version.hip is not None:

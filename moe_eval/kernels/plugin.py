@@ -104,7 +104,10 @@ class BundledExperts:
         self.choice = select_moe_backend(hardware or detect_hardware(), layout, MoeBackend(requested))
         self.kernel = make_moe_kernel(self.choice.backend)
         self.weights = None
-        self.stats = _STATS.setdefault(self.choice.backend.value, KernelStats(self.choice.backend.value))
+        backend = self.choice.backend.value
+        if backend not in _STATS:
+            _STATS[backend] = KernelStats(backend)
+        self.stats = _STATS[backend]
 
     def process_weights(self, layer: Any, global_experts: int, top_k: int) -> None:
         from moe_eval.kernels.mutations import mutate_weights

@@ -11,6 +11,7 @@ import torch
 from moe_eval.kernels.fused_moe import fused_moe_ref
 from moe_eval.kernels.oracle import Hardware, MoeBackendUnavailable
 from moe_eval.kernels.plugin import BundledExperts
+from moe_eval.kernels.testing import rel_err
 from moe_eval.layout import Layout, LayoutKind
 
 # bf16 outputs against an fp32-accumulated reference: ~4e-3 typical (bf16 rounding of the
@@ -31,10 +32,6 @@ def _routing(T: int, E: int, K: int, device):
     logits = torch.randn(T, E, device=device)
     weights, ids = torch.softmax(logits, -1).topk(K, -1)
     return (weights / weights.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 CPU = Hardware("cpu", "cpu", None, triton_available=True, flashinfer_available=False)
@@ -59,7 +56,7 @@ def test_torch_backend_apply_matches_reference(layout, expert_map):
     topk_weights, topk_ids = _routing(T, E, K, "cpu")
     out = experts.apply(layer, x, topk_weights, topk_ids)
     ref = fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map_E=emap)
-    assert _rel_err(out, ref) < REL_TOL_FP32
+    assert rel_err(out, ref) < REL_TOL_FP32
 
 
 def test_unsupported_activation_is_refused():
@@ -97,7 +94,7 @@ def test_triton_backend_apply_on_gpu_matches_reference(T, ep):
     topk_weights, topk_ids = _routing(T, E, K, "cuda")
     out = experts.apply(layer, x, topk_weights, topk_ids)
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), topk_weights, topk_ids, expert_map_E=emap)
-    assert not out.isnan().any() and _rel_err(out, ref) < REL_TOL_BF16
+    assert not out.isnan().any() and rel_err(out, ref) < REL_TOL_BF16
 
 
 @pytest.mark.parametrize("mutation", ["swap_gate_up", "ignore_routing_weights", "shift_expert_ids",
@@ -122,8 +119,8 @@ def test_each_mutation_changes_the_output(mutation):
         experts = BundledExperts("torch", layout, CPU, mutation=name)
         experts.process_weights(layer_copy, E, K)
         outs[name] = experts.apply(layer_copy, x, topk_weights, topk_ids)
-    assert _rel_err(outs[None], ref) < REL_TOL_FP32
-    assert _rel_err(outs[mutation], ref) > 0.1, f"{mutation} left the output nearly unchanged"
+    assert rel_err(outs[None], ref) < REL_TOL_FP32
+    assert rel_err(outs[mutation], ref) > 0.1, f"{mutation} left the output nearly unchanged"
 
 
 def test_mutations_are_refused_where_they_cannot_apply(tmp_path):
