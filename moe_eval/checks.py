@@ -15,6 +15,7 @@ from typing import Any
 
 from moe_eval.config import EvalConfig
 from moe_eval.errors import ConfigError
+from moe_eval.results import result_files
 from moe_eval.stats import PairedResult, paired_compare
 
 INVALID = "[invalid]"  # what lm-eval's regex filters leave when they find nothing
@@ -89,7 +90,7 @@ def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
     """The results.json under baseline_root for the same model, question count and few-shot count;
     the same config name wins a tie. Refused (ConfigError) when there is none or it is ambiguous."""
     candidates = []
-    paths = [baseline_root] if baseline_root.is_file() else sorted(baseline_root.rglob("results.json"))
+    paths = [baseline_root] if baseline_root.is_file() else result_files(baseline_root)
     for path in paths:
         try:
             record = json.loads(path.read_text())

@@ -1,20 +1,23 @@
-"""moe-eval command line: `run`, `list`, `validate`.
+"""moe-eval command line: `run`, `list`, `validate`, `compare`.
 
 stdout carries results (tables); stderr carries progress. Exit codes are in moe_eval.errors:
-0 all passed, 1 a gate failed, 3 infrastructure error, 4 config/usage error, 5 nothing selected.
+0 all passed, 1 a gate failed, 3 infrastructure error, 4 config/usage error, 5 nothing selected,
+130 cancelled (SIGTERM or Ctrl-C; servers torn down, partial results kept).
 """
 
 from __future__ import annotations
 
-import signal
+import os
 import sys
 import time
 from pathlib import Path
 
 import click
 
+from moe_eval import cancel
+from moe_eval.cancel import EXIT_CANCELLED
 from moe_eval.config import EvalConfig, load_config
-from moe_eval.errors import ExitCode, MoeEvalError
+from moe_eval.errors import ConfigError, ExitCode, MoeEvalError
 from moe_eval.selection import HARDWARE, list_for_hardware, parse_shard, read_list, require_some, shard
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -44,11 +47,16 @@ def resolve_hw(hw: str, gpus: list[str] | None = None) -> str:
 
 
 def select_configs(hw: str, config_paths: tuple[str, ...], shard_text: str | None,
-                   root_option: str | None) -> tuple[list[EvalConfig], str]:
+                   root_option: str | None, list_path: str | None = None) -> tuple[list[EvalConfig], str]:
     """Load (and so validate) every selected config before anything launches."""
+    if config_paths and list_path:
+        raise ConfigError(f"--list: value '{list_path}' given together with config files; give one or the other")
     if config_paths:
         paths = [Path(p).resolve() for p in config_paths]
         source = "the configs given on the command line"
+    elif list_path:
+        paths = read_list(Path(list_path).resolve())
+        source = str(Path(list_path).resolve())
     else:
         list_path = list_for_hardware(hw, find_root(root_option, hw))
         paths = read_list(list_path)
@@ -63,6 +71,9 @@ def select_configs(hw: str, config_paths: tuple[str, ...], shard_text: str | Non
 
 hw_option = click.option("--hw", type=click.Choice(("auto", *HARDWARE)), default="auto", show_default=True,
                          help="Hardware list to run: config-<hw>.txt. auto detects the GPU (none -> cpu).")
+list_option = click.option("--list", "list_path", type=click.Path(dir_okay=False), default=None,
+                           help="A list file of configs to use instead of config-<hw>.txt "
+                                "(e.g. config-gpu-canary.txt).")
 root_option = click.option("--root", type=click.Path(file_okay=False), default=None,
                            help="Folder holding config-<hw>.txt (default: current folder, else the checkout).")
 
@@ -73,39 +84,76 @@ def cli() -> None:
     """Accuracy-regression harness for BF16 MoE kernels: serve with vLLM, run GSM8K, gate."""
 
 
+def jobs_value(text: str) -> int | None:
+    """--jobs: a positive integer, or auto (None: as many as the free devices allow)."""
+    if text == "auto":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"--jobs: value '{text}' must be a positive integer or auto")
+    return int(text)
+
+
+def shard_from_environment(shard_text: str | None) -> str | None:
+    """--shard, else Buildkite's parallel job index and count (BUILDKITE_PARALLEL_JOB[_COUNT])."""
+    if shard_text:
+        return shard_text
+    index, count = os.environ.get("BUILDKITE_PARALLEL_JOB"), os.environ.get("BUILDKITE_PARALLEL_JOB_COUNT")
+    if index is None and count is None:
+        return None
+    if index is None or count is None:
+        raise ConfigError("BUILDKITE_PARALLEL_JOB and BUILDKITE_PARALLEL_JOB_COUNT must be set together "
+                          f"(got {index!r} and {count!r})")
+    return f"{index}/{count}"
+
+
 @cli.command()
 @hw_option
 @root_option
 @click.argument("configs", nargs=-1, type=click.Path(dir_okay=False))
-@click.option("--shard", "shard_text", default=None, help="Run shard i of n of the list (i/n, 0-based).")
+@list_option
+@click.option("--shard", "shard_text", default=None,
+              help="Run shard i of n of the list (i/n, 0-based); default: Buildkite's BUILDKITE_PARALLEL_JOB/_COUNT.")
 @click.option("--gsm8k-dir", envvar="MOE_EVAL_GSM8K_DIR", default=None,
               help="Folder with GSM8K train.jsonl and test.jsonl; offline. Default: the hub.")
 @click.option("--output-dir", default="moe-eval-results", show_default=True,
               help="Each run writes a new timestamped folder here.")
-@click.option("--port", type=click.IntRange(1, 65535), default=None, help="Server port (default: a free one).")
+@click.option("--port", type=click.IntRange(1, 65535), default=None,
+              help="Server port (default: a free one); with --jobs > 1, config i of the list uses port + i.")
 @click.option("--limit", type=click.IntRange(1, 1319), default=None,
               help="Evaluate at most this many questions per config (overrides num_questions; recorded).")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None,
               help="Also write JUnit XML here (one testcase per config, named after its file stem).")
 @click.option("--mutate", "mutation", default=None, metavar="NAME",
-              help="Run the bundled kernel with a deliberate bug (swap_gate_up, ignore_routing_weights, "
-                   "shift_expert_ids, ignore_expert_map) to check that the gate catches it.")
+              help="Run the bundled kernel with a deliberate bug (see README) to check that the gates catch it.")
 @click.option("--baseline", "baseline_path", type=click.Path(exists=True), default=None,
               help="A run folder (or results.json) of the same model and questions: adds the paired gate.")
-def run(hw: str, root: str | None, configs: tuple[str, ...], shard_text: str | None, gsm8k_dir: str | None,
-        output_dir: str, port: int | None, limit: int | None, junit_path: str | None, mutation: str | None,
-        baseline_path: str | None) -> None:
+@click.option("--jobs", "jobs_text", default="1", show_default=True, metavar="N|auto",
+              help="Configs served at once, each on its own GPUs (or CPU cores); auto: as many as the free "
+                   "devices allow. 1 gives each server the whole machine.")
+@click.option("--retries", type=click.IntRange(0, 10), default=0, show_default=True,
+              help="Run a config that ended in an infrastructure error again, with a fresh server, up to N times.")
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Finish this run folder: configs whose results there passed or failed with the same config, "
+                   "versions and questions are kept; the rest run; one summary covers all.")
+def run(hw: str, root: str | None, configs: tuple[str, ...], list_path: str | None, shard_text: str | None,
+        gsm8k_dir: str | None, output_dir: str, port: int | None, limit: int | None, junit_path: str | None,
+        mutation: str | None, baseline_path: str | None, jobs_text: str, retries: int, resume_dir: str | None) -> None:
     """Serve each selected config with vLLM, run GSM8K through lm-eval, gate, report."""
     from moe_eval.checks import find_baseline
+    from moe_eval.devices import cpu_pool, gpu_pool
     from moe_eval.gsm8k import gsm8k_data
     from moe_eval.hardware import gpu_names
+    from moe_eval.progress_view import ProgressView
     from moe_eval.report import print_table
-    from moe_eval.results import atomic_write_text
-    from moe_eval.runner import RunOptions, preflight, run_config
+    from moe_eval.results import append_text
+    from moe_eval.runner import preflight
+    from moe_eval.scheduler import Planned, Scheduler, SchedulerOptions
+    from moe_eval.worker import Job
 
+    jobs = jobs_value(jobs_text)
     gpu_list = gpu_names()  # read once: it picks the hardware list, then preflight and the records use it
     hw = resolve_hw(hw, gpu_list)
-    selected, source = select_configs(hw, configs, shard_text, root)
+    selected, source = select_configs(hw, configs, shard_from_environment(shard_text), root, list_path)
     if limit is not None:
         import dataclasses
 
@@ -113,52 +161,110 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], shard_text: str | N
     data = gsm8k_data(gsm8k_dir)
     for config in selected:
         preflight(config, hw, len(gpu_list), mutation)
-    baselines = {c.path: find_baseline(Path(baseline_path).resolve(), c) for c in selected} if baseline_path else {}
-    run_root = Path(output_dir).resolve() / time.strftime("%Y%m%d-%H%M%S")
+    if baseline_path:  # refused now, before anything launches, when a config has no baseline there
+        for config in selected:
+            find_baseline(Path(baseline_path).resolve(), config)
+    pool = cpu_pool() if hw == "cpu" else gpu_pool()
+    planned = [Planned(i, c, pool.units_for(c.layout.world_size, jobs)) for i, c in enumerate(selected)]
+    if jobs != 1:
+        check_fits(planned, pool)
+    run_root = Path(resume_dir).resolve() if resume_dir else new_run_root(Path(output_dir).resolve())
+    kept = resumable_outcomes(run_root, selected, data) if resume_dir else {}
+    append_text(run_root / "command.txt", " ".join(sys.argv) + "\n")
+    progress(f"{len(selected)} config(s) from {source} on {hw}; results in {run_root}"
+             + (f"; {len(kept)} kept from the earlier run" if kept else "")
+             + (f"; up to {jobs or 'auto'} at once on {pool.kind} {','.join(map(str, pool.ids))}" if jobs != 1 else ""))
+    job = Job(config_path="", run_root=str(run_root), hw=hw, parent_pid=os.getpid(), limit=limit,
+              gsm8k_dir=str(data.dir) if data.dir is not None else None, mutation=mutation,
+              baseline=str(Path(baseline_path).resolve()) if baseline_path else None, gpus=list(gpu_list))
+    view = ProgressView(len(selected), pool.kind)
+    scheduler = Scheduler([p for p in planned if p.index not in kept],
+                          SchedulerOptions(job=job, pool=pool, jobs=jobs, retries=retries, port_base=port), view)
+    try:
+        done = scheduler.run()
+    finally:
+        view.close()
+    outcomes = {**kept, **done}
+    ordered = [outcomes[i] for i in range(len(selected)) if i in outcomes]
+    not_started = [selected[i] for i in range(len(selected)) if i not in outcomes]
+    write_run_reports(run_root, ordered, not_started, hw=hw, source=source, junit_path=junit_path, gpus=gpu_list,
+                      cancelled_by=scheduler.cancelled_by)
+    print_table(ordered, rich_output=sys.stdout.isatty())
+    progress(f"results: {run_root}")
+    if scheduler.cancelled_by is not None:
+        progress(f"cancelled by {scheduler.cancelled_by}: servers torn down, partial results kept")
+        sys.exit(EXIT_CANCELLED)
+    if any(o.status in ("error", "cancelled") for o in ordered) or not_started:
+        sys.exit(ExitCode.INFRA)
+    if any(o.status == "failed" for o in ordered):
+        sys.exit(ExitCode.GATE_FAILED)
+
+
+def check_fits(planned: list, pool) -> None:
+    """With shared devices, every config must fit the free ones (else it would wait forever)."""
+    for p in planned:
+        if p.units > len(pool.ids):
+            busy = f"; busy (another process uses them): {','.join(map(str, pool.busy))}" if pool.busy else ""
+            raise ConfigError(f"{p.config.path}: layout {p.config.layout.describe()} needs {p.units} "
+                              f"{'GPUs' if pool.kind == 'gpu' else 'CPU cores'}; free here: "
+                              f"{','.join(map(str, pool.ids)) or 'none'}{busy}")
+
+
+def new_run_root(output_dir: Path) -> Path:
+    run_root = output_dir / time.strftime("%Y%m%d-%H%M%S")
     suffix = 1
     while run_root.exists():
         run_root = run_root.with_name(f"{run_root.name.split('.')[0]}.{suffix}")
         suffix += 1
     run_root.mkdir(parents=True)
-    atomic_write_text(run_root / "command.txt", " ".join(sys.argv) + "\n")
-    progress(f"{len(selected)} config(s) from {source} on {hw}; results in {run_root}")
-
-    options = RunOptions(hw=hw, run_root=run_root, data=data, port=port, progress=progress, baselines=baselines,
-                         mutation=mutation, gpus=tuple(gpu_list))
-    outcomes = []
-    try:
-        for i, config in enumerate(selected, start=1):
-            progress(f"[{i}/{len(selected)}] {config.path}")
-            outcome = run_config(config, options)
-            outcomes.append(outcome)
-            if outcome.error:
-                progress(f"  ERROR: {outcome.error}")
-            for check in outcome.checks:
-                progress(f"  {check.name}: {check.detail}")
-    finally:  # also on Ctrl-C and errors: what finished is reported
-        write_run_reports(run_root, outcomes, complete=len(outcomes) == len(selected), hw=hw, source=source,
-                          junit_path=junit_path, gpus=gpu_list)
-    print_table(outcomes, rich_output=sys.stdout.isatty())
-    progress(f"results: {run_root}")
-    if any(o.status == "error" for o in outcomes):
-        sys.exit(ExitCode.INFRA)
-    if any(o.status == "failed" for o in outcomes):
-        sys.exit(ExitCode.GATE_FAILED)
+    return run_root
 
 
-def write_run_reports(run_root: Path, outcomes: list, *, complete: bool, hw: str, source: str,
-                      junit_path: str | None, gpus: list[str]) -> None:
+def resumable_outcomes(run_root: Path, selected: list[EvalConfig], data) -> dict[int, object]:
+    """Configs of `selected` whose results.json in run_root holds a verdict for the same config file
+    (sha256), the same versions and the same questions; the others' old files move to attempts/."""
+    import json
+
+    from moe_eval.results import versions
+    from moe_eval.runner import ConfigOutcome, config_run_dir, task_data
+    from moe_eval.scheduler import ATTEMPTS_DIR, move_run_files
+
+    kept = {}
+    for i, config in enumerate(selected):
+        run_dir = config_run_dir(run_root, config)
+        try:
+            record = json.loads((run_dir / "results.json").read_text())
+        except (OSError, ValueError):
+            record = None
+        same = (record is not None and record.get("status") in ("passed", "failed")
+                and record.get("config_sha256") == config.sha256 and record.get("versions") == versions()
+                and record.get("num_questions_evaluated") == config.num_questions
+                and record.get("gsm8k") == task_data(config, data).describe())
+        if same:
+            outcome = ConfigOutcome.from_record(config, run_dir, record)
+            outcome.resumed = True
+            kept[i] = outcome
+        elif run_dir.is_dir() and any(e.name != ATTEMPTS_DIR for e in run_dir.iterdir()):
+            earlier = sorted(int(p.name) for p in (run_dir / ATTEMPTS_DIR).glob("*") if p.name.isdigit())
+            move_run_files(run_dir, run_dir / ATTEMPTS_DIR / str((earlier[-1] if earlier else 0) + 1))
+    return kept
+
+
+def write_run_reports(run_root: Path, outcomes: list, not_started: list, *, hw: str, source: str,
+                      junit_path: str | None, gpus: list[str], cancelled_by: str | None = None) -> None:
     """summary.json and summary.md in the run folder, the JUnit file, GitHub's step summary."""
-    import os
-
     from moe_eval.report import markdown
     from moe_eval.results import atomic_write_json, atomic_write_text
 
-    summary = {"hw": hw, "source": source, "run_root": str(run_root), "complete": complete,
+    summary = {"hw": hw, "source": source, "run_root": str(run_root),
+               "complete": not not_started and all(o.status != "cancelled" for o in outcomes),
+               "cancelled_by": cancelled_by,
                "configs": [{"config": str(o.config.path), "status": o.status, "run_dir": str(o.run_dir),
                             "error": o.error, "gate": o.gate.as_dict() if o.gate else None,
-                            "checks": [c.as_dict() for c in o.checks], "moe_backend_used": o.moe_backend_used}
-                           for o in outcomes]}
+                            "checks": [c.as_dict() for c in o.checks], "moe_backend_used": o.moe_backend_used,
+                            "attempts": len(o.attempts) + 1, "resumed": o.resumed}
+                           for o in outcomes]
+               + [{"config": str(c.path), "status": "not_started"} for c in not_started]}
     atomic_write_json(run_root / "summary.json", summary)
     if not outcomes:
         return
@@ -177,11 +283,12 @@ def write_run_reports(run_root: Path, outcomes: list, *, complete: bool, hw: str
 @cli.command(name="list")
 @hw_option
 @root_option
+@list_option
 @click.option("--shard", "shard_text", default=None, help="Show shard i of n (i/n, 0-based).")
-def list_configs(hw: str, root: str | None, shard_text: str | None) -> None:
+def list_configs(hw: str, root: str | None, list_path: str | None, shard_text: str | None) -> None:
     """Show what `run` would run: config, model, layout, devices (GPUs, or CPU ranks) needed, backend, gate."""
     hw = resolve_hw(hw)
-    selected, source = select_configs(hw, (), shard_text, root)
+    selected, source = select_configs(hw, (), shard_from_environment(shard_text), root, list_path)
     click.echo(f"# {source}")
     click.echo(f"config\tmodel\tlayout\t{'cpu_ranks' if hw == 'cpu' else 'gpus'}\tmoe_backend\tthreshold\tquestions")
     for c in selected:
@@ -220,32 +327,25 @@ def compare(results: tuple[str, ...], fmt: str) -> None:
         click.echo(cmp.markdown(groups), nl=False)
 
 
-class _Terminated(Exception):
-    """SIGTERM, turned into an exception so that every `finally` (server teardown) runs."""
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise _Terminated()
-
-
 def main(argv: list[str] | None = None) -> None:
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    cancel.install()  # SIGTERM and Ctrl-C alike: cancel, tear down, exit 130 (the scheduler takes over while it runs)
     try:
         cli.main(args=argv, prog_name="moe-eval", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:
         click.echo("moe-eval: interrupted", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_CANCELLED)
     except click.ClickException as exc:  # usage errors: clicks says 2, we say 4 (config/usage)
         exc.show()
         sys.exit(ExitCode.CONFIG)
     except MoeEvalError as exc:
         click.echo(f"moe-eval: error: {exc}", err=True)
         sys.exit(exc.exit_code)
-    except (KeyboardInterrupt, _Terminated):
-        click.echo("moe-eval: interrupted; servers torn down, partial results kept", err=True)
-        sys.exit(130)
+    except KeyboardInterrupt as exc:  # before the scheduler started anything, or the reports: nothing is left
+        name = exc.signal_name if isinstance(exc, cancel.Cancelled) else "SIGINT"
+        click.echo(f"moe-eval: cancelled by {name}; nothing was left running", err=True)
+        sys.exit(EXIT_CANCELLED)
     except Exception:  # noqa: BLE001  a bug of ours must never read as exit 1 ("accuracy gate failed")
         import traceback
 

@@ -20,6 +20,7 @@ from moe_eval.checks import correctness
 from moe_eval.errors import ConfigError
 from moe_eval.gsm8k import FILTERS
 from moe_eval.report import markdown_table, rich_table
+from moe_eval.results import result_files
 from moe_eval.stats import paired_compare
 
 
@@ -44,7 +45,7 @@ def _result_files(inputs: list[Path]) -> list[Path]:
         if item.is_file():
             files.append(item)
         elif item.is_dir():
-            found = sorted(item.rglob("results.json"))
+            found = result_files(item)
             if not found:
                 raise ConfigError(f"compare: '{item}' holds no results.json")
             files.extend(found)

@@ -132,6 +132,9 @@ CONFIG_KEYS: dict[str, KeySpec] = {
                                   "fail when more answers than this hit max_tokens"),
     "max_invalid_rate": KeySpec(NUMBER, None, _between(0.0, 1.0),
                                 "fail when more answers than this hold no number at all"),
+    "max_jit_while_serving": KeySpec((int,), None, _non_negative,
+                                     "fail when more kernel compilations than this happen while serving "
+                                     "(vLLM's JIT monitor, GPU servers)"),
 }
 
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", dict: "a mapping"}
@@ -162,6 +165,7 @@ class EvalConfig:
     max_empty_rate: float | None = None
     max_truncated_rate: float | None = None
     max_invalid_rate: float | None = None
+    max_jit_while_serving: int | None = None
 
     @property
     def name(self) -> str:

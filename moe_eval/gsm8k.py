@@ -10,8 +10,10 @@ files and the hub is switched off, so nothing reaches the network. Usage:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,13 @@ class Gsm8kData:
         if self.generated:
             return CANARY_TASK
         return HUB_TASK if self.dir is None else LOCAL_TASK
+
+    def test_rows(self) -> list[dict]:
+        """The test split's rows (question, answer), or [] where lm-eval loads them from the hub."""
+        if self.dir is None:
+            return []
+        path = self.dir / "test.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def describe(self) -> dict[str, Any]:
         if self.dir is None:
@@ -120,13 +129,17 @@ class Gsm8kOutcome:
     lm_eval_config: dict[str, Any]
 
 
-def run_gsm8k(config: EvalConfig, base_url: str, model: str, data: Gsm8kData, work_dir: Path) -> Gsm8kOutcome:
+def run_gsm8k(config: EvalConfig, base_url: str, model: str, data: Gsm8kData, work_dir: Path,
+              listener: Callable[[str, str], None] | None = None) -> Gsm8kOutcome:
+    """lm-eval against the server; `listener(prompt, text)` hears every answer as it arrives."""
     if data.dir is not None:
         # Set before `datasets` is imported: without HF_DATASETS_OFFLINE it pings the hub.
         os.environ["HF_HUB_OFFLINE"] = "1"
         os.environ["HF_DATASETS_OFFLINE"] = "1"
     import lm_eval
     from lm_eval.tasks import TaskManager
+
+    from moe_eval import lm_eval_model  # registers lm_eval_model.MODEL_NAME with lm-eval
 
     include = None
     if data.dir is not None:
@@ -146,9 +159,10 @@ def run_gsm8k(config: EvalConfig, base_url: str, model: str, data: Gsm8kData, wo
     }
     gen_kwargs = {"max_gen_toks": config.max_tokens, "temperature": config.temperature,
                   "do_sample": config.temperature > 0}
+    lm_eval_model.set_listener(listener)
     try:
         results = lm_eval.simple_evaluate(
-            model="local-completions", model_args=model_args, tasks=[data.task_name],
+            model=lm_eval_model.MODEL_NAME, model_args=model_args, tasks=[data.task_name],
             num_fewshot=config.num_fewshot, limit=config.num_questions, log_samples=True,
             gen_kwargs=gen_kwargs, task_manager=TaskManager(include_path=include),
             random_seed=config.seed, numpy_random_seed=config.seed, torch_random_seed=config.seed,
@@ -160,6 +174,8 @@ def run_gsm8k(config: EvalConfig, base_url: str, model: str, data: Gsm8kData, wo
         raise
     except Exception as exc:  # lm-eval gives up the whole run when one request keeps failing
         raise InfraError(f"lm-eval failed against {base_url}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        lm_eval_model.set_listener(None)
     return _outcome(results, data.task_name, model_args, gen_kwargs)
 
 

@@ -31,7 +31,7 @@ def junit_xml(outcomes: list[ConfigOutcome], hw: str, gpus: list[str]) -> str:
     host = socket.gethostname()
     for o in outcomes:
         seconds = o.timings.get("total_seconds", 0.0)
-        failures, errors = int(o.status == "failed"), int(o.status == "error")
+        failures, errors = int(o.status == "failed"), int(o.status in ("error", "cancelled"))
         suite = ET.SubElement(root, "testsuite", name=f"{o.config.path.parent.name}/{o.config.name}", tests="1",
                               failures=str(failures), errors=str(errors), skipped="0", time=f"{seconds:.3f}",
                               timestamp=stamp, hostname=host)
@@ -41,8 +41,9 @@ def junit_xml(outcomes: list[ConfigOutcome], hw: str, gpus: list[str]) -> str:
                             **{f"version.{k}": v for k, v in versions().items()}})
         case = ET.SubElement(suite, "testcase", classname=f"moe-eval.{o.config.path.parent.name}",
                              name=o.config.name, time=f"{seconds:.3f}")
-        if o.status == "error":
-            element = ET.SubElement(case, "error", type="InfrastructureError", message=(o.error or "")[:500])
+        if o.status in ("error", "cancelled"):
+            kind = "Cancelled" if o.status == "cancelled" else "InfrastructureError"
+            element = ET.SubElement(case, "error", type=kind, message=(o.error or "")[:500])
             element.text = f"{o.error}\n\n{log_tail(o.run_dir / 'server.log')}"
         elif o.status == "failed":
             failed = o.failed_checks

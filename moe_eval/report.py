@@ -33,9 +33,9 @@ def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
         cfg = o.config
         name = f"{cfg.path.parent.name}/{cfg.name}"
         backend = o.moe_backend_used or "n/a"
-        if o.scores is None:
+        if o.scores is None:  # an infrastructure error, or cancelled before the evaluation ended
             table.append([name, cfg.layout.describe(), backend, "-", str(cfg.num_fewshot), "exact_match", "-", "",
-                          "-", _fmt(cfg.accuracy_threshold - cfg.tolerance), "-", "ERROR"])
+                          "-", _fmt(cfg.accuracy_threshold - cfg.tolerance), "-", o.status.upper()])
             continue
         for i, (filt, score) in enumerate(o.scores.items()):
             gated = filt == "strict-match"
@@ -82,5 +82,5 @@ def print_table(outcomes: list[ConfigOutcome], rich_output: bool) -> None:
 
     table = rich_table("moe-eval GSM8K", COLUMNS, rows(outcomes),
                        right=("Value", "Stderr", "Floor", "Margin (stderr)"),
-                       row_style=lambda row: {"P": "green", "F": "red", "E": "yellow"}.get(row[-1][:1]))
+                       row_style=lambda row: {"P": "green", "F": "red", "E": "yellow", "C": "yellow"}.get(row[-1][:1]))
     Console().print(table)

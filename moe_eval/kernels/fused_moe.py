@@ -100,8 +100,47 @@ class MoeAlignment:
         return self.expert_ids_B.numel()
 
 
+@dataclass(frozen=True)
+class AlignVariant:
+    """The compile-time constants of the alignment for one slot count: which Triton kernels run.
+
+    single: one program holds every slot (SLOTS lanes, NB_BLOCKS block owners); else count /
+    scan / scatter over chunks of ALIGN_CHUNK slots (BLOCKS_PER_PROGRAM owners per program).
+    Slot counts that share a variant share the compiled kernels (moe_eval.kernels.warmup
+    compiles each variant once, before the server serves).
+    """
+
+    single: bool
+    slots: int = 0
+    nb_blocks: int = 0
+    blocks_per_program: int = 0
+
+
+ALIGN_CHUNK = 1024  # slots per program of the three-launch alignment
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def _max_blocks(num_slots: int, num_local_experts: int, block_m: int) -> int:
+    # Worst case without a device->host sync: every non-empty expert pads by block_m - 1, and at
+    # most min(T*K, e) experts are non-empty.
+    return triton.cdiv(num_slots + min(num_slots, num_local_experts) * (block_m - 1), block_m)
+
+
+def align_variant(num_slots: int, block_m: int, num_local_experts: int) -> AlignVariant | None:
+    """None for no slots (nothing is launched)."""
+    if num_slots == 0:
+        return None
+    if num_slots <= SINGLE_PROGRAM_MAX_SLOTS:
+        slots = max(16, _next_pow2(num_slots))
+        # Sized for the largest slot count of the power-of-two bucket, not this call's: one
+        # compiled kernel per bucket (a larger NB_BLOCKS only widens a masked histogram).
+        return AlignVariant(True, slots=slots, nb_blocks=_next_pow2(_max_blocks(slots, num_local_experts, block_m) + 1))
+    num_chunks = triton.cdiv(num_slots, ALIGN_CHUNK)
+    per_program = triton.cdiv(_max_blocks(num_slots, num_local_experts, block_m), num_chunks)
+    return AlignVariant(False, blocks_per_program=max(16, _next_pow2(per_program)))
 
 
 def moe_align_block_size(
@@ -116,38 +155,36 @@ def moe_align_block_size(
         assert expert_map_E.dtype == torch.int32 and expert_map_E.is_contiguous(), (
             "expert_map: contiguous int32"
         )
-    # Worst case without a device->host sync: every non-empty expert pads by block_m - 1, and at
-    # most min(T*K, e) experts are non-empty.
-    max_padded = num_slots + min(num_slots, num_local_experts) * (block_m - 1)
-    max_blocks = triton.cdiv(max_padded, block_m)
+    max_blocks = _max_blocks(num_slots, num_local_experts, block_m)
     device = topk_ids_TK.device
     sorted_ids_P = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
     expert_ids_B = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_post_pad_1 = torch.empty(1, dtype=torch.int32, device=device)
     align = MoeAlignment(sorted_ids_P, expert_ids_B, num_post_pad_1, block_m, num_slots)
-    if num_slots == 0:
+    variant = align_variant(num_slots, block_m, num_local_experts)
+    if variant is None:
         num_post_pad_1.zero_()
         return align
 
     has_map = expert_map_E is not None
     map_arg = expert_map_E if has_map else topk_ids_TK  # any int32 pointer; never read
     nbins = _next_pow2(num_local_experts + 1)  # + 1: the bin of slots not computed on this rank
-    if num_slots <= SINGLE_PROGRAM_MAX_SLOTS:
+    if variant.single:
         cursor = torch.empty(nbins, dtype=torch.int32, device=device)
         kernels._align_single_kernel[(1,)](
             topk_ids_TK, map_arg, sorted_ids_P, expert_ids_B, num_post_pad_1, cursor,
             num_slots, num_local_experts, max_blocks,
-            HAS_EXPERT_MAP=has_map, BLOCK_M=block_m, NBINS=nbins, SLOTS=max(16, _next_pow2(num_slots)),
-            NB_BLOCKS=_next_pow2(max_blocks + 1), num_warps=8,
+            HAS_EXPERT_MAP=has_map, BLOCK_M=block_m, NBINS=nbins, SLOTS=variant.slots,
+            NB_BLOCKS=variant.nb_blocks, num_warps=8,
         )  # fmt: skip
         return align
 
-    chunk = 1024
-    num_chunks = triton.cdiv(num_slots, chunk)
+    num_chunks = triton.cdiv(num_slots, ALIGN_CHUNK)
     counts_cursor_ends = torch.zeros(3, nbins, dtype=torch.int32, device=device)
     counts, cursor, ends = counts_cursor_ends.unbind(0)
     kernels._align_count_kernel[(num_chunks,)](
-        topk_ids_TK, map_arg, counts, num_slots, HAS_EXPERT_MAP=has_map, NBINS=nbins, CHUNK=chunk, num_warps=4,
+        topk_ids_TK, map_arg, counts, num_slots, HAS_EXPERT_MAP=has_map, NBINS=nbins, CHUNK=ALIGN_CHUNK,
+        num_warps=4,
     )  # fmt: skip
     kernels._align_scan_kernel[(1,)](
         counts, cursor, ends, sorted_ids_P, num_post_pad_1, num_slots, num_local_experts,
@@ -156,8 +193,8 @@ def moe_align_block_size(
     kernels._align_scatter_kernel[(num_chunks,)](
         topk_ids_TK, map_arg, cursor, ends, num_post_pad_1, sorted_ids_P, expert_ids_B,
         num_slots, num_local_experts, max_blocks,
-        HAS_EXPERT_MAP=has_map, BLOCK_M=block_m, NBINS=nbins, CHUNK=chunk,
-        BLOCKS_PER_PROGRAM=max(16, _next_pow2(triton.cdiv(max_blocks, num_chunks))), num_warps=4,
+        HAS_EXPERT_MAP=has_map, BLOCK_M=block_m, NBINS=nbins, CHUNK=ALIGN_CHUNK,
+        BLOCKS_PER_PROGRAM=variant.blocks_per_program, num_warps=4,
     )  # fmt: skip
     return align
 
@@ -174,6 +211,31 @@ def _interpreting() -> bool:
 
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What selects the compiled kernels of one call: the tile config and the alignment variant.
+
+    Two token counts with the same plan run the same compiled kernels (every other integer
+    argument that varies with T is `do_not_specialize`), so compiling one call per distinct plan
+    compiles everything a layer can run (moe_eval.kernels.warmup).
+    """
+
+    config: MoeTileConfig
+    align: AlignVariant | None
+
+
+def launch_plan(
+    num_tokens: int, num_local_experts: int, F: int, D: int, top_k: int, device_name: str,
+    config: MoeTileConfig | None = None,
+) -> LaunchPlan:  # fmt: skip
+    """The plan `fused_moe` follows for T tokens at one layer shape; `config` overrides the tuned tiles."""
+    if config is None:
+        config = get_tile_config(
+            num_tokens=num_tokens, num_experts=num_local_experts, F=F, D=D, top_k=top_k, device_name=device_name
+        )
+    return LaunchPlan(config, align_variant(num_tokens * top_k, config.block_m, num_local_experts))
 
 
 def fused_moe(
@@ -224,11 +286,8 @@ def fused_moe(
         # measured); the CPU tests run fp16/fp32. Remove when the interpreter's bf16 dot is fixed.
         raise RuntimeError("fused_moe under TRITON_INTERPRET: bf16 tl.dot is broken there; use fp16 or fp32")
 
-    # Tile config.
-    if config is None:
-        config = get_tile_config(
-            num_tokens=T, num_experts=e, F=F, D=D, top_k=K, device_name=_device_name(hidden_TD.device)
-        )
+    # Tile config (and with it the alignment variant: see LaunchPlan).
+    config = launch_plan(T, e, F, D, K, _device_name(hidden_TD.device), config).config
 
     # Allocate.
     if out is None:

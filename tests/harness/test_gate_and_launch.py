@@ -23,7 +23,11 @@ def test_margin_in_standard_errors():
     assert "FAIL" in GateResult(accuracy=0.5, stderr=0.01, threshold=0.88, tolerance=0.08).describe()
 
 
-@pytest.mark.parametrize("cores, ranks, expected", [(2, 2, "0|1"), (8, 2, "0-3|4-7"), (1, 2, "0|0"), (6, 3, "0-1|2-3|4-5")])
+@pytest.mark.parametrize("cores, ranks, expected", [
+    ([0, 1], 2, "0|1"), (list(range(8)), 2, "0-3|4-7"), ([0], 2, "0|0"), (list(range(6)), 3, "0-1|2-3|4-5"),
+    ([1], 1, "1"),  # a packed TP1 server on the second core (run --jobs 2)
+    ([2, 3, 6, 7], 2, "2-3|6-7"), ([1, 3], 1, "1,3"),  # cores this process may use need not be contiguous
+])
 def test_cpu_bind_per_rank(cores, ranks, expected):
     assert cpu_bind_per_rank(cores, ranks) == expected
 
@@ -36,7 +40,12 @@ def test_server_environment_defaults_and_config_wins(tmp_path: Path):
     env = server_environment(base, {"VLLM_CPU_KVCACHE_SPACE": "7"}, on_cpu=True, world_size=1, run_dir=tmp_path)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "7" and "VLLM_CPU_OMP_THREADS_BIND" not in env
     gpu_env = server_environment(base, {}, on_cpu=False, world_size=2, run_dir=tmp_path)
-    assert "VLLM_CPU_KVCACHE_SPACE" not in gpu_env
+    assert "VLLM_CPU_KVCACHE_SPACE" not in gpu_env and "CUDA_VISIBLE_DEVICES" not in gpu_env
+    # Packed servers (run --jobs): each gets its own GPUs, or its own cores even at TP1.
+    assert server_environment(base, {}, on_cpu=False, world_size=2, run_dir=tmp_path,
+                              devices=(2, 3))["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert server_environment(base, {}, on_cpu=True, world_size=1, run_dir=tmp_path,
+                              devices=(1,))["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert base == {"PATH": "/bin"}  # the caller's environment is not modified
 
 

@@ -1,0 +1,115 @@
+"""One config in a process of its own: `python -m moe_eval.worker JOB.json` (started by the scheduler).
+
+A process per config keeps configs apart: lm-eval's global state (seeds, logging, environment),
+a crash, or a cancel in one config cannot reach another running beside it (`run --jobs`), and
+lm-eval's own output goes to the config's `worker.log` instead of the terminal. The worker asks
+for SIGTERM when its parent dies, so a killed harness still tears the server down; it writes
+`results.json` (moe_eval.runner) and `status.json` (moe_eval.status) in the config's run folder.
+Exit code: 0 when results.json holds a verdict or an infrastructure error, 130 when cancelled,
+4 on a config error, 3 on an internal error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_eval import cancel
+from moe_eval.errors import ConfigError, ExitCode
+from moe_eval.process_tree import ask_for_parent_death_signal
+
+JOB_FILE = "job.json"
+LOG_FILE = "worker.log"
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a worker needs, as JSON (written by the scheduler into the config's run folder)."""
+
+    config_path: str
+    run_root: str
+    hw: str
+    parent_pid: int
+    limit: int | None = None
+    gsm8k_dir: str | None = None
+    mutation: str | None = None
+    baseline: str | None = None  # --baseline: a run folder or results.json
+    port: int | None = None
+    devices: list[int] | None = None
+    gpus: list[str] = dataclasses.field(default_factory=list)
+    attempt: int = 1
+
+    def write(self, path: Path) -> None:
+        from moe_eval.results import atomic_write_json
+
+        atomic_write_json(path, dataclasses.asdict(self))
+
+    @classmethod
+    def read(cls, path: Path) -> Job:
+        return cls(**json.loads(path.read_text()))
+
+
+def run_job(job: Job) -> int:
+    from moe_eval.checks import find_baseline
+    from moe_eval.config import load_config
+    from moe_eval.gsm8k import gsm8k_data
+    from moe_eval.runner import config_run_dir, run_config, task_data
+    from moe_eval.status import STATUS_FILE, StatusWriter, reference_answers
+
+    config = load_config(Path(job.config_path))
+    if job.limit is not None:
+        config = dataclasses.replace(config, num_questions=min(job.limit, config.num_questions))
+    data = gsm8k_data(job.gsm8k_dir)
+    run_root = Path(job.run_root)
+    run_dir = config_run_dir(run_root, config)
+    references = reference_answers(task_data(config, data).test_rows())
+    status = StatusWriter(run_dir / STATUS_FILE, config=str(config.path), total=config.num_questions,
+                          devices=job.devices, attempt=job.attempt, references=references)
+    baselines = {config.path: find_baseline(Path(job.baseline), config)} if job.baseline else {}
+    options = dataclasses.replace(_options(job, run_root, data), baselines=baselines, status=status)
+    try:
+        run_config(config, options)
+    except KeyboardInterrupt:
+        return cancel.EXIT_CANCELLED
+    except ConfigError as exc:
+        print(f"moe-eval worker: {exc}", file=sys.stderr)
+        return ExitCode.CONFIG
+    return 0
+
+
+def _options(job: Job, run_root: Path, data: object):
+    from moe_eval.runner import RunOptions
+
+    def progress(message: str) -> None:
+        print(f"[moe-eval {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+    return RunOptions(hw=job.hw, run_root=run_root, data=data, port=job.port, progress=progress,
+                      mutation=job.mutation, gpus=tuple(job.gpus),
+                      devices=tuple(job.devices) if job.devices is not None else None, attempt=job.attempt)
+
+
+def main(argv: list[str]) -> int:
+    job = Job.read(Path(argv[0]))
+    ask_for_parent_death_signal(signal.SIGTERM)  # the harness died: cancel, which tears the server down
+    cancel.install()
+    if os.getppid() != job.parent_pid:  # it died before the request took effect
+        return cancel.EXIT_CANCELLED
+    try:
+        return run_job(job)
+    except KeyboardInterrupt:
+        return cancel.EXIT_CANCELLED
+    except Exception:  # noqa: BLE001  the scheduler reads results.json; the traceback goes to worker.log
+        import traceback
+
+        traceback.print_exc()
+        return ExitCode.INFRA
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
