@@ -19,6 +19,7 @@ from moe_eval.results import result_files
 from moe_eval.stats import PairedResult, paired_compare
 
 INVALID = "[invalid]"  # what lm-eval's regex filters leave when they find nothing
+LOGPROBS_FILE = "logprobs.jsonl"  # a config's scored log-probabilities (moe_eval.logprobs), beside results.json
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,14 @@ def garbage_checks(config: EvalConfig, stats: dict[str, Any]) -> list[Check]:
 
 @dataclass(frozen=True)
 class Baseline:
+    """A finished run of the same model and questions: its per-question correctness (the paired gate)
+    and, where it scored them, its log-probabilities (the divergence gate)."""
+
     results_path: Path
     correctness: dict[int, bool]
+    logprobs_path: Path | None = None
+    moe_backend_used: str | None = None  # what its server's log said served ("bundled:torch", "vllm:CPU")
+    layout: str | None = None  # Layout.describe() of its config
 
 
 def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
@@ -110,13 +117,23 @@ def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
     if len(pool) > 1:
         raise ConfigError(f"--baseline: value '{baseline_root}' holds {len(pool)} results that fit {config.path}: "
                           f"{', '.join(map(str, pool[:4]))}; point --baseline at one run folder or results.json")
-    path = pool[0]
-    samples_path = path.parent / "samples.jsonl"
+    return load_baseline(pool[0], "--baseline")
+
+
+def load_baseline(results_path: Path, what: str) -> Baseline:
+    """The baseline a finished results.json holds (ConfigError, naming `what`, when its samples are unreadable)."""
+    samples_path = results_path.parent / "samples.jsonl"
     try:
         samples = [json.loads(line) for line in samples_path.read_text().splitlines() if line.strip()]
     except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--baseline: {samples_path}: cannot read per-question samples ({exc})") from None
-    return Baseline(path, correctness(samples))
+        raise ConfigError(f"{what}: {samples_path}: cannot read per-question samples ({exc})") from None
+    logprobs = results_path.parent / LOGPROBS_FILE
+    try:
+        record = json.loads(results_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{what}: {results_path}: cannot read ({exc})") from None
+    return Baseline(results_path, correctness(samples), logprobs if logprobs.is_file() else None,
+                    record.get("moe_backend_used"), (record.get("layout") or {}).get("describe"))
 
 
 def paired_check(baseline: Baseline, samples: list[dict], alpha: float) -> tuple[Check, PairedResult]:

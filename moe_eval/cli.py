@@ -18,7 +18,15 @@ from moe_eval import cancel
 from moe_eval.cancel import EXIT_CANCELLED
 from moe_eval.config import EvalConfig, load_config
 from moe_eval.errors import ConfigError, ExitCode, MoeEvalError
-from moe_eval.selection import HARDWARE, list_for_hardware, parse_shard, read_list, require_some, shard
+from moe_eval.selection import (
+    HARDWARE,
+    list_for_hardware,
+    parse_shard,
+    read_list,
+    require_some,
+    shard,
+    with_baselines,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -154,23 +162,32 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], list_path: str | No
     gpu_list = gpu_names()  # read once: it picks the hardware list, then preflight and the records use it
     hw = resolve_hw(hw, gpu_list)
     selected, source = select_configs(hw, configs, shard_from_environment(shard_text), root, list_path)
+    # --baseline (an earlier run) replaces the configs' baseline_config: nothing more to run.
+    selected, dependencies, notes = with_baselines(selected) if not baseline_path else (selected, {}, [])
     if limit is not None:
         import dataclasses
 
         selected = [dataclasses.replace(c, num_questions=min(limit, c.num_questions)) for c in selected]
     data = gsm8k_data(gsm8k_dir)
+    if mutation is not None and all(c.moe_backend is None for c in selected):
+        raise ConfigError(f"--mutate {mutation}: no selected config runs a bundled kernel (moe_backend); "
+                          "mutations apply to the bundled kernels only")
     for config in selected:
-        preflight(config, hw, len(gpu_list), mutation)
+        # vLLM's own kernel is never mutated: such configs are the references of a mutation run.
+        preflight(config, hw, len(gpu_list), mutation if config.moe_backend is not None else None)
     if baseline_path:  # refused now, before anything launches, when a config has no baseline there
         for config in selected:
             find_baseline(Path(baseline_path).resolve(), config)
     pool = cpu_pool() if hw == "cpu" else gpu_pool()
-    planned = [Planned(i, c, pool.units_for(c.layout.world_size, jobs)) for i, c in enumerate(selected)]
+    planned = [Planned(i, c, pool.units_for(c.layout.world_size, jobs), dependencies.get(i))
+               for i, c in enumerate(selected)]
     if jobs != 1:
         check_fits(planned, pool)
     run_root = Path(resume_dir).resolve() if resume_dir else new_run_root(Path(output_dir).resolve())
     kept = resumable_outcomes(run_root, selected, data) if resume_dir else {}
     append_text(run_root / "command.txt", " ".join(sys.argv) + "\n")
+    for note in notes:
+        progress(note)
     progress(f"{len(selected)} config(s) from {source} on {hw}; results in {run_root}"
              + (f"; {len(kept)} kept from the earlier run" if kept else "")
              + (f"; up to {jobs or 'auto'} at once on {pool.kind} {','.join(map(str, pool.ids))}" if jobs != 1 else ""))

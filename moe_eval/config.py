@@ -132,6 +132,22 @@ CONFIG_KEYS: dict[str, KeySpec] = {
                                   "fail when more answers than this hit max_tokens"),
     "max_invalid_rate": KeySpec(NUMBER, None, _between(0.0, 1.0),
                                 "fail when more answers than this hold no number at all"),
+    # --- the log-probability divergence gate (moe_eval.logprobs; docs/logprob-gate.md) ---
+    "logprob_texts": KeySpec((int,), 64, _between(0, GSM8K_TEST_QUESTIONS),
+                             "texts scored for log-probabilities after the evaluation (few-shot block + the "
+                             "reference answer of the first N questions); 0: none"),
+    "baseline_config": KeySpec((str,), None, None, "a config (path relative to this file) run first in the same run; "
+                               "its answers and log-probabilities are this config's baseline"),
+    "max_logprob_mean_abs_diff": KeySpec(NUMBER, None, _non_negative,
+                                         "with a baseline: fail when the mean |Δ log p| of the reference tokens "
+                                         "is above this (unset: the default for the kind of baseline)"),
+    "max_logprob_p99_abs_diff": KeySpec(NUMBER, None, _non_negative,
+                                        "with a baseline: fail when the 99th percentile of |Δ log p| is above this"),
+    "max_top1_flip_rate": KeySpec(NUMBER, None, _between(0.0, 1.0),
+                                  "with a baseline: fail when more positions than this change their top-1 token "
+                                  "(unset: the default for the kind of baseline)"),
+    "max_logprob_kl": KeySpec(NUMBER, None, _non_negative,
+                              "with a baseline: fail when the mean KL over the shared top-k is above this"),
     "max_jit_while_serving": KeySpec((int,), None, _non_negative,
                                      "fail when more kernel compilations than this happen while serving "
                                      "(vLLM's JIT monitor, GPU servers)"),
@@ -165,6 +181,12 @@ class EvalConfig:
     max_empty_rate: float | None = None
     max_truncated_rate: float | None = None
     max_invalid_rate: float | None = None
+    logprob_texts: int = 64
+    baseline_config: str | None = None
+    max_logprob_mean_abs_diff: float | None = None
+    max_logprob_p99_abs_diff: float | None = None
+    max_top1_flip_rate: float | None = None
+    max_logprob_kl: float | None = None
     max_jit_while_serving: int | None = None
 
     @property
@@ -179,6 +201,11 @@ class EvalConfig:
     @property
     def layout(self) -> Layout:
         return layout_from_server_args(self.server_argv)
+
+    @property
+    def baseline_config_path(self) -> Path | None:
+        """baseline_config, resolved against this config's folder."""
+        return (self.path.parent / self.baseline_config).resolve() if self.baseline_config else None
 
     def resolved(self) -> dict[str, Any]:
         """Every key with its effective value (defaults filled in), for results.json."""

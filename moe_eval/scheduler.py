@@ -7,9 +7,10 @@ are collected per config from its results.json, so the reports never depend on w
 first. A config that ended in an infrastructure error runs again with a fresh server while
 `retries` allow (earlier attempts are kept under `<config dir>/attempts/<n>/`).
 
-Cancel: the first SIGTERM or SIGINT stops new starts and passes SIGTERM to every worker (each tears
-its server down and records "cancelled"); a second one is passed on too (workers then SIGKILL their
-servers at once); a third SIGKILLs the workers (their servers' guards then end the servers). If
+Cancel: the first SIGTERM or SIGINT stops new starts and is passed on to every worker (each tears
+its server down and records "cancelled" by that signal); a second one is passed on too (workers
+then SIGKILL their servers at once); a third SIGKILLs the workers (their servers' guards then end
+the servers). If
 this process is killed outright, every worker gets SIGTERM from the kernel (moe_eval.worker).
 Usage:
 
@@ -111,8 +112,10 @@ class Scheduler:
             if self._acted_on == 1:
                 self.view.note(f"{self.signals[0]}: cancelling; no new config starts, running servers are torn down")
                 self.pending.clear()
+            # The same signal, so that the record says what the user or CI sent.
+            sig = signal.SIGKILL if self._acted_on >= 3 else signal.Signals[self.signals[self._acted_on - 1]]
             for run in self.running:
-                os.kill(run.proc.pid, signal.SIGKILL if self._acted_on >= 3 else signal.SIGTERM)
+                os.kill(run.proc.pid, sig)
 
     # --- starting ---
 

@@ -1,8 +1,11 @@
-"""Which configs a run covers: hardware lists (config-<hw>.txt), shards and explicit paths.
+"""Which configs a run covers: hardware lists (config-<hw>.txt), shards and explicit paths, and the
+baseline configs they name.
 
 A list holds one config path per line, relative to the list file; `#` comments and blank
 lines are ignored. A listed file that does not exist is an error: a list that silently runs
-nothing would keep CI green while testing nothing.
+nothing would keep CI green while testing nothing. A config whose `baseline_config` is not
+selected (another shard, or configs given one by one) brings its baseline into the run, ahead of
+it: a divergence gate without its baseline would prove nothing.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from moe_eval.config import EvalConfig, load_config
 from moe_eval.errors import ConfigError, NothingSelected
 
 HARDWARE = ("b200", "h100", "h200", "cpu")
@@ -63,3 +67,55 @@ def require_some(paths: list[Path], what: str) -> list[Path]:
     if not paths:
         raise NothingSelected(f"nothing selected: {what} holds no config")
     return paths
+
+
+# Keys a config and its baseline_config must share: the same model answering the same questions, and the
+# same scored texts, or neither the paired gate nor the divergence gate compares like with like.
+BASELINE_MUST_MATCH = ("model_name", "task", "num_fewshot", "num_questions", "logprob_texts")
+
+
+def with_baselines(configs: list[EvalConfig]) -> tuple[list[EvalConfig], dict[int, int], list[str]]:
+    """The configs plus every baseline_config they name (each added once, just before its first user),
+    {index of a config: index of its baseline}, and a note per added baseline."""
+    ordered = list(configs)
+    notes = []
+    i = 0
+    while i < len(ordered):  # baselines may name baselines: added ones are visited too
+        config = ordered[i]
+        path = config.baseline_config_path
+        if path is not None and all(c.path != path for c in ordered):
+            if not path.is_file():
+                raise ConfigError(f"{config.path}: key 'baseline_config': value '{config.baseline_config}' does not "
+                                  f"exist ({path})")
+            baseline = load_config(path)
+            ordered.insert(i, baseline)
+            notes.append(f"{baseline.path} runs first: it is the baseline_config of {config.path}")
+            continue  # look at the inserted baseline's own baseline next
+        i += 1
+    dependencies = {}
+    for i, config in enumerate(ordered):
+        path = config.baseline_config_path
+        if path is None:
+            continue
+        j = next(k for k, c in enumerate(ordered) if c.path == path)
+        if j == i:
+            raise ConfigError(f"{config.path}: key 'baseline_config': value '{config.baseline_config}' names the "
+                              "config itself")
+        for key in BASELINE_MUST_MATCH:
+            if getattr(config, key) != getattr(ordered[j], key):
+                raise ConfigError(f"{config.path}: key 'baseline_config': value '{config.baseline_config}' has "
+                                  f"{key} {getattr(ordered[j], key)!r}, this config {getattr(config, key)!r}; "
+                                  "a baseline must answer the same questions with the same model")
+        dependencies[i] = j
+    _refuse_cycles(ordered, dependencies)
+    return ordered, dependencies, notes
+
+
+def _refuse_cycles(configs: list[EvalConfig], dependencies: dict[int, int]) -> None:
+    for start, first in dependencies.items():
+        seen, node = {start}, first
+        while node in dependencies:
+            node = dependencies[node]
+            if node in seen:
+                raise ConfigError(f"{configs[start].path}: key 'baseline_config': the baselines form a cycle")
+            seen.add(node)

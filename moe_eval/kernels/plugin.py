@@ -124,6 +124,7 @@ class BundledExperts:
 
     def __init__(self, requested: str, layout: Any, hardware: Any = None, mutation: str | None = None,
                  max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+        from moe_eval.kernels.mutations import mutate_kernel
         from moe_eval.kernels.oracle import MoeBackend, detect_hardware, make_moe_kernel, select_moe_backend
 
         self.layout = layout
@@ -131,7 +132,7 @@ class BundledExperts:
         self.max_tokens = max_tokens
         # Raises MoeBackendUnavailable with the oracle's reason: the server start fails, no fallback.
         self.choice = select_moe_backend(hardware or detect_hardware(), layout, MoeBackend(requested))
-        self.kernel = make_moe_kernel(self.choice.backend)
+        self.kernel = mutate_kernel(mutation, make_moe_kernel(self.choice.backend))
         self.weights = None
         self.counter = _counter(self.choice.backend.value)
 
@@ -156,17 +157,24 @@ class BundledExperts:
 
         if self.choice.backend is not MoeBackend.TRITON:
             return None  # FlashInfer's module is prebuilt (or built at its first call); torch has no JIT
+        from moe_eval.kernels.mutations import down_chunks
         from moe_eval.kernels.warmup import precompile_fused_moe
 
         expert_map = getattr(layer, "expert_map", None)
-        w13 = self.weights.w13_eFD
-        key = (tuple(w13.shape), w13.dtype, global_experts, top_k, expert_map is not None,
-               bool(layer.apply_router_weight_on_input), self.max_tokens)
-        if key not in _WARMED_UP:
-            _WARMED_UP[key] = precompile_fused_moe(
-                w13, self.weights.w2_eDF, top_k=top_k, num_experts=global_experts, expert_map_E=expert_map,
-                apply_router_weight_on_input=bool(layer.apply_router_weight_on_input), max_tokens=self.max_tokens)
-        return _WARMED_UP[key]
+        # bf16_down_accumulation runs the kernel on chunks of F: those shapes are what serves.
+        pieces = down_chunks(self.weights) if self.mutation == "bf16_down_accumulation" else [self.weights]
+        reports = []
+        for piece in pieces:
+            w13 = piece.w13_eFD
+            key = (tuple(w13.shape), w13.dtype, global_experts, top_k, expert_map is not None,
+                   bool(layer.apply_router_weight_on_input), self.max_tokens)
+            if key not in _WARMED_UP:
+                _WARMED_UP[key] = precompile_fused_moe(
+                    w13, piece.w2_eDF, top_k=top_k, num_experts=global_experts, expert_map_E=expert_map,
+                    apply_router_weight_on_input=bool(layer.apply_router_weight_on_input),
+                    max_tokens=self.max_tokens)
+            reports.append(_WARMED_UP[key])
+        return reports[0]
 
     def _log_choice(self, layer: Any, global_experts: int, top_k: int, warmup: Any) -> None:
         e, f2, d = layer.w13_weight.shape

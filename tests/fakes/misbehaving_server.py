@@ -6,6 +6,7 @@ then misbehaves on every evaluation request as FAKE_SERVER_MODE says:
   hang       never answers (the request timeout must fire)
   error500   answers HTTP 500
   garbage    answers 200 with a body that is not JSON
+  stubborn   never answers, and ignores SIGTERM (only SIGKILL ends it: a wedged server)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -45,7 +47,8 @@ class Handler(BaseHTTPRequestHandler):
         if first:  # the launcher's warm-up: answer properly so that the run reaches the evaluation
             body = {"choices": [{"index": 0, "text": " 2", "finish_reason": "length"}], "model": request.get("model")}
             self._reply(200, json.dumps(body).encode())
-        elif MODE == "hang":
+        elif MODE in ("hang", "stubborn"):
+            print("fake-server: holding an evaluation request", flush=True)
             time.sleep(3600)
         elif MODE == "error500":
             self._reply(500, b'{"error": "injected fault"}')
@@ -58,6 +61,8 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     args, _ = parser.parse_known_args()
+    if MODE == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print(f"fake-server: mode {MODE} on {args.host}:{args.port}", flush=True)
     ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
 
