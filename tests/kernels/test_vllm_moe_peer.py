@@ -42,7 +42,7 @@ def _interpreter_if_no_gpu():
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 with _interpreter_if_no_gpu():
-    import vllm_moe_peer  # noqa: E402
+    import vllm_moe_peer
 
 PEER_DIR = vllm_moe_peer.DEFAULT_DIR
 needs_folder = pytest.mark.skipif(
