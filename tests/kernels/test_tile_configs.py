@@ -25,7 +25,6 @@ from moe_eval.kernels.tile_configs import (
 )
 
 
-
 @pytest.mark.parametrize(
     ("T", "expected"),
     [
