@@ -271,6 +271,16 @@ def test_bitwise_repeatable(config, device, monkeypatch):
         assert torch.equal(first, again)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_blocks(dtype, device):
+    # The large-M shapes of the tuner: 128-row blocks with a 2 x 64-wide interleaved GEMM1 and a
+    # 128-wide GEMM2, GROUP_M 16; several blocks per expert.
+    config = MoeTileConfig(
+        128, GemmTile(64, 32, group_m=16, num_warps=8, interleave=True), GemmTile(128, 32, group_m=16, num_warps=8)
+    )
+    _check(make_case(300, 4, 2, 64, 64, dtype=dtype, device=device, seed=140), config)
+
+
 def test_fp32_stages_fit_shared_memory():
     # A bf16 tile at the limit: fp32 operands double every stage, so the plan drops stages.
     big = MoeTileConfig(128, GemmTile(128, 64, num_warps=8, num_stages=4), GemmTile(256, 64, num_warps=8, num_stages=4))
@@ -351,6 +361,7 @@ ALIGN_CASES = [
     (64, 128, 8, 64, None),  # Qwen-like routing, few rows per expert
     (200, 8, 2, 32, [3, 1, 7]),  # expert map: most slots elsewhere
     (300, 40, 1, 16, None),  # K = 1, more experts than the one-hot tile's 16 columns
+    (300, 8, 2, 256, None),  # BLOCK_M 256 (large-M tiles): most of each block is padding here
 ]
 
 
