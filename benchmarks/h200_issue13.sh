@@ -50,7 +50,8 @@ if [[ $R3 -ne 0 && $R3 -ne 124 ]]; then echo "CORE bf16 TESTS FAILED: no tuning 
 if [[ $GO == 1 ]]; then
   stage tune
   timeout "${TUNE_TIMEOUT:-220}" python3 benchmarks/tune_fused_moe.py --merge --workers 16 --deadline-s "${TUNE_DEADLINE:-185}" \
-    --cells "Mixtral-8x7B TP2:256,1024,4096,16384,1" "Qwen3-30B-A3B TP1:4096,16384,1" "Llama-4-Scout TP2:4096,16384,1" \
+    --cells "Mixtral-8x7B TP2:256,1024,4096,16384" "Qwen3-30B-A3B TP1:4096,16384" "Llama-4-Scout TP2:4096,16384" \
+            "Qwen3-30B-A3B TP1:1" "Mixtral-8x7B TP2:1" "Llama-4-Scout TP2:1" \
     > "$WORK/logs/tune.txt" 2>&1
   echo "tune rc=$?" | tee -a "$WORK/logs/stages.txt"
   grep -E "^[A-Z].* M=[0-9]+:|precompil|compile failed|REJECTED|deadline|wrote|Error" "$WORK/logs/tune.txt" | tail -40

@@ -111,10 +111,13 @@ def gemm_candidates(kind: int, block_m: int) -> list[GemmTile]:
         # give enough programs when few experts are hit. BLOCK_M = 64 is in both spaces: with
         # 64 rows per expert the layer is still bandwidth-bound (H200 run 2: Mixtral M=256 GEMM1
         # streamed 3.6 TB/s with the compute tiles against 4.3 TB/s at M=64).
+        # 16-wide N only at 16-row blocks (few tokens): a folded GEMM2 has one program per token and
+        # N tile (Qwen3 at M=1: 2048 / 16 = 128 programs for 132 SMs; 64 at N = 32).
+        narrow = [16] if block_m == 16 else []
         if kind == 1:
-            grids.append(itertools.product([32, 64, 128], [128, 256], [4], [3, 4, 5]))
+            grids.append(itertools.product(narrow + [32, 64, 128], [128, 256], [4], [3, 4, 5]))
         else:
-            grids.append(itertools.product([32, 64, 128], [128, 256], [4], [3, 4]))
+            grids.append(itertools.product(narrow + [32, 64, 128], [128, 256], [4], [3, 4, 5]))
     if block_m >= 64:
         # Compute-bound: wgmma-sized tiles (256-wide N: GEMM1 at BLOCK_N 128 is 2 x 128 wide),
         # 2 stages only for 128-deep K steps, GROUP_M swizzle for weight reuse in L2.
@@ -362,17 +365,20 @@ def tune_cell(shape: MoeShape, M: int, base) -> tuple[MoeTileConfig, dict, dict]
     raise RuntimeError(f"{shape.name} M={M}: no candidate computed the layer correctly")
 
 
-def parse_cells(args: argparse.Namespace) -> dict[MoeShape, list[int]]:
-    """--cells "Name:M,M" ... wins; else --shapes (default all, TP1 first) x --m."""
+def parse_cells(args: argparse.Namespace) -> list[tuple[MoeShape, int]]:
+    """(shape, M) in the order to tune: --cells "Name:M,M" ... as given (a shape may appear more
+    than once: the most important cells first, for a time-boxed run); else --shapes (default all,
+    TP1 first) x --m."""
     if args.cells:
-        cells = {}
+        cells = []
         for spec in args.cells:
             name, _, ms = spec.rpartition(":")
-            cells[shapes_named([name])[0]] = [int(m) for m in ms.split(",")]
+            shape = shapes_named([name])[0]
+            cells += [(shape, int(m)) for m in ms.split(",")]
         return cells
     # TP1 shapes first: they carry the targets, and a time-boxed run keeps what it finished.
     shapes = shapes_named(args.shapes) if args.shapes else sorted(SHIPPED_SHAPES, key=lambda s: s.layout != "TP1")
-    return {shape: list(args.m) for shape in shapes}
+    return [(shape, M) for shape in shapes for M in args.m]
 
 
 def write_shape(path: Path, shape: MoeShape, configs: dict, timings: dict, families: dict, device: str,
@@ -409,30 +415,36 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     cells = parse_cells(args)
+    by_shape: dict[MoeShape, list[int]] = {}
+    for shape, M in cells:
+        by_shape.setdefault(shape, []).append(M)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.workers > 0:
-        precompile(cells, args.workers)
+        precompile(by_shape, args.workers)
     device = torch.cuda.get_device_name()
-    for shape, Ms in cells.items():
-        t0 = time.perf_counter()
-        base = shape_case(shape, 1, seed=7)
-        path = args.out_dir / config_file_name(shape.local_experts, shape.F, shape.D, device)
-        configs, timings, families = {}, {}, {}
-        for M in Ms:
-            if args.deadline_s is not None and time.perf_counter() - started > args.deadline_s:
-                log(f"deadline: {shape.name} M={M} not tuned")
-                continue
-            t1 = time.perf_counter()
-            configs[M], timings[str(M)], families[str(M)] = tune_cell(shape, M, base)
-            log(f"{shape.name} M={M}: {configs[M]} ({time.perf_counter() - t1:.1f} s)")
-            torch.cuda.empty_cache()
-            if args.merge:  # a time-boxed run keeps every finished cell
-                write_shape(path, shape, configs, timings, families, device, merge=True)
-        if configs and not args.merge:
-            write_shape(path, shape, configs, timings, families, device, merge=False)
-        log(f"wrote {path} ({time.perf_counter() - t0:.0f} s)")
-        del base
+    bases: dict[MoeShape, object] = {}
+    done: dict[MoeShape, tuple[dict, dict, dict]] = {s: ({}, {}, {}) for s in by_shape}
+    for shape, M in cells:
+        if args.deadline_s is not None and time.perf_counter() - started > args.deadline_s:
+            log(f"deadline: {shape.name} M={M} not tuned")
+            continue
+        if shape not in bases:
+            bases[shape] = shape_case(shape, 1, seed=7)  # the weights every input set of the shape shares
+        configs, timings, families = done[shape]
+        t1 = time.perf_counter()
+        configs[M], timings[str(M)], families[str(M)] = tune_cell(shape, M, bases[shape])
+        log(f"{shape.name} M={M}: {configs[M]} ({time.perf_counter() - t1:.1f} s)")
         torch.cuda.empty_cache()
+        if args.merge:  # a time-boxed run keeps every finished cell
+            path = args.out_dir / config_file_name(shape.local_experts, shape.F, shape.D, device)
+            write_shape(path, shape, configs, timings, families, device, merge=True)
+            log(f"wrote {path.name} (+{time.perf_counter() - started:.0f} s)")
+    if not args.merge:
+        for shape, (configs, timings, families) in done.items():
+            if configs:
+                path = args.out_dir / config_file_name(shape.local_experts, shape.F, shape.D, device)
+                write_shape(path, shape, configs, timings, families, device, merge=False)
+                log(f"wrote {path}")
     return 0
 
 
