@@ -7,7 +7,9 @@ kernel variant can be checked before device time is spent on it. It imports only
 kernel bodies (no torch), so it also runs under a bare venv holding another triton version (the
 H200 image has 3.6, the development install 3.9).
 
-Usage: python benchmarks/aot_sm90.py [--json OUT] [--quick]
+Usage: python benchmarks/aot_sm90.py [--json OUT] [--quick]     # the variants of interest
+       python benchmarks/aot_sm90.py --jobs JOBS.json --json OUT   # e.g. every tuner candidate:
+         PYTHONPATH=. python benchmarks/tune_fused_moe.py --cells ... --dump-jobs JOBS.json  (no GPU)
        (ad hoc: from aot_sm90 import compile_gemm; compile_gemm(1, 128, GemmTile(128, 64, ...)))
 """
 
@@ -176,10 +178,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--quick", action="store_true", help="the first few variants only")
+    parser.add_argument("--jobs", type=Path, help="compile these variants (tune_fused_moe.py --dump-jobs)")
     args = parser.parse_args(argv)
     rows = []
     print(f"triton {triton.__version__}, target sm_90", file=sys.stderr)
-    for kind, block_m, tile, extra in default_matrix(args.quick):
+    if args.jobs is not None:
+        matrix = [
+            (j["kind"], j["block_m"], GemmTile(**j["tile"]),
+             {"F": j["F"], "D": j["D"], "mul_routed": j["mul_routed"], "naive": j["naive"], "fold_k": j["fold_k"],
+              "has_map": j.get("has_map", False)})
+            for j in json.loads(args.jobs.read_text())
+        ]  # fmt: skip
+    else:
+        matrix = default_matrix(args.quick)
+    for kind, block_m, tile, extra in matrix:
         report = compile_gemm(kind, block_m, tile, **extra)
         row = {"triton": triton.__version__, "gemm": kind, "block_m": block_m, **tile.__dict__, **extra, **report}
         rows.append(row)

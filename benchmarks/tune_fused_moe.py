@@ -261,6 +261,22 @@ def precompile(cells: dict[MoeShape, list[int]], workers: int, per_task: int = 8
     log(f"precompiled in {time.perf_counter() - t0:.0f} s")
 
 
+def dump_jobs(cells: dict[MoeShape, list[int]], path: Path) -> None:
+    """The distinct compiled variants of the cells (as precompile() dedups them), as JSON rows."""
+    from dataclasses import asdict
+
+    jobs = {}
+    for shape, Ms in cells.items():
+        for bm, kind, tile, naive, fold in sorted(candidate_jobs(shape, Ms), key=str):
+            mul_routed = shape.apply_router_weight_on_input == (kind == 1)
+            has_map = naive and shape.local_experts != shape.num_experts
+            key = (bm, kind, replace(tile, group_m=1), naive, fold, mul_routed, has_map)
+            jobs.setdefault(key, {"block_m": bm, "kind": kind, "tile": asdict(tile), "naive": naive, "fold_k": fold,
+                                  "mul_routed": mul_routed, "has_map": has_map, "F": shape.F, "D": shape.D})  # fmt: skip
+    path.write_text(json.dumps(list(jobs.values()), indent=0) + "\n")
+    log(f"wrote {len(jobs)} variants to {path}")
+
+
 def time_candidate(calls: list, replays: int, best_us: float | None) -> float:
     """Median microseconds per call; one replay only when it is already EARLY_STOP x the best."""
     timer = GraphTimer(calls)
@@ -412,12 +428,18 @@ def main(argv: list[str] | None = None) -> int:
         "--merge", action="store_true", help="keep the entries of an existing file for M not tuned now"
     )
     parser.add_argument("--deadline-s", type=float, help="start no new cell after this many seconds")
+    parser.add_argument("--dump-jobs", type=Path,
+                        help="write the kernel variants these cells would compile (JSON, for benchmarks/aot_sm90.py "
+                             "--jobs; no GPU needed) and exit")  # fmt: skip
     args = parser.parse_args(argv)
     started = time.perf_counter()
     cells = parse_cells(args)
     by_shape: dict[MoeShape, list[int]] = {}
     for shape, M in cells:
         by_shape.setdefault(shape, []).append(M)
+    if args.dump_jobs is not None:
+        dump_jobs(by_shape, args.dump_jobs)
+        return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.workers > 0:
         precompile(by_shape, args.workers)
