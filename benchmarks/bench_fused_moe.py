@@ -330,12 +330,29 @@ def configure_vllm_peers(peers: Iterable[str], peer_dir: Path | None) -> list[st
     """Load the vLLM peers asked for: vllm_triton from the folder (or the installed vLLM when there
     is none), vllm_installed from the installed vLLM. Returns the names that could not be loaded
     (each logged with its reason): the run goes on without them rather than losing the others."""
+    import subprocess
+
     import vllm_moe_peer
 
     failed = []
     for name in peers:
         if name in VLLM_PEERS:
             continue
+        uses_installed = name == "vllm_installed" or not (
+            peer_dir or (vllm_moe_peer.DEFAULT_DIR / "MANIFEST.json").is_file()
+        )
+        if uses_installed:
+            # A vLLM built for another torch can crash the interpreter on import, not raise: try it
+            # in a child first, so this process (and the other peers' numbers) survives.
+            probe = subprocess.run(
+                [sys.executable, "-c", "import vllm._custom_ops, vllm.model_executor.layers.fused_moe.fused_moe"],
+                capture_output=True, text=True, timeout=300, check=False,
+            )  # fmt: skip
+            if probe.returncode != 0:
+                log(f"{name}: the installed vLLM does not import (rc {probe.returncode}): "
+                    f"{(probe.stderr or probe.stdout).strip()[-300:]}; dropped from this run")  # fmt: skip
+                failed.append(name)
+                continue
         try:
             VLLM_PEERS[name] = vllm_moe_peer.load(peer_dir) if name == "vllm_triton" else vllm_moe_peer.load_installed()
         except Exception as exc:  # noqa: BLE001 - ImportError and whatever vLLM raises on a foreign torch
