@@ -230,7 +230,7 @@ def _precompile(shape_index: int, jobs: list[tuple[int, int, GemmTile, bool, boo
     return errors
 
 
-def precompile(cells: dict[MoeShape, list[int]], workers: int, per_task: int = 8) -> None:
+def precompile(cells: dict[MoeShape, list[int]], workers: int, per_task: int = 4) -> None:
     """Compile every candidate once. Shapes share compiled kernels when their constexprs agree
     (F and D are specialised only on divisibility by 16), so each variant is compiled once."""
     t0 = time.perf_counter()
