@@ -75,6 +75,26 @@ def _signature(fn, dtype: str, ints: dict[str, int]) -> tuple[dict, dict]:
     return sig, attrs
 
 
+def _tma_signature(fn, dtype: str, block_m: int, tile, ints: dict[str, int]) -> tuple[dict, dict]:
+    """_gemm2_tma_kernel: descriptors are typed by their block shape ("tensordesc<bf16[128,64]>")."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if i in fn.constexprs:
+            sig[name] = "constexpr"
+        elif name == "h_desc":
+            sig[name] = f"tensordesc<{dtype}[{block_m},{tile.block_k}]>"
+        elif name == "w2_desc":
+            sig[name] = f"tensordesc<{dtype}[1,{tile.block_n},{tile.block_k}]>"
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + dtype if name == "y_ptr" else "*fp32" if name == "topk_weights_ptr" else "*i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+            if name not in fn.do_not_specialize and ints.get(name, 17) % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
 def _ptxas_report(ptx: str) -> dict:
     log = ""
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,22 +131,28 @@ def compile_gemm(
     precision: str = "tf32",
 ) -> dict:
     """Compile GEMM `kind` (1 or 2) for sm_90; report shared bytes, registers, spills, MMA kind."""
-    fn = kernels._gemm1_silu_kernel if kind == 1 else kernels._gemm2_kernel
+    tma = kind == 2 and getattr(tile, "tma", False)
+    fn = kernels._gemm1_silu_kernel if kind == 1 else kernels._gemm2_tma_kernel if tma else kernels._gemm2_kernel
     if mul_routed is None:
         mul_routed = kind == 2
     reduce_dim = D if kind == 1 else F
     ints = {"F": F, "D": D, "stride_xm": D, "stride_we": 2 * F * D if kind == 1 else D * F,
             "stride_wn": D if kind == 1 else F, "stride_hm": F, "stride_ym": D}  # fmt: skip
-    sig, attrs = _signature(fn, dtype, ints)
-    constexprs = {
-        "MUL_ROUTED_WEIGHT": mul_routed, "EVEN_K": reduce_dim % tile.block_k == 0, "NAIVE": naive,
-        "HAS_EXPERT_MAP": has_map, "DOT_PRECISION": precision,
-        "BLOCK_M": block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
-    }  # fmt: skip
-    if kind == 1:
-        constexprs["INTERLEAVE"] = tile.interleave
+    if tma:
+        sig, attrs = _tma_signature(fn, dtype, block_m, tile, ints)
+        constexprs = {"MUL_ROUTED_WEIGHT": mul_routed, "DOT_PRECISION": precision, "BLOCK_M": block_m,
+                      "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k}  # fmt: skip
     else:
-        constexprs["FOLD_K"] = fold_k
+        sig, attrs = _signature(fn, dtype, ints)
+        constexprs = {
+            "MUL_ROUTED_WEIGHT": mul_routed, "EVEN_K": reduce_dim % tile.block_k == 0, "NAIVE": naive,
+            "HAS_EXPERT_MAP": has_map, "DOT_PRECISION": precision,
+            "BLOCK_M": block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
+        }  # fmt: skip
+        if kind == 1:
+            constexprs["INTERLEAVE"] = tile.interleave
+        else:
+            constexprs["FOLD_K"] = fold_k
     t0 = time.perf_counter()
     try:
         compiled = triton.compile(
@@ -141,7 +167,7 @@ def compile_gemm(
         "shared": compiled.metadata.shared,
         "mma": "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none",
         "cp_async": "cp.async" in ptx,
-        "tma": "cp.async.bulk.tensor" in ptx,
+        "tma_loads": "cp.async.bulk.tensor" in ptx,
         "seconds": round(time.perf_counter() - t0, 1),
         **_ptxas_report(ptx),
     }
@@ -157,9 +183,11 @@ def default_matrix(quick: bool) -> list[tuple[int, int, object, dict]]:
         (1, 128, T(64, 64, 8, 8, 4, interleave=True), {}),
         (1, 256, T(64, 64, 8, 8, 3, interleave=True), {}),
         (1, 256, T(64, 64, 8, 8, 3), {}),
-        # GEMM2: vLLM's large-M tile, and BLOCK_M 256.
+        # GEMM2: vLLM's large-M tile, and BLOCK_M 256; pointer loads and TMA.
         (2, 128, T(256, 64, 8, 8, 4), {}),
+        (2, 128, T(256, 64, 8, 8, 4, tma=True), {}),
         (2, 256, T(128, 64, 8, 8, 4), {}),
+        (2, 256, T(128, 64, 8, 8, 3, tma=True), {}),
         # M = 1: naive GEMM1 and the folded GEMM2.
         (1, 16, T(64, 128, 8, 4, 4), {"naive": True}),
         (2, 16, T(32, 128, 1, 4, 4), {"naive": True, "fold_k": True}),

@@ -11,7 +11,8 @@ is dropped, never written). The best time of each kernel variant family (two-dot
 GEMM1, each BLOCK_M, naive or aligned, folded sum or not) goes into the file's meta, so a run
 records what lost as well as what won.
 
-Candidate tiles are pruned before anything runs: shared memory (227 KiB, num_stages stages, see
+GEMM2 at BLOCK_M >= 128 is also tried with TMA descriptor loads (`gemm2.tma`; the shipped shapes'
+F * 2 bytes are multiples of 16, as TMA needs). Candidate tiles are pruned before anything runs: shared memory (227 KiB, num_stages stages, see
 tile_configs.SMEM_LIMIT), the fp32 accumulator per thread (<= 128 registers: beyond it the large
 tiles spill, seen in benchmarks/aot_sm90.py's ptxas reports), and tiles that cannot win a regime
 (compute tiles for weight streaming and the reverse). During timing, a candidate whose first
@@ -129,8 +130,10 @@ def gemm_candidates(kind: int, block_m: int) -> list[GemmTile]:
             grids.append(itertools.product([128, 256], [128], [4, 8], [2, 3]))
     tiles = []
     for bn, bk, warps, stages in itertools.chain(*grids):
-        for interleave in (False, True) if kind == 1 else (False,):
-            tile = GemmTile(bn, bk, group_m=8, num_warps=warps, num_stages=stages, interleave=interleave)
+        # GEMM1: two dots or one interleaved; GEMM2 at the large-M blocks: pointer loads or TMA.
+        for variant in (False, True) if kind == 1 or block_m >= 128 else (False,):
+            tile = GemmTile(bn, bk, group_m=8, num_warps=warps, num_stages=stages,
+                            interleave=variant and kind == 1, tma=variant and kind == 2)  # fmt: skip
             if _fits(block_m, tile, b_tiles) and tile not in tiles:
                 tiles.append(tile)
     return tiles
@@ -312,7 +315,7 @@ def _time_tiles(label: str, tiles: list[GemmTile], run, bufs, replays: int) -> l
 def _family(kind: int, plan: Plan, tile: GemmTile, fold: bool = False) -> str:
     if kind == 1:
         return f"gemm1 {plan.name()} {'interleaved' if tile.interleave else 'two-dot'}"
-    return f"gemm2 {plan.name()}" + (" fold_k" if fold else "")
+    return f"gemm2 {plan.name()}" + (" fold_k" if fold else "") + (" tma" if tile.tma else "")
 
 
 def tune_cell(shape: MoeShape, M: int, base) -> tuple[MoeTileConfig, dict, dict]:

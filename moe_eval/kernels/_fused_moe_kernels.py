@@ -14,7 +14,8 @@ Stages (a "slot" is one (token, k) pair, numbered t * K + k):
      reads them contiguously. Two tl.dots of width BLOCK_N, or (INTERLEAVE) one of width
      2*BLOCK_N over a weight tile whose columns alternate gate and up rows.
   3. `_gemm2_kernel`: y = h W_down^T, routing weight multiplied in the epilogue, stored per slot
-     (or straight into the output when K == 1).
+     (or straight into the output when K == 1). `_gemm2_tma_kernel` is the same GEMM with both
+     operands loaded by TMA descriptors (optional, per tile: `gemm2.tma`).
   4. `_moe_sum_kernel`: out_t = sum_k y_{t,k} in fp32 (K > 1 only).
 
 Naive plans (NAIVE, a few tokens: see `fused_moe.naive_qualifies`) skip stage 1: block b is slot b
@@ -485,6 +486,55 @@ def _gemm2_kernel(
         acc = acc * rw[:, None]
     y_ptrs = y_ptr + slot[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_slots", "num_pid_m", "group_m"])
+def _gemm2_tma_kernel(
+    h_desc,  # TensorDescriptor over h (P, F), block [BLOCK_M, BLOCK_K]
+    w2_desc,  # TensorDescriptor over w2 (e, D, F), block [1, BLOCK_N, BLOCK_K]
+    y_ptr,  # (T*K, D) per-slot output, or (T, D) the final output when K == 1
+    topk_weights_ptr,  # (T*K,) fp32 / bf16 routing weights
+    sorted_ids_ptr,  # (P,) int32
+    expert_ids_ptr,  # (num_pid_m,) int32
+    num_post_pad_ptr,  # (1,) int32
+    num_slots,
+    num_pid_m,
+    group_m,
+    D,
+    F,
+    stride_ym,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """GEMM2 of an aligned plan with both operands loaded by TMA (the `gemm2.tma` tile field).
+
+    GEMM2's A rows are contiguous sorted positions (GEMM1 wrote them so) and each block has one
+    expert, so both tiles are plain boxes of 2-D / 3-D tensors: the copy engine loads them and
+    zero-fills past F and D, instead of every thread computing addresses for cp.async. (GEMM1's A
+    rows are gathered tokens: a Hopper TMA cannot gather, so GEMM1 keeps pointer loads.)
+    """
+    num_pid_n = tl.cdiv(D, BLOCK_N)
+    pid_m, pid_n = _block_coords(num_pid_m, num_pid_n, group_m)
+    if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = slot < num_slots
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(tl.cdiv(F, BLOCK_K)):
+        h = h_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+        w = w2_desc.load([expert, pid_n * BLOCK_N, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K)
+        acc = tl.dot(h, w.T, acc, input_precision=DOT_PRECISION)
+    if MUL_ROUTED_WEIGHT:
+        rw = tl.load(topk_weights_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * rw[:, None]
+    y_ptrs = y_ptr + slot[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < D))
 
 
 @triton.jit

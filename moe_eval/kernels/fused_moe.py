@@ -477,6 +477,9 @@ def launch_gemm2(
     D = y_SD.shape[1]
     F = h_PF.shape[1]
     assert not fold_k or align.naive, "the sum over K folds into GEMM2 on naive plans only"
+    if tile.tma:
+        _launch_gemm2_tma(h_PF, w2_eDF, y_SD, topk_weights_TK, align, tile, mul_routed_weight, precision)
+        return
     # FOLD_K: one program row per token (it walks the token's K slots); else per M-block.
     num_pid_m = align.num_slots // align.top_k if fold_k else align.max_blocks
     kernels._gemm2_kernel[(num_pid_m * triton.cdiv(D, tile.block_n),)](
@@ -485,6 +488,35 @@ def launch_gemm2(
         h_PF.stride(0), w2_eDF.stride(0), w2_eDF.stride(1), y_SD.stride(0),
         MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=F % tile.block_k == 0, NAIVE=align.naive,
         HAS_EXPERT_MAP=align.expert_map_E is not None, FOLD_K=fold_k, DOT_PRECISION=precision,
+        BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+
+
+def _launch_gemm2_tma(
+    h_PF: torch.Tensor,
+    w2_eDF: torch.Tensor,
+    y_SD: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    align: MoeAlignment,
+    tile: GemmTile,
+    mul_routed_weight: bool,
+    precision: str,
+) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    e, D, F = w2_eDF.shape
+    # Contract: TMA boxes need 16-byte strides and a contiguous inner dimension.
+    assert not align.naive, "gemm2.tma runs aligned plans only (MoeTileConfig rejects naive + tma)"
+    assert h_PF.is_contiguous() and w2_eDF.is_contiguous(), "tma: h and w2 contiguous"
+    assert (F * h_PF.element_size()) % 16 == 0, f"tma: F * itemsize = {F * h_PF.element_size()} bytes, not a multiple of 16"
+    h_desc = TensorDescriptor(h_PF, list(h_PF.shape), [F, 1], [align.block_m, tile.block_k])
+    w2_desc = TensorDescriptor(w2_eDF, [e, D, F], [D * F, F, 1], [1, tile.block_n, tile.block_k])
+    num_pid_m = align.max_blocks
+    kernels._gemm2_tma_kernel[(num_pid_m * triton.cdiv(D, tile.block_n),)](
+        h_desc, w2_desc, y_SD, topk_weights_TK, align.sorted_ids_P, align.expert_ids_B, align.num_post_pad_1,
+        align.num_slots, num_pid_m, tile.group_m, D, F, y_SD.stride(0),
+        MUL_ROUTED_WEIGHT=mul_routed_weight, DOT_PRECISION=precision,
         BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip

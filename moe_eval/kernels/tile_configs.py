@@ -36,6 +36,8 @@ class GemmTile:
     group_m: GROUP_M swizzle width (a runtime argument: no recompile per value).
     interleave (GEMM1 only): gate and up rows interleaved into one [BLOCK_K, 2*BLOCK_N] weight
     tile and one tl.dot of width 2*BLOCK_N, instead of two tl.dots of width BLOCK_N.
+    tma (GEMM2 only, aligned plans): both operands loaded through TMA descriptors instead of
+    pointer loads (cp.async); needs F * itemsize and D * F * itemsize to be multiples of 16 bytes.
     """
 
     block_n: int
@@ -44,11 +46,12 @@ class GemmTile:
     num_warps: int = 4
     num_stages: int = 3
     interleave: bool = False
+    tma: bool = False
 
     @classmethod
     def from_json(cls, data: dict) -> GemmTile:
         _check_keys(data, {f for f in cls.__dataclass_fields__}, "GemmTile")
-        return cls(**{k: (bool(v) if k == "interleave" else int(v)) for k, v in data.items()})
+        return cls(**{k: (bool(v) if k in ("interleave", "tma") else int(v)) for k, v in data.items()})
 
     def stage_bytes(self, block_m: int, b_tiles: int, itemsize: int = 2) -> int:
         """Shared memory of one pipeline stage: the A tile and `b_tiles` weight tiles of BLOCK_N columns."""
@@ -76,6 +79,10 @@ class MoeTileConfig:
             raise ValueError("interleave is GEMM1's (gate and up tiles); GEMM2 has one weight tile")
         if self.fold_k and not self.naive:
             raise ValueError("fold_k needs naive: GEMM2 sums a token's slots only when each block is one slot")
+        if self.gemm1.tma:
+            raise ValueError("tma is GEMM2's: GEMM1 gathers token rows, which a Hopper TMA cannot load")
+        if self.gemm2.tma and self.naive:
+            raise ValueError("tma needs aligned plans (a naive block's rows are one slot and padding)")
 
     def shared_memory(self, itemsize: int = 2) -> tuple[int, int]:
         """Bytes of shared memory (GEMM1, GEMM2) as Triton 3.6 allocates them (num_stages stages)."""

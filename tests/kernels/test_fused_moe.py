@@ -256,6 +256,10 @@ def test_config_fields_the_code_would_ignore_are_errors():
         MoeTileConfig(16, GemmTile(32, 32), GemmTile(32, 32), fold_k=True)
     with pytest.raises(ValueError, match="interleave is GEMM1"):
         MoeTileConfig(16, GemmTile(32, 32), GemmTile(32, 32, interleave=True))
+    with pytest.raises(ValueError, match="tma is GEMM2"):
+        MoeTileConfig(16, GemmTile(32, 32, tma=True), GemmTile(32, 32))
+    with pytest.raises(ValueError, match="tma needs aligned"):
+        MoeTileConfig(16, GemmTile(32, 32), GemmTile(32, 32, tma=True), naive=True)
 
 
 @pytest.mark.parametrize("config", [SWIZZLED, INTERLEAVED, NAIVE_FOLD], ids=["aligned", "interleaved", "naive-fold"])
@@ -279,6 +283,15 @@ def test_large_blocks(dtype, device):
         128, GemmTile(64, 32, group_m=16, num_warps=8, interleave=True), GemmTile(128, 32, group_m=16, num_warps=8)
     )
     _check(make_case(300, 4, 2, 64, 64, dtype=dtype, device=device, seed=140), config)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("K", [1, 2])  # K = 1: GEMM2 writes the output itself
+def test_gemm2_tma(K, dtype, device):
+    # GEMM2's operands through TMA descriptors: F = 40 is not a multiple of BLOCK_K (zero-filled
+    # past the edge), D = 48 not of BLOCK_N, several blocks per expert.
+    config = MoeTileConfig(32, GemmTile(16, 32, group_m=2), GemmTile(32, 32, group_m=2, tma=True))
+    _check(make_case(70, 6, K, 48, 40, dtype=dtype, device=device, seed=150 + K), config)
 
 
 def test_fp32_stages_fit_shared_memory():
