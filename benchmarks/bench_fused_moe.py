@@ -8,37 +8,69 @@ Peers (--peers), interleaved replay by replay so they share the card's thermal a
               autotuned once per shape at exactly the M values of the run, CUDA graph (needs
               flashinfer installed and its fused_moe_90 module: benchmarks/flashinfer_h200.py builds
               it, or places a prebuilt one with --aot-library)
+  vllm_triton vLLM's Triton fused MoE driven as vLLM's fused_experts drives it
+              (benchmarks/vllm_moe_peer.py): from --vllm-peer-dir (default .vllm-peer/, written by
+              benchmarks/extract_vllm_moe_peer.py: vLLM 0.32.0's kernel and tuned configs, OUR
+              alignment and one-pass Triton stand-ins for its CUDA activation and top-k sum), or
+              from the installed vLLM when there is no folder. CUDA graph
+  vllm_installed  the installed vLLM's own fused_experts (its CUDA alignment, activation and sum)
+With a vLLM peer (or --gemms-alone) each of triton / vllm_triton / vllm_installed also gets a
+`<peer>:gemms` timer in the same interleaved replays: GEMM1 + activation + GEMM2 only, the slot
+assignment precomputed outside the graph (each side at its own BLOCK_M with OUR alignment, or
+the naive one-block-per-slot assignment where the side's own rule takes it), the buffers
+preallocated, no top-k sum (ours: unless the plan folds it into GEMM2, then it is inside).
 Eager, unless --skip-eager (they sync the host, so they cannot be captured):
   reference   moe_eval.kernels.fused_moe.fused_moe_ref (fp32)
   torch_moe_eager  moe_eval.kernels.torch_moe.torch_moe (the CPU path; M <= 1024)
 Each graph holds one call per rotated input set (different tokens and routing, so the experts a
 call hits were not the previous call's), replayed back to back after a warm-up; the time of a call
-is a replay's time over the calls in it; the median of the replays is reported.
+is a replay's time over the calls in it; the median of the replays is reported. Every timed peer's
+output for the first input set is checked against fused_moe_ref in fp32 (relative error in the
+row; --no-check skips it). Kernels are compiled before timing by --precompile-workers processes.
 
 Roofline: max(FLOPs / matmul ceiling, bytes / copy ceiling), FLOPs = 6 * slots * D * F (slots on
 this rank), bytes = experts hit * 3 * D * F * 2 + x + out, ceilings measured in the same run
 (8192^3 bf16 matmul on random data; device-to-device copy counting read + write).
 
+With a vLLM peer the run ends with the ratio tables of issue 13 (vLLM time / bundled time per
+shape x M, whole call and GEMMs alone, geometric mean per shape, pass / fail against the targets),
+also written to DIR/ratios.md; `--report-only DIR/rows.jsonl` prints them again from saved rows.
+
 Usage: python benchmarks/bench_fused_moe.py --out-dir DIR [--shapes "Qwen3-30B-A3B TP1" ...] [--m 1 16]
-                                           [--peers triton grouped_mm flashinfer_cutlass] [--skip-eager]
-Writes DIR/bench.json, DIR/bench.md and DIR/roofline_<model>.png; prints the table on stdout.
+                                           [--peers triton vllm_triton] [--vllm-peer-dir DIR] [--skip-eager]
+Writes DIR/bench.json, DIR/rows.jsonl (as it goes), DIR/bench.md, DIR/ratios.md and
+DIR/roofline_<model>.png; prints the tables on stdout.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__" and "--cpu-smoke" in sys.argv:
+    # Triton picks its interpreter when a kernel is decorated, so before anything imports triton.
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse
 import datetime
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
-from moe_eval.kernels.fused_moe import fused_moe, fused_moe_ref
-from moe_eval.kernels.testing import MoeCase, shape_case
+from moe_eval.kernels.fused_moe import (
+    allocate_intermediates,
+    assign_slots,
+    fused_moe,
+    fused_moe_ref,
+    launch_experts,
+    launch_plan,
+    launch_sum,
+)
+from moe_eval.kernels.testing import MoeCase, rel_err, shape_case
 from moe_eval.kernels.tile_configs import M_GRID, SHIPPED_SHAPES, MoeShape
 from moe_eval.kernels.torch_moe import grouped_mm_moe, torch_moe
 
@@ -163,7 +195,11 @@ def rotated_sets(shape: MoeShape, M: int, weights_from: MoeCase) -> list[MoeCase
     """Input sets with their own tokens and routing, sharing `weights_from`'s weights (the layer is
     0.6-4.0 GB, beyond the 60 MB L2; rotating the routing keeps a call's experts out of L2)."""
     n_sets = 4 if M <= 1024 else 2
-    return [shape_case(shape, M, seed=1000 * M + i, weights_from=weights_from) for i in range(n_sets)]
+    device, dtype = weights_from.w13_eFD.device, weights_from.w13_eFD.dtype
+    return [
+        shape_case(shape, M, seed=1000 * M + i, weights_from=weights_from, device=device, dtype=dtype)
+        for i in range(n_sets)
+    ]
 
 
 def layer_counts(shape: MoeShape, cases: list[MoeCase]) -> dict[str, float]:
@@ -192,8 +228,19 @@ def _call(fn: Callable, case: MoeCase) -> Callable[[], object]:
 PeerCalls = tuple[list[Callable[[], object]], dict]
 
 
+def _device_name(case: MoeCase) -> str:
+    device = case.hidden_TD.device
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def _triton_plan(shape: MoeShape, case: MoeCase):
+    T = case.hidden_TD.shape[0]
+    return launch_plan(T, shape.local_experts, shape.F, shape.D, shape.top_k, _device_name(case))
+
+
 def triton_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
-    return [_call(fused_moe, c) for c in cases], {}
+    plan = _triton_plan(shape, cases[0])
+    return [_call(fused_moe, c) for c in cases], {"config": json.dumps(plan.config.to_json())}
 
 
 def grouped_mm_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
@@ -274,12 +321,139 @@ def apply_flashinfer_options(args: argparse.Namespace) -> None:
     FLASHINFER_OPTIONS["enable_pdl"] = False if args.fi_no_pdl else None
 
 
+# vLLM peers, loaded once per run by configure_vllm_peers (benchmarks/vllm_moe_peer.py).
+VLLM_PEERS: dict = {}
+VLLM_PEER_NAMES = ("vllm_triton", "vllm_installed")
+
+
+def configure_vllm_peers(peers: Iterable[str], peer_dir: Path | None) -> list[str]:
+    """Load the vLLM peers asked for: vllm_triton from the folder (or the installed vLLM when there
+    is none), vllm_installed from the installed vLLM. Returns the names that could not be loaded
+    (each logged with its reason): the run goes on without them rather than losing the others."""
+    import subprocess
+
+    import vllm_moe_peer
+
+    failed = []
+    for name in peers:
+        if name in VLLM_PEERS:
+            continue
+        uses_installed = name == "vllm_installed" or not (
+            peer_dir or (vllm_moe_peer.DEFAULT_DIR / "MANIFEST.json").is_file()
+        )
+        if uses_installed:
+            # A vLLM built for another torch can crash the interpreter on import, not raise: try it
+            # in a child first, so this process (and the other peers' numbers) survives.
+            probe = subprocess.run(
+                [sys.executable, "-c", "import vllm._custom_ops, vllm.model_executor.layers.fused_moe.fused_moe"],
+                capture_output=True, text=True, timeout=300, check=False,
+            )  # fmt: skip
+            if probe.returncode != 0:
+                log(f"{name}: the installed vLLM does not import (rc {probe.returncode}): "
+                    f"{(probe.stderr or probe.stdout).strip()[-300:]}; dropped from this run")  # fmt: skip
+                failed.append(name)
+                continue
+        try:
+            VLLM_PEERS[name] = vllm_moe_peer.load(peer_dir) if name == "vllm_triton" else vllm_moe_peer.load_installed()
+        except Exception as exc:  # noqa: BLE001 - ImportError and whatever vLLM raises on a foreign torch
+            log(f"{name}: not loaded ({type(exc).__name__}: {str(exc)[:300]}); dropped from this run")
+            failed.append(name)
+    return failed
+
+
+def _vllm_notes(peer, shape: MoeShape, case: MoeCase) -> dict:
+    T = case.hidden_TD.shape[0]
+    config = peer.config(case.w13_eFD, case.w2_eDF, shape.top_k, T)
+    naive = case.expert_map_E is None and T * shape.top_k * 4 <= shape.num_experts
+    return {"vllm_source": peer.source, "vllm_version": peer.version, "config": json.dumps(config),
+            "naive_assignment": naive}  # fmt: skip
+
+
+def _vllm_whole(name: str) -> Callable[[MoeShape, list[MoeCase], list[int]], PeerCalls]:
+    def peer_calls(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
+        peer = VLLM_PEERS[name]
+        return [peer.whole_call(c, shape.num_experts) for c in cases], _vllm_notes(peer, shape, cases[0])
+
+    return peer_calls
+
+
 GRAPH_PEERS: dict[str, Callable[[MoeShape, list[MoeCase], list[int]], PeerCalls]] = {
     "triton": triton_peer,
     "grouped_mm": grouped_mm_peer,
     "flashinfer_cutlass": flashinfer_cutlass_peer,
+    "vllm_triton": _vllm_whole("vllm_triton"),
+    "vllm_installed": _vllm_whole("vllm_installed"),
 }
 DEFAULT_PEERS = ("triton", "grouped_mm")
+
+# GEMMs alone: (timed calls, finish per call: the checked output, computed outside the timing, notes)
+GemmCalls = tuple[list[Callable[[], object]], list[Callable[[], torch.Tensor]], dict]
+
+
+def triton_gemms(shape: MoeShape, cases: list[MoeCase]) -> GemmCalls:
+    """GEMM1 + SiLU-and-mul + GEMM2 of fused_moe on its own plan, alignment done beforehand."""
+    calls, finishes = [], []
+    for c in cases:
+        plan = _triton_plan(shape, c)
+        align = assign_slots(c.topk_ids_TK, plan, shape.local_experts, c.expert_map_E)
+        out = torch.empty_like(c.hidden_TD)
+        h_PF, y_SD = allocate_intermediates(align, plan, c.hidden_TD, shape.F, out)
+        kwargs = {"expert_map_E": c.expert_map_E, "apply_router_weight_on_input": c.apply_router_weight_on_input,
+                  "precision": "tf32"}  # fmt: skip
+
+        def call(c=c, align=align, plan=plan, h_PF=h_PF, y_SD=y_SD, out=out, kwargs=kwargs) -> None:
+            launch_experts(c.hidden_TD, c.w13_eFD, c.w2_eDF, c.topk_weights_TK, c.topk_ids_TK, align, plan, h_PF,
+                           y_SD, out, with_sum=False, **kwargs)  # fmt: skip
+
+        def finish(c=c, y_SD=y_SD, out=out) -> torch.Tensor:
+            if y_SD is not out:
+                launch_sum(y_SD, out, c.topk_ids_TK, c.expert_map_E)
+            return out
+
+        calls.append(call)
+        finishes.append(finish)
+    plan = _triton_plan(shape, cases[0])
+    notes = {"config": json.dumps(plan.config.to_json()), "sum_in_gemm2": plan.fold_k}
+    return calls, finishes, notes
+
+
+def _vllm_gemms(name: str) -> Callable[[MoeShape, list[MoeCase]], GemmCalls]:
+    def gemm_calls(shape: MoeShape, cases: list[MoeCase]) -> GemmCalls:
+        peer = VLLM_PEERS[name]
+        pairs = [peer.gemms_call(c, shape.num_experts) for c in cases]
+        return [p[0] for p in pairs], [p[1] for p in pairs], _vllm_notes(peer, shape, cases[0])
+
+    return gemm_calls
+
+
+GEMM_PEERS: dict[str, Callable[[MoeShape, list[MoeCase]], GemmCalls]] = {
+    "triton": triton_gemms,
+    "vllm_triton": _vllm_gemms("vllm_triton"),
+    "vllm_installed": _vllm_gemms("vllm_installed"),
+}
+
+
+class EagerTimer:
+    """GraphTimer's interface without CUDA (the --cpu-smoke run): host clock around eager calls."""
+
+    def __init__(self, calls: list[Callable[[], object]]):
+        self.calls = calls
+        self.num_calls = len(calls)
+        for call in calls:
+            call()
+
+    def warm(self, seconds: float) -> None:
+        pass
+
+    def replay_us(self, inner: int = 1) -> float:
+        t0 = time.perf_counter()
+        for call in self.calls:
+            call()
+        return (time.perf_counter() - t0) * 1e6 / self.num_calls
+
+
+def _timer(calls: list[Callable[[], object]]):
+    return GraphTimer(calls) if torch.cuda.is_available() else EagerTimer(calls)
 
 
 def bench_shape(
@@ -291,23 +465,46 @@ def bench_shape(
     eager: bool = True,
     deadline: float | None = None,
     on_rows: Callable[[list[dict]], None] | None = None,
+    gemms_alone: bool = False,
+    check: bool = True,
+    base: MoeCase | None = None,
 ) -> list[dict]:
     """Rows for every (M, impl). Stops before an M once time.perf_counter() passes `deadline`;
-    `on_rows` sees each M's rows as soon as they exist (for callers that save as they go)."""
+    `on_rows` sees each M's rows as soon as they exist (for callers that save as they go).
+
+    gemms_alone: also a `<peer>:gemms` timer for each peer that has one (GEMM_PEERS), in the same
+    interleaved replays. check: each timer's output for the first input set against fused_moe_ref.
+    base: the case holding the weights (default: this shape's, random, on the GPU)."""
     rows = []
-    base = shape_case(shape, 1, seed=7)  # holds the weights every set shares
+    base = base if base is not None else shape_case(shape, 1, seed=7)  # holds the weights every set shares
     for M in Ms:
         if deadline is not None and time.perf_counter() > deadline:
             log(f"  {shape.name}: deadline reached before M={M}")
             break
         cases = rotated_sets(shape, M, base)
         counts = layer_counts(shape, cases)
-        timers, notes = {}, {}
+        timers, notes, outputs = {}, {}, {}
         for name in peers:
-            calls, notes[name] = GRAPH_PEERS[name](shape, cases, Ms)
-            timers[name] = GraphTimer(calls)
+            try:
+                calls, notes[name] = GRAPH_PEERS[name](shape, cases, Ms)
+                timers[name] = _timer(calls)
+                outputs[name] = calls[0]
+            except Exception as exc:  # noqa: BLE001 - one peer failing must not cost the others' numbers
+                log(f"  {shape.name} M={M} {name}: not timed ({type(exc).__name__}: {str(exc)[:300]})")
+        if gemms_alone:
+            for name in peers:
+                if name not in GEMM_PEERS:
+                    continue
+                try:
+                    calls, finishes, notes[f"{name}:gemms"] = GEMM_PEERS[name](shape, cases)
+                    timers[f"{name}:gemms"] = _timer(calls)
+                    outputs[f"{name}:gemms"] = lambda call=calls[0], finish=finishes[0]: (call(), finish())[1]
+                except Exception as exc:  # noqa: BLE001 - as above
+                    log(f"  {shape.name} M={M} {name}:gemms: not timed ({type(exc).__name__}: {str(exc)[:300]})")
         samples = time_interleaved(timers, replays)
         del timers
+        errors = _check_outputs(cases[0], outputs) if check else {}
+        del outputs
         if eager:
             # The reference syncs the host (nonzero), so it cannot be captured: eager, fewer calls.
             samples["reference"] = _eager_us(fused_moe_ref, cases, reps=3 if M >= 4096 else 5)
@@ -329,16 +526,41 @@ def bench_shape(
                 "tflops": counts["flops"] / med / 1e6, "gbps": counts["bytes"] / med / 1e3,
                 "roofline_us": roof_us, "frac_roofline": roof_us / med,
                 "experts_hit": counts["experts_hit"], "slots": counts["slots"], **notes.get(impl, {}),
+                **({"rel_err": errors[impl]} if impl in errors else {}),
             })  # fmt: skip
         rows += m_rows
         if on_rows is not None:
             on_rows(m_rows)
-        meds = {r["impl"]: r["median_us"] for r in m_rows if r["impl"] in peers}
+        meds = {r["impl"]: r["median_us"] for r in m_rows if r["impl"] in samples and r["impl"] != "reference"}
         log(f"  {shape.name:24s} M={M:6d} " + "  ".join(f"{k} {v:9.1f} us" for k, v in meds.items())
             + f"  roofline {roof_us:8.1f} us")  # fmt: skip
+        bad = {k: v for k, v in errors.items() if not v <= CHECK_TOLERANCE}
+        if bad:
+            log(f"  WRONG RESULT {shape.name} M={M}: relative error {bad} (> {CHECK_TOLERANCE})")
         del cases
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return rows
+
+
+# bf16 line of tests/kernels (expected ~3e-3 for ours, ~4-6e-3 for vLLM's layout: one more rounding).
+CHECK_TOLERANCE = 1e-2
+
+
+def _check_outputs(case: MoeCase, outputs: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Relative error of each timer's output for `case` against fused_moe_ref in fp32 (NaN: inf)."""
+    reference = case.reference_fp32()
+    errors = {}
+    for name, call in outputs.items():
+        try:
+            out = call()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            errors[name] = float("inf") if torch.isnan(out).any() else rel_err(out, reference)
+        except Exception as exc:  # noqa: BLE001 - reported in the row and the log, the timing stands
+            log(f"  check {name} failed: {type(exc).__name__}: {str(exc)[:200]}")
+            errors[name] = float("nan")
+    return errors
 
 
 def bench_alignment(shape: MoeShape, Ms: list[int], replays: int) -> list[dict]:
@@ -414,6 +636,83 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# --- issue 13: vLLM / bundled ratios against the targets --------------------------------------------
+
+# Issue 13's targets, on one interleaved H200 run: vLLM time / bundled time >= CELL_TARGET at every
+# cell of these shapes, for the whole call and for the GEMMs alone; >= GEOMEAN_TARGET as the
+# geometric mean over the M of a shape; and latency ceilings (bundled whole call, us).
+TARGET_SHAPES = ("Qwen3-30B-A3B TP1", "Mixtral-8x7B TP2", "Llama-4-Scout TP2")
+CELL_TARGET = 1.00
+GEOMEAN_TARGET = 1.05
+LATENCY_TARGETS_US = {("Qwen3-30B-A3B TP1", 1): 24.0}
+# The ratios the issue quotes from the week before it (whole call, vLLM / bundled), for the table.
+ISSUE_BASELINE = {
+    "Qwen3-30B-A3B TP1": (1.16, 1.03, 1.03, 1.08, 1.04, 0.92, 0.94),
+    "Mixtral-8x7B TP2": (1.11, 1.02, 1.04, 0.95, 0.84, 0.85, 0.85),
+    "Llama-4-Scout TP2": (1.23, 1.03, 1.08, 1.16, 1.02, 0.91, 0.95),
+}
+
+
+def ratio_tables(rows: list[dict]) -> tuple[str, bool]:
+    """Markdown ratio tables (one per vLLM peer x {whole call, GEMMs alone}) and whether every
+    target that has numbers passed. A cell is `ratio` or `**ratio** (miss)`."""
+    by = {(f"{r['model']} {r['layout']}", r["M"], r["impl"]): r for r in rows}
+    shapes = list(dict.fromkeys(f"{r['model']} {r['layout']}" for r in rows))
+    Ms = sorted({r["M"] for r in rows})
+    vllm_impls = [i for i in VLLM_PEER_NAMES if any(r["impl"] == i for r in rows)]
+    lines, all_ok = [], True
+    for impl in vllm_impls:
+        src = next(r for r in rows if r["impl"] == impl)
+        for suffix, what in (("", "whole call"), (":gemms", "GEMMs alone")):
+            if not any(k[2] == impl + suffix for k in by):
+                continue
+            lines += [
+                f"#### vLLM / bundled, {what}: {impl} ({src.get('vllm_source', '?')}, vLLM {src.get('vllm_version', '?')})",
+                "",
+                "| shape | " + " | ".join(f"M={m}" for m in Ms) + " | geomean | verdict |",
+                "|---|" + "---:|" * (len(Ms) + 1) + "---|",
+            ]
+            for shape in shapes:
+                cells, ratios, ok = [], [], True
+                targeted = shape in TARGET_SHAPES
+                for M in Ms:
+                    ours, theirs = by.get((shape, M, "triton" + suffix)), by.get((shape, M, impl + suffix))
+                    if not ours or not theirs:
+                        cells.append("-")
+                        continue
+                    ratio = theirs["median_us"] / ours["median_us"]
+                    ratios.append(ratio)
+                    miss = targeted and ratio < CELL_TARGET
+                    wrong = [n for n, r in (("ours", ours), ("vLLM", theirs)) if not r.get("rel_err", 0) <= CHECK_TOLERANCE]
+                    ok &= not miss and not wrong
+                    cells.append((f"**{ratio:.2f}** (miss)" if miss else f"{ratio:.2f}")
+                                 + (f" WRONG {'/'.join(wrong)}" if wrong else ""))  # fmt: skip
+                geo = statistics.geometric_mean(ratios) if ratios else float("nan")
+                geo_miss = targeted and ratios and geo < GEOMEAN_TARGET
+                ok &= not geo_miss
+                complete = len(ratios) == len(Ms)
+                verdict = ("PASS" if ok else "FAIL") if targeted and complete else ("partial" if targeted else "no target")
+                if targeted and not ok:
+                    all_ok = False
+                lines.append(f"| {shape} | " + " | ".join(cells)
+                             + f" | {'**' if geo_miss else ''}{geo:.3f}{'**' if geo_miss else ''} | {verdict} |")  # fmt: skip
+            lines.append("")
+    if vllm_impls:
+        base = [s for s in shapes if s in ISSUE_BASELINE]
+        if base:
+            lines += ["Issue 13's numbers from the week before (whole call, vLLM / bundled), for comparison:", ""]
+            lines += [f"- {s}: " + " ".join(f"{v:.2f}" for v in ISSUE_BASELINE[s]) for s in base]
+            lines.append("")
+    for (shape, M), limit in LATENCY_TARGETS_US.items():
+        r = by.get((shape, M, "triton"))
+        if r:
+            met = r["median_us"] <= limit
+            all_ok &= met
+            lines.append(f"Latency: {shape} M={M} bundled whole call {r['median_us']:.1f} us "
+                         f"(target <= {limit:.0f} us): {'PASS' if met else 'FAIL'}")  # fmt: skip
+    return "\n".join(lines), all_ok
+
+
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -455,6 +754,76 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
+# --- compile before timing -------------------------------------------------------------------------
+
+
+def _precompile_worker(shape_index: int, Ms: list[int], peers: tuple[str, ...], gemms_alone: bool,
+                       peer_dir: str | None) -> list[str]:  # fmt: skip
+    """Worker: run every timed call once at each M on uninitialised weights, so Triton compiles into
+    the disk cache what the timing process will then only load. Same M, so the same specialisations
+    (vLLM's kernel specialises its grid and token counts on divisibility by 16)."""
+    import types
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    configure_vllm_peers([p for p in peers if p in VLLM_PEER_NAMES], Path(peer_dir) if peer_dir else None)
+    shape = SHIPPED_SHAPES[shape_index]
+    kw = {"dtype": torch.bfloat16, "device": "cuda"}
+    weights = types.SimpleNamespace(
+        w13_eFD=torch.empty(shape.local_experts, 2 * shape.F, shape.D, **kw),
+        w2_eDF=torch.empty(shape.local_experts, shape.D, shape.F, **kw),
+    )
+    errors = []
+    for M in Ms:
+        case = shape_case(shape, M, seed=M, weights_from=weights)
+        for name in peers:
+            try:
+                if name in ("triton",) + VLLM_PEER_NAMES:
+                    GRAPH_PEERS[name](shape, [case], Ms)[0][0]()
+                if gemms_alone and name in GEMM_PEERS:
+                    calls, finishes, _ = GEMM_PEERS[name](shape, [case])
+                    calls[0]()
+                    finishes[0]()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - compiles inline later; the timing process reports
+                errors.append(f"{shape.name} M={M} {name}: {type(exc).__name__}: {str(exc)[:200]}")
+        del case
+        torch.cuda.empty_cache()
+    return errors
+
+
+def precompile(shapes: list[MoeShape], Ms: list[int], peers: tuple[str, ...], gemms_alone: bool,
+               peer_dir: Path | None, workers: int) -> None:  # fmt: skip
+    import concurrent.futures
+    import multiprocessing
+
+    t0 = time.perf_counter()
+    jobs = [(SHIPPED_SHAPES.index(s), [M]) for s in shapes for M in Ms]
+    jobs.sort(key=lambda j: -j[1][0])  # the largest M first: the longest jobs start early
+    log(f"precompiling {len(jobs)} (shape, M) cells on {workers} workers")
+    ctx = multiprocessing.get_context("spawn")
+    args = [(si, ms, peers, gemms_alone, str(peer_dir) if peer_dir else None) for si, ms in jobs]
+    try:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            for errors in pool.map(_precompile_worker, *zip(*args)):
+                for err in errors:
+                    log(f"  precompile: {err}")
+    except Exception as exc:  # noqa: BLE001 - the timing process compiles what is missing
+        log(f"precompile stopped: {type(exc).__name__}: {str(exc)[:300]}")
+    log(f"precompiled in {time.perf_counter() - t0:.0f} s")
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+def cpu_smoke_shapes() -> list[MoeShape]:
+    """The issue's three shapes in miniature, for --cpu-smoke (same names: the target logic runs)."""
+    return [
+        MoeShape("Qwen3-30B-A3B", "TP1", 128, 128, 8, 64, 32),
+        MoeShape("Mixtral-8x7B", "TP2", 8, 8, 2, 64, 48),
+        MoeShape("Llama-4-Scout", "TP2", 16, 16, 1, 64, 32, apply_router_weight_on_input=True),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, required=True)
@@ -465,34 +834,78 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--skip-eager", action="store_true", help="skip the eager reference and torch_moe rows"
     )
+    parser.add_argument("--vllm-peer-dir", type=Path, help="extracted vLLM kernel + configs (default .vllm-peer/)")
+    parser.add_argument("--gemms-alone", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time GEMM1 + activation + GEMM2 alone (default: on with a vLLM peer)")  # fmt: skip
+    parser.add_argument("--no-check", action="store_true", help="skip the output check against fused_moe_ref")
+    parser.add_argument("--precompile-workers", type=int, default=12, help="0: compile inline while timing")
+    parser.add_argument("--deadline-s", type=float, help="start no new (shape, M) after this many seconds")
+    parser.add_argument("--report-only", type=Path, help="print the ratio tables of a rows.jsonl and exit")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="no GPU: miniature shapes under Triton's interpreter in fp32, eager timing (plumbing only)")  # fmt: skip
     add_flashinfer_options(parser)
     args = parser.parse_args(argv)
+    if args.report_only is not None:
+        rows = [json.loads(line) for line in args.report_only.read_text().splitlines() if line.strip()]
+        table, ok = ratio_tables(rows)
+        print(table)
+        return 0 if ok else 1
+    started = time.perf_counter()
+    deadline = started + args.deadline_s if args.deadline_s is not None else None
     apply_flashinfer_options(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    shapes = shapes_named(args.shapes) if args.shapes else list(SHIPPED_SHAPES)
+    failed = configure_vllm_peers([p for p in args.peers if p in VLLM_PEER_NAMES], args.vllm_peer_dir)
+    peers = tuple(p for p in args.peers if p not in failed)
+    gemms_alone = args.gemms_alone if args.gemms_alone is not None else any(p in VLLM_PEER_NAMES for p in peers)
+    for name, peer in VLLM_PEERS.items():
+        log(f"{name}: vLLM {peer.version} from {peer.source}")
     import triton
 
-    ceilings = measure_ceilings()
+    rows_path = args.out_dir / "rows.jsonl"
+    rows_path.write_text("")
+
+    def save(new_rows: list[dict]) -> None:
+        with rows_path.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in new_rows)
+
+    if args.cpu_smoke:
+        shapes = cpu_smoke_shapes()
+        if args.shapes:
+            shapes = [s for s in shapes if s.name in args.shapes]
+        ceilings = {"matmul_tflops": 1.0, "copy_gbps": 1.0}  # no device: the roofline columns mean nothing
+        Ms = [m for m in args.m if m <= 64]
+    else:
+        shapes = shapes_named(args.shapes) if args.shapes else list(SHIPPED_SHAPES)
+        Ms = list(args.m)
+        if args.precompile_workers > 0:
+            precompile(shapes, Ms, peers, gemms_alone, args.vllm_peer_dir, args.precompile_workers)
+        ceilings = measure_ceilings()
     log(f"ceilings: {ceilings}")
     rows = []
     for shape in shapes:
+        base = None
+        if args.cpu_smoke:
+            base = shape_case(shape, 1, seed=7, device="cpu", dtype=torch.float32)
         rows += bench_shape(
-            shape, args.m, ceilings, args.replays, tuple(args.peers), eager=not args.skip_eager
-        )
+            shape, Ms, ceilings, args.replays, peers, eager=not args.skip_eager, deadline=deadline,
+            on_rows=save, gemms_alone=gemms_alone, check=not args.no_check, base=base,
+        )  # fmt: skip
     align_rows = []
-    if not args.skip_alignment:
+    if not args.skip_alignment and not args.cpu_smoke:
         for shape in shapes[:1]:
-            align_rows += bench_alignment(shape, args.m, 20)
-    ceilings_after = measure_ceilings()
+            align_rows += bench_alignment(shape, Ms, 20)
+    ceilings_after = ceilings if args.cpu_smoke else measure_ceilings()
     log(f"ceilings after: {ceilings_after}")
     meta = {
         "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu smoke)",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "command": "python " + " ".join(sys.argv),
         "ceilings_before": ceilings,
         "ceilings_after": ceilings_after,
+        "seconds": round(time.perf_counter() - started, 1),
+        "vllm_peers": {n: {"source": p.source, "version": p.version, **p.notes} for n, p in VLLM_PEERS.items()},
     }
     if "flashinfer_cutlass" in args.peers:
         import flashinfer
@@ -503,10 +916,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     table = markdown_table(rows)
     (args.out_dir / "bench.md").write_text(table + "\n")
-    plot(rows, args.out_dir)
+    if not args.cpu_smoke:
+        plot(rows, args.out_dir)
     print(json.dumps(meta))
     print(table)
-    return 0
+    ok = True
+    if VLLM_PEERS:
+        ratios, ok = ratio_tables(rows)
+        (args.out_dir / "ratios.md").write_text(ratios + "\n")
+        print()
+        print(ratios)
+    wrong = [(r["model"], r["layout"], r["M"], r["impl"], r["rel_err"]) for r in rows
+             if "rel_err" in r and not r["rel_err"] <= CHECK_TOLERANCE]  # fmt: skip
+    if wrong:
+        print(f"WRONG RESULTS (relative error > {CHECK_TOLERANCE}): {wrong}")
+    return 0 if ok and not wrong else 1
 
 
 if __name__ == "__main__":

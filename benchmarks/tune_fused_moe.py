@@ -1,15 +1,29 @@
 """Tune the Triton fused MoE's tile configs on this GPU; write tuned_configs/E=..,F=..,D=..,device=...json.
 
-For each shipped per-rank shape and each M of the grid: candidate BLOCK_Ms from the mean rows per
-expert; for each BLOCK_M the alignment, GEMM1 and GEMM2 are timed separately (CUDA graphs over
-rotated input sets, as in bench_fused_moe.py) over their candidate tiles, and the BLOCK_M with the
-least alignment + best GEMM1 + best GEMM2 wins (the sum over K does not depend on the tiles).
+For each cell (shipped per-rank shape x M): candidate BLOCK_Ms from the mean rows per expert, and
+at few tokens the naive plan (no alignment, one block per slot; GEMM2 with or without the top-k
+sum folded in). For each, the alignment, GEMM1 and GEMM2 are timed separately (CUDA graphs over
+rotated input sets, as in bench_fused_moe.py) over their candidate tiles; the three best tiles of
+each GEMM are then tried at GROUP_M 1 / 16 / 32 (a runtime argument: no compile). The plan with
+the least alignment + GEMM1 + GEMM2 (+ the separate top-k sum where it is not folded) wins, after
+a check of the whole call against the fp32 reference (a candidate that computes a wrong result
+is dropped, never written). The best time of each kernel variant family (two-dot or interleaved
+GEMM1, each BLOCK_M, naive or aligned, folded sum or not) goes into the file's meta, so a run
+records what lost as well as what won.
+
+GEMM2 at BLOCK_M >= 128 is also tried with TMA descriptor loads (`gemm2.tma`; the shipped shapes'
+F * 2 bytes are multiples of 16, as TMA needs). Candidate tiles are pruned before anything runs: shared memory (227 KiB, num_stages stages, see
+tile_configs.SMEM_LIMIT), the fp32 accumulator per thread (<= 128 registers: beyond it the large
+tiles spill, seen in benchmarks/aot_sm90.py's ptxas reports), and tiles that cannot win a regime
+(compute tiles for weight streaming and the reverse). During timing, a candidate whose first
+replay is 30% slower than the best so far is not replayed further.
 
 Every candidate is compiled first by parallel worker processes into Triton's disk cache: a few
 hundred variants compiled one after another would spend minutes of GPU time on the CPU.
 
 Usage: PYTHONPATH=. python benchmarks/tune_fused_moe.py [--out-dir moe_eval/kernels/tuned_configs]
-       [--shapes "Qwen3-30B-A3B TP1" ...] [--m 1 16 ...] [--workers 16] [--merge]
+       [--shapes "Qwen3-30B-A3B TP1" ...] [--m 1 16 ...] [--cells "Mixtral-8x7B TP2:256,1024" ...]
+       [--workers 16] [--merge] [--deadline-s S]
 """
 
 from __future__ import annotations
@@ -20,17 +34,28 @@ import datetime
 import itertools
 import json
 import multiprocessing
+import statistics
 import sys
 import time
 import types
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from moe_eval.kernels.fused_moe import launch_gemm1, launch_gemm2, moe_align_block_size
-from moe_eval.kernels.testing import shape_case
+from moe_eval.kernels.fused_moe import (
+    fused_moe,
+    launch_gemm1,
+    launch_gemm2,
+    launch_sum,
+    moe_align_block_size,
+    naive_alignment,
+    naive_qualifies,
+)
+from moe_eval.kernels.testing import rel_err, shape_case
 from moe_eval.kernels.tile_configs import (
     SHIPPED_SHAPES,
+    SMEM_LIMIT,
     TUNED_DIR,
     GemmTile,
     MoeShape,
@@ -41,11 +66,14 @@ from moe_eval.kernels.tile_configs import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_fused_moe import add_shape_args, log, median_us, rotated_sets, shapes_named
+from bench_fused_moe import GraphTimer, add_shape_args, log, median_us, rotated_sets, shapes_named
 
-# Hopper allows 227 KiB (232448 bytes) of shared memory per block, and Triton 3.6 allocates
-# num_stages tiles (seen on the H200: "Required: 245760" for 3 stages of 80 KiB).
-SMEM_LIMIT = 232448
+# fp32 accumulator elements per thread above which a tile is dropped: 128 keeps the large-M tiles
+# of both GEMMs at 198-254 registers with no spills (aot_sm90.py, triton 3.6 and 3.9, sm_90).
+MAX_ACC_PER_THREAD = 128
+EARLY_STOP = 1.3  # first replay this much slower than the best so far: not replayed further
+GROUP_M_REFINE = (1, 16, 32)  # tried on the 3 best tiles of each GEMM (8 is the first pass's)
+BF16_TOLERANCE = 1e-2  # the winner's whole call against fused_moe_ref (tests/kernels: same line)
 
 
 def rows_per_expert(shape: MoeShape, M: int) -> float:
@@ -61,72 +89,122 @@ def block_m_candidates(rows: float) -> list[int]:
     if rows <= 24:
         return [16, 32]
     if rows <= 96:
-        return [32, 64]
-    return [64, 128]
+        # 128 too: vLLM's H200 file runs Mixtral at M = 256 (64 rows per expert) with 128-row
+        # blocks and wins there (ratio 0.95), half of each block padding. At 64 rows the layer
+        # streams weights, and a 128-row block covers an expert in one M-block with a 256-wide tile.
+        return [32, 64, 128]
+    if rows <= 384:
+        return [64, 128]
+    return [128, 256]
+
+
+def _fits(block_m: int, tile: GemmTile, b_tiles: int) -> bool:
+    acc = block_m * tile.block_n * b_tiles / (32 * tile.num_warps)
+    return tile.num_stages * tile.stage_bytes(block_m, b_tiles) <= SMEM_LIMIT and acc <= MAX_ACC_PER_THREAD
 
 
 def gemm_candidates(kind: int, block_m: int) -> list[GemmTile]:
-    """GEMM1 computes gate and up tiles (two B tiles per stage); GEMM2 one."""
-    n_b = 2 if kind == 1 else 1
+    """GEMM1 computes gate and up tiles (two B tiles per stage, as two dots or one interleaved); GEMM2 one."""
+    b_tiles = 2 if kind == 1 else 1
     grids = []
     if block_m <= 64:
         # Weight streaming: long K steps and deep pipelines keep bytes in flight; narrow N tiles
         # give enough programs when few experts are hit. BLOCK_M = 64 is in both spaces: with
         # 64 rows per expert the layer is still bandwidth-bound (H200 run 2: Mixtral M=256 GEMM1
         # streamed 3.6 TB/s with the compute tiles against 4.3 TB/s at M=64).
+        # 16-wide N only at 16-row blocks (few tokens): a folded GEMM2 has one program per token and
+        # N tile (Qwen3 at M=1: 2048 / 16 = 128 programs for 132 SMs; 64 at N = 32).
+        narrow = [16] if block_m == 16 else []
         if kind == 1:
-            grids.append(itertools.product([16, 32, 64, 128], [128, 256], [4], [3, 4, 5]))
+            grids.append(itertools.product(narrow + [32, 64, 128], [128, 256], [4], [3, 4, 5]))
         else:
-            grids.append(itertools.product([32, 64, 128], [64, 128, 256], [4], [3, 4]))
+            grids.append(itertools.product(narrow + [32, 64, 128], [128, 256], [4], [3, 4, 5]))
     if block_m >= 64:
-        # Compute-bound: wgmma-sized tiles, GROUP_M swizzle for weight reuse in L2.
+        # Compute-bound: wgmma-sized tiles (256-wide N: GEMM1 at BLOCK_N 128 is 2 x 128 wide),
+        # 2 stages only for 128-deep K steps, GROUP_M swizzle for weight reuse in L2.
         if kind == 1:
-            grids.append(itertools.product([64, 128], [64, 128], [4, 8], [3, 4]))
+            grids.append(itertools.product([64, 128], [64], [4, 8], [3, 4, 5]))
+            grids.append(itertools.product([64, 128], [128], [4, 8], [2, 3]))
         else:
-            grids.append(itertools.product([64, 128, 256], [64, 128], [4, 8], [3, 4]))
+            grids.append(itertools.product([128, 256], [64], [4, 8], [3, 4, 5]))
+            grids.append(itertools.product([128, 256], [128], [4, 8], [2, 3]))
     tiles = []
     for bn, bk, warps, stages in itertools.chain(*grids):
-        tile = GemmTile(block_n=bn, block_k=bk, group_m=8, num_warps=warps, num_stages=stages)
-        if stages * (block_m * bk + n_b * bk * bn) * 2 <= SMEM_LIMIT and tile not in tiles:
-            tiles.append(tile)
+        # GEMM1: two dots or one interleaved; GEMM2 at the large-M blocks: pointer loads or TMA.
+        for variant in (False, True) if kind == 1 or block_m >= 128 else (False,):
+            tile = GemmTile(bn, bk, group_m=8, num_warps=warps, num_stages=stages,
+                            interleave=variant and kind == 1, tma=variant and kind == 2)  # fmt: skip
+            if _fits(block_m, tile, b_tiles) and tile not in tiles:
+                tiles.append(tile)
     return tiles
 
 
-def candidate_jobs(shape: MoeShape, Ms: list[int]) -> list[tuple[int, int, GemmTile]]:
+@dataclass(frozen=True)
+class Plan:
+    """What one tuning branch times: a BLOCK_M, aligned or naive, and (naive, K > 1) the folded sum."""
+
+    block_m: int
+    naive: bool = False
+
+    def name(self) -> str:
+        return f"bm={self.block_m}" + (" naive" if self.naive else "")
+
+
+def plans_for(shape: MoeShape, M: int) -> list[Plan]:
+    plans = [Plan(bm) for bm in block_m_candidates(rows_per_expert(shape, M))]
+    if naive_qualifies(M, shape.top_k, shape.local_experts):
+        plans.append(Plan(16, naive=True))
+    return plans
+
+
+def gemm2_folds(shape: MoeShape, plan: Plan) -> tuple[bool, ...]:
+    # Folding the sum only matters when there is a sum (K > 1) and each block is one slot (naive).
+    return (False, True) if plan.naive and shape.top_k > 1 else (False,)
+
+
+def candidate_jobs(shape: MoeShape, Ms: list[int]) -> set[tuple[int, int, GemmTile, bool, bool]]:
+    """(block_m, kind, tile, naive, fold_k) of every kernel variant the cells can time."""
     jobs = set()
     for M in Ms:
-        for bm in block_m_candidates(rows_per_expert(shape, M)):
-            for kind in (1, 2):
-                for tile in gemm_candidates(kind, bm):
-                    jobs.add((bm, kind, tile))
-    return sorted(
-        jobs, key=lambda j: (j[0], j[1], j[2].block_n, j[2].block_k, j[2].num_warps, j[2].num_stages)
-    )
+        for plan in plans_for(shape, M):
+            for tile in gemm_candidates(1, plan.block_m):
+                jobs.add((plan.block_m, 1, tile, plan.naive, False))
+            for fold in gemm2_folds(shape, plan):
+                for tile in gemm_candidates(2, plan.block_m):
+                    jobs.add((plan.block_m, 2, tile, plan.naive, fold))
+    return jobs
 
 
 class Buffers:
-    """One input set's alignment and GEMM outputs for one BLOCK_M."""
+    """One input set's slot assignment and GEMM outputs for one plan."""
 
-    def __init__(self, case, shape: MoeShape, block_m: int):
+    def __init__(self, case, shape: MoeShape, plan: Plan):
         self.case = case
         T = case.hidden_TD.shape[0]
-        self.align = moe_align_block_size(case.topk_ids_TK, block_m, shape.local_experts, case.expert_map_E)
+        if plan.naive:
+            self.align = naive_alignment(case.topk_ids_TK, plan.block_m, case.expert_map_E)
+        else:
+            self.align = moe_align_block_size(case.topk_ids_TK, plan.block_m, shape.local_experts, case.expert_map_E)
         x = case.hidden_TD
-        self.h_PF = x.new_empty(self.align.sorted_ids_P.numel(), shape.F)
+        self.h_PF = x.new_empty(self.align.h_rows, shape.F)
         self.y_SD = x.new_empty(T if shape.top_k == 1 else T * shape.top_k, shape.D)
+        self.out_TD = x.new_empty(T, shape.D)
 
     def gemm1(self, shape: MoeShape, tile: GemmTile) -> None:
         c = self.case
         launch_gemm1(c.hidden_TD, c.w13_eFD, self.h_PF, c.topk_weights_TK, self.align, shape.top_k, tile,
                      shape.apply_router_weight_on_input)  # fmt: skip
 
-    def gemm2(self, shape: MoeShape, tile: GemmTile) -> None:
+    def gemm2(self, shape: MoeShape, tile: GemmTile, fold: bool = False) -> None:
         c = self.case
-        launch_gemm2(self.h_PF, c.w2_eDF, self.y_SD, c.topk_weights_TK, self.align, tile,
-                     not shape.apply_router_weight_on_input)  # fmt: skip
+        launch_gemm2(self.h_PF, c.w2_eDF, self.out_TD if fold else self.y_SD, c.topk_weights_TK, self.align, tile,
+                     not shape.apply_router_weight_on_input, fold_k=fold)  # fmt: skip
+
+    def sum(self) -> None:
+        launch_sum(self.y_SD, self.out_TD, self.case.topk_ids_TK, self.case.expert_map_E)
 
 
-def _precompile(shape_index: int, jobs: list[tuple[int, int, GemmTile]]) -> list[str]:
+def _precompile(shape_index: int, jobs: list[tuple[int, int, GemmTile, bool, bool]]) -> list[str]:
     """Worker: launch each candidate once on a small M so Triton compiles it into the disk cache."""
     shape = SHIPPED_SHAPES[shape_index]
     # Uninitialised weights compile the same kernels; random ones would cost each of the 16 workers
@@ -136,31 +214,38 @@ def _precompile(shape_index: int, jobs: list[tuple[int, int, GemmTile]]) -> list
         w13_eFD=torch.empty(shape.local_experts, 2 * shape.F, shape.D, **kw),
         w2_eDF=torch.empty(shape.local_experts, shape.D, shape.F, **kw),
     )
-    case = shape_case(shape, 8, seed=0, weights_from=weights)
+    # Token counts are do_not_specialize: any count compiles the same variant; one token qualifies
+    # for the naive plan.
+    cases = {False: shape_case(shape, 8, seed=0, weights_from=weights), True: shape_case(shape, 1, seed=0, weights_from=weights)}
     errors, buffers = [], {}
-    for bm, kind, tile in jobs:
-        if bm not in buffers:
-            buffers[bm] = Buffers(case, shape, bm)
+    for bm, kind, tile, naive, fold in jobs:
+        key = (bm, naive)
+        if key not in buffers:
+            buffers[key] = Buffers(cases[naive], shape, Plan(bm, naive))
         try:
-            (buffers[bm].gemm1 if kind == 1 else buffers[bm].gemm2)(shape, tile)
+            if kind == 1:
+                buffers[key].gemm1(shape, tile)
+            else:
+                buffers[key].gemm2(shape, tile, fold)
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - out of shared memory and the like: skipped, logged
             errors.append(f"{shape.name} bm={bm} gemm{kind} {tile}: {type(exc).__name__}: {str(exc)[:200]}")
     return errors
 
 
-def precompile(shapes: list[MoeShape], Ms: list[int], workers: int, per_task: int = 10) -> None:
+def precompile(cells: dict[MoeShape, list[int]], workers: int, per_task: int = 4) -> None:
     """Compile every candidate once. Shapes share compiled kernels when their constexprs agree
     (F and D are specialised only on divisibility by 16), so each variant is compiled once."""
     t0 = time.perf_counter()
-    owner: dict[tuple, tuple[int, tuple[int, int, GemmTile]]] = {}
-    for shape in shapes:
-        for bm, kind, tile in candidate_jobs(shape, Ms):
+    owner: dict[tuple, tuple[int, tuple]] = {}
+    for shape, Ms in cells.items():
+        for bm, kind, tile, naive, fold in sorted(candidate_jobs(shape, Ms), key=str):
             mul_routed = shape.apply_router_weight_on_input == (kind == 1)
             even_k = (shape.D if kind == 1 else shape.F) % tile.block_k == 0
-            owner.setdefault(
-                (bm, kind, tile, mul_routed, even_k), (SHIPPED_SHAPES.index(shape), (bm, kind, tile))
-            )
+            has_map = naive and shape.local_experts != shape.num_experts
+            # group_m is a runtime argument: tiles that differ only there share a compiled kernel.
+            variant = (bm, kind, replace(tile, group_m=1), naive, fold, mul_routed, even_k, has_map)
+            owner.setdefault(variant, (SHIPPED_SHAPES.index(shape), (bm, kind, tile, naive, fold)))
     by_shape: dict[int, list] = {}
     for shape_index, job in owner.values():
         by_shape.setdefault(shape_index, []).append(job)
@@ -179,95 +264,212 @@ def precompile(shapes: list[MoeShape], Ms: list[int], workers: int, per_task: in
     log(f"precompiled in {time.perf_counter() - t0:.0f} s")
 
 
-def tune_shape(shape: MoeShape, Ms: list[int]) -> tuple[dict[int, MoeTileConfig], dict]:
-    base = shape_case(shape, 1, seed=7)
-    configs, timings = {}, {}
-    for M in Ms:
-        t0 = time.perf_counter()
-        cases = rotated_sets(shape, M, base)
-        replays = 5 if M >= 4096 else 8
-        best = None
-        for bm in block_m_candidates(rows_per_expert(shape, M)):
-            bufs = [Buffers(c, shape, bm) for c in cases]
+def dump_jobs(cells: dict[MoeShape, list[int]], path: Path) -> None:
+    """The distinct compiled variants of the cells (as precompile() dedups them), as JSON rows."""
+    from dataclasses import asdict
+
+    jobs = {}
+    for shape, Ms in cells.items():
+        for bm, kind, tile, naive, fold in sorted(candidate_jobs(shape, Ms), key=str):
+            mul_routed = shape.apply_router_weight_on_input == (kind == 1)
+            has_map = naive and shape.local_experts != shape.num_experts
+            key = (bm, kind, replace(tile, group_m=1), naive, fold, mul_routed, has_map)
+            jobs.setdefault(key, {"block_m": bm, "kind": kind, "tile": asdict(tile), "naive": naive, "fold_k": fold,
+                                  "mul_routed": mul_routed, "has_map": has_map, "F": shape.F, "D": shape.D})  # fmt: skip
+    path.write_text(json.dumps(list(jobs.values()), indent=0) + "\n")
+    log(f"wrote {len(jobs)} variants to {path}")
+
+
+def time_candidate(calls: list, replays: int, best_us: float | None) -> float:
+    """Median microseconds per call; one replay only when it is already EARLY_STOP x the best."""
+    timer = GraphTimer(calls)
+    first = timer.replay_us()
+    if best_us is not None and first > EARLY_STOP * best_us:
+        return first
+    timer.warm(0.01)
+    return statistics.median([first] + [timer.replay_us() for _ in range(replays - 1)])
+
+
+def _time_tiles(label: str, tiles: list[GemmTile], run, bufs, replays: int) -> list[tuple[float, GemmTile]]:
+    """(us, tile) sorted, best first; then GROUP_M variants of the three best."""
+    scores: list[tuple[float, GemmTile]] = []
+
+    def one(tile: GemmTile) -> None:
+        best = scores[0][0] if scores else None
+        try:
+            us = time_candidate([lambda b=b, t=tile: run(b, t) for b in bufs], replays, best)
+        except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is skipped, logged
+            log(f"  skip {label} {tile}: {type(exc).__name__}: {str(exc)[:120]}")
+            return
+        scores.append((us, tile))
+        scores.sort(key=lambda s: s[0])
+
+    for tile in tiles:
+        one(tile)
+    for _, tile in list(scores[:3]):
+        for group_m in GROUP_M_REFINE:
+            one(replace(tile, group_m=group_m))
+    return scores
+
+
+def _family(kind: int, plan: Plan, tile: GemmTile, fold: bool = False) -> str:
+    if kind == 1:
+        return f"gemm1 {plan.name()} {'interleaved' if tile.interleave else 'two-dot'}"
+    return f"gemm2 {plan.name()}" + (" fold_k" if fold else "") + (" tma" if tile.tma else "")
+
+
+def tune_cell(shape: MoeShape, M: int, base) -> tuple[MoeTileConfig, dict, dict]:
+    """(winning config, its stage timings, best us per variant family) for one (shape, M)."""
+    cases = rotated_sets(shape, M, base)
+    replays = 5 if M >= 4096 else 8
+    K = shape.top_k
+    results = []  # (total us, config, stage timings)
+    families: dict[str, float] = {}
+
+    def note(name: str, us: float) -> None:
+        families[name] = round(min(us, families.get(name, float("inf"))), 2)
+
+    sum_us = 0.0
+    if K > 1:  # the separate sum's cost, added to every plan that does not fold it into GEMM2
+        bufs = [Buffers(c, shape, Plan(16)) for c in cases]
+        for b in bufs:
+            b.y_SD.normal_()  # never time on zeros or garbage
+        sum_us = median_us([b.sum for b in bufs], replays)
+    for plan in plans_for(shape, M):
+        bufs = [Buffers(c, shape, plan) for c in cases]
+        align_us = 0.0
+        if not plan.naive:
             align_us = median_us(
-                [lambda c=c, bm=bm: moe_align_block_size(c.topk_ids_TK, bm, shape.local_experts, c.expert_map_E) for c in cases],
+                [lambda c=c, bm=plan.block_m: moe_align_block_size(c.topk_ids_TK, bm, shape.local_experts,
+                                                                    c.expert_map_E) for c in cases],
                 replays,
             )  # fmt: skip
-            picks = {}
-            for kind in (1, 2):
-                scores = []
-                for tile in gemm_candidates(kind, bm):
-                    fn = Buffers.gemm1 if kind == 1 else Buffers.gemm2
-                    try:
-                        us = median_us(
-                            [lambda b=b, t=tile, fn=fn: fn(b, shape, t) for b in bufs], replays, warm_s=0.01
-                        )
-                    except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is skipped, logged
-                        log(f"  skip bm={bm} gemm{kind} {tile}: {type(exc).__name__}")
-                        continue
-                    scores.append((us, tile))
-                if not scores:
-                    break
-                scores.sort(key=lambda s: s[0])
-                picks[kind] = scores[0]
-                if kind == 1:  # GEMM2 reads GEMM1's output: fill it with real values before timing it
-                    for b in bufs:
-                        b.gemm1(shape, scores[0][1])
-            if len(picks) < 2:
-                log(f"  {shape.name} M={M} bm={bm}: no candidate ran")
+        g1 = _time_tiles(f"{shape.name} M={M} {plan.name()} gemm1", gemm_candidates(1, plan.block_m),
+                         lambda b, t: b.gemm1(shape, t), bufs, replays)  # fmt: skip
+        if not g1:
+            log(f"  {shape.name} M={M} {plan.name()}: no GEMM1 candidate ran")
+            continue
+        for us, tile in g1:
+            note(_family(1, plan, tile), us)
+        for b in bufs:  # GEMM2 reads GEMM1's output: fill it with real values before timing it
+            b.gemm1(shape, g1[0][1])
+        for fold in gemm2_folds(shape, plan):
+            g2 = _time_tiles(f"{shape.name} M={M} {plan.name()} gemm2{' fold' if fold else ''}",
+                             gemm_candidates(2, plan.block_m), lambda b, t, f=fold: b.gemm2(shape, t, f), bufs,
+                             replays)  # fmt: skip
+            if not g2:
                 continue
-            total = align_us + picks[1][0] + picks[2][0]
-            log(f"  {shape.name} M={M} bm={bm}: align {align_us:.1f} + gemm1 {picks[1][0]:.1f} + gemm2 "
-                f"{picks[2][0]:.1f} = {total:.1f} us")  # fmt: skip
-            if best is None or total < best[0]:
-                best = (total, bm, picks, align_us)
-            del bufs
-        total, bm, picks, align_us = best
-        configs[M] = MoeTileConfig(block_m=bm, gemm1=picks[1][1], gemm2=picks[2][1])
-        timings[str(M)] = {"align_us": round(align_us, 2), "gemm1_us": round(picks[1][0], 2),
-                           "gemm2_us": round(picks[2][0], 2), "total_us": round(total, 2)}  # fmt: skip
-        log(f"{shape.name} M={M}: {configs[M]} ({time.perf_counter() - t0:.1f} s)")
-        del cases
-        torch.cuda.empty_cache()
-    return configs, timings
+            for us, tile in g2:
+                note(_family(2, plan, tile, fold), us)
+            total = align_us + g1[0][0] + g2[0][0] + (0.0 if fold else sum_us)
+            config = MoeTileConfig(block_m=plan.block_m, gemm1=g1[0][1], gemm2=g2[0][1], naive=plan.naive,
+                                   fold_k=fold)  # fmt: skip
+            stages = {"align_us": round(align_us, 2), "gemm1_us": round(g1[0][0], 2),
+                      "gemm2_us": round(g2[0][0], 2), "sum_us": round(0.0 if fold else sum_us, 2),
+                      "total_us": round(total, 2)}  # fmt: skip
+            results.append((total, config, stages))
+            log(f"  {shape.name} M={M} {plan.name()}{' fold_k' if fold else ''}: align {align_us:.1f} + gemm1 "
+                f"{g1[0][0]:.1f} + gemm2 {g2[0][0]:.1f} + sum {stages['sum_us']:.1f} = {total:.1f} us")  # fmt: skip
+        del bufs
+    results.sort(key=lambda r: r[0])
+    # The winner must compute the layer: a variant that is fast and wrong is dropped, logged.
+    reference = cases[0].reference_fp32()
+    for total, config, stages in results:
+        out = fused_moe(*cases[0].args(), **cases[0].kwargs(), config=config)
+        err = rel_err(out, reference)
+        if err <= BF16_TOLERANCE and not torch.isnan(out).any():
+            stages["rel_err"] = round(err, 6)
+            return config, stages, families
+        log(f"  REJECTED {shape.name} M={M} {config}: relative error {err:.2e}")
+    raise RuntimeError(f"{shape.name} M={M}: no candidate computed the layer correctly")
+
+
+def parse_cells(args: argparse.Namespace) -> list[tuple[MoeShape, int]]:
+    """(shape, M) in the order to tune: --cells "Name:M,M" ... as given (a shape may appear more
+    than once: the most important cells first, for a time-boxed run); else --shapes (default all,
+    TP1 first) x --m."""
+    if args.cells:
+        cells = []
+        for spec in args.cells:
+            name, _, ms = spec.rpartition(":")
+            shape = shapes_named([name])[0]
+            cells += [(shape, int(m)) for m in ms.split(",")]
+        return cells
+    # TP1 shapes first: they carry the targets, and a time-boxed run keeps what it finished.
+    shapes = shapes_named(args.shapes) if args.shapes else sorted(SHIPPED_SHAPES, key=lambda s: s.layout != "TP1")
+    return [(shape, M) for shape in shapes for M in args.m]
+
+
+def write_shape(path: Path, shape: MoeShape, configs: dict, timings: dict, families: dict, device: str,
+                merge: bool) -> None:  # fmt: skip
+    import triton
+
+    meta = {
+        "shape": f"{shape.name}: E={shape.num_experts} e={shape.local_experts} K={shape.top_k} D={shape.D} F={shape.F}",
+        "device": device, "torch": torch.__version__, "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv),
+        "timings_us": timings, "variants_us": families,
+    }  # fmt: skip
+    if merge and path.is_file():
+        old = json.loads(path.read_text())
+        configs = {**read_tuned_file(path), **configs}
+        meta["timings_us"] = {**old["meta"].get("timings_us", {}), **timings}
+        meta["variants_us"] = {**old["meta"].get("variants_us", {}), **families}
+        previous = old["meta"].get("command", "")
+        if meta["command"] not in previous:
+            meta["command"] = f"{previous}; then {meta['command']}"
+    write_tuned_file(path, configs, meta)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=TUNED_DIR)
     add_shape_args(parser)
+    parser.add_argument("--cells", nargs="*", help='"<shape name>:M,M,..." (overrides --shapes / --m)')
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument(
         "--merge", action="store_true", help="keep the entries of an existing file for M not tuned now"
     )
+    parser.add_argument("--deadline-s", type=float, help="start no new cell after this many seconds")
+    parser.add_argument("--dump-jobs", type=Path,
+                        help="write the kernel variants these cells would compile (JSON, for benchmarks/aot_sm90.py "
+                             "--jobs; no GPU needed) and exit")  # fmt: skip
     args = parser.parse_args(argv)
-    import triton
-
-    # TP1 shapes first: they carry the targets, and a time-boxed run keeps what it finished.
-    shapes = (
-        shapes_named(args.shapes) if args.shapes else sorted(SHIPPED_SHAPES, key=lambda s: s.layout != "TP1")
-    )
+    started = time.perf_counter()
+    cells = parse_cells(args)
+    by_shape: dict[MoeShape, list[int]] = {}
+    for shape, M in cells:
+        by_shape.setdefault(shape, []).append(M)
+    if args.dump_jobs is not None:
+        dump_jobs(by_shape, args.dump_jobs)
+        return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.workers > 0:
-        precompile(shapes, args.m, args.workers)
+        precompile(by_shape, args.workers)
     device = torch.cuda.get_device_name()
-    for shape in shapes:
-        t0 = time.perf_counter()
-        configs, timings = tune_shape(shape, args.m)
-        meta = {
-            "shape": f"{shape.name}: E={shape.num_experts} e={shape.local_experts} K={shape.top_k} D={shape.D} F={shape.F}",
-            "device": device, "torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv),
-            "timings_us": timings,
-        }  # fmt: skip
-        path = args.out_dir / config_file_name(shape.local_experts, shape.F, shape.D, device)
-        if args.merge and path.is_file():
-            old = json.loads(path.read_text())
-            configs = {**read_tuned_file(path), **configs}
-            meta["timings_us"] = {**old["meta"].get("timings_us", {}), **timings}
-            meta["command"] = f"{old['meta'].get('command')}; then {meta['command']}"
-        write_tuned_file(path, configs, meta)
-        log(f"wrote {path} ({time.perf_counter() - t0:.0f} s)")
+    bases: dict[MoeShape, object] = {}
+    done: dict[MoeShape, tuple[dict, dict, dict]] = {s: ({}, {}, {}) for s in by_shape}
+    for shape, M in cells:
+        if args.deadline_s is not None and time.perf_counter() - started > args.deadline_s:
+            log(f"deadline: {shape.name} M={M} not tuned")
+            continue
+        if shape not in bases:
+            bases[shape] = shape_case(shape, 1, seed=7)  # the weights every input set of the shape shares
+        configs, timings, families = done[shape]
+        t1 = time.perf_counter()
+        configs[M], timings[str(M)], families[str(M)] = tune_cell(shape, M, bases[shape])
+        log(f"{shape.name} M={M}: {configs[M]} ({time.perf_counter() - t1:.1f} s)")
+        torch.cuda.empty_cache()
+        if args.merge:  # a time-boxed run keeps every finished cell
+            path = args.out_dir / config_file_name(shape.local_experts, shape.F, shape.D, device)
+            write_shape(path, shape, configs, timings, families, device, merge=True)
+            log(f"wrote {path.name} (+{time.perf_counter() - started:.0f} s)")
+    if not args.merge:
+        for shape, (configs, timings, families) in done.items():
+            if configs:
+                path = args.out_dir / config_file_name(shape.local_experts, shape.F, shape.D, device)
+                write_shape(path, shape, configs, timings, families, device, merge=False)
+                log(f"wrote {path}")
     return 0
 
 

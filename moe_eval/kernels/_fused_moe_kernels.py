@@ -11,10 +11,17 @@ Stages (a "slot" is one (token, k) pair, numbered t * K + k):
   2. `_gemm1_silu_kernel`: h = silu(x W_gate^T) * (x W_up^T) for the gathered rows of one block,
      gate and up tiles computed by the same program so the SiLU-and-mul is the epilogue and the
      [T*K, 2F] product never reaches memory. h rows are indexed by sorted position, so GEMM2
-     reads them contiguously.
+     reads them contiguously. Two tl.dots of width BLOCK_N, or (INTERLEAVE) one of width
+     2*BLOCK_N over a weight tile whose columns alternate gate and up rows.
   3. `_gemm2_kernel`: y = h W_down^T, routing weight multiplied in the epilogue, stored per slot
-     (or straight into the output when K == 1).
+     (or straight into the output when K == 1). `_gemm2_tma_kernel` is the same GEMM with both
+     operands loaded by TMA descriptors (optional, per tile: `gemm2.tma`).
   4. `_moe_sum_kernel`: out_t = sum_k y_{t,k} in fp32 (K > 1 only).
+
+Naive plans (NAIVE, a few tokens: see `fused_moe.naive_qualifies`) skip stage 1: block b is slot b
+alone and the GEMMs read its expert from the routing; GEMM2 may then also do stage 4 (FOLD_K:
+one program walks a token's K slots in a fixed order), so a one-token call is two launches.
+Every tl.dot takes DOT_PRECISION: "ieee" for fp32 operands unless the caller opted into TF32.
 
 The kernels are dtype-generic (fp32 / fp16 / bf16 operands, fp32 accumulation): the CPU tests run
 them under TRITON_INTERPRET=1 in fp16/fp32, where the interpreter's bf16 `tl.dot` is broken, and
@@ -196,31 +203,70 @@ def _align_scatter_kernel(
 
 
 @triton.jit
-def _block_coords(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """GROUP_M swizzle: consecutive programs share a weight tile (pid_n) across GROUP_M blocks,
-    so an expert split over several M-blocks reads its weights from L2 after the first."""
+def _block_coords(num_pid_m, num_pid_n, group_m):
+    """GROUP_M swizzle: consecutive programs share a weight tile (pid_n) across group_m blocks,
+    so an expert split over several M-blocks reads its weights from L2 after the first.
+
+    group_m is a runtime value: it only reorders programs, and as a constexpr every value the
+    tuner tries (1, 8, 16, 32) would be another compile of an otherwise identical kernel."""
     pid = tl.program_id(0)
-    num_pid_in_group = GROUP_M * num_pid_n
+    num_pid_in_group = group_m * num_pid_n
     group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    first_pid_m = group_id * group_m
+    group_size_m = min(num_pid_m - first_pid_m, group_m)
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
     return pid_m, pid_n
 
 
-@triton.jit(do_not_specialize=["num_slots", "top_k", "num_pid_m"])
+@triton.jit
+def _block_slots(
+    pid_m,
+    sorted_ids_ptr,  # (P,) int32 (aligned only)
+    expert_ids_ptr,  # (num_pid_m,) int32 (aligned only)
+    topk_ids_ptr,  # (T*K,) int32 global expert ids (naive only)
+    expert_map_ptr,  # (E,) int32 (naive with HAS_EXPERT_MAP only)
+    num_slots,
+    NAIVE: tl.constexpr,
+    HAS_EXPERT_MAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """The slots of M-block pid_m, the h rows they own, and the block's local expert (-1: none here).
+
+    Aligned: the block's rows are sorted positions pid_m * BLOCK_M + i, their slots and the
+    block's expert come from the alignment. Naive (one block per slot, no alignment launch):
+    block pid_m is slot pid_m alone (row 0; the other rows are padding), its expert read from
+    the routing directly, and its h row is the slot index.
+    """
+    offs = tl.arange(0, BLOCK_M)
+    if NAIVE:
+        slot = tl.where(offs == 0, pid_m, num_slots)
+        rows = slot
+        expert = tl.load(topk_ids_ptr + pid_m)
+        if HAS_EXPERT_MAP:
+            expert = tl.load(expert_map_ptr + expert)
+    else:
+        rows = pid_m * BLOCK_M + offs
+        slot = tl.load(sorted_ids_ptr + rows)
+        expert = tl.load(expert_ids_ptr + pid_m)
+    return slot, rows, expert
+
+
+@triton.jit(do_not_specialize=["num_slots", "top_k", "num_pid_m", "group_m"])
 def _gemm1_silu_kernel(
     x_ptr,  # (T, D) activations, fp32 / fp16 / bf16
     w13_ptr,  # (e, 2F, D) same dtype: gate rows [0, F), up rows [F, 2F)
-    h_ptr,  # (P, F) same dtype, out: silu(gate) * up, row = sorted position
+    h_ptr,  # (P, F) same dtype, out: silu(gate) * up, row = sorted position (naive: row = slot)
     topk_weights_ptr,  # (T*K,) fp32 / bf16 routing weights (read only when MUL_ROUTED_WEIGHT)
-    sorted_ids_ptr,  # (P,) int32 slot of each sorted position, num_slots = padding
-    expert_ids_ptr,  # (num_pid_m,) int32 local expert of each block
-    num_post_pad_ptr,  # (1,) int32
+    sorted_ids_ptr,  # (P,) int32 slot of each sorted position, num_slots = padding (aligned only)
+    expert_ids_ptr,  # (num_pid_m,) int32 local expert of each block (aligned only)
+    num_post_pad_ptr,  # (1,) int32 (aligned only)
+    topk_ids_ptr,  # (T*K,) int32 global expert ids (naive only)
+    expert_map_ptr,  # (E,) int32 global -> local, -1 elsewhere (naive with HAS_EXPERT_MAP only)
     num_slots,
     top_k,
     num_pid_m,
+    group_m,
     F,
     D,
     stride_xm,
@@ -229,51 +275,79 @@ def _gemm1_silu_kernel(
     stride_hm,
     MUL_ROUTED_WEIGHT: tl.constexpr,  # apply_router_weight_on_input: scale x (here: its products) by w
     EVEN_K: tl.constexpr,  # D % BLOCK_K == 0: the K loop needs no mask
+    NAIVE: tl.constexpr,  # one block per slot, no alignment (see _block_slots)
+    HAS_EXPERT_MAP: tl.constexpr,
+    INTERLEAVE: tl.constexpr,  # gate and up rows interleaved in one [BLOCK_K, 2 * BLOCK_N] tile: one tl.dot
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands unless TF32 was asked for at the call
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
 ):
     num_pid_n = tl.cdiv(F, BLOCK_N)
-    pid_m, pid_n = _block_coords(num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = _block_coords(num_pid_m, num_pid_n, group_m)
     # The grid is sized for the worst case (known on the host without a sync); blocks past the
-    # padded total exit here.
-    if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
+    # padded total exit here. Nested: a naive plan must not load the (dummy) count at all.
+    if not NAIVE:  # noqa: SIM102
+        if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
+            return
+    slot, rows, expert = _block_slots(
+        pid_m, sorted_ids_ptr, expert_ids_ptr, topk_ids_ptr, expert_map_ptr, num_slots, NAIVE, HAS_EXPERT_MAP, BLOCK_M
+    )
+    if expert < 0:  # naive only: the slot's expert lives on another rank
         return
     # int64: expert * stride_we passes 2**31 for Llama-4-Scout TP1 (16 * 16384 * 5120 elements
     # fits, but a 32-expert layer of that size would not).
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(sorted_ids_ptr + offs_m)
+    expert = expert.to(tl.int64)
     row_ok = slot < num_slots
     token = (slot // top_k).to(tl.int64)  # int64: token * stride_xm can pass 2**31 at large T*D
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < F
     offs_k = tl.arange(0, BLOCK_K)
-
     x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
     w_base = w13_ptr + expert * stride_we + offs_k[:, None]
-    wg_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn
-    wu_ptrs = w_base + (offs_n[None, :] + F).to(tl.int64) * stride_wn
 
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(tl.cdiv(D, BLOCK_K)):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            wg = tl.load(wg_ptrs, mask=n_ok[None, :], other=0.0)
-            wu = tl.load(wu_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < D - k * BLOCK_K
-            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_gate = tl.dot(x, wg, acc_gate)
-        acc_up = tl.dot(x, wu, acc_up)
-        x_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K
-        wu_ptrs += BLOCK_K
+    if INTERLEAVE:
+        # Column 2j of the weight tile is gate row n + j, column 2j + 1 is up row F + n + j: one
+        # [BLOCK_M, 2 * BLOCK_N] MMA (the shape vLLM's kernel runs with a 2*BLOCK_N-wide N tile)
+        # instead of two [BLOCK_M, BLOCK_N] ones, and the halves come apart in registers: in the
+        # MMA accumulator layouts each thread holds column pairs (2j, 2j + 1).
+        offs_2n = tl.arange(0, 2 * BLOCK_N)
+        n_of = pid_n * BLOCK_N + offs_2n // 2
+        w_ok = n_of < F
+        w_ptrs = w_base + (n_of + (offs_2n % 2) * F)[None, :].to(tl.int64) * stride_wn
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k in range(tl.cdiv(D, BLOCK_K)):
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=w_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < D - k * BLOCK_K
+                x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
+            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc_gate, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < F
+        wg_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn
+        wu_ptrs = w_base + (offs_n[None, :] + F).to(tl.int64) * stride_wn
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(tl.cdiv(D, BLOCK_K)):
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+                wg = tl.load(wg_ptrs, mask=n_ok[None, :], other=0.0)
+                wu = tl.load(wu_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < D - k * BLOCK_K
+                x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_gate = tl.dot(x, wg, acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(x, wu, acc_up, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K
+            wg_ptrs += BLOCK_K
+            wu_ptrs += BLOCK_K
 
     if MUL_ROUTED_WEIGHT:
         # w * x through a linear map is w * (x W^T): scaling the fp32 products equals scaling x.
@@ -281,22 +355,75 @@ def _gemm1_silu_kernel(
         acc_gate = acc_gate * w[:, None]
         acc_up = acc_up * w[:, None]
     h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
-    # Padding rows are stored too (as 0: their x rows loaded as 0) so GEMM2 never reads garbage.
-    h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[None, :])
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_n[None, :]
+    if NAIVE:
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < F))
+    else:
+        # Padding rows are stored too (as 0: their x rows loaded as 0) so GEMM2 never reads garbage.
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=offs_n[None, :] < F)
 
 
-@triton.jit(do_not_specialize=["num_slots", "num_pid_m"])
+@triton.jit
+def _down_tile(
+    h_ptr,  # (P, F) GEMM1's output
+    w2_ptr,  # (e, D, F)
+    rows,  # (BLOCK_M,) h rows of this block
+    row_ok,  # (BLOCK_M,) rows holding a slot
+    expert,  # int64 local expert
+    offs_n,
+    n_ok,
+    F,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    MASK_ROWS: tl.constexpr,  # naive: padding rows point past h, so their loads are masked
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """fp32 [BLOCK_M, BLOCK_N] tile of h[rows] @ w2[expert][offs_n]^T."""
+    offs_k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_k[None, :]
+    w_ptrs = w2_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(tl.cdiv(F, BLOCK_K)):
+        if EVEN_K:
+            if MASK_ROWS:
+                h = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                h = tl.load(h_ptrs)
+            w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < F - k * BLOCK_K
+            if MASK_ROWS:
+                h = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            else:
+                h = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit(do_not_specialize=["num_slots", "top_k", "num_pid_m", "group_m"])
 def _gemm2_kernel(
-    h_ptr,  # (P, F) activations from GEMM1, row = sorted position
+    h_ptr,  # (P, F) activations from GEMM1, row = sorted position (naive: row = slot)
     w2_ptr,  # (e, D, F) same dtype
-    y_ptr,  # (T*K, D) per-slot output, or (T, D) the final output when K == 1
+    y_ptr,  # (T*K, D) per-slot output, or (T, D) the final output when K == 1 or FOLD_K
     topk_weights_ptr,  # (T*K,) fp32 / bf16 routing weights
-    sorted_ids_ptr,  # (P,) int32
-    expert_ids_ptr,  # (num_pid_m,) int32
-    num_post_pad_ptr,  # (1,) int32
+    sorted_ids_ptr,  # (P,) int32 (aligned only)
+    expert_ids_ptr,  # (num_pid_m,) int32 (aligned only)
+    num_post_pad_ptr,  # (1,) int32 (aligned only)
+    topk_ids_ptr,  # (T*K,) int32 global expert ids (naive only)
+    expert_map_ptr,  # (E,) int32 (naive with HAS_EXPERT_MAP only)
     num_slots,
-    num_pid_m,
+    top_k,
+    num_pid_m,  # M-blocks; with FOLD_K: tokens
+    group_m,
     D,
     F,
     stride_hm,
@@ -305,45 +432,109 @@ def _gemm2_kernel(
     stride_ym,
     MUL_ROUTED_WEIGHT: tl.constexpr,  # False when the weight was applied on GEMM1's input
     EVEN_K: tl.constexpr,  # F % BLOCK_K == 0
+    NAIVE: tl.constexpr,
+    HAS_EXPERT_MAP: tl.constexpr,
+    FOLD_K: tl.constexpr,  # naive only: one program sums a token's K slots (no separate sum launch)
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
 ):
     num_pid_n = tl.cdiv(D, BLOCK_N)
-    pid_m, pid_n = _block_coords(num_pid_m, num_pid_n, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
-        return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)  # int64: see GEMM1
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(sorted_ids_ptr + offs_m)
-    row_ok = slot < num_slots
+    pid_m, pid_n = _block_coords(num_pid_m, num_pid_n, group_m)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < D
-    offs_k = tl.arange(0, BLOCK_K)
+    if FOLD_K:
+        # Program (token t, N-tile): out_t = sum_k w_k * h_{t,k} @ w2[e_k]^T, the K slots in a
+        # fixed order, so the result is bitwise repeatable (no atomics). Slots whose expert lives
+        # on another rank add nothing; a token with none here gets zeros.
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(top_k):
+            slot, rows, expert = _block_slots(
+                pid_m * top_k + k, sorted_ids_ptr, expert_ids_ptr, topk_ids_ptr, expert_map_ptr,
+                num_slots, True, HAS_EXPERT_MAP, BLOCK_M,
+            )  # fmt: skip
+            if expert >= 0:
+                row_ok = slot < num_slots
+                part = _down_tile(
+                    h_ptr, w2_ptr, rows, row_ok, expert.to(tl.int64), offs_n, n_ok, F, stride_hm, stride_we,
+                    stride_wn, True, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                )  # fmt: skip
+                if MUL_ROUTED_WEIGHT:
+                    part = part * tl.load(topk_weights_ptr + pid_m * top_k + k).to(tl.float32)
+                acc += part
+        first = tl.arange(0, BLOCK_M) == 0
+        y_ptrs = y_ptr + pid_m.to(tl.int64) * stride_ym + tl.arange(0, BLOCK_M)[:, None] * 0 + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=first[:, None] & n_ok[None, :])
+        return
 
-    h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_k[None, :]
-    w_ptrs = w2_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(tl.cdiv(F, BLOCK_K)):
-        if EVEN_K:
-            h = tl.load(h_ptrs)
-            w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < F - k * BLOCK_K
-            h = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(h, w, acc)
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-
+    if not NAIVE:  # noqa: SIM102 (as in GEMM1)
+        if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
+            return
+    slot, rows, expert = _block_slots(
+        pid_m, sorted_ids_ptr, expert_ids_ptr, topk_ids_ptr, expert_map_ptr, num_slots, NAIVE, HAS_EXPERT_MAP, BLOCK_M
+    )
+    if expert < 0:  # naive only
+        return
+    row_ok = slot < num_slots
+    acc = _down_tile(
+        h_ptr, w2_ptr, rows, row_ok, expert.to(tl.int64), offs_n, n_ok, F, stride_hm, stride_we, stride_wn,
+        NAIVE, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     if MUL_ROUTED_WEIGHT:
         rw = tl.load(topk_weights_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * rw[:, None]
     y_ptrs = y_ptr + slot[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_slots", "num_pid_m", "group_m"])
+def _gemm2_tma_kernel(
+    h_desc,  # TensorDescriptor over h (P, F), block [BLOCK_M, BLOCK_K]
+    w2_desc,  # TensorDescriptor over w2 (e, D, F), block [1, BLOCK_N, BLOCK_K]
+    y_ptr,  # (T*K, D) per-slot output, or (T, D) the final output when K == 1
+    topk_weights_ptr,  # (T*K,) fp32 / bf16 routing weights
+    sorted_ids_ptr,  # (P,) int32
+    expert_ids_ptr,  # (num_pid_m,) int32
+    num_post_pad_ptr,  # (1,) int32
+    num_slots,
+    num_pid_m,
+    group_m,
+    D,
+    F,
+    stride_ym,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """GEMM2 of an aligned plan with both operands loaded by TMA (the `gemm2.tma` tile field).
+
+    GEMM2's A rows are contiguous sorted positions (GEMM1 wrote them so) and each block has one
+    expert, so both tiles are plain boxes of 2-D / 3-D tensors: the copy engine loads them and
+    zero-fills past F and D, instead of every thread computing addresses for cp.async. (GEMM1's A
+    rows are gathered tokens: a Hopper TMA cannot gather, so GEMM1 keeps pointer loads.)
+    """
+    num_pid_n = tl.cdiv(D, BLOCK_N)
+    pid_m, pid_n = _block_coords(num_pid_m, num_pid_n, group_m)
+    if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = slot < num_slots
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(tl.cdiv(F, BLOCK_K)):
+        h = h_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+        w = w2_desc.load([expert, pid_n * BLOCK_N, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K)
+        acc = tl.dot(h, w.T, acc, input_precision=DOT_PRECISION)
+    if MUL_ROUTED_WEIGHT:
+        rw = tl.load(topk_weights_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * rw[:, None]
+    y_ptrs = y_ptr + slot[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < D))
 
 
 @triton.jit

@@ -23,7 +23,7 @@ import torch
 import triton
 
 from moe_eval.kernels import _fused_moe_kernels as kernels
-from moe_eval.kernels.tile_configs import GemmTile, MoeTileConfig, get_tile_config
+from moe_eval.kernels.tile_configs import GemmTile, MoeTileConfig, fit_shared_memory, get_tile_config
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -87,17 +87,32 @@ class MoeAlignment:
     sorted_ids_P: slot index t*K + k at each sorted position; `num_slots` marks padding.
     expert_ids_B: local expert owning each block; -1 for blocks past `num_post_pad`.
     num_post_pad_1: positions in use (a multiple of block_m); the rest of the buffers is unwritten.
+
+    Naive (`naive_alignment`): no alignment at all, one M-block per slot (block b is slot b, its
+    expert read by the GEMMs from topk_ids_S through expert_map_E); the three tensors are None.
     """
 
-    sorted_ids_P: torch.Tensor
-    expert_ids_B: torch.Tensor
-    num_post_pad_1: torch.Tensor
+    sorted_ids_P: torch.Tensor | None
+    expert_ids_B: torch.Tensor | None
+    num_post_pad_1: torch.Tensor | None
     block_m: int
     num_slots: int
+    top_k: int = 0  # naive only (FOLD_K's grid is tokens = num_slots / top_k)
+    topk_ids_S: torch.Tensor | None = None  # naive only
+    expert_map_E: torch.Tensor | None = None  # naive only
+
+    @property
+    def naive(self) -> bool:
+        return self.sorted_ids_P is None
 
     @property
     def max_blocks(self) -> int:
-        return self.expert_ids_B.numel()
+        return self.num_slots if self.naive else self.expert_ids_B.numel()
+
+    @property
+    def h_rows(self) -> int:
+        """Rows of GEMM1's output: one per sorted position, or one per slot when naive."""
+        return self.num_slots if self.naive else self.sorted_ids_P.numel()
 
 
 @dataclass(frozen=True)
@@ -106,6 +121,7 @@ class AlignVariant:
 
     single: one program holds every slot (SLOTS lanes, NB_BLOCKS block owners); else count /
     scan / scatter over chunks of ALIGN_CHUNK slots (BLOCKS_PER_PROGRAM owners per program).
+    naive: no alignment launch; the GEMMs run one block per slot (NAIVE constexpr).
     Slot counts that share a variant share the compiled kernels (moe_eval.kernels.warmup
     compiles each variant once, before the server serves).
     """
@@ -114,6 +130,18 @@ class AlignVariant:
     slots: int = 0
     nb_blocks: int = 0
     blocks_per_program: int = 0
+    naive: bool = False
+
+
+def naive_qualifies(num_tokens: int, top_k: int, num_local_experts: int) -> bool:
+    """Whether a config with `naive=True` skips the alignment for this call.
+
+    One token: its K slots have K distinct experts, so one block per slot is exactly what the
+    alignment would build, minus its launch. vLLM's rule (T*K*4 <= e, fused_moe.py
+    `_prepare_expert_assignment`) adds the few-token calls where most slots still have an expert
+    of their own; past it, duplicate experts would stream their weights once per slot.
+    """
+    return num_tokens == 1 or num_tokens * top_k * 4 <= num_local_experts
 
 
 ALIGN_CHUNK = 1024  # slots per program of the three-launch alignment
@@ -129,10 +157,12 @@ def _max_blocks(num_slots: int, num_local_experts: int, block_m: int) -> int:
     return triton.cdiv(num_slots + min(num_slots, num_local_experts) * (block_m - 1), block_m)
 
 
-def align_variant(num_slots: int, block_m: int, num_local_experts: int) -> AlignVariant | None:
-    """None for no slots (nothing is launched)."""
+def align_variant(num_slots: int, block_m: int, num_local_experts: int, naive: bool = False) -> AlignVariant | None:
+    """None for no slots (nothing is launched). `naive`: the caller's `naive_qualifies` verdict."""
     if num_slots == 0:
         return None
+    if naive:
+        return AlignVariant(False, naive=True)
     if num_slots <= SINGLE_PROGRAM_MAX_SLOTS:
         slots = max(16, _next_pow2(num_slots))
         # Sized for the largest slot count of the power-of-two bucket, not this call's: one
@@ -141,6 +171,15 @@ def align_variant(num_slots: int, block_m: int, num_local_experts: int) -> Align
     num_chunks = triton.cdiv(num_slots, ALIGN_CHUNK)
     per_program = triton.cdiv(_max_blocks(num_slots, num_local_experts, block_m), num_chunks)
     return AlignVariant(False, blocks_per_program=max(16, _next_pow2(per_program)))
+
+
+def naive_alignment(topk_ids_TK: torch.Tensor, block_m: int, expert_map_E: torch.Tensor | None = None) -> MoeAlignment:
+    """One block per slot, nothing launched: the GEMMs read each slot's expert themselves."""
+    assert topk_ids_TK.dtype == torch.int32 and topk_ids_TK.is_contiguous(), "topk_ids: contiguous int32"
+    return MoeAlignment(
+        None, None, None, block_m, topk_ids_TK.numel(), top_k=topk_ids_TK.shape[-1],
+        topk_ids_S=topk_ids_TK, expert_map_E=expert_map_E,
+    )  # fmt: skip
 
 
 def moe_align_block_size(
@@ -160,7 +199,7 @@ def moe_align_block_size(
     sorted_ids_P = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
     expert_ids_B = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_post_pad_1 = torch.empty(1, dtype=torch.int32, device=device)
-    align = MoeAlignment(sorted_ids_P, expert_ids_B, num_post_pad_1, block_m, num_slots)
+    align = MoeAlignment(sorted_ids_P, expert_ids_B, num_post_pad_1, block_m, num_slots, topk_ids_TK.shape[-1])
     variant = align_variant(num_slots, block_m, num_local_experts)
     if variant is None:
         num_post_pad_1.zero_()
@@ -225,17 +264,39 @@ class LaunchPlan:
     config: MoeTileConfig
     align: AlignVariant | None
 
+    @property
+    def fold_k(self) -> bool:
+        """GEMM2 sums each token's K slots itself (naive plans whose config asks for it)."""
+        return self.align is not None and self.align.naive and self.config.fold_k
+
 
 def launch_plan(
     num_tokens: int, num_local_experts: int, F: int, D: int, top_k: int, device_name: str,
-    config: MoeTileConfig | None = None,
+    config: MoeTileConfig | None = None, itemsize: int = 2,
 ) -> LaunchPlan:  # fmt: skip
-    """The plan `fused_moe` follows for T tokens at one layer shape; `config` overrides the tuned tiles."""
+    """The plan `fused_moe` follows for T tokens at one layer shape; `config` overrides the tuned tiles.
+
+    itemsize: bytes per element of the operands; fp32 (4) gets fewer pipeline stages where the
+    bf16 tiles would not fit shared memory.
+    """
     if config is None:
         config = get_tile_config(
             num_tokens=num_tokens, num_experts=num_local_experts, F=F, D=D, top_k=top_k, device_name=device_name
         )
-    return LaunchPlan(config, align_variant(num_tokens * top_k, config.block_m, num_local_experts))
+    config = fit_shared_memory(config, itemsize)
+    naive = config.naive and naive_qualifies(num_tokens, top_k, num_local_experts)
+    return LaunchPlan(config, align_variant(num_tokens * top_k, config.block_m, num_local_experts, naive))
+
+
+def dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
+    """tl.dot's input_precision: fp32 operands are multiplied in IEEE fp32 unless TF32 is asked for.
+
+    Triton's default for fp32 operands is TF32 (10-bit mantissa, relative error near 3e-4); for
+    bf16 / fp16 operands the value has no effect and the backend default is passed.
+    """
+    if dtype == torch.float32 and not allow_tf32:
+        return "ieee"
+    return "tf32"
 
 
 def fused_moe(
@@ -249,8 +310,12 @@ def fused_moe(
     apply_router_weight_on_input: bool = False,
     out: torch.Tensor | None = None,
     config: MoeTileConfig | None = None,
+    allow_tf32: bool = False,
 ) -> torch.Tensor:
-    """Triton fused MoE; same contract as `fused_moe_ref`. `config` overrides the tuned tiles."""
+    """Triton fused MoE; same contract as `fused_moe_ref`. `config` overrides the tuned tiles.
+
+    allow_tf32: fp32 inputs only; multiply them in TF32 instead of IEEE fp32 (faster, ~3e-4).
+    """
     T, D = hidden_TD.shape
     e, F2, D_w = w13_eFD.shape
     F = F2 // 2
@@ -286,37 +351,91 @@ def fused_moe(
         # measured); the CPU tests run fp16/fp32. Remove when the interpreter's bf16 dot is fixed.
         raise RuntimeError("fused_moe under TRITON_INTERPRET: bf16 tl.dot is broken there; use fp16 or fp32")
 
-    # Tile config (and with it the alignment variant: see LaunchPlan).
-    config = launch_plan(T, e, F, D, K, _device_name(hidden_TD.device), config).config
+    # Tile config and alignment variant (see LaunchPlan).
+    plan = launch_plan(T, e, F, D, K, _device_name(hidden_TD.device), config, dtype.itemsize)
 
     # Allocate.
     if out is None:
         out = torch.empty_like(hidden_TD)
     assert out.shape == (T, D) and out.dtype == dtype and out.stride(1) == 1, "out: (T, D), x's dtype"
-    if T == 0:
+    if plan.align is None:
         return out
-    align = moe_align_block_size(topk_ids_TK, config.block_m, e, expert_map_E)
-    h_PF = torch.empty(align.sorted_ids_P.numel(), F, dtype=dtype, device=hidden_TD.device)
-    if K == 1:
-        # One slot per token: GEMM2 writes the output directly, and tokens whose expert lives on
-        # another rank must read as zero because GEMM2 never visits them.
-        y_SD = out
-        if expert_map_E is not None:
-            out.zero_()
-    else:
-        y_SD = torch.empty(T * K, D, dtype=dtype, device=hidden_TD.device)
+    align = assign_slots(topk_ids_TK, plan, e, expert_map_E)
+    h_PF, y_SD = allocate_intermediates(align, plan, hidden_TD, F, out)
 
     # Launch.
-    launch_gemm1(
-        hidden_TD, w13_eFD, h_PF, topk_weights_TK, align, K, config.gemm1, apply_router_weight_on_input
-    )
-    launch_gemm2(h_PF, w2_eDF, y_SD, topk_weights_TK, align, config.gemm2, not apply_router_weight_on_input)
-    if K > 1:
-        launch_sum(y_SD, out, topk_ids_TK, expert_map_E)
+    launch_experts(
+        hidden_TD, w13_eFD, w2_eDF, topk_weights_TK, topk_ids_TK, align, plan, h_PF, y_SD, out,
+        expert_map_E=expert_map_E, apply_router_weight_on_input=apply_router_weight_on_input,
+        precision=dot_precision(dtype, allow_tf32),
+    )  # fmt: skip
     return out
 
 
-# The three launches, also called one by one by benchmarks/tune_fused_moe.py to time each GEMM.
+# The stages one by one: fused_moe above, benchmarks/tune_fused_moe.py (each GEMM timed alone) and
+# benchmarks/bench_fused_moe.py (the GEMMs timed without the alignment) call these.
+
+
+def assign_slots(
+    topk_ids_TK: torch.Tensor, plan: LaunchPlan, num_local_experts: int, expert_map_E: torch.Tensor | None
+) -> MoeAlignment:
+    """The plan's slot assignment: the alignment kernels, or nothing at all for a naive plan."""
+    if plan.align.naive:
+        return naive_alignment(topk_ids_TK, plan.config.block_m, expert_map_E)
+    return moe_align_block_size(topk_ids_TK, plan.config.block_m, num_local_experts, expert_map_E)
+
+
+def allocate_intermediates(
+    align: MoeAlignment, plan: LaunchPlan, hidden_TD: torch.Tensor, F: int, out_TD: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h (GEMM1's output) and y (GEMM2's: per slot, or the output itself when nothing is summed after)."""
+    h_PF = hidden_TD.new_empty(align.h_rows, F)
+    if plan.fold_k or align.top_k == 1:  # folded sum, or K == 1: one row per token
+        return h_PF, out_TD
+    return h_PF, hidden_TD.new_empty(align.num_slots, out_TD.shape[1])
+
+
+def launch_experts(
+    hidden_TD: torch.Tensor,
+    w13_eFD: torch.Tensor,
+    w2_eDF: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    align: MoeAlignment,
+    plan: LaunchPlan,
+    h_PF: torch.Tensor,
+    y_SD: torch.Tensor,
+    out_TD: torch.Tensor,
+    *,
+    expert_map_E: torch.Tensor | None,
+    apply_router_weight_on_input: bool,
+    precision: str,
+    with_sum: bool = True,
+) -> None:
+    """GEMM1 + SiLU-and-mul, GEMM2 + routing weight, then the sum over K (unless `with_sum` is False
+    or GEMM2 folded it in). The alignment is already done: `align` (from `assign_slots`)."""
+    config = plan.config
+    K = topk_ids_TK.shape[1]
+    if y_SD is out_TD and not plan.fold_k and expert_map_E is not None:
+        # K == 1 writes the output directly, and tokens whose expert lives on another rank must
+        # read as zero because GEMM2 never visits them (a folded GEMM2 writes every token).
+        out_TD.zero_()
+    launch_gemm1(hidden_TD, w13_eFD, h_PF, topk_weights_TK, align, K, config.gemm1, apply_router_weight_on_input,
+                 precision)  # fmt: skip
+    launch_gemm2(h_PF, w2_eDF, y_SD, topk_weights_TK, align, config.gemm2, not apply_router_weight_on_input,
+                 precision, fold_k=plan.fold_k)  # fmt: skip
+    if with_sum and y_SD is not out_TD:
+        launch_sum(y_SD, out_TD, topk_ids_TK, expert_map_E)
+
+
+def _naive_args(align: MoeAlignment) -> tuple:
+    """(sorted_ids, expert_ids, num_post_pad, topk_ids, expert_map) pointers; unread ones get a dummy."""
+    if align.naive:
+        dummy = align.topk_ids_S
+        emap = align.expert_map_E if align.expert_map_E is not None else dummy
+        return dummy, dummy, dummy, align.topk_ids_S, emap
+    dummy = align.sorted_ids_P
+    return align.sorted_ids_P, align.expert_ids_B, align.num_post_pad_1, dummy, dummy
 
 
 def launch_gemm1(
@@ -328,17 +447,18 @@ def launch_gemm1(
     top_k: int,
     tile: GemmTile,
     mul_routed_weight: bool,
+    precision: str = "tf32",
 ) -> None:
     D = hidden_TD.shape[1]
     F = h_PF.shape[1]
     num_pid_m = align.max_blocks
     kernels._gemm1_silu_kernel[(num_pid_m * triton.cdiv(F, tile.block_n),)](
-        hidden_TD, w13_eFD, h_PF, topk_weights_TK,
-        align.sorted_ids_P, align.expert_ids_B, align.num_post_pad_1,
-        align.num_slots, top_k, num_pid_m, F, D,
+        hidden_TD, w13_eFD, h_PF, topk_weights_TK, *_naive_args(align),
+        align.num_slots, top_k, num_pid_m, tile.group_m, F, D,
         hidden_TD.stride(0), w13_eFD.stride(0), w13_eFD.stride(1), h_PF.stride(0),
-        MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=D % tile.block_k == 0,
-        BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=D % tile.block_k == 0, NAIVE=align.naive,
+        HAS_EXPERT_MAP=align.expert_map_E is not None, INTERLEAVE=tile.interleave, DOT_PRECISION=precision,
+        BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
 
@@ -351,17 +471,53 @@ def launch_gemm2(
     align: MoeAlignment,
     tile: GemmTile,
     mul_routed_weight: bool,
+    precision: str = "tf32",
+    fold_k: bool = False,
 ) -> None:
     D = y_SD.shape[1]
     F = h_PF.shape[1]
-    num_pid_m = align.max_blocks
+    assert not fold_k or align.naive, "the sum over K folds into GEMM2 on naive plans only"
+    if tile.tma:
+        _launch_gemm2_tma(h_PF, w2_eDF, y_SD, topk_weights_TK, align, tile, mul_routed_weight, precision)
+        return
+    # FOLD_K: one program row per token (it walks the token's K slots); else per M-block.
+    num_pid_m = align.num_slots // align.top_k if fold_k else align.max_blocks
     kernels._gemm2_kernel[(num_pid_m * triton.cdiv(D, tile.block_n),)](
-        h_PF, w2_eDF, y_SD, topk_weights_TK,
-        align.sorted_ids_P, align.expert_ids_B, align.num_post_pad_1,
-        align.num_slots, num_pid_m, D, F,
+        h_PF, w2_eDF, y_SD, topk_weights_TK, *_naive_args(align),
+        align.num_slots, max(align.top_k, 1), num_pid_m, tile.group_m, D, F,
         h_PF.stride(0), w2_eDF.stride(0), w2_eDF.stride(1), y_SD.stride(0),
-        MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=F % tile.block_k == 0,
-        BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=F % tile.block_k == 0, NAIVE=align.naive,
+        HAS_EXPERT_MAP=align.expert_map_E is not None, FOLD_K=fold_k, DOT_PRECISION=precision,
+        BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+
+
+def _launch_gemm2_tma(
+    h_PF: torch.Tensor,
+    w2_eDF: torch.Tensor,
+    y_SD: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    align: MoeAlignment,
+    tile: GemmTile,
+    mul_routed_weight: bool,
+    precision: str,
+) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    e, D, F = w2_eDF.shape
+    # Contract: TMA boxes need 16-byte strides and a contiguous inner dimension.
+    assert not align.naive, "gemm2.tma runs aligned plans only (MoeTileConfig rejects naive + tma)"
+    assert h_PF.is_contiguous() and w2_eDF.is_contiguous(), "tma: h and w2 contiguous"
+    assert (F * h_PF.element_size()) % 16 == 0, f"tma: F * itemsize = {F * h_PF.element_size()} bytes, not a multiple of 16"
+    h_desc = TensorDescriptor(h_PF, list(h_PF.shape), [F, 1], [align.block_m, tile.block_k])
+    w2_desc = TensorDescriptor(w2_eDF, [e, D, F], [D * F, F, 1], [1, tile.block_n, tile.block_k])
+    num_pid_m = align.max_blocks
+    kernels._gemm2_tma_kernel[(num_pid_m * triton.cdiv(D, tile.block_n),)](
+        h_desc, w2_desc, y_SD, topk_weights_TK, align.sorted_ids_P, align.expert_ids_B, align.num_post_pad_1,
+        align.num_slots, num_pid_m, tile.group_m, D, F, y_SD.stride(0),
+        MUL_ROUTED_WEIGHT=mul_routed_weight, DOT_PRECISION=precision,
+        BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
 

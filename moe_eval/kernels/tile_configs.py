@@ -15,7 +15,7 @@ import functools
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -23,39 +23,102 @@ log = logging.getLogger(__name__)
 TUNED_DIR = Path(__file__).parent / "tuned_configs"
 
 
+# Hopper allows 227 KiB (232448 bytes) of shared memory per block, and Triton 3.6 allocates
+# num_stages tiles of A and B (seen on the H200: "Required: 245760" for 3 stages of 80 KiB;
+# triton 3.9's offline sm_90 compile allocated num_stages - 1): the larger count is assumed.
+SMEM_LIMIT = 232448
+
+
 @dataclass(frozen=True)
 class GemmTile:
-    """One GEMM's tiling. BLOCK_M is shared by both GEMMs (it is the alignment's block size)."""
+    """One GEMM's tiling. BLOCK_M is shared by both GEMMs (it is the alignment's block size).
+
+    group_m: GROUP_M swizzle width (a runtime argument: no recompile per value).
+    interleave (GEMM1 only): gate and up rows interleaved into one [BLOCK_K, 2*BLOCK_N] weight
+    tile and one tl.dot of width 2*BLOCK_N, instead of two tl.dots of width BLOCK_N.
+    tma (GEMM2 only, aligned plans): both operands loaded through TMA descriptors instead of
+    pointer loads (cp.async); needs F * itemsize and D * F * itemsize to be multiples of 16 bytes.
+    """
 
     block_n: int
     block_k: int
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    interleave: bool = False
+    tma: bool = False
 
     @classmethod
     def from_json(cls, data: dict) -> GemmTile:
         _check_keys(data, {f for f in cls.__dataclass_fields__}, "GemmTile")
-        return cls(**{k: int(v) for k, v in data.items()})
+        return cls(**{k: (bool(v) if k in ("interleave", "tma") else int(v)) for k, v in data.items()})
+
+    def stage_bytes(self, block_m: int, b_tiles: int, itemsize: int = 2) -> int:
+        """Shared memory of one pipeline stage: the A tile and `b_tiles` weight tiles of BLOCK_N columns."""
+        return (block_m * self.block_k + b_tiles * self.block_k * self.block_n) * itemsize
 
 
 @dataclass(frozen=True)
 class MoeTileConfig:
+    """Both GEMMs' tiles and the slot assignment.
+
+    naive: calls that `fused_moe.naive_qualifies` (one token, or T*K*4 <= e) skip the alignment
+    and run one M-block per slot. fold_k (needs naive): on those calls GEMM2 sums each token's K
+    slots itself, in a fixed order, instead of a separate sum launch.
+    """
+
     block_m: int
     gemm1: GemmTile
     gemm2: GemmTile
+    naive: bool = False
+    fold_k: bool = False
+
+    def __post_init__(self) -> None:
+        # A field the code would ignore is an error (house style).
+        if self.gemm2.interleave:
+            raise ValueError("interleave is GEMM1's (gate and up tiles); GEMM2 has one weight tile")
+        if self.fold_k and not self.naive:
+            raise ValueError("fold_k needs naive: GEMM2 sums a token's slots only when each block is one slot")
+        if self.gemm1.tma:
+            raise ValueError("tma is GEMM2's: GEMM1 gathers token rows, which a Hopper TMA cannot load")
+        if self.gemm2.tma and self.naive:
+            raise ValueError("tma needs aligned plans (a naive block's rows are one slot and padding)")
+
+    def shared_memory(self, itemsize: int = 2) -> tuple[int, int]:
+        """Bytes of shared memory (GEMM1, GEMM2) as Triton 3.6 allocates them (num_stages stages)."""
+        return (
+            self.gemm1.num_stages * self.gemm1.stage_bytes(self.block_m, 2, itemsize),
+            self.gemm2.num_stages * self.gemm2.stage_bytes(self.block_m, 1, itemsize),
+        )
 
     def to_json(self) -> dict:
-        return {"block_m": self.block_m, "gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2)}
+        return {"block_m": self.block_m, "gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2),
+                "naive": self.naive, "fold_k": self.fold_k}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict) -> MoeTileConfig:
-        _check_keys(data, {"block_m", "gemm1", "gemm2"}, "MoeTileConfig")
+        _check_keys(data, {"block_m", "gemm1", "gemm2", "naive", "fold_k"}, "MoeTileConfig")
         return cls(
             block_m=int(data["block_m"]),
             gemm1=GemmTile.from_json(data["gemm1"]),
             gemm2=GemmTile.from_json(data["gemm2"]),
+            naive=bool(data.get("naive", False)),
+            fold_k=bool(data.get("fold_k", False)),
         )
+
+
+def fit_shared_memory(config: MoeTileConfig, itemsize: int) -> MoeTileConfig:
+    """The config with fewer pipeline stages where `itemsize`-byte operands would not fit (fp32 on
+    tiles tuned for bf16); unchanged when they fit (always at 2 bytes for the shipped files)."""
+    tiles = []
+    for tile, b_tiles in ((config.gemm1, 2), (config.gemm2, 1)):
+        stages = tile.num_stages
+        while stages > 1 and stages * tile.stage_bytes(config.block_m, b_tiles, itemsize) > SMEM_LIMIT:
+            stages -= 1
+        tiles.append(tile if stages == tile.num_stages else replace(tile, num_stages=stages))
+    if tiles == [config.gemm1, config.gemm2]:
+        return config
+    return replace(config, gemm1=tiles[0], gemm2=tiles[1])
 
 
 def _check_keys(data: dict, allowed: set[str], what: str) -> None:

@@ -37,7 +37,7 @@ class WarmupReport:
 
 
 def distinct_plans(max_tokens: int, num_local_experts: int, F: int, D: int, top_k: int,
-                   device_name: str) -> dict[LaunchPlan, int]:
+                   device_name: str, itemsize: int = 2) -> dict[LaunchPlan, int]:
     """Each plan a call of 1..max_tokens tokens can follow, with the smallest token count that follows it.
 
     Every token count is looked at (about 10 us each): plans change at power-of-two slot counts,
@@ -46,7 +46,7 @@ def distinct_plans(max_tokens: int, num_local_experts: int, F: int, D: int, top_
     """
     plans: dict[LaunchPlan, int] = {}
     for tokens in range(1, max_tokens + 1):
-        plans.setdefault(launch_plan(tokens, num_local_experts, F, D, top_k, device_name), tokens)
+        plans.setdefault(launch_plan(tokens, num_local_experts, F, D, top_k, device_name, itemsize=itemsize), tokens)
     return plans
 
 
@@ -57,7 +57,7 @@ def precompile_fused_moe(w13_eFD: torch.Tensor, w2_eDF: torch.Tensor, *, top_k: 
     started = time.monotonic()
     device = w13_eFD.device
     e, F2, D = w13_eFD.shape
-    plans = distinct_plans(max_tokens, e, F2 // 2, D, top_k, torch.cuda.get_device_name(device))
+    plans = distinct_plans(max_tokens, e, F2 // 2, D, top_k, torch.cuda.get_device_name(device), w13_eFD.element_size())
     generator = torch.Generator(device=device).manual_seed(0)
     for tokens in plans.values():
         hidden_TD = torch.randn(tokens, D, device=device, dtype=w13_eFD.dtype, generator=generator)

@@ -2,7 +2,8 @@
 
 Without a GPU the kernels run in Triton's interpreter (conftest.py) in fp32 and fp16: its bf16
 tl.dot is broken (relative error ~1e10, measured with triton 3.9). With a GPU they run in bf16,
-at small shapes and at every shipped per-rank shape for every M of the benchmark grid.
+at small shapes and at every shipped per-rank shape for every M of the benchmark grid, and in
+fp32 at odd shapes (IEEE dots: fp32 must mean fp32).
 
 T tokens, D hidden, F intermediate per rank, E experts (global), e local experts, K top-k.
 """
@@ -18,7 +19,7 @@ import torch
 from moe_eval.kernels import fused_moe as fused_moe_module
 from moe_eval.kernels.fused_moe import fused_moe, moe_align_block_size
 from moe_eval.kernels.testing import MoeCase, make_case, rel_err, shape_case
-from moe_eval.kernels.tile_configs import M_GRID, SHIPPED_SHAPES, GemmTile, MoeTileConfig
+from moe_eval.kernels.tile_configs import M_GRID, SHIPPED_SHAPES, SMEM_LIMIT, GemmTile, MoeTileConfig
 from tests.kernels.conftest import HAS_GPU, INTERPRETER_PROBLEM
 
 # ||out - ref|| / ||ref||, ref = fused_moe_ref on the same inputs upcast to fp32 (so input rounding
@@ -26,7 +27,10 @@ from tests.kernels.conftest import HAS_GPU, INTERPRETER_PROBLEM
 # out are each stored in the dtype, three roundings of relative rms u / sqrt(3) (u = unit
 # roundoff), about sqrt(3) * u / sqrt(3) = u in all; fp32 accumulation adds ~sqrt(D) * 2^-24.
 TOLERANCE = {
-    torch.float32: 1e-5,  # u = 2^-24 = 6e-8; the interpreter's numpy dot sums in another order than torch
+    # u = 2^-24 = 6e-8, times sqrt(D) ~ 10 for the dot lengths here: ~1e-6; the interpreter's numpy
+    # dot and the GPU's MMA sum in another order than torch. A TF32 dot (10-bit mantissa) would land
+    # near 3e-4 and fail: this line is what "fp32 means fp32" is held to.
+    torch.float32: 1e-5,
     torch.float16: 2e-3,  # u = 2^-11 = 4.9e-4 -> ~5e-4 expected, 4x margin
     torch.bfloat16: 1e-2,  # u = 2^-8 = 3.9e-3 -> ~4e-3 expected ("near 4e-3"); issue 3 fails above 1e-2
 }
@@ -41,7 +45,27 @@ SWIZZLED = MoeTileConfig(
     gemm1=GemmTile(block_n=16, block_k=64, group_m=2),
     gemm2=GemmTile(block_n=64, block_k=16, group_m=2),
 )
-CONFIGS = [pytest.param(SMALL, id="bm16"), pytest.param(SWIZZLED, id="bm32-swizzled")]
+# GEMM1 as one tl.dot over interleaved gate/up rows (GROUP_M 3: a swizzle width that divides nothing).
+INTERLEAVED = MoeTileConfig(
+    block_m=16,
+    gemm1=GemmTile(block_n=16, block_k=32, group_m=3, interleave=True),
+    gemm2=GemmTile(block_n=32, block_k=32, group_m=3),
+)
+# No alignment for the calls that qualify (one token, or T*K*4 <= e); GEMM2 sums over K itself.
+NAIVE_FOLD = MoeTileConfig(
+    block_m=16, gemm1=GemmTile(block_n=32, block_k=32), gemm2=GemmTile(block_n=32, block_k=32), naive=True,
+    fold_k=True,
+)
+NAIVE = MoeTileConfig(
+    block_m=16, gemm1=GemmTile(block_n=32, block_k=32, interleave=True), gemm2=GemmTile(block_n=16, block_k=32),
+    naive=True,
+)
+CONFIGS = [
+    pytest.param(SMALL, id="bm16"),
+    pytest.param(SWIZZLED, id="bm32-swizzled"),
+    pytest.param(INTERLEAVED, id="bm16-interleaved"),
+]
+NAIVE_CONFIGS = [pytest.param(NAIVE_FOLD, id="naive-fold"), pytest.param(NAIVE, id="naive-interleaved")]
 
 
 
@@ -170,6 +194,177 @@ def test_bf16_refused_under_interpreter():
         fused_moe(*case.args(), config=SMALL)
 
 
+# --- naive plans: no alignment, one block per slot ------------------------------------------------
+
+NAIVE_CASES = [
+    # (T, E, K, D, F, local experts)
+    (1, 8, 2, 64, 48, None),  # one token: K distinct experts, exactly one block each
+    (1, 16, 4, 48, 40, None),  # odd D and F: masked K loop and N edge
+    (3, 32, 2, 32, 32, None),  # T*K*4 = 24 <= 32: vLLM's small-batch rule, experts may repeat
+    (1, 8, 8, 32, 32, None),  # K = E
+    (1, 8, 3, 32, 32, [5, 1, 6, 2]),  # expert map: some of the token's slots live on another rank
+    (2, 16, 1, 32, 32, [0, 3, 9, 12, 1, 5, 7, 15]),  # K = 1 with a map (2 * 1 * 4 <= 8 local experts)
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", NAIVE_CONFIGS)
+@pytest.mark.parametrize(("T", "E", "K", "D", "F", "local"), NAIVE_CASES)
+def test_naive_plan_matches_reference(T, E, K, D, F, local, config, dtype, device):
+    case = make_case(T, E, K, D, F, dtype=dtype, device=device, seed=100 + T * E + K, local_experts=local)
+    e = E if local is None else len(local)
+    plan = fused_moe_module.launch_plan(T, e, F, D, K, "test", config)
+    assert plan.align.naive, "these cases must take the naive path"
+    assert plan.fold_k == config.fold_k
+    _check(case, config)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", NAIVE_CONFIGS)
+@pytest.mark.parametrize("K", [1, 2])
+def test_naive_token_held_elsewhere_gives_zeros(K, config, dtype, device):
+    # The one token's experts all live on another rank: nothing is computed, the output must be 0.
+    case = make_case(1, 8, K, 32, 32, dtype=dtype, device=device, seed=110 + K, local_experts=[6, 7])
+    case.topk_ids_TK = torch.tensor([[0, 1][:K]], dtype=torch.int32, device=device)
+    out_TD = torch.full_like(case.hidden_TD, float("nan"))
+    fused_moe(*case.args(), **case.kwargs(), out=out_TD, config=config)
+    assert torch.equal(out_TD, torch.zeros_like(out_TD))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("K", [1, 3])
+def test_naive_fold_with_router_weight_on_input(K, dtype, device):
+    case = make_case(1, 12, K, 32, 48, dtype=dtype, device=device, seed=120 + K, apply_router_weight_on_input=True)
+    _check(case, NAIVE_FOLD)
+
+
+@pytest.mark.parametrize(("T", "e", "K", "naive"), [
+    (1, 8, 2, True),  # one token always qualifies
+    (4, 128, 8, True),  # 4 * 8 * 4 = 128 <= 128: vLLM's rule, exactly at the edge
+    (5, 128, 8, False),  # 160 > 128: experts would repeat too often; aligned
+    (2, 8, 2, False),  # Mixtral-like: two tokens already share experts
+])  # fmt: skip
+def test_naive_only_where_it_qualifies(T, e, K, naive):
+    plan = fused_moe_module.launch_plan(T, e, 32, 32, K, "test", NAIVE_FOLD)
+    assert plan.align.naive is naive and plan.fold_k is naive
+    # A config without naive never skips the alignment.
+    assert not fused_moe_module.launch_plan(T, e, 32, 32, K, "test", SMALL).align.naive
+
+
+def test_config_fields_the_code_would_ignore_are_errors():
+    with pytest.raises(ValueError, match="fold_k needs naive"):
+        MoeTileConfig(16, GemmTile(32, 32), GemmTile(32, 32), fold_k=True)
+    with pytest.raises(ValueError, match="interleave is GEMM1"):
+        MoeTileConfig(16, GemmTile(32, 32), GemmTile(32, 32, interleave=True))
+    with pytest.raises(ValueError, match="tma is GEMM2"):
+        MoeTileConfig(16, GemmTile(32, 32, tma=True), GemmTile(32, 32))
+    with pytest.raises(ValueError, match="tma needs aligned"):
+        MoeTileConfig(16, GemmTile(32, 32), GemmTile(32, 32, tma=True), naive=True)
+
+
+@pytest.mark.parametrize("config", [SWIZZLED, INTERLEAVED, NAIVE_FOLD], ids=["aligned", "interleaved", "naive-fold"])
+def test_bitwise_repeatable(config, device, monkeypatch):
+    # No atomics touch the values: the alignment's atomics only order slots inside an expert, and each
+    # output row depends on its own slot. Three-launch alignment forced (its order varies most).
+    monkeypatch.setattr(fused_moe_module, "SINGLE_PROGRAM_MAX_SLOTS", 0)
+    dtype = DTYPES[0]
+    for T in (1, 70):  # 1: the naive plan when the config allows it
+        case = make_case(T, 8, 2, 32, 32, dtype=dtype, device=device, seed=130 + T)
+        first = fused_moe(*case.args(), **case.kwargs(), config=config)
+        again = fused_moe(*case.args(), **case.kwargs(), config=config)
+        assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_blocks(dtype, device):
+    # The large-M shapes of the tuner: 128-row blocks with a 2 x 64-wide interleaved GEMM1 and a
+    # 128-wide GEMM2, GROUP_M 16; several blocks per expert.
+    config = MoeTileConfig(
+        128, GemmTile(64, 32, group_m=16, num_warps=8, interleave=True), GemmTile(128, 32, group_m=16, num_warps=8)
+    )
+    _check(make_case(300, 4, 2, 64, 64, dtype=dtype, device=device, seed=140), config)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("K", [1, 2])  # K = 1: GEMM2 writes the output itself
+def test_gemm2_tma(K, dtype, device):
+    # GEMM2's operands through TMA descriptors: F = 40 is not a multiple of BLOCK_K (zero-filled
+    # past the edge), D = 48 not of BLOCK_N, several blocks per expert.
+    config = MoeTileConfig(32, GemmTile(16, 32, group_m=2), GemmTile(32, 32, group_m=2, tma=True))
+    _check(make_case(70, 6, K, 48, 40, dtype=dtype, device=device, seed=150 + K), config)
+
+
+def test_fp32_stages_fit_shared_memory():
+    # A bf16 tile at the limit: fp32 operands double every stage, so the plan drops stages.
+    big = MoeTileConfig(128, GemmTile(128, 64, num_warps=8, num_stages=4), GemmTile(256, 64, num_warps=8, num_stages=4))
+    assert max(big.shared_memory(2)) <= SMEM_LIMIT
+    plan = fused_moe_module.launch_plan(4096, 8, 1024, 1024, 2, "test", big, itemsize=4)
+    assert max(plan.config.shared_memory(4)) <= SMEM_LIMIT
+    assert plan.config.gemm1.num_stages == 2 and plan.config.gemm2.num_stages == 2
+    assert fused_moe_module.launch_plan(4096, 8, 1024, 1024, 2, "test", big, itemsize=2).config == big
+
+
+def test_dot_precision():
+    assert fused_moe_module.dot_precision(torch.float32, allow_tf32=False) == "ieee"
+    assert fused_moe_module.dot_precision(torch.float32, allow_tf32=True) == "tf32"
+    assert fused_moe_module.dot_precision(torch.bfloat16, allow_tf32=False) == "tf32"  # no effect on bf16
+
+
+# --- fp32 on the GPU: IEEE dots at odd shapes ------------------------------------------------------
+
+FP32_CASES = [
+    # (T, E, K, D, F, local experts, weight on input)
+    pytest.param(37, 13, 3, 96, 80, None, False, id="E-prime"),
+    pytest.param(29, 5, 5, 64, 48, None, False, id="K-equals-E"),
+    pytest.param(0, 7, 2, 64, 32, None, False, id="T-zero"),
+    pytest.param(41, 11, 2, 80, 48, [5, 1, 6, 2, 10], False, id="EP-map"),
+    pytest.param(23, 11, 1, 64, 48, [0, 3, 7], False, id="EP-map-K1"),
+    pytest.param(31, 7, 1, 96, 64, None, True, id="weight-on-input"),
+    pytest.param(1, 13, 3, 96, 80, None, False, id="one-token"),
+]
+FP32_CONFIGS = [
+    pytest.param(None, id="tuned-or-default"),
+    pytest.param(SWIZZLED, id="bm32-swizzled"),
+    pytest.param(INTERLEAVED, id="interleaved"),
+    pytest.param(NAIVE_FOLD, id="naive-fold"),
+]
+
+
+@pytest.fixture
+def ieee_torch_matmul():
+    # The reference must not be TF32 either (torch's CUDA default is off; made explicit here).
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config", FP32_CONFIGS)
+@pytest.mark.parametrize(("T", "E", "K", "D", "F", "local", "on_input"), FP32_CASES)
+def test_fp32_odd_shapes_gpu(T, E, K, D, F, local, on_input, config, ieee_torch_matmul):
+    case = make_case(T, E, K, D, F, dtype=torch.float32, device="cuda", seed=200 + T + E, local_experts=local,
+                     apply_router_weight_on_input=on_input)  # fmt: skip
+    if T == 0:
+        out_TD = fused_moe(*case.args(), **case.kwargs(), config=config)
+        assert out_TD.shape == (0, D) and out_TD.dtype == torch.float32
+        return
+    err = _check(case, config)
+    assert err <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+def test_fp32_tf32_opt_in_is_tf32_gpu(ieee_torch_matmul):
+    # The opt-in named at the call does what it says: TF32-sized error, well above the IEEE line.
+    case = make_case(64, 8, 2, 256, 128, dtype=torch.float32, device="cuda", seed=300)
+    ref = case.reference_fp32()
+    ieee = rel_err(fused_moe(*case.args(), config=SWIZZLED), ref)
+    tf32 = rel_err(fused_moe(*case.args(), config=SWIZZLED, allow_tf32=True), ref)
+    assert ieee <= TOLERANCE[torch.float32] < tf32 <= 3e-3, (ieee, tf32)
+
+
 # --- alignment invariants ------------------------------------------------------------------------
 
 ALIGN_CASES = [
@@ -179,6 +374,7 @@ ALIGN_CASES = [
     (64, 128, 8, 64, None),  # Qwen-like routing, few rows per expert
     (200, 8, 2, 32, [3, 1, 7]),  # expert map: most slots elsewhere
     (300, 40, 1, 16, None),  # K = 1, more experts than the one-hot tile's 16 columns
+    (300, 8, 2, 256, None),  # BLOCK_M 256 (large-M tiles): most of each block is padding here
 ]
 
 

@@ -13,6 +13,7 @@ from moe_eval.kernels import tile_configs
 from moe_eval.kernels.tile_configs import (
     M_GRID,
     SHIPPED_SHAPES,
+    SMEM_LIMIT,
     TUNED_DIR,
     GemmTile,
     MoeTileConfig,
@@ -22,9 +23,6 @@ from moe_eval.kernels.tile_configs import (
     read_tuned_file,
     write_tuned_file,
 )
-
-# Hopper's shared memory per block; Triton 3.6 allocates num_stages tiles of A and B(s).
-SMEM_LIMIT = 232448
 
 
 @pytest.mark.parametrize(
@@ -45,12 +43,45 @@ def test_nearest_m_on_log_scale(T, expected):
 
 def test_json_round_trip(tmp_path):
     configs = {
-        1: MoeTileConfig(16, GemmTile(32, 128), GemmTile(64, 256, 8, 4, 4)),
-        4096: MoeTileConfig(128, GemmTile(128, 64, 8, 8, 3), GemmTile(256, 64, 8, 8, 4)),
+        1: MoeTileConfig(16, GemmTile(32, 128), GemmTile(64, 256, 8, 4, 4), naive=True, fold_k=True),
+        4096: MoeTileConfig(128, GemmTile(128, 64, 8, 8, 3, interleave=True), GemmTile(256, 64, 8, 8, 4)),
     }
     path = tmp_path / "E=8,F=64,D=128,device=TEST.json"
     write_tuned_file(path, configs, {"note": "test"})
     assert read_tuned_file(path) == configs
+
+
+def test_files_without_the_new_fields_read_as_before(tmp_path):
+    # Tuned files written before interleave / naive / fold_k existed mean the kernels of then.
+    path = tmp_path / "old.json"
+    body = {"meta": {}, "configs": {"1": {"block_m": 16, "gemm1": {"block_n": 32, "block_k": 64},
+                                           "gemm2": {"block_n": 32, "block_k": 64, "group_m": 8}}}}  # fmt: skip
+    path.write_text(json.dumps(body))
+    cfg = read_tuned_file(path)[1]
+    assert not cfg.naive and not cfg.fold_k and not cfg.gemm1.interleave and cfg.gemm2.group_m == 8
+
+
+def test_tuner_space_fits_and_holds_vllms_large_tiles():
+    import sys
+
+    sys.path.insert(0, str(TUNED_DIR.parents[2] / "benchmarks"))
+    import tune_fused_moe as tune
+
+    for block_m in (16, 32, 64, 128, 256):
+        for kind in (1, 2):
+            for tile in tune.gemm_candidates(kind, block_m):
+                cfg = MoeTileConfig(block_m, tile if kind == 1 else GemmTile(64, 64), tile if kind == 2 else GemmTile(64, 64))
+                assert cfg.shared_memory()[kind - 1] <= SMEM_LIMIT, (block_m, kind, tile)
+                acc = block_m * tile.block_n * (2 if kind == 1 else 1) / (32 * tile.num_warps)
+                assert acc <= tune.MAX_ACC_PER_THREAD, (block_m, kind, tile)
+    # The tiles vLLM wins with in the losing cells: 128 rows x 256 wide (GEMM1: 2 x 128, one dot
+    # when interleaved), 4 stages, 8 warps; and 128 rows at Mixtral M=256 (64 rows per expert).
+    assert GemmTile(128, 64, 8, 8, 4, interleave=True) in tune.gemm_candidates(1, 128)
+    assert GemmTile(256, 64, 8, 8, 4) in tune.gemm_candidates(2, 128)
+    mixtral_tp2 = next(s for s in SHIPPED_SHAPES if s.name == "Mixtral-8x7B TP2")
+    assert 128 in [p.block_m for p in tune.plans_for(mixtral_tp2, 256)]
+    qwen3_tp1 = next(s for s in SHIPPED_SHAPES if s.name == "Qwen3-30B-A3B TP1")
+    assert any(p.naive for p in tune.plans_for(qwen3_tp1, 1))
 
 
 def test_unknown_key_is_an_error(tmp_path):
@@ -90,10 +121,9 @@ def test_shipped_file_covers_the_grid(shape):
     for M, cfg in configs.items():
         assert get_tile_config(num_tokens=M, num_experts=shape.local_experts, F=shape.F, D=shape.D,
                                top_k=shape.top_k, device_name="NVIDIA H200") == cfg  # fmt: skip
-        for n_b, tile in ((2, cfg.gemm1), (1, cfg.gemm2)):
+        for tile in (cfg.gemm1, cfg.gemm2):
             sizes = (cfg.block_m, tile.block_n, tile.block_k)
             assert all(v >= 16 and v & (v - 1) == 0 for v in sizes), (
                 f"M={M}: tl.dot needs powers of two >= 16"
             )
-            smem = tile.num_stages * (cfg.block_m * tile.block_k + n_b * tile.block_k * tile.block_n) * 2
-            assert smem <= SMEM_LIMIT, f"M={M}: {smem} bytes of shared memory"
+        assert max(cfg.shared_memory()) <= SMEM_LIMIT, f"M={M}: {cfg.shared_memory()} bytes of shared memory"
