@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # annotations only: `moe-eval compare` uses the table helpers
     from moe_eval.runner import ConfigOutcome
 
 COLUMNS = ("Config", "Layout", "MoE backend", "Filter", "n-shot", "Metric", "Value", "", "Stderr", "Floor",
-           "Margin (stderr)", "Verdict")
+           "Margin (stderr)", "Catches a drop of (80%)", "Δ log p vs baseline", "Verdict")
 
 
 def _fmt(value: float | None, digits: int = 4) -> str:
@@ -27,6 +27,13 @@ def _verdict(o: ConfigOutcome) -> str:
     return "FAIL (" + ", ".join(c.name for c in o.failed_checks) + ")"
 
 
+def divergence_cell(divergence: dict | None) -> str:
+    """'0.0211 mean, 0.32% top-1' (mean |Δ log p| of the reference tokens, positions whose top-1 changed)."""
+    if not divergence or "mean_abs_dlogp" not in divergence:
+        return "-"
+    return f"{divergence['mean_abs_dlogp']:.4f} mean, {divergence['top1_flip_rate']:.2%} top-1"
+
+
 def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
     table = []
     for o in outcomes:
@@ -35,7 +42,7 @@ def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
         backend = o.moe_backend_used or "n/a"
         if o.scores is None:  # an infrastructure error, or cancelled before the evaluation ended
             table.append([name, cfg.layout.describe(), backend, "-", str(cfg.num_fewshot), "exact_match", "-", "",
-                          "-", _fmt(cfg.accuracy_threshold - cfg.tolerance), "-", o.status.upper()])
+                          "-", _fmt(cfg.accuracy_threshold - cfg.tolerance), "-", "-", "-", o.status.upper()])
             continue
         for i, (filt, score) in enumerate(o.scores.items()):
             gated = filt == "strict-match"
@@ -44,7 +51,8 @@ def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
                 name if i == 0 else "", cfg.layout.describe() if i == 0 else "", backend if i == 0 else "",
                 filt, str(cfg.num_fewshot), "exact_match", _fmt(score["accuracy"]), "±", _fmt(score["stderr"]),
                 _fmt(o.gate.floor) if gated and o.gate else "", f"{sigma:+.1f}" if sigma is not None else "",
-                _verdict(o) if gated else "",
+                _fmt(o.detectable_drop, 3) if gated and o.detectable_drop is not None else "",
+                divergence_cell(o.divergence) if gated else "", _verdict(o) if gated else "",
             ])
     return table
 
@@ -81,6 +89,6 @@ def print_table(outcomes: list[ConfigOutcome], rich_output: bool) -> None:
     from rich.console import Console
 
     table = rich_table("moe-eval GSM8K", COLUMNS, rows(outcomes),
-                       right=("Value", "Stderr", "Floor", "Margin (stderr)"),
+                       right=("Value", "Stderr", "Floor", "Margin (stderr)", "Catches a drop of (80%)"),
                        row_style=lambda row: {"P": "green", "F": "red", "E": "yellow", "C": "yellow"}.get(row[-1][:1]))
     Console().print(table)

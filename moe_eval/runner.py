@@ -10,6 +10,7 @@ and the server log beside it. moe_eval.worker runs this in a process of its own 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -97,6 +98,8 @@ class ConfigOutcome:
     timings: dict[str, float] = field(default_factory=dict)
     attempts: list[dict] = field(default_factory=list)  # earlier attempts (run --retries), oldest first
     resumed: bool = False  # taken as it was from the folder given to run --resume
+    detectable_drop: float | None = None  # the accuracy gate's power: the drop it catches 80% of the time
+    divergence: dict | None = None  # log-probabilities against the baseline (results.json "divergence")
 
     @property
     def failed_checks(self) -> list[Check]:
@@ -113,7 +116,8 @@ class ConfigOutcome:
             checks=[Check(c["name"], c["passed"], c["detail"]) for c in record.get("checks", [])],
             scores=record.get("scores"), moe_backend_used=record.get("moe_backend_used"),
             error=(record.get("error") or {}).get("message"), timings=record.get("timings", {}),
-            attempts=record.get("attempts", []))
+            attempts=record.get("attempts", []), detectable_drop=(gate or {}).get("detectable_drop"),
+            divergence=record.get("divergence"))
 
 
 def task_data(config: EvalConfig, data: Gsm8kData) -> Gsm8kData:
@@ -265,12 +269,14 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData
     outcome.checks = [Check("accuracy_gate", outcome.gate.passed, f"{outcome.gate.describe()}; {power}"),
                       *garbage_checks(config, stats), *jit_checks(config, jit_while_serving(read_log(log_path)))]
     record["gate"] = outcome.gate.as_dict() | _power(config, outcome.gate, result.num_questions)
+    outcome.detectable_drop = record["gate"]["detectable_drop"]
     baseline = options.baselines.get(config.path)
     if baseline is not None:
         check, paired = paired_check(baseline, result.samples, config.paired_alpha)
         outcome.checks.append(check)
         record["paired"] = paired.as_dict() | {"baseline": str(baseline.results_path)}
         outcome.checks += _divergence_checks(config, baseline, logprobs, outcome.moe_backend_used, record)
+        outcome.divergence = record.get("divergence")
     outcome.status = "passed" if not outcome.failed_checks else "failed"
     record.update({"scores": result.scores, "num_questions_evaluated": result.num_questions,
                    "answers": stats, "lm_eval": result.lm_eval_config, "samples": "samples.jsonl"})
@@ -330,8 +336,9 @@ def _first_set(value: float | None, default: float | None) -> float | None:
 
 def _power(config: EvalConfig, gate: GateResult, n: int) -> dict[str, Any]:
     """The accuracy gate's power at this n: the smallest drop below the threshold it catches 80% of the time."""
-    return {"power": 0.8, "detectable_drop": detectable_drop(n, config.accuracy_threshold, gate.floor),
-            "power_n": n}
+    drop = detectable_drop(n, config.accuracy_threshold, gate.floor)
+    # inf: no accuracy can fail the gate (a floor at or below 0), said as null rather than a number
+    return {"power": 0.8, "detectable_drop": drop if math.isfinite(drop) else None, "power_n": n}
 
 
 def jit_checks(config: EvalConfig, jit: dict) -> list[Check]:

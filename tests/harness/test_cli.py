@@ -114,3 +114,33 @@ def test_port_taken_exits_3_and_keeps_a_results_file(tmp_path, gsm8k_dir):
     assert f"port {port}" in result.stderr and "already in use" in result.stderr
     results = list((tmp_path / "out").rglob("results.json"))
     assert len(results) == 1 and '"status": "error"' in results[0].read_text()
+
+
+def test_buildkite_parallel_job_selects_the_shard(repo_root):
+    """A Buildkite step with `parallelism: 2` sets these on each agent; --shard is not needed."""
+    env = {"BUILDKITE_PARALLEL_JOB": "1", "BUILDKITE_PARALLEL_JOB_COUNT": "2"}
+    result = run_cli(["list", "--hw", "h100"], cwd=repo_root, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "(shard 1/2)" in result.stdout
+    listed = [line.split("\t")[0] for line in result.stdout.splitlines()[2:]]
+    full = [line.split("\t")[0] for line in run_cli(["list", "--hw", "h100"], cwd=repo_root).stdout.splitlines()[2:]]
+    assert listed == full[1::2]
+    half = run_cli(["list", "--hw", "h100"], cwd=repo_root, env={"BUILDKITE_PARALLEL_JOB": "1"})
+    assert half.returncode == 4 and "must be set together" in half.stderr
+
+
+def test_jobs_and_list_options_are_checked(tmp_path, repo_root):
+    config = _config(tmp_path)
+    bad = run_cli(["run", "--hw", "cpu", "--jobs", "0", str(config)])
+    assert bad.returncode == 4 and "--jobs: value '0' must be a positive integer or auto" in bad.stderr
+    both = run_cli(["run", "--hw", "cpu", "--list", str(repo_root / "config-cpu.txt"), str(config)])
+    assert both.returncode == 4 and "given together with config files" in both.stderr
+    listed = run_cli(["list", "--hw", "h200", "--list", "config-gpu-canary.txt"], cwd=repo_root)
+    assert listed.returncode == 0 and listed.stdout.count("canary-gpu-") == 5
+
+
+def test_a_config_too_large_for_the_free_devices_is_refused_before_launch(tmp_path):
+    tep = _config(tmp_path, CONFIG + 'server_args: "--tensor-parallel-size 4 --enable-expert-parallel"\n')
+    result = run_cli(["run", "--hw", "cpu", "--jobs", "2", str(tep)])
+    assert result.returncode == 4, result.stderr
+    assert "needs 4 CPU cores; free here:" in result.stderr and "TEP (TP4 EP4)" in result.stderr
