@@ -95,7 +95,8 @@ class Baseline:
 
 def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
     """The results.json under baseline_root for the same model, question count and few-shot count;
-    the same config name wins a tie. Refused (ConfigError) when there is none or it is ambiguous."""
+    the same family folder and config name win a tie, then the same name. Refused (ConfigError) when
+    there is none or it is ambiguous."""
     candidates = []
     paths = [baseline_root] if baseline_root.is_file() else result_files(baseline_root)
     for path in paths:
@@ -107,13 +108,16 @@ def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
         if (record.get("status") in ("passed", "failed") and cfg.get("model_name") == config.model_name
                 and record.get("num_questions_evaluated") == config.num_questions
                 and cfg.get("num_fewshot") == config.num_fewshot):
-            candidates.append((record.get("config_name") == config.name, path))
+            # The same family folder and file name first (canary-tp/X and canary-tep/X share a name), then the name.
+            same_file = Path(record.get("config_path", "")).parent.name == config.path.parent.name
+            candidates.append((record.get("config_name") == config.name, same_file, path))
     if not candidates:
         raise ConfigError(f"--baseline: value '{baseline_root}' holds no finished result for model "
                           f"{config.model_name} with {config.num_questions} questions, {config.num_fewshot}-shot "
                           f"(needed by {config.path})")
-    same_name = [p for same, p in candidates if same]
-    pool = same_name or [p for _, p in candidates]
+    same_file = [p for name, folder, p in candidates if name and folder]
+    same_name = [p for name, _, p in candidates if name]
+    pool = same_file or same_name or [p for _, _, p in candidates]
     if len(pool) > 1:
         raise ConfigError(f"--baseline: value '{baseline_root}' holds {len(pool)} results that fit {config.path}: "
                           f"{', '.join(map(str, pool[:4]))}; point --baseline at one run folder or results.json")

@@ -306,11 +306,17 @@ def list_configs(hw: str, root: str | None, list_path: str | None, shard_text: s
     """Show what `run` would run: config, model, layout, devices (GPUs, or CPU ranks) needed, backend, gate."""
     hw = resolve_hw(hw)
     selected, source = select_configs(hw, (), shard_from_environment(shard_text), root, list_path)
+    selected, dependencies, notes = with_baselines(selected)
     click.echo(f"# {source}")
-    click.echo(f"config\tmodel\tlayout\t{'cpu_ranks' if hw == 'cpu' else 'gpus'}\tmoe_backend\tthreshold\tquestions")
-    for c in selected:
+    for note in notes:
+        click.echo(f"# {note}")
+    click.echo(f"config\tmodel\tlayout\t{'cpu_ranks' if hw == 'cpu' else 'gpus'}\tmoe_backend\tthreshold\tquestions"
+               "\tbaseline")
+    for i, c in enumerate(selected):
+        baseline = selected[dependencies[i]] if i in dependencies else None
         click.echo(f"{c.path.parent.name}/{c.path.name}\t{c.model_name}\t{c.layout.describe()}\t{c.layout.world_size}\t"
-                   f"{c.moe_backend or 'vllm-default'}\t{c.accuracy_threshold}\t{c.num_questions}")
+                   f"{c.moe_backend or 'vllm-default'}\t{c.accuracy_threshold}\t{c.num_questions}\t"
+                   f"{f'{baseline.path.parent.name}/{baseline.path.name}' if baseline else '-'}")
 
 
 @cli.command()

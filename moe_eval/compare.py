@@ -1,8 +1,9 @@
 """`moe-eval compare`: side-by-side accuracy of several runs, one table per model.
 
 Columns are the runs (MoE kernel and layout, e.g. Triton TP vs FlashInfer CUTLASS TEP), cells
-are accuracy ± stderr for both filters, and a last row gives the per-question flips against the
-first column with the exact McNemar p-value. Runs that did not answer the same questions with
+are accuracy ± stderr for both filters; further rows give the per-question flips against the
+first column with the exact McNemar p-value, and, where both runs scored the same texts, the
+log-probability divergence against the first column (moe_eval.logprobs). Runs that did not answer the same questions with
 the same few-shot count are refused, not compared. Usage:
 
     moe-eval compare moe-eval-results/20261129-120000 moe-eval-results/20261129-130000
@@ -16,10 +17,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_eval.checks import correctness
+from moe_eval.checks import LOGPROBS_FILE, correctness
 from moe_eval.errors import ConfigError
 from moe_eval.gsm8k import FILTERS
-from moe_eval.report import markdown_table, rich_table
+from moe_eval.logprobs import divergence, read_logprobs
+from moe_eval.report import divergence_cell, markdown_table, rich_table
 from moe_eval.results import result_files
 from moe_eval.stats import paired_compare
 
@@ -33,6 +35,7 @@ class RunResult:
     scores: dict[str, dict[str, float]]
     verdict: str
     correct: dict[int, bool]
+    logprobs: Path | None = None  # logprobs.jsonl beside results.json, when the run scored texts
 
     @property
     def questions(self) -> frozenset[int]:
@@ -69,9 +72,11 @@ def load_run(path: Path) -> RunResult | None:
         raise ConfigError(f"compare: {samples_path}: per-question samples missing ({exc})") from None
     backend = record.get("moe_backend_used") or record.get("moe_backend_requested") or "vllm"
     correct = correctness(samples)
+    logprobs = path.parent / LOGPROBS_FILE
     return RunResult(path=path, model=record["config"]["model_name"],
                      label=f"{backend} {record['layout']['describe']}", num_fewshot=record["config"]["num_fewshot"],
-                     scores=record["scores"], verdict=record["status"].upper(), correct=correct)
+                     scores=record["scores"], verdict=record["status"].upper(), correct=correct,
+                     logprobs=logprobs if logprobs.is_file() else None)
 
 
 def group_runs(inputs: list[Path]) -> dict[str, list[RunResult]]:
@@ -114,8 +119,20 @@ def table_rows(members: list[RunResult]) -> tuple[list[str], list[list[str]]]:
         p = paired_compare(members[0].correct, m.correct, alpha=0.05)
         flips.append(f"{p.baseline_only} right->wrong, {p.new_only} wrong->right (McNemar p={p.p_two_sided:.3g})")
     rows.append(flips)
+    rows.append(["Δ log p vs first", "", "mean, top-1 changed", "-", *[_divergence(members[0], m) for m in members[1:]]])
     rows.append(["verdict", "", "", *[m.verdict for m in members]])
     return header, rows
+
+
+def _divergence(first: RunResult, other: RunResult) -> str:
+    """The divergence cell: '-' where either run scored no texts or they scored different ones."""
+    if first.logprobs is None or other.logprobs is None:
+        return "-"
+    try:
+        div = divergence(read_logprobs(first.logprobs), read_logprobs(other.logprobs))
+    except ValueError:  # other texts or tokens: not comparable
+        return "not comparable"
+    return divergence_cell(div.as_dict())
 
 
 def _title(model: str, members: list[RunResult]) -> str:

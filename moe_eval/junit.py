@@ -3,7 +3,8 @@ stem (as vLLM's harness names its cases, so CI filters mean the same).
 
 A failed check is a <failure> (accuracy, gate, margin; garbage and paired checks); an
 infrastructure problem is an <error> carrying the message and the last lines of the server log.
-Suite properties carry the MoE kernel the server used, the layout, the hardware and versions.
+Suite properties carry the MoE kernel the server used, the layout, the hardware, versions, the
+accuracy gate's power and the log-probability divergence against the baseline.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def junit_xml(outcomes: list[ConfigOutcome], hw: str, gpus: list[str]) -> str:
         _properties(suite, {"config_path": o.config.path, "model": o.config.model_name,
                             "layout": o.config.layout.describe(), "moe_backend_requested": o.config.moe_backend,
                             "moe_backend_used": o.moe_backend_used, "hardware": hw, "gpus": ", ".join(gpus),
+                            "gate.detectable_drop_80": o.detectable_drop,
+                            **{f"divergence.{k}": (o.divergence or {}).get(k)
+                               for k in ("mean_abs_dlogp", "p99_abs_dlogp", "top1_flip_rate", "kl_topk", "comparison")},
                             **{f"version.{k}": v for k, v in versions().items()}})
         case = ET.SubElement(suite, "testcase", classname=f"moe-eval.{o.config.path.parent.name}",
                              name=o.config.name, time=f"{seconds:.3f}")

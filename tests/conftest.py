@@ -28,6 +28,32 @@ def gsm8k_dir() -> str | None:
     return str(shared) if (shared / "test.jsonl").exists() else None
 
 
+TINY_CONFIG = """model_name: "builtin:tiny-qwen3-moe"
+accuracy_threshold: {threshold}
+num_questions: {questions}
+num_fewshot: 5
+max_tokens: 32
+max_retries: 1
+max_concurrency: {concurrency}
+server_args: "--enforce-eager --max-model-len 4096"
+"""
+
+
+def tiny_config(tmp_path: Path, name: str, *, threshold: float = 0.0, questions: int = 8, concurrency: int = 16,
+                extra: str = "") -> Path:
+    """A config of the random tiny MoE (accuracy 0: the model is not the point) in tmp_path/configs/cpu/."""
+    path = tmp_path / "configs" / "cpu" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(TINY_CONFIG.format(threshold=threshold, questions=questions, concurrency=concurrency) + extra)
+    return path
+
+
+def run_args(tmp_path: Path, gsm8k_dir: str | None, *configs: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """`moe-eval run --hw cpu` of these configs into tmp_path/out, offline when the GSM8K copy is there."""
+    args = ["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out"), *extra, *map(str, configs)]
+    return args + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else [])
+
+
 @dataclass
 class CliResult:
     returncode: int

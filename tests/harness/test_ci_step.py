@@ -21,32 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, processes_with_env
+from tests.conftest import REPO_ROOT, processes_with_env, run_args, tiny_config
 
 pytestmark = pytest.mark.server
-
-TINY = """model_name: "builtin:tiny-qwen3-moe"
-accuracy_threshold: 0.0
-num_questions: {questions}
-num_fewshot: 5
-max_tokens: 32
-max_retries: 1
-max_concurrency: {concurrency}
-server_args: "--enforce-eager --max-model-len 4096"
-"""
-
-
-def _config(tmp_path: Path, name: str, questions: int = 8, concurrency: int = 16, extra: str = "") -> Path:
-    path = tmp_path / "configs" / "cpu" / f"{name}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(TINY.format(questions=questions, concurrency=concurrency) + extra)
-    return path
-
-
-def _args(tmp_path: Path, gsm8k_dir: str | None, *configs: Path, extra: tuple[str, ...] = ()) -> list[str]:
-    args = ["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out"), *extra, *map(str, configs)]
-    return args + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else [])
-
 
 def _start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "moe_eval", *args], cwd=REPO_ROOT, env={**os.environ, **(env or {})},
@@ -100,9 +77,9 @@ def _run_root(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_cancel_during_evaluation_is_130_and_the_next_config_never_starts(tmp_path, gsm8k_dir, sig):
     """What Buildkite and GitHub Actions send on cancel (SIGTERM), and Ctrl-C: the same."""
-    first = _config(tmp_path, "Tiny-BF16-first", questions=200, concurrency=2)
-    second = _config(tmp_path, "Tiny-BF16-second")
-    proc = _start(_args(tmp_path, gsm8k_dir, first, second))
+    first = tiny_config(tmp_path, "Tiny-BF16-first", questions=200, concurrency=2)
+    second = tiny_config(tmp_path, "Tiny-BF16-second")
+    proc = _start(run_args(tmp_path, gsm8k_dir, first, second))
     try:
         _wait(_evaluating(tmp_path, first.stem), proc, 300, "the evaluation was under way")
         proc.send_signal(sig)
@@ -123,8 +100,8 @@ def test_cancel_during_evaluation_is_130_and_the_next_config_never_starts(tmp_pa
 
 
 def test_sigterm_during_server_start_is_130_with_nothing_left(tmp_path, gsm8k_dir):
-    config = _config(tmp_path, "Tiny-BF16-starting")
-    proc = _start(_args(tmp_path, gsm8k_dir, config))
+    config = tiny_config(tmp_path, "Tiny-BF16-starting")
+    proc = _start(run_args(tmp_path, gsm8k_dir, config))
     try:
         _wait(lambda: _log(tmp_path, config.stem), proc, 120, "the server started")
         time.sleep(3)  # the API server and its engine process exist
@@ -142,8 +119,8 @@ def test_a_second_signal_during_teardown_kills_the_server_at_once(tmp_path, gsm8
     """A wedged server ignores SIGTERM: the first cancel waits out the grace period, a second one does not."""
     from moe_eval.launch import TEARDOWN_GRACE_SECONDS
 
-    config = _config(tmp_path, "Fake-stubborn", questions=2, extra="request_timeout_seconds: 300\n")
-    proc = _start(_args(tmp_path, gsm8k_dir, config),
+    config = tiny_config(tmp_path, "Fake-stubborn", questions=2, extra="request_timeout_seconds: 300\n")
+    proc = _start(run_args(tmp_path, gsm8k_dir, config),
                   env={"MOE_EVAL_SERVER_MODULE": "tests.fakes.misbehaving_server", "FAKE_SERVER_MODE": "stubborn"})
     try:
         _wait(lambda: (log := _log(tmp_path, config.stem)) and "holding an evaluation request" in log.read_text(),
@@ -165,8 +142,8 @@ def test_a_second_signal_during_teardown_kills_the_server_at_once(tmp_path, gsm8
 
 def test_sigkill_of_moe_eval_takes_every_server_process_with_it(tmp_path, gsm8k_dir):
     """What CI sends once its cancel grace period is over, and what the OOM killer sends: no handler runs."""
-    config = _config(tmp_path, "Tiny-BF16-orphaned", questions=200, concurrency=2)
-    proc = _start(_args(tmp_path, gsm8k_dir, config))
+    config = tiny_config(tmp_path, "Tiny-BF16-orphaned", questions=200, concurrency=2)
+    proc = _start(run_args(tmp_path, gsm8k_dir, config))
     try:
         log = _wait(_evaluating(tmp_path, config.stem), proc, 300, "the evaluation was under way")
         api_pid = int(re.search(r"\(APIServer pid=(\d+)\)", log.read_text()).group(1))
@@ -184,8 +161,8 @@ def test_sigkill_of_moe_eval_takes_every_server_process_with_it(tmp_path, gsm8k_
 
 
 def test_retry_after_the_server_was_killed_mid_evaluation_passes(tmp_path, gsm8k_dir):
-    config = _config(tmp_path, "Tiny-BF16-retried", questions=30, concurrency=1)
-    proc = _start(_args(tmp_path, gsm8k_dir, config, extra=("--retries", "1")))
+    config = tiny_config(tmp_path, "Tiny-BF16-retried", questions=30, concurrency=1)
+    proc = _start(run_args(tmp_path, gsm8k_dir, config, extra=("--retries", "1")))
     try:
         log = _wait(_evaluating(tmp_path, config.stem), proc, 300, "the first attempt's evaluation was under way")
         api_pid = int(re.search(r"\(APIServer pid=(\d+)\)", log.read_text()).group(1))
@@ -205,9 +182,9 @@ def test_retry_after_the_server_was_killed_mid_evaluation_passes(tmp_path, gsm8k
 
 
 def test_resume_after_an_interrupted_run_finishes_only_the_rest(tmp_path, gsm8k_dir):
-    done = _config(tmp_path, "Tiny-BF16-done")
-    rest = _config(tmp_path, "Tiny-BF16-rest", questions=30, concurrency=1)
-    proc = _start(_args(tmp_path, gsm8k_dir, done, rest))
+    done = tiny_config(tmp_path, "Tiny-BF16-done")
+    rest = tiny_config(tmp_path, "Tiny-BF16-rest", questions=30, concurrency=1)
+    proc = _start(run_args(tmp_path, gsm8k_dir, done, rest))
     try:
         _wait(_evaluating(tmp_path, rest.stem), proc, 400, "the second config's evaluation was under way")
         proc.send_signal(signal.SIGTERM)
@@ -220,7 +197,7 @@ def test_resume_after_an_interrupted_run_finishes_only_the_rest(tmp_path, gsm8k_
     first_record = _record(tmp_path, done.stem)
     assert first_record["status"] == "passed" and _record(tmp_path, rest.stem)["status"] == "cancelled"
 
-    proc = _start(_args(tmp_path, gsm8k_dir, done, rest, extra=("--resume", str(run_root))))
+    proc = _start(run_args(tmp_path, gsm8k_dir, done, rest, extra=("--resume", str(run_root))))
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
     assert _record(tmp_path, done.stem) == first_record, "the finished config ran again"

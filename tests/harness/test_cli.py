@@ -136,7 +136,7 @@ def test_jobs_and_list_options_are_checked(tmp_path, repo_root):
     both = run_cli(["run", "--hw", "cpu", "--list", str(repo_root / "config-cpu.txt"), str(config)])
     assert both.returncode == 4 and "given together with config files" in both.stderr
     listed = run_cli(["list", "--hw", "h200", "--list", "config-gpu-canary.txt"], cwd=repo_root)
-    assert listed.returncode == 0 and listed.stdout.count("canary-gpu-") == 5
+    assert listed.returncode == 0 and sum(line.startswith("canary-gpu-") for line in listed.stdout.splitlines()) == 5
 
 
 def test_a_config_too_large_for_the_free_devices_is_refused_before_launch(tmp_path):

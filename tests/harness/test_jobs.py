@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
-from tests.harness.test_ci_step import _args, _config, _evaluating, _left, _record, _start, _wait
+from tests.conftest import run_args, run_cli, tiny_config
+from tests.harness.test_ci_step import _evaluating, _left, _record, _start, _wait
 
 pytestmark = pytest.mark.server
 
@@ -32,8 +32,8 @@ def _junit_without_times(path: Path) -> str:
 
 
 def test_jobs_2_gives_the_verdicts_and_junit_of_jobs_1(tmp_path, gsm8k_dir):
-    passing = _config(tmp_path, "Tiny-BF16-pass")
-    failing = _config(tmp_path, "Tiny-BF16-fail", extra="accuracy_threshold: 1.0\n")
+    passing = tiny_config(tmp_path, "Tiny-BF16-pass")
+    failing = tiny_config(tmp_path, "Tiny-BF16-fail", threshold=1.0)
     results = {}
     for jobs in (1, 2):
         out = tmp_path / f"out-jobs{jobs}"
@@ -59,10 +59,10 @@ def test_jobs_2_gives_the_verdicts_and_junit_of_jobs_1(tmp_path, gsm8k_dir):
 
 
 def test_a_crashed_config_leaves_the_others_result_intact(tmp_path, gsm8k_dir):
-    crashing = _config(tmp_path, "Tiny-BF16-crash")
+    crashing = tiny_config(tmp_path, "Tiny-BF16-crash")
     crashing.write_text(crashing.read_text().replace("--enforce-eager", "--no-such-vllm-flag"))
-    healthy = _config(tmp_path, "Tiny-BF16-healthy")
-    result = run_cli(_args(tmp_path, gsm8k_dir, crashing, healthy, extra=("--jobs", "2")), timeout=900)
+    healthy = tiny_config(tmp_path, "Tiny-BF16-healthy")
+    result = run_cli(run_args(tmp_path, gsm8k_dir, crashing, healthy, extra=("--jobs", "2")), timeout=900)
     assert result.returncode == 3, result.stderr[-3000:]
     assert _record(tmp_path, crashing.stem)["status"] == "error"
     healthy_record = _record(tmp_path, healthy.stem)
@@ -72,9 +72,9 @@ def test_a_crashed_config_leaves_the_others_result_intact(tmp_path, gsm8k_dir):
 
 
 def test_sigterm_during_a_packed_run_is_130_with_nothing_left(tmp_path, gsm8k_dir):
-    first = _config(tmp_path, "Tiny-BF16-one", questions=200, concurrency=1)
-    second = _config(tmp_path, "Tiny-BF16-two", questions=200, concurrency=1)
-    proc = _start(_args(tmp_path, gsm8k_dir, first, second, extra=("--jobs", "2")))
+    first = tiny_config(tmp_path, "Tiny-BF16-one", questions=200, concurrency=1)
+    second = tiny_config(tmp_path, "Tiny-BF16-two", questions=200, concurrency=1)
+    proc = _start(run_args(tmp_path, gsm8k_dir, first, second, extra=("--jobs", "2")))
     try:
         _wait(lambda: _evaluating(tmp_path, first.stem)() and _evaluating(tmp_path, second.stem)(), proc, 400,
               "both packed configs were evaluating")

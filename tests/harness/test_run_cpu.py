@@ -18,31 +18,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from tests.conftest import REPO_ROOT, processes_with_env, run_cli
+from tests.conftest import REPO_ROOT, processes_with_env, run_args, run_cli, tiny_config
 
 pytestmark = pytest.mark.server
-
-TINY = """model_name: "builtin:tiny-qwen3-moe"
-accuracy_threshold: {threshold}
-num_questions: {questions}
-num_fewshot: 5
-max_tokens: 32
-max_retries: 1
-server_args: "--enforce-eager --max-model-len 4096"
-"""
-
-
-def _config(tmp_path: Path, name: str, threshold: float = 0.0, questions: int = 8, extra: str = "") -> Path:
-    path = tmp_path / "configs" / "cpu" / f"{name}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(TINY.format(threshold=threshold, questions=questions) + extra)
-    return path
-
-
-def _run_args(tmp_path: Path, gsm8k_dir: str | None, *configs: Path) -> list[str]:
-    args = ["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out"), *map(str, configs)]
-    return args + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else [])
-
 
 def _results(tmp_path: Path) -> dict[str, dict]:
     return {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "out").rglob("results.json")}
@@ -53,44 +31,84 @@ def _assert_nothing_left(tmp_path: Path) -> None:
     assert not left, f"processes of the run survived it: {left}"
 
 
-def test_readme_main_job_runs_the_embedded_default(tmp_path, gsm8k_dir, repo_root):
-    """`moe-eval run --hw cpu`: the canary at TP and TEP, served by real vLLM with the bundled torch kernel,
-    scored by lm-eval on its generated task, passing its measured gate."""
-    result = run_cli(["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out")]
-                     + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []), cwd=repo_root)
+@pytest.fixture(scope="module")
+def embedded_default_run(tmp_path_factory, gsm8k_dir, repo_root):
+    """The README's main job, run once for the tests that read it (it takes minutes on 2 cores)."""
+    out = tmp_path_factory.mktemp("embedded-default")
+    result = run_cli(["run", "--hw", "cpu", "--output-dir", str(out)] + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []),
+                     cwd=repo_root, timeout=1500)
+    return result, out
+
+
+def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_root):
+    """`moe-eval run --hw cpu`: the canary with vLLM's own CPU kernel (the reference), then with the bundled
+    torch kernel at TP and TEP, served by real vLLM, scored by lm-eval on its generated task, passing the
+    accuracy gate, the paired gate and the log-probability divergence gate against the reference."""
+    result, out = embedded_default_run
     assert result.returncode == 0, result.stderr[-3000:]
-    records = {json.loads(p.read_text())["layout"]["kind"]: json.loads(p.read_text())
-               for p in (tmp_path / "out").rglob("results.json")}
-    assert set(records) == {"TP", "TEP"}
+    records = {json.loads(p.read_text())["config_name"] + "/" + json.loads(p.read_text())["layout"]["kind"]:
+               json.loads(p.read_text()) for p in out.rglob("results.json")}
+    assert set(records) == {"Canary-Qwen3-MoE-BF16-vllm/TP", "Canary-Qwen3-MoE-BF16-torch/TP",
+                            "Canary-Qwen3-MoE-BF16-torch/TEP"}
     schema = json.loads((repo_root / "docs" / "results.schema.json").read_text())
     for record in records.values():
         jsonschema.validate(record, schema)
-    for kind, record in records.items():
-        assert record["status"] == "passed", kind
+        assert record["status"] == "passed"
         assert record["num_questions_evaluated"] == record["config"]["num_questions"] == 200
         assert record["scores"]["strict-match"]["accuracy"] >= 0.98 and record["gsm8k"]["source"] == "generated"
+        assert record["gate"]["detectable_drop"] > 0  # the gate's power, printed with every verdict
+        assert record["logprobs"]["texts"] == 16 and record["logprobs"]["positions"] > 5000
+        assert record["versions"]["vllm"] == "0.32.0" and record["versions"]["lm-eval"] == "0.4.13"
+        run_dir = Path(record["server"]["log"]).parent
+        log = (run_dir / "server.log").read_text()
+        # Every question and scored text reached the server (plus the launcher's warm-up): the numbers came from it.
+        assert log.count("POST /v1/completions") == 200 + 16 + 1
+        samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+        assert {s["doc_id"] for s in samples} == set(range(200))
+        assert all(s["resps"][0][0] for s in samples), "every reply carries generated text"
+        assert (run_dir / "worker.log").read_text().count("Requesting API") >= 1  # lm-eval's bars went there
+    reference = records.pop("Canary-Qwen3-MoE-BF16-vllm/TP")
+    assert reference["moe_backend_used"] == "vllm:CPU" and reference["bundled_kernel_logged"] == []
+    for key, record in records.items():
+        kind = key.split("/")[1]
         # What the server's own log says served: the bundled kernel, in every rank, never vLLM's.
         assert record["moe_backend_used"] == "bundled:torch" and record["vllm_moe_backends_logged"] == []
         ranks = 2 if kind == "TEP" else 1
         assert len({line["pid"] for line in record["bundled_kernel_logged"]}) == ranks
         assert all(line["layer"]["expert_map"] is (kind == "TEP") for line in record["bundled_kernel_logged"])
-        assert record["bundled_kernel_calls"]["processes"] == ranks and record["bundled_kernel_calls"]["calls"] > 200
+        calls = record["bundled_kernel_calls"]
+        assert calls["processes"] == ranks and calls["calls"] > 200 and calls["counted_on"] == ["host"]
         assert record["timings"]["startup_seconds"] > 0
-        assert record["versions"]["vllm"] == "0.32.0" and record["versions"]["lm-eval"] == "0.4.13"
-        run_dir = Path(record["server"]["log"]).parent
-        log = (run_dir / "server.log").read_text()
-        # Every question reached the server (plus the launcher's warm-up): the numbers came from it.
-        assert log.count("POST /v1/completions") == 200 + 1
-        samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-        assert {s["doc_id"] for s in samples} == set(range(200))
-        assert all(s["resps"][0][0] for s in samples), "every reply carries generated text"
+        # Compared with the reference: the same answers, and log-probabilities within bf16 rounding.
+        assert record["paired"]["baseline_only_right"] == 0 and record["paired"]["baseline"].endswith(
+            "Canary-Qwen3-MoE-BF16-vllm/results.json")
+        assert record["divergence"]["comparison"] == "another kernel or layout"
+        assert 0 < record["divergence"]["mean_abs_dlogp"] < record["divergence"]["limits"]["max_mean_abs_dlogp"]
     assert "|Config|" in result.stdout and "PASS" in result.stdout and "bundled:torch" in result.stdout
-    _assert_nothing_left(tmp_path)
+    assert "Δ log p vs baseline" in result.stdout and "Catches a drop of" in result.stdout
+    assert not processes_with_env("MOE_EVAL_RUN_DIR", str(out)), "processes of the run survived it"
+
+
+def test_a_subtle_mutation_passes_the_accuracy_gate_and_fails_the_divergence_gate(embedded_default_run, repo_root):
+    """Every routing weight times 0.98: no answer changes, the numbers do. Against the correct kernel's run
+    (the same kernel at the same layout, which repeats exactly) the divergence gate catches it: exit 1."""
+    result, out = embedded_default_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = repo_root / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml"
+    mutated = run_cli(["run", "--hw", "cpu", "--output-dir", str(out / "mutated"), "--mutate", "scale_routing_weights",
+                       "--baseline", str(next(out.iterdir())), str(config)], cwd=repo_root, timeout=900)
+    assert mutated.returncode == 1, mutated.stderr[-3000:]
+    record = json.loads(next((out / "mutated").rglob("results.json")).read_text())
+    checks = {c["name"]: c["passed"] for c in record["checks"]}
+    assert checks["accuracy_gate"] and checks["paired_gate"], checks
+    assert record["divergence"]["comparison"] == "same kernel and layout"
+    assert not checks["logprob_mean_abs"], record["divergence"]
+    assert record["status"] == "failed" and record["mutation"] == "scale_routing_weights"
 
 
 def test_threshold_one_fails_the_gate_with_exit_1(tmp_path, gsm8k_dir):
-    path = _config(tmp_path, "Tiny-BF16-strict", threshold=1.0, questions=4)
-    result = run_cli(_run_args(tmp_path, gsm8k_dir, path))
+    path = tiny_config(tmp_path, "Tiny-BF16-strict", threshold=1.0, questions=4)
+    result = run_cli(run_args(tmp_path, gsm8k_dir, path))
     assert result.returncode == 1, result.stderr[-3000:]
     record = _results(tmp_path)["Tiny-BF16-strict"]
     assert record["status"] == "failed" and record["gate"]["passed"] is False
@@ -101,9 +119,9 @@ def test_threshold_one_fails_the_gate_with_exit_1(tmp_path, gsm8k_dir):
 
 
 def test_server_that_exits_at_start_is_exit_3_with_its_log(tmp_path, gsm8k_dir):
-    path = _config(tmp_path, "Tiny-BF16-badargs", extra="")
+    path = tiny_config(tmp_path, "Tiny-BF16-badargs")
     path.write_text(path.read_text().replace("--enforce-eager", "--no-such-vllm-flag"))
-    result = run_cli(_run_args(tmp_path, gsm8k_dir, path))
+    result = run_cli(run_args(tmp_path, gsm8k_dir, path))
     assert result.returncode == 3
     assert "vLLM server exited with code" in result.stderr and "before it was ready" in result.stderr
     assert "--no-such-vllm-flag" in result.stderr  # the log's last lines travel with the error
@@ -112,16 +130,16 @@ def test_server_that_exits_at_start_is_exit_3_with_its_log(tmp_path, gsm8k_dir):
 
 
 def test_startup_timeout_is_exit_3_and_kills_the_server(tmp_path, gsm8k_dir):
-    path = _config(tmp_path, "Tiny-BF16-slow", extra="startup_max_wait_seconds: 8\n")
-    result = run_cli(_run_args(tmp_path, gsm8k_dir, path))
+    path = tiny_config(tmp_path, "Tiny-BF16-slow", extra="startup_max_wait_seconds: 8\n")
+    result = run_cli(run_args(tmp_path, gsm8k_dir, path))
     assert result.returncode == 3
     assert "not ready after 8 s" in result.stderr
     _assert_nothing_left(tmp_path)
 
 
 def test_server_killed_during_evaluation_is_exit_3(tmp_path, gsm8k_dir):
-    path = _config(tmp_path, "Tiny-BF16-killed", questions=200, extra="max_concurrency: 2\n")
-    proc = subprocess.Popen([sys.executable, "-m", "moe_eval", *_run_args(tmp_path, gsm8k_dir, path)],
+    path = tiny_config(tmp_path, "Tiny-BF16-killed", questions=200, concurrency=2)
+    proc = subprocess.Popen([sys.executable, "-m", "moe_eval", *run_args(tmp_path, gsm8k_dir, path)],
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         log_path, deadline = None, time.monotonic() + 300
@@ -146,8 +164,8 @@ def test_server_killed_during_evaluation_is_exit_3(tmp_path, gsm8k_dir):
 
 
 def test_ctrl_c_tears_down_and_keeps_partial_results(tmp_path, gsm8k_dir):
-    path = _config(tmp_path, "Tiny-BF16-interrupted")
-    proc = subprocess.Popen([sys.executable, "-m", "moe_eval", *_run_args(tmp_path, gsm8k_dir, path)],
+    path = tiny_config(tmp_path, "Tiny-BF16-interrupted")
+    proc = subprocess.Popen([sys.executable, "-m", "moe_eval", *run_args(tmp_path, gsm8k_dir, path)],
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not list((tmp_path / "out").rglob("server.log")) and time.monotonic() < deadline:
@@ -169,9 +187,9 @@ def test_ctrl_c_tears_down_and_keeps_partial_results(tmp_path, gsm8k_dir):
     ("garbage", "lm-eval failed"),  # a 200 whose body is not JSON
 ])
 def test_misbehaving_server_is_exit_3(tmp_path, gsm8k_dir, mode, message):
-    path = _config(tmp_path, f"Fake-{mode}", questions=2, extra="request_timeout_seconds: 3\n")
+    path = tiny_config(tmp_path, f"Fake-{mode}", questions=2, extra="request_timeout_seconds: 3\n")
     env = {"MOE_EVAL_SERVER_MODULE": "tests.fakes.misbehaving_server", "FAKE_SERVER_MODE": mode}
-    result = run_cli(_run_args(tmp_path, gsm8k_dir, path), env=env, timeout=300)
+    result = run_cli(run_args(tmp_path, gsm8k_dir, path), env=env, timeout=300)
     assert result.returncode == 3, result.stderr[-3000:]
     assert message in result.stderr
     _assert_nothing_left(tmp_path)
@@ -179,7 +197,11 @@ def test_misbehaving_server_is_exit_3(tmp_path, gsm8k_dir, mode, message):
 
 def test_a_kernel_mutation_fails_the_canary_gate_with_exit_1(tmp_path, repo_root):
     """The gate means something: the bundled kernel with gate/up swapped must fail it (not crash: exit 1)."""
-    config = repo_root / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml"
+    # A copy without its baseline_config: the accuracy gate alone must catch this one, with one server.
+    shipped = (repo_root / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml").read_text()
+    config = tmp_path / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text("\n".join(line for line in shipped.splitlines() if not line.startswith("baseline_config")) + "\n")
     result = run_cli(["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out"), "--mutate", "swap_gate_up",
                       "--limit", "50", str(config)])
     assert result.returncode == 1, result.stderr[-3000:]

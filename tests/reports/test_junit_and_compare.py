@@ -106,3 +106,20 @@ def test_compare_refuses_missing_inputs_and_errored_only(tmp_path):
     _write_run(tmp_path, "r1", "Q", "Qwen", "x", "TP", [True], status="error")
     with pytest.raises(ConfigError, match="no finished results"):
         group_runs([tmp_path / "r1"])
+
+
+def test_compare_shows_the_log_probability_divergence_against_the_first_run(tmp_path):
+    from moe_eval.logprobs import TextLogprobs, write_logprobs
+
+    def texts(shift: float) -> list[TextLogprobs]:
+        # Two texts of 3 positions; position 0 has no log-probability. `shift` moves every reference token.
+        return [TextLogprobs(i, (5, 6, 7), (None, -1.0 - shift, -2.0 - shift), (None, (6, 9), (7, 9)),
+                             (None, (-1.0 - shift, -3.0), (-2.0 - shift, -3.0))) for i in range(2)]
+
+    for run, shift in (("r1", 0.0), ("r2", 0.25)):
+        _write_run(tmp_path, run, "Q-BF16-triton", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4)
+        write_logprobs(tmp_path / run / "fam" / "Q-BF16-triton" / "logprobs.jsonl", texts(shift))
+    _write_run(tmp_path, "r3", "Q-BF16-triton", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4)  # scored nothing
+    table = markdown(group_runs([tmp_path / "r1", tmp_path / "r2", tmp_path / "r3"]))
+    row = next(line for line in table.splitlines() if line.startswith("|Δ log p vs first|"))
+    assert row == "|Δ log p vs first||mean, top-1 changed|-|0.2500 mean, 0.00% top-1|-|"
