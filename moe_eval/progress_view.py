@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from moe_eval.runner import STATUSES
 from moe_eval.status import Status
 
 PLAIN_INTERVAL_SECONDS = 30.0
@@ -87,7 +88,9 @@ class ProgressView:
             self._live.update(Text("\n".join(lines)))
             return
         for (planned, _, status), line in zip(running, lines, strict=True):
-            stage = status.stage if status is not None else "starting"
+            if status is None or status.stage in STATUSES:  # not begun yet, or finished() says it
+                continue
+            stage = status.stage
             last = self._last_plain.get(planned.index)
             if last is None or last[0] != stage or (stage == "evaluating" and now - last[1] >= PLAIN_INTERVAL_SECONDS):
                 self._last_plain[planned.index] = (stage, now)

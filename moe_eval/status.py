@@ -57,16 +57,17 @@ class Status:
     devices: list[int] | None = None
     attempt: int = 1
     updated_at: float = field(default_factory=time.time)
+    first_answer_at: float | None = None  # the pace is measured from here: lm-eval's set-up comes before
 
     @property
     def accuracy_so_far(self) -> float | None:
         return self.correct / self.scored if self.scored else None
 
     def eta_seconds(self, now: float) -> float | None:
-        """Remaining evaluation time at the pace so far (None before the first answer)."""
-        if self.stage != "evaluating" or not self.answered or not self.total:
+        """Remaining evaluation time at the pace since the first answer (None before two answers)."""
+        if self.stage != "evaluating" or self.first_answer_at is None or self.answered < 2 or not self.total:
             return None
-        rate = self.answered / max(now - self.stage_started_at, 1e-6)
+        rate = (self.answered - 1) / max(now - self.first_answer_at, 1e-6)
         return max(self.total - self.answered, 0) / rate
 
 
@@ -90,6 +91,8 @@ class StatusWriter:
         """One question answered (lm-eval may call this from its request tasks)."""
         with self._lock:
             self.status.answered += 1
+            if self.status.first_answer_at is None:
+                self.status.first_answer_at = time.time()
             question = _QUESTION.findall(prompt)
             reference = self.references.get(question[-1].strip()) if question else None
             if reference is not None:
