@@ -109,15 +109,15 @@ def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
                 and record.get("num_questions_evaluated") == config.num_questions
                 and cfg.get("num_fewshot") == config.num_fewshot):
             # The same family folder and file name first (canary-tp/X and canary-tep/X share a name), then the name.
-            same_file = Path(record.get("config_path", "")).parent.name == config.path.parent.name
-            candidates.append((record.get("config_name") == config.name, same_file, path))
+            same_folder = Path(record.get("config_path", "")).parent.name == config.path.parent.name
+            candidates.append((record.get("config_name") == config.name, same_folder, path))
     if not candidates:
         raise ConfigError(f"--baseline: value '{baseline_root}' holds no finished result for model "
                           f"{config.model_name} with {config.num_questions} questions, {config.num_fewshot}-shot "
                           f"(needed by {config.path})")
-    same_file = [p for name, folder, p in candidates if name and folder]
-    same_name = [p for name, _, p in candidates if name]
-    pool = same_file or same_name or [p for _, _, p in candidates]
+    same_file = [p for same_name, same_folder, p in candidates if same_name and same_folder]
+    same_name_only = [p for same_name, _, p in candidates if same_name]
+    pool = same_file or same_name_only or [p for _, _, p in candidates]
     if len(pool) > 1:
         raise ConfigError(f"--baseline: value '{baseline_root}' holds {len(pool)} results that fit {config.path}: "
                           f"{', '.join(map(str, pool[:4]))}; point --baseline at one run folder or results.json")

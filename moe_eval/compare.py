@@ -20,7 +20,7 @@ from pathlib import Path
 from moe_eval.checks import LOGPROBS_FILE, correctness
 from moe_eval.errors import ConfigError
 from moe_eval.gsm8k import FILTERS
-from moe_eval.logprobs import divergence, read_logprobs
+from moe_eval.logprobs import TextLogprobs, divergence, read_logprobs
 from moe_eval.report import divergence_cell, markdown_table, rich_table
 from moe_eval.results import result_files
 from moe_eval.stats import paired_compare
@@ -119,17 +119,19 @@ def table_rows(members: list[RunResult]) -> tuple[list[str], list[list[str]]]:
         p = paired_compare(members[0].correct, m.correct, alpha=0.05)
         flips.append(f"{p.baseline_only} right->wrong, {p.new_only} wrong->right (McNemar p={p.p_two_sided:.3g})")
     rows.append(flips)
-    rows.append(["Δ log p vs first", "", "mean, top-1 changed", "-", *[_divergence(members[0], m) for m in members[1:]]])
+    first_logprobs = read_logprobs(members[0].logprobs) if members[0].logprobs is not None else None  # read once
+    rows.append(["Δ log p vs first", "", "mean, top-1 changed", "-",
+                 *[_divergence(first_logprobs, m) for m in members[1:]]])
     rows.append(["verdict", "", "", *[m.verdict for m in members]])
     return header, rows
 
 
-def _divergence(first: RunResult, other: RunResult) -> str:
+def _divergence(first: list[TextLogprobs] | None, other: RunResult) -> str:
     """The divergence cell: '-' where either run scored no texts or they scored different ones."""
-    if first.logprobs is None or other.logprobs is None:
+    if first is None or other.logprobs is None:
         return "-"
     try:
-        div = divergence(read_logprobs(first.logprobs), read_logprobs(other.logprobs))
+        div = divergence(first, read_logprobs(other.logprobs))
     except ValueError:  # other texts or tokens: not comparable
         return "not comparable"
     return divergence_cell(div.as_dict())

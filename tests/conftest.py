@@ -48,9 +48,11 @@ def tiny_config(tmp_path: Path, name: str, *, threshold: float = 0.0, questions:
     return path
 
 
-def run_args(tmp_path: Path, gsm8k_dir: str | None, *configs: Path, extra: tuple[str, ...] = ()) -> list[str]:
-    """`moe-eval run --hw cpu` of these configs into tmp_path/out, offline when the GSM8K copy is there."""
-    args = ["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out"), *extra, *map(str, configs)]
+def run_args(tmp_path: Path, gsm8k_dir: str | None, *configs: Path, extra: tuple[str, ...] = (),
+             out: Path | None = None) -> list[str]:
+    """`moe-eval run --hw cpu` of these configs into `out` (default tmp_path/out), offline when the GSM8K
+    copy is there."""
+    args = ["run", "--hw", "cpu", "--output-dir", str(out or tmp_path / "out"), *extra, *map(str, configs)]
     return args + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else [])
 
 

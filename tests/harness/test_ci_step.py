@@ -13,75 +13,32 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, processes_with_env, run_args, tiny_config
+from tests.conftest import run_args, tiny_config
+from tests.harness.running import (
+    evaluating,
+    left_running,
+    result_record,
+    run_root,
+    server_log,
+    start_run,
+    wait_for,
+)
 
 pytestmark = pytest.mark.server
-
-def _start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "moe_eval", *args], cwd=REPO_ROOT, env={**os.environ, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait(condition: Callable[[], object], proc: subprocess.Popen, timeout: float, what: str) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
-        if proc.poll() is not None:
-            _, err = proc.communicate()
-            raise AssertionError(f"moe-eval ended (code {proc.returncode}) before {what}:\n{err[-3000:]}")
-        time.sleep(0.3)
-    proc.kill()
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _log(tmp_path: Path, name: str) -> Path | None:
-    logs = [p for p in (tmp_path / "out").rglob("server.log") if p.parent.name == name and "attempts" not in p.parts]
-    return logs[0] if logs else None
-
-
-def _evaluating(tmp_path: Path, name: str, requests: int = 4) -> Callable[[], Path | None]:
-    """True once the config's server has answered `requests` evaluation requests (after the warm-up one)."""
-    def check() -> Path | None:
-        log = _log(tmp_path, name)
-        if log is not None and log.read_text(errors="replace").count("POST /v1/completions") >= requests + 1:
-            return log
-        return None
-    return check
-
-
-def _record(tmp_path: Path, name: str) -> dict | None:
-    for path in (tmp_path / "out").rglob("results.json"):
-        if path.parent.name == name and "attempts" not in path.parts:
-            return json.loads(path.read_text())
-    return None
-
-
-def _left(tmp_path: Path) -> list[str]:
-    return processes_with_env("MOE_EVAL_RUN_DIR", str(tmp_path / "out"))
-
-
-def _run_root(tmp_path: Path) -> Path:
-    return next((tmp_path / "out").iterdir())
-
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_cancel_during_evaluation_is_130_and_the_next_config_never_starts(tmp_path, gsm8k_dir, sig):
     """What Buildkite and GitHub Actions send on cancel (SIGTERM), and Ctrl-C: the same."""
     first = tiny_config(tmp_path, "Tiny-BF16-first", questions=200, concurrency=2)
     second = tiny_config(tmp_path, "Tiny-BF16-second")
-    proc = _start(run_args(tmp_path, gsm8k_dir, first, second))
+    proc = start_run(run_args(tmp_path, gsm8k_dir, first, second))
     try:
-        _wait(_evaluating(tmp_path, first.stem), proc, 300, "the evaluation was under way")
+        wait_for(evaluating(tmp_path, first.stem), proc, 300, "the evaluation was under way")
         proc.send_signal(sig)
         _, stderr = proc.communicate(timeout=120)
     finally:
@@ -89,21 +46,21 @@ def test_cancel_during_evaluation_is_130_and_the_next_config_never_starts(tmp_pa
             proc.kill()
     assert proc.returncode == 130, stderr[-3000:]
     assert f"cancelled by {sig.name}" in stderr
-    record = _record(tmp_path, first.stem)
+    record = result_record(tmp_path, first.stem)
     assert record["status"] == "cancelled" and record["cancelled_by"] == sig.name
     assert record["error"]["exit_code"] == 130 and record["progress"]["answered"] >= 4  # partial results kept
-    assert _log(tmp_path, second.stem) is None, "a config started after the cancel"
-    summary = json.loads((_run_root(tmp_path) / "summary.json").read_text())
+    assert server_log(tmp_path, second.stem) is None, "a config started after the cancel"
+    summary = json.loads((run_root(tmp_path) / "summary.json").read_text())
     assert summary["cancelled_by"] == sig.name and summary["complete"] is False
     assert [c["status"] for c in summary["configs"]] == ["cancelled", "not_started"]
-    assert not _left(tmp_path), _left(tmp_path)
+    assert not left_running(tmp_path), left_running(tmp_path)
 
 
 def test_sigterm_during_server_start_is_130_with_nothing_left(tmp_path, gsm8k_dir):
     config = tiny_config(tmp_path, "Tiny-BF16-starting")
-    proc = _start(run_args(tmp_path, gsm8k_dir, config))
+    proc = start_run(run_args(tmp_path, gsm8k_dir, config))
     try:
-        _wait(lambda: _log(tmp_path, config.stem), proc, 120, "the server started")
+        wait_for(lambda: server_log(tmp_path, config.stem), proc, 120, "the server started")
         time.sleep(3)  # the API server and its engine process exist
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=120)
@@ -111,8 +68,8 @@ def test_sigterm_during_server_start_is_130_with_nothing_left(tmp_path, gsm8k_di
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, stderr[-3000:]
-    assert _record(tmp_path, config.stem)["status"] == "cancelled"
-    assert not _left(tmp_path), _left(tmp_path)
+    assert result_record(tmp_path, config.stem)["status"] == "cancelled"
+    assert not left_running(tmp_path), left_running(tmp_path)
 
 
 def test_a_second_signal_during_teardown_kills_the_server_at_once(tmp_path, gsm8k_dir):
@@ -120,10 +77,10 @@ def test_a_second_signal_during_teardown_kills_the_server_at_once(tmp_path, gsm8
     from moe_eval.launch import TEARDOWN_GRACE_SECONDS
 
     config = tiny_config(tmp_path, "Fake-stubborn", questions=2, extra="request_timeout_seconds: 300\n")
-    proc = _start(run_args(tmp_path, gsm8k_dir, config),
+    proc = start_run(run_args(tmp_path, gsm8k_dir, config),
                   env={"MOE_EVAL_SERVER_MODULE": "tests.fakes.misbehaving_server", "FAKE_SERVER_MODE": "stubborn"})
     try:
-        _wait(lambda: (log := _log(tmp_path, config.stem)) and "holding an evaluation request" in log.read_text(),
+        wait_for(lambda: (log := server_log(tmp_path, config.stem)) and "holding an evaluation request" in log.read_text(),
               proc, 180, "the fake server held a request")
         proc.send_signal(signal.SIGTERM)
         time.sleep(2)  # the teardown has begun; the server ignores its SIGTERM
@@ -137,34 +94,34 @@ def test_a_second_signal_during_teardown_kills_the_server_at_once(tmp_path, gsm8
             proc.kill()
     assert proc.returncode == 130, stderr[-3000:]
     assert after_second < TEARDOWN_GRACE_SECONDS / 2, f"{after_second:.1f} s after the second signal"
-    assert not _left(tmp_path), _left(tmp_path)
+    assert not left_running(tmp_path), left_running(tmp_path)
 
 
 def test_sigkill_of_moe_eval_takes_every_server_process_with_it(tmp_path, gsm8k_dir):
     """What CI sends once its cancel grace period is over, and what the OOM killer sends: no handler runs."""
     config = tiny_config(tmp_path, "Tiny-BF16-orphaned", questions=200, concurrency=2)
-    proc = _start(run_args(tmp_path, gsm8k_dir, config))
+    proc = start_run(run_args(tmp_path, gsm8k_dir, config))
     try:
-        log = _wait(_evaluating(tmp_path, config.stem), proc, 300, "the evaluation was under way")
+        log = wait_for(evaluating(tmp_path, config.stem), proc, 300, "the evaluation was under way")
         api_pid = int(re.search(r"\(APIServer pid=(\d+)\)", log.read_text()).group(1))
         proc.kill()
         proc.communicate(timeout=30)
         deadline = time.monotonic() + 15
-        while _left(tmp_path) and time.monotonic() < deadline:
+        while left_running(tmp_path) and time.monotonic() < deadline:
             time.sleep(0.5)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert not _left(tmp_path), f"15 s after SIGKILL of moe-eval: {_left(tmp_path)}"
+    assert not left_running(tmp_path), f"15 s after SIGKILL of moe-eval: {left_running(tmp_path)}"
     status = Path(f"/proc/{api_pid}/status")
     assert not status.exists() or "zombie" in status.read_text(), "vLLM's API server outlived moe-eval"
 
 
 def test_retry_after_the_server_was_killed_mid_evaluation_passes(tmp_path, gsm8k_dir):
     config = tiny_config(tmp_path, "Tiny-BF16-retried", questions=30, concurrency=1)
-    proc = _start(run_args(tmp_path, gsm8k_dir, config, extra=("--retries", "1")))
+    proc = start_run(run_args(tmp_path, gsm8k_dir, config, extra=("--retries", "1")))
     try:
-        log = _wait(_evaluating(tmp_path, config.stem), proc, 300, "the first attempt's evaluation was under way")
+        log = wait_for(evaluating(tmp_path, config.stem), proc, 300, "the first attempt's evaluation was under way")
         api_pid = int(re.search(r"\(APIServer pid=(\d+)\)", log.read_text()).group(1))
         os.killpg(os.getpgid(api_pid), signal.SIGKILL)  # the whole server, as a crash or an OOM kill would
         _, stderr = proc.communicate(timeout=600)
@@ -172,39 +129,39 @@ def test_retry_after_the_server_was_killed_mid_evaluation_passes(tmp_path, gsm8k
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stderr[-3000:]
-    record = _record(tmp_path, config.stem)
+    record = result_record(tmp_path, config.stem)
     assert record["status"] == "passed" and record["attempt"] == 2
     assert [a["status"] for a in record["attempts"]] == ["error"] and "exited with code -9" in record["attempts"][0]["error"]
     first = Path(record["server"]["log"]).parent / record["attempts"][0]["folder"]
     assert (first / "server.log").exists() and json.loads((first / "results.json").read_text())["status"] == "error"
     assert "retrying with a fresh server" in stderr
-    assert not _left(tmp_path), _left(tmp_path)
+    assert not left_running(tmp_path), left_running(tmp_path)
 
 
 def test_resume_after_an_interrupted_run_finishes_only_the_rest(tmp_path, gsm8k_dir):
     done = tiny_config(tmp_path, "Tiny-BF16-done")
     rest = tiny_config(tmp_path, "Tiny-BF16-rest", questions=30, concurrency=1)
-    proc = _start(run_args(tmp_path, gsm8k_dir, done, rest))
+    proc = start_run(run_args(tmp_path, gsm8k_dir, done, rest))
     try:
-        _wait(_evaluating(tmp_path, rest.stem), proc, 400, "the second config's evaluation was under way")
+        wait_for(evaluating(tmp_path, rest.stem), proc, 400, "the second config's evaluation was under way")
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, stderr[-3000:]
-    run_root = _run_root(tmp_path)
-    first_record = _record(tmp_path, done.stem)
-    assert first_record["status"] == "passed" and _record(tmp_path, rest.stem)["status"] == "cancelled"
+    interrupted = run_root(tmp_path)
+    first_record = result_record(tmp_path, done.stem)
+    assert first_record["status"] == "passed" and result_record(tmp_path, rest.stem)["status"] == "cancelled"
 
-    proc = _start(run_args(tmp_path, gsm8k_dir, done, rest, extra=("--resume", str(run_root))))
+    proc = start_run(run_args(tmp_path, gsm8k_dir, done, rest, extra=("--resume", str(interrupted))))
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
-    assert _record(tmp_path, done.stem) == first_record, "the finished config ran again"
-    assert _record(tmp_path, rest.stem)["status"] == "passed"
-    summary = json.loads((run_root / "summary.json").read_text())
+    assert result_record(tmp_path, done.stem) == first_record, "the finished config ran again"
+    assert result_record(tmp_path, rest.stem)["status"] == "passed"
+    summary = json.loads((interrupted / "summary.json").read_text())
     assert [(c["status"], c["resumed"]) for c in summary["configs"]] == [("passed", True), ("passed", False)]
     assert summary["complete"] is True
-    assert (run_root / "cpu" / rest.stem / "attempts" / "1" / "server.log").exists()  # the cancelled attempt, kept
+    assert (interrupted / "cpu" / rest.stem / "attempts" / "1" / "server.log").exists()  # the cancelled attempt, kept
     assert "1 kept from the earlier run" in stderr
-    assert not _left(tmp_path), _left(tmp_path)
+    assert not left_running(tmp_path), left_running(tmp_path)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_args, run_cli, tiny_config
-from tests.harness.test_ci_step import _evaluating, _left, _record, _start, _wait
+from tests.harness.running import evaluating, left_running, result_record, start_run, wait_for
 
 pytestmark = pytest.mark.server
 
@@ -37,9 +37,9 @@ def test_jobs_2_gives_the_verdicts_and_junit_of_jobs_1(tmp_path, gsm8k_dir):
     results = {}
     for jobs in (1, 2):
         out = tmp_path / f"out-jobs{jobs}"
-        args = ["run", "--hw", "cpu", "--output-dir", str(out), "--jobs", str(jobs),
-                "--junit", str(tmp_path / f"junit-{jobs}.xml"), str(passing), str(failing)]
-        result = run_cli(args + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []), timeout=900)
+        args = run_args(tmp_path, gsm8k_dir, passing, failing, out=out,
+                        extra=("--jobs", str(jobs), "--junit", str(tmp_path / f"junit-{jobs}.xml")))
+        result = run_cli(args, timeout=900)
         records = {p.parent.name: json.loads(p.read_text()) for p in out.rglob("results.json")}
         results[jobs] = (result, records)
     (one, one_records), (two, two_records) = results[1], results[2]
@@ -64,19 +64,19 @@ def test_a_crashed_config_leaves_the_others_result_intact(tmp_path, gsm8k_dir):
     healthy = tiny_config(tmp_path, "Tiny-BF16-healthy")
     result = run_cli(run_args(tmp_path, gsm8k_dir, crashing, healthy, extra=("--jobs", "2")), timeout=900)
     assert result.returncode == 3, result.stderr[-3000:]
-    assert _record(tmp_path, crashing.stem)["status"] == "error"
-    healthy_record = _record(tmp_path, healthy.stem)
+    assert result_record(tmp_path, crashing.stem)["status"] == "error"
+    healthy_record = result_record(tmp_path, healthy.stem)
     assert healthy_record["status"] == "passed" and healthy_record["num_questions_evaluated"] == 8
     assert "--no-such-vllm-flag" in result.stderr  # the crash's own log lines travel with its error
-    assert not _left(tmp_path), _left(tmp_path)
+    assert not left_running(tmp_path), left_running(tmp_path)
 
 
 def test_sigterm_during_a_packed_run_is_130_with_nothing_left(tmp_path, gsm8k_dir):
     first = tiny_config(tmp_path, "Tiny-BF16-one", questions=200, concurrency=1)
     second = tiny_config(tmp_path, "Tiny-BF16-two", questions=200, concurrency=1)
-    proc = _start(run_args(tmp_path, gsm8k_dir, first, second, extra=("--jobs", "2")))
+    proc = start_run(run_args(tmp_path, gsm8k_dir, first, second, extra=("--jobs", "2")))
     try:
-        _wait(lambda: _evaluating(tmp_path, first.stem)() and _evaluating(tmp_path, second.stem)(), proc, 400,
+        wait_for(lambda: evaluating(tmp_path, first.stem)() and evaluating(tmp_path, second.stem)(), proc, 400,
               "both packed configs were evaluating")
         proc.send_signal(signal.SIGTERM)
         started = time.monotonic()
@@ -86,5 +86,5 @@ def test_sigterm_during_a_packed_run_is_130_with_nothing_left(tmp_path, gsm8k_di
             proc.kill()
     assert proc.returncode == 130, stderr[-3000:]
     assert time.monotonic() - started < 60
-    assert {_record(tmp_path, c.stem)["status"] for c in (first, second)} == {"cancelled"}
-    assert not _left(tmp_path), _left(tmp_path)
+    assert {result_record(tmp_path, c.stem)["status"] for c in (first, second)} == {"cancelled"}
+    assert not left_running(tmp_path), left_running(tmp_path)

@@ -10,15 +10,14 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import jsonschema
 import pytest
 
-from tests.conftest import REPO_ROOT, processes_with_env, run_args, run_cli, tiny_config
+from tests.conftest import processes_with_env, run_args, run_cli, tiny_config
+from tests.harness.running import evaluating, left_running, server_log, start_run, wait_for
 
 pytestmark = pytest.mark.server
 
@@ -27,7 +26,7 @@ def _results(tmp_path: Path) -> dict[str, dict]:
 
 
 def _assert_nothing_left(tmp_path: Path) -> None:
-    left = processes_with_env("MOE_EVAL_RUN_DIR", str(tmp_path / "out"))
+    left = left_running(tmp_path)
     assert not left, f"processes of the run survived it: {left}"
 
 
@@ -46,8 +45,8 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
     accuracy gate, the paired gate and the log-probability divergence gate against the reference."""
     result, out = embedded_default_run
     assert result.returncode == 0, result.stderr[-3000:]
-    records = {json.loads(p.read_text())["config_name"] + "/" + json.loads(p.read_text())["layout"]["kind"]:
-               json.loads(p.read_text()) for p in out.rglob("results.json")}
+    records = {f"{r['config_name']}/{r['layout']['kind']}": r
+               for r in (json.loads(p.read_text()) for p in out.rglob("results.json"))}
     assert set(records) == {"Canary-Qwen3-MoE-BF16-vllm/TP", "Canary-Qwen3-MoE-BF16-torch/TP",
                             "Canary-Qwen3-MoE-BF16-torch/TEP"}
     schema = json.loads((repo_root / "docs" / "results.schema.json").read_text())
@@ -139,18 +138,9 @@ def test_startup_timeout_is_exit_3_and_kills_the_server(tmp_path, gsm8k_dir):
 
 def test_server_killed_during_evaluation_is_exit_3(tmp_path, gsm8k_dir):
     path = tiny_config(tmp_path, "Tiny-BF16-killed", questions=200, concurrency=2)
-    proc = subprocess.Popen([sys.executable, "-m", "moe_eval", *run_args(tmp_path, gsm8k_dir, path)],
-                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_run(run_args(tmp_path, gsm8k_dir, path))
     try:
-        log_path, deadline = None, time.monotonic() + 300
-        while time.monotonic() < deadline:  # wait until the evaluation is under way
-            logs = list((tmp_path / "out").rglob("server.log"))
-            if logs and logs[0].read_text(errors="replace").count("POST /v1/completions") >= 4:
-                log_path = logs[0]
-                break
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.5)
-        assert log_path is not None, "evaluation never started"
+        log_path = wait_for(evaluating(tmp_path, path.stem, requests=3), proc, 300, "the evaluation was under way")
         api_pid = int(re.search(r"\(APIServer pid=(\d+)\)", log_path.read_text()).group(1))
         os.killpg(os.getpgid(api_pid), signal.SIGKILL)  # the whole server, as an OOM killer or a crash would
         _, stderr = proc.communicate(timeout=300)
@@ -165,11 +155,8 @@ def test_server_killed_during_evaluation_is_exit_3(tmp_path, gsm8k_dir):
 
 def test_ctrl_c_tears_down_and_keeps_partial_results(tmp_path, gsm8k_dir):
     path = tiny_config(tmp_path, "Tiny-BF16-interrupted")
-    proc = subprocess.Popen([sys.executable, "-m", "moe_eval", *run_args(tmp_path, gsm8k_dir, path)],
-                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not list((tmp_path / "out").rglob("server.log")) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    proc = start_run(run_args(tmp_path, gsm8k_dir, path))
+    wait_for(lambda: server_log(tmp_path, path.stem), proc, 120, "the server started")
     time.sleep(3)  # the server is starting: its workers exist
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
