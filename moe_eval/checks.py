@@ -20,6 +20,7 @@ from moe_eval.stats import PairedResult, paired_compare
 
 INVALID = "[invalid]"  # what lm-eval's regex filters leave when they find nothing
 LOGPROBS_FILE = "logprobs.jsonl"  # a config's scored log-probabilities (moe_eval.logprobs), beside results.json
+DECODE_FILE = "decode.jsonl"  # its greedy continuations with their log-probabilities (the decode path)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Baseline:
     logprobs_path: Path | None = None
     moe_backend_used: str | None = None  # what its server's log said served ("bundled:torch", "vllm:CPU")
     layout: str | None = None  # Layout.describe() of its config
+    decode_path: Path | None = None  # its greedy continuations (DECODE_FILE), where it made them
 
 
 def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
@@ -136,8 +138,10 @@ def load_baseline(results_path: Path, what: str) -> Baseline:
         record = json.loads(results_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{what}: {results_path}: cannot read ({exc})") from None
+    decode = results_path.parent / DECODE_FILE
     return Baseline(results_path, correctness(samples), logprobs if logprobs.is_file() else None,
-                    record.get("moe_backend_used"), (record.get("layout") or {}).get("describe"))
+                    record.get("moe_backend_used"), (record.get("layout") or {}).get("describe"),
+                    decode if decode.is_file() else None)
 
 
 def paired_check(baseline: Baseline, samples: list[dict], alpha: float) -> tuple[Check, PairedResult]:

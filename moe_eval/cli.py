@@ -82,6 +82,9 @@ hw_option = click.option("--hw", type=click.Choice(("auto", *HARDWARE)), default
 list_option = click.option("--list", "list_path", type=click.Path(dir_okay=False), default=None,
                            help="A list file of configs to use instead of config-<hw>.txt "
                                 "(e.g. config-gpu-canary.txt).")
+golden_cache_option = click.option(
+    "--golden-cache", "golden_cache", envvar="MOE_EVAL_GOLDEN_CACHE", type=click.Path(file_okay=False), default=None,
+    help="Folder of golden references (kept between CI runs); default ~/.cache/moe-eval/goldens.")
 root_option = click.option("--root", type=click.Path(file_okay=False), default=None,
                            help="Folder holding config-<hw>.txt (default: current folder, else the checkout).")
 
@@ -140,12 +143,14 @@ def shard_from_environment(shard_text: str | None) -> str | None:
                    "devices allow. 1 gives each server the whole machine.")
 @click.option("--retries", type=click.IntRange(0, 10), default=0, show_default=True,
               help="Run a config that ended in an infrastructure error again, with a fresh server, up to N times.")
+@golden_cache_option
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False, exists=True), default=None,
               help="Finish this run folder: configs whose results there passed or failed with the same config, "
                    "versions and questions are kept; the rest run; one summary covers all.")
 def run(hw: str, root: str | None, configs: tuple[str, ...], list_path: str | None, shard_text: str | None,
         gsm8k_dir: str | None, output_dir: str, port: int | None, limit: int | None, junit_path: str | None,
-        mutation: str | None, baseline_path: str | None, jobs_text: str, retries: int, resume_dir: str | None) -> None:
+        mutation: str | None, baseline_path: str | None, jobs_text: str, retries: int, golden_cache: str | None,
+        resume_dir: str | None) -> None:
     """Serve each selected config with vLLM, run GSM8K through lm-eval, gate, report."""
     from moe_eval.checks import find_baseline
     from moe_eval.devices import cpu_pool, gpu_pool
@@ -184,7 +189,7 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], list_path: str | No
     if jobs != 1:
         check_fits(planned, pool)
     run_root = Path(resume_dir).resolve() if resume_dir else new_run_root(Path(output_dir).resolve())
-    kept = resumable_outcomes(run_root, selected, data) if resume_dir else {}
+    kept = resumable_outcomes(run_root, selected, data, mutation) if resume_dir else {}
     append_text(run_root / "command.txt", " ".join(sys.argv) + "\n")
     for note in notes:
         progress(note)
@@ -193,7 +198,8 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], list_path: str | No
              + (f"; up to {jobs or 'auto'} at once on {pool.kind} {','.join(map(str, pool.ids))}" if jobs != 1 else ""))
     job = Job(config_path="", run_root=str(run_root), hw=hw, parent_pid=os.getpid(), limit=limit,
               gsm8k_dir=str(data.dir) if data.dir is not None else None, mutation=mutation,
-              baseline=str(Path(baseline_path).resolve()) if baseline_path else None, gpus=list(gpu_list))
+              baseline=str(Path(baseline_path).resolve()) if baseline_path else None, gpus=list(gpu_list),
+              golden_cache=str(Path(golden_cache).resolve()) if golden_cache else None)
     view = ProgressView(len(selected), pool.kind)
     scheduler = Scheduler([p for p in planned if p.index not in kept],
                           SchedulerOptions(job=job, pool=pool, jobs=jobs, retries=retries, port_base=port), view)
@@ -237,9 +243,11 @@ def new_run_root(output_dir: Path) -> Path:
     return run_root
 
 
-def resumable_outcomes(run_root: Path, selected: list[EvalConfig], data) -> dict[int, object]:
+def resumable_outcomes(run_root: Path, selected: list[EvalConfig], data, mutation: str | None = None
+                       ) -> dict[int, object]:
     """Configs of `selected` whose results.json in run_root holds a verdict for the same config file
-    (sha256), the same versions and the same questions; the others' old files move to attempts/."""
+    (sha256), the same versions, the same questions and the same mutation (vLLM's own kernel is never
+    mutated, so its rows carry over into a `--mutate` run); the others' old files move to attempts/."""
     import json
 
     from moe_eval.results import versions
@@ -256,7 +264,8 @@ def resumable_outcomes(run_root: Path, selected: list[EvalConfig], data) -> dict
         same = (record is not None and record.get("status") in ("passed", "failed")
                 and record.get("config_sha256") == config.sha256 and record.get("versions") == versions()
                 and record.get("num_questions_evaluated") == config.num_questions
-                and record.get("gsm8k") == task_data(config, data).describe())
+                and record.get("gsm8k") == task_data(config, data).describe()
+                and record.get("mutation") == (mutation if config.moe_backend is not None else None))
         if same:
             outcome = ConfigOutcome.from_record(config, run_dir, record)
             outcome.resumed = True
@@ -297,6 +306,52 @@ def write_run_reports(run_root: Path, outcomes: list, not_started: list, *, hw: 
             fh.write(f"## moe-eval GSM8K ({hw})\n\n{table}\n")
 
 
+@cli.command()
+@hw_option
+@root_option
+@click.argument("configs", nargs=-1, type=click.Path(dir_okay=False))
+@list_option
+@click.option("--gsm8k-dir", envvar="MOE_EVAL_GSM8K_DIR", default=None,
+              help="Folder with GSM8K train.jsonl and test.jsonl (the texts the goldens score).")
+@golden_cache_option
+@click.option("--refresh", is_flag=True, help="Make the goldens anew even where the cache holds them.")
+@click.option("--output-dir", default="moe-eval-results", show_default=True,
+              help="The golden servers' logs go to <output-dir>/goldens-<timestamp>/.")
+def golden(hw: str, root: str | None, configs: tuple[str, ...], list_path: str | None, gsm8k_dir: str | None,
+           golden_cache: str | None, refresh: bool, output_dir: str) -> None:
+    """Make the golden references the selected configs' golden gate needs (ahead of `run`, e.g. in CI's
+    cache step); each is made once per key and kept in the golden cache."""
+    from moe_eval.golden import GoldenStore, ServerPlace, cache_dir, ensure_golden, golden_plan
+    from moe_eval.golden_checks import golden_device
+    from moe_eval.gsm8k import gsm8k_data
+    from moe_eval.hardware import gpu_names
+    from moe_eval.models import resolve_model
+    from moe_eval.runner import task_data
+
+    gpu_list = gpu_names()
+    hw = resolve_hw(hw, gpu_list)
+    selected, source = select_configs(hw, configs, None, root, list_path)
+    gated = [c for c in selected if c.golden_gated]
+    if not gated:
+        raise ConfigError(f"no config of {source} has the golden gate (a moe_backend, logprob_texts > 0, golden on)")
+    data = gsm8k_data(gsm8k_dir)
+    store = GoldenStore(cache_dir(golden_cache))
+    logs = new_run_root(Path(output_dir).resolve())
+    plans = {}
+    for config in gated:
+        plan = golden_plan(config, task_data(config, data), resolve_model(config.model_name),
+                           golden_device(hw, tuple(gpu_list)), memo_path=store.root / "weights-digests.json")
+        plans.setdefault(plan.key.digest, (plan, config, []))[2].append(config)
+    progress(f"{len(plans)} golden reference(s) for {len(gated)} config(s) of {source}; cache {store.root}")
+    click.echo("golden	made	seconds	model	server_args	configs	path")
+    for digest, (plan, config, users) in plans.items():
+        place = ServerPlace(hw=hw, devices=None, gpus=len(gpu_list), log_dir=logs / digest, progress=progress)
+        started = time.monotonic()
+        found, made = ensure_golden(plan, config, place, store, refresh=refresh)
+        click.echo(f"{digest}	{'made' if made else 'cached'}	{time.monotonic() - started:.0f}	{config.model_name}	"
+                   f"{' '.join(plan.server_argv)}	{','.join(c.path.stem for c in users)}	{found.path}")
+
+
 @cli.command(name="list")
 @hw_option
 @root_option
@@ -311,12 +366,25 @@ def list_configs(hw: str, root: str | None, list_path: str | None, shard_text: s
     for note in notes:
         click.echo(f"# {note}")
     click.echo(f"config\tmodel\tlayout\t{'cpu_ranks' if hw == 'cpu' else 'gpus'}\tmoe_backend\tthreshold\tquestions"
-               "\tbaseline")
+               "\tbaseline\tgates")
     for i, c in enumerate(selected):
         baseline = selected[dependencies[i]] if i in dependencies else None
         click.echo(f"{c.path.parent.name}/{c.path.name}\t{c.model_name}\t{c.layout.describe()}\t{c.layout.world_size}\t"
                    f"{c.moe_backend or 'vllm-default'}\t{c.accuracy_threshold}\t{c.num_questions}\t"
-                   f"{f'{baseline.path.parent.name}/{baseline.path.name}' if baseline else '-'}")
+                   f"{f'{baseline.path.parent.name}/{baseline.path.name}' if baseline else '-'}\t"
+                   f"{','.join(gate_names(c, baseline is not None))}")
+
+
+def gate_names(config: EvalConfig, has_baseline: bool) -> list[str]:
+    """The gates a config runs under (`list`): a golden gate without an incumbent reports, never gates."""
+    gates = ["accuracy"]
+    if has_baseline:
+        gates += ["paired", "divergence"]
+    if config.golden_gated:
+        gates.append("golden" if has_baseline else "golden(no incumbent: reports only)")
+    if config.max_jit_while_serving is not None:
+        gates.append("jit")
+    return gates
 
 
 @cli.command()
@@ -337,17 +405,22 @@ def validate(root: str | None) -> None:
 
 @cli.command()
 @click.argument("results", nargs=-1, required=True, type=click.Path())
-@click.option("--format", "fmt", type=click.Choice(("auto", "markdown", "rich")), default="auto", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(("auto", "markdown", "rich")), default="auto",
+              show_default=True,
               help="auto: rich on a terminal, Markdown (ready to paste into a pull request) otherwise.")
-def compare(results: tuple[str, ...], fmt: str) -> None:
+@click.option("--reference", default="vllm", show_default=True, metavar="vllm|first|N|TEXT",
+              help="The column the flips, Δ log p and golden-error ratios are against: vllm (the first "
+                   "column running vLLM's own MoE kernel, else the first), first, a 1-based column number, "
+                   "or a part of exactly one column's label.")
+def compare(results: tuple[str, ...], fmt: str, reference: str) -> None:
     """Side-by-side accuracy of run folders or results.json files, one table per model."""
     from moe_eval import compare as cmp
 
     groups = cmp.group_runs([Path(r) for r in results])
     if fmt == "rich" or (fmt == "auto" and sys.stdout.isatty()):
-        cmp.print_rich(groups)
+        cmp.print_rich(groups, reference)
     else:
-        click.echo(cmp.markdown(groups), nl=False)
+        click.echo(cmp.markdown(groups, reference), nl=False)
 
 
 def main(argv: list[str] | None = None) -> None:

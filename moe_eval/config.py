@@ -148,12 +148,27 @@ CONFIG_KEYS: dict[str, KeySpec] = {
                                   "(unset: the default for the kind of baseline)"),
     "max_logprob_kl": KeySpec(NUMBER, None, _non_negative,
                               "with a baseline: fail when the mean KL over the shared top-k is above this"),
+    # --- the golden gate (moe_eval.golden, moe_eval.golden_gate; docs/logprob-gate.md) ---
+    "golden": KeySpec((bool,), True, None,
+                      "a bundled-kernel config with a baseline and logprob_texts > 0: compare its error against an "
+                      "exact golden reference with the incumbent's (the baseline's); false: off"),
+    "golden_margin": KeySpec(NUMBER, 0.10, _between(0.0, 10.0),
+                             "golden gate: fail when error / incumbent's error > 1 + this and the paired test agrees"),
+    "golden_alpha": KeySpec(NUMBER, 0.01, _between(1e-9, 0.5),
+                            "golden gate: the one-sided paired t-test's significance level"),
+    "golden_server_args": KeySpec((str,), None, _shell_splittable,
+                                  "server arguments of the golden (default: server_args without its parallel "
+                                  "flags, TP=1); e.g. --pipeline-parallel-size 2 where one GPU cannot hold the model",
+                                  normalize=_single_spaced),
+    "decode_texts": KeySpec((int,), 8, _between(0, GSM8K_TEST_QUESTIONS),
+                            "prompts whose greedy continuation is compared with the golden's (the decode path); 0: none"),
+    "decode_tokens": KeySpec((int,), 32, _between(1, 4096), "tokens generated per decode prompt"),
     "max_jit_while_serving": KeySpec((int,), None, _non_negative,
                                      "fail when more kernel compilations than this happen while serving "
                                      "(vLLM's JIT monitor, GPU servers)"),
 }
 
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", dict: "a mapping"}
+_TYPE_NAMES = {bool: "true or false", str: "a string", int: "an integer", float: "a number", dict: "a mapping"}
 
 
 @dataclass(frozen=True)
@@ -188,6 +203,17 @@ class EvalConfig:
     max_top1_flip_rate: float | None = None
     max_logprob_kl: float | None = None
     max_jit_while_serving: int | None = None
+    golden: bool = True
+    golden_margin: float = 0.10
+    golden_alpha: float = 0.01
+    golden_server_args: str | None = None
+    decode_texts: int = 8
+    decode_tokens: int = 32
+
+    @property
+    def golden_gated(self) -> bool:
+        """The golden gate applies: a bundled kernel (vLLM's own is the incumbent), texts to score, and on."""
+        return self.golden and self.moe_backend is not None and self.logprob_texts > 0
 
     @property
     def name(self) -> str:
@@ -214,7 +240,7 @@ class EvalConfig:
 
 def _check_value(path: Path, key: str, value: Any, spec: KeySpec) -> Any:
     # bool is a subclass of int in Python; a YAML `true` is never a valid number here.
-    if isinstance(value, bool) or not isinstance(value, spec.types):
+    if (isinstance(value, bool) and bool not in spec.types) or not isinstance(value, spec.types):
         wanted = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in spec.types)
         raise ConfigError(f"{path}: key '{key}': value {value!r} must be {wanted}")
     if spec.check is not None:

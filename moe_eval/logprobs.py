@@ -179,27 +179,78 @@ def capture(base_url: str, model: str, texts: list[str], *, top_k: int = 5, conc
     prefix is recomputed every time.) `retries` is the attempts per text (as the configs'
     max_retries): connection errors, timeouts and 5xx are retried after backoff, 2 x backoff, ...
     seconds; when they are spent, or at once on a 4xx or a reply of the wrong shape, InfraError."""
+    # prompt_logprobs follow `logprobs` under echo; return_tokens_as_token_ids keys every token by
+    # id, so two tokens that decode to the same text never collide in a top_logprobs dict.
+    payloads = [{"model": model, "prompt": text, "echo": True, "logprobs": top_k, "max_tokens": 1,
+                 "temperature": 0.0, "return_tokens_as_token_ids": True} for text in texts]
+    return _post_each(base_url, payloads, lambda reply, i: parse_completion(reply, i, top_k),
+                      concurrency=concurrency, timeout=timeout, retries=retries, backoff=backoff)
+
+
+def decode_prompts(train_rows: list[dict], test_rows: list[dict], num_fewshot: int, n: int) -> list[str]:
+    """The first n scoring texts cut after "Answer:": the prompt lm-eval sends for question i, with the
+    fixed few-shot block of `scoring_texts`. What the model generates from it runs the decode path."""
+    texts = scoring_texts(train_rows, test_rows, num_fewshot, n)
+    cut = [text.rsplit("Answer:" + _TARGET_DELIMITER, 1) for text in texts]
+    return [head + "Answer:" for head, _ in cut]
+
+
+def capture_decode(base_url: str, model: str, prompts: list[str], *, tokens: int, top_k: int = 5,
+                   timeout: float = 300, retries: int = 3, backoff: float = 1.0) -> list[TextLogprobs]:
+    """Greedy continuations of `prompts`, `tokens` at most each, with each generated token's log p and
+    top-k: the decode path (one token per step, CUDA graphs on a GPU server), which prefill scoring never
+    reaches. One request at a time, as `capture`. Position i of a record is generated token i."""
+    payloads = [{"model": model, "prompt": prompt, "logprobs": top_k, "max_tokens": tokens, "temperature": 0.0,
+                 "return_tokens_as_token_ids": True} for prompt in prompts]
+    return _post_each(base_url, payloads, lambda reply, i: parse_generation(reply, i, top_k),
+                      concurrency=1, timeout=timeout, retries=retries, backoff=backoff)
+
+
+def parse_generation(reply: dict, index: int, top_k: int) -> TextLogprobs:
+    """The generated tokens' logprobs from one completions reply without echo. ValueError when the
+    reply is not shaped as expected."""
+    try:
+        lp = reply["choices"][0]["logprobs"]
+        tokens, token_lps, tops = lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]
+    except (KeyError, IndexError, TypeError):
+        raise ValueError(f"no choices[0].logprobs with tokens/token_logprobs/top_logprobs in {reply!s:.200}") \
+            from None
+    if not (len(tokens) == len(token_lps) == len(tops)) or not tokens:
+        raise ValueError(f"generated logprobs empty or of unequal lengths: tokens {len(tokens)}, token_logprobs "
+                         f"{len(token_lps)}, top_logprobs {len(tops)}")
+    ids, lps, top_ids, top_lps = [], [], [], []
+    for pos, (token, token_lp, top) in enumerate(zip(tokens, token_lps, tops)):
+        what = f"generated token {pos}"
+        if token_lp is None or top is None:
+            raise ValueError(f"{what} has no logprob")
+        ids.append(_token_id(token, what))
+        lps.append(float(token_lp))
+        t_ids, t_lps = _top_k(top, top_k, what)
+        top_ids.append(t_ids)
+        top_lps.append(t_lps)
+    return TextLogprobs(index, tuple(ids), tuple(lps), tuple(top_ids), tuple(top_lps))
+
+
+def _post_each(base_url: str, payloads: list[dict], parse: Any, *, concurrency: int, timeout: float, retries: int,
+               backoff: float) -> list[TextLogprobs]:
+    """POST each payload to /v1/completions and parse its reply; retries as `capture` says."""
     import requests  # lazy: the module's other stages need no HTTP
 
     url = base_url.rstrip("/") + "/v1/completions"
     local = threading.local()  # one keep-alive session per worker thread (a Session is not thread-safe)
     sessions: list[requests.Session] = []
 
-    def score(index: int) -> TextLogprobs:
+    def post(index: int) -> TextLogprobs:
         session = getattr(local, "session", None)
         if session is None:
             session = local.session = requests.Session()
             sessions.append(session)
-        # prompt_logprobs follow `logprobs` under echo; return_tokens_as_token_ids keys every token by
-        # id, so two tokens that decode to the same text never collide in a top_logprobs dict.
-        payload = {"model": model, "prompt": texts[index], "echo": True, "logprobs": top_k, "max_tokens": 1,
-                   "temperature": 0.0, "return_tokens_as_token_ids": True}
         problem = ""
         for attempt in range(max(retries, 1)):
             if attempt:
                 time.sleep(backoff * 2 ** (attempt - 1))
             try:
-                response = session.post(url, json=payload, timeout=timeout)
+                response = session.post(url, json=payloads[index], timeout=timeout)
             except requests.RequestException as exc:
                 problem = f"{type(exc).__name__}: {exc}"
                 continue
@@ -211,16 +262,16 @@ def capture(base_url: str, model: str, texts: list[str], *, top_k: int = 5, conc
                 # max_logprobs) fails the same way every time: no retry.
                 raise InfraError(f"POST {url} (text {index}): HTTP {response.status_code}: {response.text[:300]}")
             try:
-                return parse_completion(response.json(), index, top_k)
+                return parse(response.json(), index)
             except ValueError as exc:  # includes a body that is not JSON
                 raise InfraError(f"POST {url} (text {index}): unexpected reply: {exc}") from None
         raise InfraError(f"POST {url} (text {index}): {max(retries, 1)} attempts failed; last: {problem}")
 
     try:
         if concurrency <= 1:
-            return [score(i) for i in range(len(texts))]
+            return [post(i) for i in range(len(payloads))]
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            return list(pool.map(score, range(len(texts))))
+            return list(pool.map(post, range(len(payloads))))
     finally:
         for session in sessions:
             session.close()

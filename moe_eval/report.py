@@ -12,7 +12,8 @@ if TYPE_CHECKING:  # annotations only: `moe-eval compare` uses the table helpers
     from moe_eval.runner import ConfigOutcome
 
 COLUMNS = ("Config", "Layout", "MoE backend", "Filter", "n-shot", "Metric", "Value", "", "Stderr", "Floor",
-           "Margin (stderr)", "Catches a drop of (80%)", "Δ log p vs baseline", "Verdict")
+           "Margin (stderr)", "Catches a drop of (80%)", "Δ log p vs baseline", "Error vs golden (incumbent)",
+           "Verdict")
 
 
 def _fmt(value: float | None, digits: int = 4) -> str:
@@ -34,6 +35,22 @@ def divergence_cell(divergence: dict | None) -> str:
     return f"{divergence['mean_abs_dlogp']:.4f} mean, {divergence['top1_flip_rate']:.2%} top-1"
 
 
+def golden_cell(gate: dict | None) -> str:
+    """'0.0169 (0.0172) x0.98 p=0.9; catches 1.6%': this run's error against the golden reference, the
+    incumbent's, their ratio and the paired test's p, and the smallest per-expert scale error caught."""
+    if not gate:
+        return "-"
+    run = (gate.get("run") or {}).get("mean_abs")
+    if gate.get("skipped") and run is None:
+        return "no incumbent" if "incumbent" in gate["skipped"] else "not scored"
+    if "ratio" not in gate:
+        return f"{run:.4f} (no incumbent)" if run is not None else "-"
+    incumbent = gate["incumbent"]["errors"]["mean_abs"]
+    power = (gate.get("power") or {}).get("scale_error")
+    caught = ("; catches none <= 50%" if power is None else "" if power == 0.0 else f"; catches {power:.1%}")
+    return f"{run:.4f} ({incumbent:.4f}) x{gate['ratio']:.2f} p={gate['p']:.2g}{caught}"
+
+
 def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
     table = []
     for o in outcomes:
@@ -42,7 +59,7 @@ def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
         backend = o.moe_backend_used or "n/a"
         if o.scores is None:  # an infrastructure error, or cancelled before the evaluation ended
             table.append([name, cfg.layout.describe(), backend, "-", str(cfg.num_fewshot), "exact_match", "-", "",
-                          "-", _fmt(cfg.accuracy_threshold - cfg.tolerance), "-", "-", "-", o.status.upper()])
+                          "-", _fmt(cfg.accuracy_threshold - cfg.tolerance), "-", "-", "-", "-", o.status.upper()])
             continue
         for i, (filt, score) in enumerate(o.scores.items()):
             gated = filt == "strict-match"
@@ -52,7 +69,8 @@ def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
                 filt, str(cfg.num_fewshot), "exact_match", _fmt(score["accuracy"]), "±", _fmt(score["stderr"]),
                 _fmt(o.gate.floor) if gated and o.gate else "", f"{sigma:+.1f}" if sigma is not None else "",
                 _fmt(o.detectable_drop, 3) if gated and o.detectable_drop is not None else "",
-                divergence_cell(o.divergence) if gated else "", _verdict(o) if gated else "",
+                divergence_cell(o.divergence) if gated else "", golden_cell(o.golden_gate) if gated else "",
+                _verdict(o) if gated else "",
             ])
     return table
 

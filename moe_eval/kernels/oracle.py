@@ -31,6 +31,9 @@ class MoeBackend(str, enum.Enum):
     TRITON = "triton"  # moe_eval.kernels.fused_moe
     FLASHINFER_CUTLASS = "flashinfer_cutlass"  # moe_eval.kernels.flashinfer_cutlass
     TORCH = "torch"  # moe_eval.kernels.torch_moe
+    # The golden MoE (moe_eval.kernels.reference_moe): exact fp32, never chosen by the oracle, never
+    # mutated; only golden-reference servers ask for it (moe_eval.golden).
+    REFERENCE = "reference"
 
 
 KNOWN_PLATFORMS = ("cuda", "cpu")
@@ -68,6 +71,8 @@ class UnknownPlatformError(ValueError):
 def _usable(backend: MoeBackend, hw: Hardware) -> tuple[bool, str]:
     """Can `backend` run here at all? (usable, reason). No rule depends on the layout today."""
     cc = hw.compute_capability
+    if backend is MoeBackend.REFERENCE:
+        return True, f"exact fp32 reference MoE runs on any {hw.platform} device"
     if backend is MoeBackend.TORCH:
         # Plain torch ops: runs wherever torch does, expert map and all.
         return True, f"torch_moe runs on any {hw.platform} device"
@@ -143,7 +148,7 @@ def select_moe_backend(
 
     if requested is not None:
         requested = MoeBackend(requested)
-        ok, why = verdicts[requested]
+        ok, why = verdicts[requested] if requested in verdicts else _usable(requested, hardware)
         if not ok:
             raise MoeBackendUnavailable(f"requested MoE backend {requested.value!r} cannot run: {why}")
         rejected = tuple((b, f"not requested ({requested.value} was)") for b in order if b is not requested)
@@ -228,6 +233,8 @@ def make_moe_kernel(backend: MoeBackend) -> MoeKernel:
         from moe_eval.kernels.fused_moe import fused_moe as impl
     elif backend is MoeBackend.FLASHINFER_CUTLASS:
         from moe_eval.kernels.flashinfer_cutlass import flashinfer_cutlass_moe as impl
+    elif backend is MoeBackend.REFERENCE:
+        from moe_eval.kernels.reference_moe import reference_moe as impl
     else:
         from moe_eval.kernels.torch_moe import torch_moe as impl
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from moe_eval.plugin_protocol import (
     BACKEND_ENV,
+    GOLDEN_PROBE_ENV,
     LOG_PREFIX,
     MUTATION_ENV,
     RUN_DIR_ENV,
@@ -130,6 +131,19 @@ class BundledExperts:
         self.layout = layout
         self.mutation = mutation
         self.max_tokens = max_tokens
+        if MoeBackend(requested) is MoeBackend.REFERENCE:
+            if mutation is not None:
+                # The golden reference is what a mutated kernel is measured against: it is never mutated.
+                raise ValueError(f"moe-eval: the reference MoE backend (golden references) is never mutated; "
+                                 f"{MUTATION_ENV}={mutation!r} is set")
+            from moe_eval.kernels.reference_moe import exact_matmul_mode
+
+            exact_matmul_mode()
+            # The golden's power probe (moe_eval.golden): a separate server, recorded as the probe, never as
+            # the golden; it scales one global expert through the same hook as `--mutate scale_one_expert`.
+            self.mutation = os.environ.get(GOLDEN_PROBE_ENV) or None
+        elif os.environ.get(GOLDEN_PROBE_ENV):
+            raise ValueError(f"moe-eval: {GOLDEN_PROBE_ENV} applies to the reference backend only")
         # Raises MoeBackendUnavailable with the oracle's reason: the server start fails, no fallback.
         self.choice = select_moe_backend(hardware or detect_hardware(), layout, MoeBackend(requested))
         self.kernel = mutate_kernel(mutation, make_moe_kernel(self.choice.backend))
@@ -140,7 +154,7 @@ class BundledExperts:
         from moe_eval.kernels.mutations import mutate_weights
         from moe_eval.kernels.oracle import convert_to_kernel_format
 
-        w13 = mutate_weights(self.mutation, layer.w13_weight.data)
+        w13 = mutate_weights(self.mutation, layer.w13_weight.data, getattr(layer, "expert_map", None))
         self.weights = convert_to_kernel_format(self.choice.backend, w13, layer.w2_weight.data)
         # Keep one copy: the converted tensors replace the checkpoint-layout ones.
         layer.w13_weight.data = self.weights.w13_eFD

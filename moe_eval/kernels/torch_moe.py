@@ -1,7 +1,7 @@
 """Torch MoE for the CPU server: slots sorted by expert, one GEMM pair per expert that got a slot.
 
-Same contract as `fused_moe_ref` (see fused_moe.py), but the matmuls run in the weights' dtype
-(as a server runs them) and only the SiLU-and-mul, the routing weight and the sum over K are fp32.
+Same contract as `fused_moe_ref` (see fused_moe.py), with a bf16 kernel's roundings: GEMMs on
+bf16 operands summed in fp32, the GEMM2 input rounded to the weights' dtype, the output once.
 No per-token Python work: the only loop is over the experts hit, at most e (8-16 on the tiny
 models the CPU server runs). Usage:
 
@@ -52,18 +52,22 @@ def torch_moe(
     if apply_router_weight_on_input:
         x_VD = (x_VD.float() * weight_V1).to(dtype)
 
-    y_VD = torch.empty(order_V.numel(), D, dtype=dtype, device=hidden_TD.device)
+    # Each GEMM takes bf16 operands and sums in fp32, as a tensor core (and the bundled Triton kernel) does:
+    # the operands are upcast per expert (a product of two bf16 values is exact in fp32). Only the GEMM2
+    # input h is rounded to the model's dtype in between, and the output once at the end. (Until 2026-11-30
+    # both GEMMs ran in bf16, rounding gate/up and each expert's output too: 13% more error against the
+    # exact golden than vLLM's CPU kernel, which the golden gate failed; docs/logprob-gate.md.)
+    y_VD = torch.empty(order_V.numel(), D, dtype=torch.float32, device=hidden_TD.device)
     start = 0
     for expert, n in enumerate(counts[1:]):
         if n == 0:
             continue
         rows = slice(start, start + n)
-        gate_up_N2F = x_VD[rows] @ w13_eFD[expert].T
-        h_NF = F_nn.silu(gate_up_N2F[:, :F].float()) * gate_up_N2F[:, F:].float()
-        torch.matmul(h_NF.to(dtype), w2_eDF[expert].T, out=y_VD[rows])
+        gate_up_N2F = x_VD[rows].float() @ w13_eFD[expert].float().T
+        h_NF = (F_nn.silu(gate_up_N2F[:, :F]) * gate_up_N2F[:, F:]).to(dtype)
+        torch.matmul(h_NF.float(), w2_eDF[expert].float().T, out=y_VD[rows])
         start += n
 
-    y_VD = y_VD.float()
     if not apply_router_weight_on_input:
         y_VD = y_VD * weight_V1
     out_TD.index_add_(0, token_V, y_VD)

@@ -1,5 +1,7 @@
-"""The subtle mutations (scale_routing_weights, bf16_down_accumulation, skip_tail_block): each moves
-the output a little, not a lot, and skip_tail_block removes exactly the slots it names.
+"""The subtle mutations (scale_routing_weights, bf16_down_accumulation, skip_tail_block, the one-expert
+weight mutations, routing_temperature_slip): each moves the output a little, not a lot, and each
+changes exactly what it names: skip_tail_block its slots, a weight mutation global expert
+TARGET_EXPERT under every expert placement.
 
 The strong mutations are held to "> 0.1 relative error" in test_plugin_apply.py; these are held to
 a small, non-zero one, because their purpose is to be missed by an accuracy gate and seen by a
@@ -16,10 +18,17 @@ from moe_eval.kernels.fused_moe import fused_moe_ref
 from moe_eval.kernels.mutations import (
     DOWN_CHUNKS,
     MUTATIONS,
+    ONE_EXPERT_MUTATIONS,
+    ONE_EXPERT_SCALE,
+    ROUTING_TEMPERATURE_EXPONENT,
+    SMALL_EXPERT_SCALE,
+    STALE_ROW_FRACTION,
     SUBTLE_MUTATIONS,
+    TARGET_EXPERT,
     check_mutation,
     mutate_call,
     mutate_kernel,
+    mutate_weights,
     tail_block_slots,
 )
 from moe_eval.kernels.oracle import Hardware, MoeBackend, MoeWeights, make_moe_kernel
@@ -45,11 +54,18 @@ REL_TOL_BF16_ROUNDING = 6e-3
 # its two experts); scale_one_expert 7.3e-3..2.5e-2 (one of 8 experts 5% short: how many of the
 # tokens it serves varies). The strong mutations give > 0.1 at any T (test_plugin_apply.py).
 # skip_tail_block is small in-process but not through vLLM (mutations.py): it is not in SUBTLE_MUTATIONS.
+# Measured the same way 2026-11-30, routing seeds 0-4, T = 16, 64, 256 (the case below first):
+# scale_one_expert_small 6.3e-3, 3.0e-3..1.1e-2 (0.4 of scale_one_expert's, as 2% is of 5%);
+# routing_temperature_slip 1.27e-2, 1.19e-2..1.34e-2; stale_gate_rows 0.157, 5.8e-2..0.28: as large as a
+# strong mutation here (the stale rows are an unrelated expert's), subtle only if the canary says so.
 SUBTLE_BOUNDS = {
     "scale_routing_weights": (1.5e-2, 2.5e-2),  # 0.02 exactly in real arithmetic, plus bf16 noise
     "bf16_down_accumulation": (1e-3, 1e-2),
     "scale_one_expert": (3e-3, 5e-2),
     "skip_tail_block": (1e-2, 0.2),
+    "scale_one_expert_small": (1e-3, 2e-2),
+    "stale_gate_rows": (3e-2, 0.4),
+    "routing_temperature_slip": (5e-3, 2e-2),
 }
 SUBTLE = tuple(SUBTLE_BOUNDS)
 
@@ -277,6 +293,133 @@ def test_skip_tail_block_with_no_tokens():
     weights = torch.empty(0, 2)
     new_weights, _, _ = mutate_call("skip_tail_block", weights, ids, None, 8)
     assert new_weights.shape == (0, 2)
+
+
+# --- one-expert weight mutations: the same global expert under every placement ----------------
+
+
+def _w13(e: int, F: int, D: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(e, 2 * F, D, generator=torch.Generator().manual_seed(seed))
+
+
+def _expert_map(E: int, held: list[int]) -> torch.Tensor:
+    """vLLM's expert map of a rank holding global experts `held` in local slots 0, 1, ...: -1 elsewhere."""
+    emap = torch.full((E,), -1, dtype=torch.int32)
+    emap[torch.tensor(held)] = torch.arange(len(held), dtype=torch.int32)
+    return emap
+
+
+def _mutate_pure(name: str, w13: torch.Tensor, emap: torch.Tensor | None) -> tuple[torch.Tensor, list[int]]:
+    """The mutated w13 and the local slots it changed; the input must come back unmodified."""
+    before = w13.clone()
+    out = mutate_weights(name, w13, emap)
+    assert torch.equal(w13, before), f"{name} modified its input in place"
+    return out, [s for s in range(w13.shape[0]) if not torch.equal(out[s], before[s])]
+
+
+@pytest.mark.parametrize("mutation", ONE_EXPERT_MUTATIONS)
+def test_one_expert_mutation_hits_one_global_expert_across_two_ranks(mutation):
+    """EP over 2 ranks (E=8, e=4): rank 0 holds experts 0-3, rank 1 experts 4-7. Only the rank that holds
+    TARGET_EXPERT changes it; the other leaves its weights alone. Both ranks' results, put back
+    together, equal the mutation of the whole (TP) w13."""
+    E, e, F, D = 8, 4, 32, 8
+    full = _w13(E, F, D)
+    changed, pieces = [], []
+    for rank in range(2):
+        held = list(range(rank * e, (rank + 1) * e))
+        out, slots = _mutate_pure(mutation, full[held].clone(), _expert_map(E, held))
+        changed += [held[s] for s in slots]
+        pieces.append(out)
+    assert changed == [TARGET_EXPERT]
+    assert torch.equal(pieces[1], full[4:])
+    assert torch.equal(torch.cat(pieces), mutate_weights(mutation, full.clone(), None))
+
+
+@pytest.mark.parametrize("mutation", ONE_EXPERT_MUTATIONS)
+def test_one_expert_mutation_follows_a_non_contiguous_placement(mutation):
+    """A rank holding global experts [6, 0, 3, 5] keeps TARGET_EXPERT = 0 in local slot 1."""
+    E, F, D = 8, 32, 8
+    _, slots = _mutate_pure(mutation, _w13(4, F, D), _expert_map(E, [6, 0, 3, 5]))
+    assert slots == [1]
+
+
+@pytest.mark.parametrize("mutation", ONE_EXPERT_MUTATIONS)
+def test_one_expert_mutation_without_a_map_changes_slot_0(mutation):
+    _, slots = _mutate_pure(mutation, _w13(8, 32, 8), None)
+    assert slots == [TARGET_EXPERT] == [0]
+
+
+@pytest.mark.parametrize("mutation, scale", [("scale_one_expert", ONE_EXPERT_SCALE),
+                                             ("scale_one_expert_small", SMALL_EXPERT_SCALE)])
+def test_scale_one_expert_scales_the_up_rows_only(mutation, scale):
+    F = 16
+    w13 = _w13(4, F, 8)
+    out, _ = _mutate_pure(mutation, w13, _expert_map(8, [6, 0, 3, 5]))
+    assert torch.equal(out[1, :F], w13[1, :F]) and torch.equal(out[1, F:], w13[1, F:] * scale)
+
+
+@pytest.mark.parametrize("held, slot, neighbour", [
+    ([0, 1, 2, 3], 0, 1),  # the slot after the target's
+    ([6, 0, 3, 5], 1, 2),  # ... whichever global expert the rank keeps there (3)
+    ([4, 5, 6, 0], 3, 2),  # the target in the last slot: the one before
+])
+def test_stale_gate_rows_copies_f_over_8_gate_rows_from_the_neighbour(held, slot, neighbour):
+    F = 32
+    rows = F // STALE_ROW_FRACTION
+    w13 = _w13(4, F, 8)
+    out, slots = _mutate_pure("stale_gate_rows", w13, _expert_map(8, held))
+    assert slots == [slot]
+    differ = [r for r in range(2 * F) if not torch.equal(out[slot, r], w13[slot, r])]
+    assert differ == list(range(rows))  # gate rows 0 .. F/8 - 1, no up row
+    assert torch.equal(out[slot, :rows], w13[neighbour, :rows])
+
+
+def test_stale_gate_rows_with_a_single_local_expert_is_a_no_op():
+    w13 = _w13(1, 32, 8)
+    out, slots = _mutate_pure("stale_gate_rows", w13, _expert_map(8, [0]))
+    assert slots == [] and torch.equal(out, w13)
+
+
+def test_other_mutations_leave_the_weights_alone():
+    w13, emap = _w13(4, 16, 8), _expert_map(8, [0, 1, 2, 3])
+    others = [name for name in [None, *MUTATIONS] if name not in (*ONE_EXPERT_MUTATIONS, "swap_gate_up")]
+    assert all(mutate_weights(name, w13, emap) is w13 for name in others)
+
+
+# --- routing_temperature_slip ------------------------------------------------------------------
+
+
+def test_routing_temperature_slip_keeps_each_sum_and_sharpens_the_ratio():
+    weights, ids = _routing(64, 8, 2, seed=4)
+    emap = _expert_map(8, [4, 5, 6, 7])
+    new_weights, new_ids, new_emap = mutate_call("routing_temperature_slip", weights, ids, emap, 4)
+    assert torch.equal(new_ids, ids) and new_emap is emap and new_weights.dtype == weights.dtype
+    torch.testing.assert_close(new_weights.sum(-1), weights.sum(-1))
+    larger = weights.argmax(-1, keepdim=True)
+    smaller = 1 - larger
+    unequal = weights.gather(1, larger) > weights.gather(1, smaller)
+    assert unequal.all()
+    assert (new_weights.gather(1, larger) > weights.gather(1, larger)).all()
+    assert (new_weights.gather(1, smaller) < weights.gather(1, smaller)).all()
+    p = ROUTING_TEMPERATURE_EXPONENT
+    expected = weights**p / (weights**p).sum(-1, keepdim=True) * weights.sum(-1, keepdim=True)
+    torch.testing.assert_close(new_weights, expected)
+
+
+def test_routing_temperature_slip_with_top_1_is_a_no_op():
+    weights = torch.rand(16, 1, generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(0, 8, (16, 1), generator=torch.Generator().manual_seed(6)).to(torch.int32)
+    new_weights, _, _ = mutate_call("routing_temperature_slip", weights, ids, None, 8)
+    assert torch.equal(new_weights, weights)
+
+
+def test_routing_temperature_slip_in_bf16_and_on_zero_weights():
+    """bf16 weights come back bf16; a token whose weights are all 0 (skipped) stays 0, not nan."""
+    weights = torch.tensor([[0.7, 0.2, 0.1], [0.0, 0.0, 0.0]], dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    new_weights, _, _ = mutate_call("routing_temperature_slip", weights, ids, None, 8)
+    assert new_weights.dtype == torch.bfloat16 and torch.equal(new_weights[1], weights[1])
+    assert new_weights[0, 0] > weights[0, 0] and new_weights[0, 2] < weights[0, 2]
 
 
 # --- names and config checks -------------------------------------------------------------------

@@ -76,8 +76,8 @@ IMPOSSIBLE = [
 ]
 
 
-def test_backends_are_exactly_the_three_that_exist():
-    assert {b.value for b in MoeBackend} == {"triton", "flashinfer_cutlass", "torch"}
+def test_backends_are_exactly_the_kernels_and_the_golden_reference():
+    assert {b.value for b in MoeBackend} == {"triton", "flashinfer_cutlass", "torch", "reference"}
 
 
 @pytest.mark.parametrize(("hw", "layout", "requested", "chosen"), CHOICES)
@@ -87,7 +87,8 @@ def test_choice_table(hw, layout, requested, chosen):
     assert choice.backend is chosen
     assert choice.reason
     rejected = [b for b, _ in choice.rejected]
-    assert sorted(rejected + [chosen]) == sorted(MoeBackend), "every other backend is listed once"
+    kernels = sorted(set(MoeBackend) - {MoeBackend.REFERENCE})  # the golden backend is never a candidate
+    assert sorted(rejected + [chosen]) == kernels, "every other backend is listed once"
     assert all(reason for _, reason in choice.rejected), "every rejection says why"
 
 

@@ -1,6 +1,8 @@
 """JUnit XML against a schema and a real consumer (junitparser); compare's tables and refusals."""
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -61,18 +63,29 @@ def test_junit_validates_and_a_real_consumer_reads_it(tmp_path):
 
 
 def _write_run(root: Path, run: str, config: str, model: str, backend: str, layout: str, correct: list[bool],
-               fewshot: int = 5, status: str = "passed") -> None:
+               fewshot: int = 5, status: str = "passed", **extra) -> Path:
+    """A finished run's folder; `extra` goes into results.json as is (mutation, golden, ...)."""
     d = root / run / "fam" / config
     d.mkdir(parents=True)
     acc = sum(correct) / len(correct)
     record = {"status": status, "config": {"model_name": model, "num_fewshot": fewshot},
               "layout": {"describe": layout}, "moe_backend_used": backend, "samples": "samples.jsonl",
               "scores": {"strict-match": {"accuracy": acc, "stderr": 0.01},
-                         "flexible-extract": {"accuracy": acc, "stderr": 0.01}}}
+                         "flexible-extract": {"accuracy": acc, "stderr": 0.01}}} | extra
     (d / "results.json").write_text(json.dumps(record))
     lines = [{"doc_id": i, "filter": f, "exact_match": float(c)} for i, c in enumerate(correct)
              for f in ("strict-match", "flexible-extract")]
     (d / "samples.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return d
+
+
+def _row(table: str, title: str) -> str:
+    return next(line for line in table.splitlines() if line.startswith(f"|{title}|"))
+
+
+def _cells(table: str, title: str) -> list[str]:
+    """The run columns' cells of one row (a pipe inside a cell is escaped as \\|)."""
+    return re.split(r"(?<!\\)\|", _row(table, title))[4:-1]
 
 
 def test_compare_puts_backends_side_by_side_with_flips(tmp_path):
@@ -83,7 +96,7 @@ def test_compare_puts_backends_side_by_side_with_flips(tmp_path):
     assert "### Qwen: GSM8K, 10 questions, 5-shot" in table
     assert "|Filter|n-shot|Metric|bundled:triton TP (TP2)|bundled:flashinfer_cutlass TEP (TP2 EP2)|" in table
     assert "|strict-match|5|exact_match|0.8000 ± 0.0100|0.8000 ± 0.0100|" in table
-    assert "1 right->wrong, 1 wrong->right" in table
+    assert "|flips vs bundled:triton TP (TP2)||strict-match|reference|1 right->wrong, 1 wrong->right" in table
 
 
 @pytest.mark.parametrize("second, message", [
@@ -121,5 +134,155 @@ def test_compare_shows_the_log_probability_divergence_against_the_first_run(tmp_
         write_logprobs(tmp_path / run / "fam" / "Q-BF16-triton" / "logprobs.jsonl", texts(shift))
     _write_run(tmp_path, "r3", "Q-BF16-triton", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4)  # scored nothing
     table = markdown(group_runs([tmp_path / "r1", tmp_path / "r2", tmp_path / "r3"]))
-    row = next(line for line in table.splitlines() if line.startswith("|Δ log p vs first|"))
-    assert row == "|Δ log p vs first||mean, top-1 changed|-|0.2500 mean, 0.00% top-1|-|"
+    # No vLLM column: the first is the reference (the same kernel and layout thrice: told apart by run).
+    row = _row(table, "Δ log p vs bundled:triton TP (TP1) [r1]")
+    assert row == ("|Δ log p vs bundled:triton TP (TP1) [r1]||mean, top-1 changed|reference|"
+                   "0.2500 mean, 0.00% top-1|-|")
+
+
+def _texts(shift: float, first_token: int = 5):
+    from moe_eval.logprobs import TextLogprobs
+
+    # Two texts of 3 positions; position 0 has no log-probability. `shift` moves every reference token, so a
+    # run's mean |Δ log p| against the unshifted golden is |shift|.
+    return [TextLogprobs(i, (first_token, 6, 7), (None, -1.0 - shift, -2.0 - shift), (None, (6, 9), (7, 9)),
+                         (None, (-1.0 - shift, -3.0), (-2.0 - shift, -3.0))) for i in range(2)]
+
+
+def _golden(root: Path, digest: str, shift: float = 0.0) -> dict:
+    from moe_eval.logprobs import write_logprobs
+
+    folder = root / "goldens" / digest
+    folder.mkdir(parents=True)
+    write_logprobs(folder / "prefill.jsonl", _texts(shift))
+    return {"digest": digest, "path": str(folder), "made_now": False}
+
+
+def _scored_run(root: Path, run: str, backend: str, layout: str, shift: float | None, correct=None,
+                **extra) -> None:
+    from moe_eval.logprobs import write_logprobs
+
+    d = _write_run(root, run, "Q-BF16", "Qwen", backend, layout, correct or [True] * 4, **extra)
+    if shift is not None:  # None: the run scored no texts
+        write_logprobs(d / "logprobs.jsonl", _texts(shift))
+
+
+def test_compare_reference_defaults_to_the_vllm_column_wherever_it_stands(tmp_path):
+    golden = _golden(tmp_path, "a" * 24)
+    _scored_run(tmp_path, "r1", "bundled:triton", "TP (TP1)", 0.03, [True, True, False, False], golden=golden)
+    _scored_run(tmp_path, "r2", "vllm:TRITON", "TP (TP1)", 0.02, [True, True, True, False], golden=golden)
+    # r3 names no golden: all runs of one model and texts share it, so it is measured with the group's.
+    _scored_run(tmp_path, "r3", "bundled:torch", "TP (TP1)", 0.01)
+    table = markdown(group_runs([tmp_path / "r1", tmp_path / "r2", tmp_path / "r3"]))
+    # Columns stay in input order; only the reference moves.
+    assert "|Metric|bundled:triton TP (TP1)|vllm:TRITON TP (TP1)|bundled:torch TP (TP1)|" in table
+    flips = _cells(table, "flips vs vllm:TRITON TP (TP1)")
+    assert flips[1] == "reference"  # and the others' flips are counted from the reference's side
+    assert flips[0].startswith("1 right->wrong, 0 wrong->right") and flips[2].startswith("0 right->wrong, 1 ")
+    assert _row(table, "Δ log p vs vllm:TRITON TP (TP1)") == (
+        "|Δ log p vs vllm:TRITON TP (TP1)||mean, top-1 changed|0.0100 mean, 0.00% top-1|reference|"
+        "0.0100 mean, 0.00% top-1|")
+    assert _row(table, "error vs golden") == (
+        "|error vs golden||mean \\|Δ log p\\|, x reference|0.0300 (x1.50)|0.0200 (reference)|0.0100 (x0.50)|")
+
+
+@pytest.mark.parametrize("reference, title, ref_column", [
+    ("first", "bundled:triton TP (TP1)", 0),
+    ("3", "bundled:torch TEP (TP2 EP2)", 2),
+    ("torch", "bundled:torch TEP (TP2 EP2)", 2),
+    ("vllm", "vllm:TRITON TP (TP1)", 1),
+])
+def test_compare_reference_can_be_first_a_number_or_part_of_a_label(tmp_path, reference, title, ref_column):
+    golden = _golden(tmp_path, "a" * 24)
+    _scored_run(tmp_path, "r1", "bundled:triton", "TP (TP1)", 0.04, golden=golden)
+    _scored_run(tmp_path, "r2", "vllm:TRITON", "TP (TP1)", 0.02, golden=golden)
+    _scored_run(tmp_path, "r3", "bundled:torch", "TEP (TP2 EP2)", 0.01, golden=golden)
+    table = markdown(group_runs([tmp_path / "r1", tmp_path / "r2", tmp_path / "r3"]), reference)
+    flips = _cells(table, f"flips vs {title}")
+    assert [i for i, cell in enumerate(flips) if cell == "reference"] == [ref_column]
+    assert _cells(table, f"Δ log p vs {title}")[ref_column] == "reference"
+    errors = _cells(table, "error vs golden")
+    base = (0.04, 0.02, 0.01)[ref_column]
+    assert errors == [f"{e:.4f} (reference)" if i == ref_column else f"{e:.4f} (x{e / base:.2f})"
+                      for i, e in enumerate((0.04, 0.02, 0.01))]
+
+
+@pytest.mark.parametrize("reference, message", [
+    ("cutlass", "--reference 'cutlass' matches no column of Qwen"),
+    ("bundled", "--reference 'bundled' matches 2 columns of Qwen"),
+    ("4", "--reference 4: Qwen has columns 1 to 3"),
+    ("0", "--reference 0: Qwen has columns 1 to 3"),
+])
+def test_compare_refuses_a_reference_that_names_no_single_column(tmp_path, reference, message):
+    for run, backend in (("r1", "bundled:triton"), ("r2", "vllm:TRITON"), ("r3", "bundled:torch")):
+        _scored_run(tmp_path, run, backend, "TP (TP1)", None)
+    groups = group_runs([tmp_path / "r1", tmp_path / "r2", tmp_path / "r3"])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        markdown(groups, reference)
+
+
+def test_compare_cli_takes_reference_and_exits_4_naming_a_bad_one(tmp_path):
+    from tests.conftest import run_cli
+
+    _scored_run(tmp_path, "r1", "bundled:triton", "TP (TP1)", None)
+    _scored_run(tmp_path, "r2", "vllm:TRITON", "TP (TP1)", None)
+    runs = [str(tmp_path / "r1"), str(tmp_path / "r2")]
+    good = run_cli(["compare", "--format", "markdown", "--reference", "1", *runs])
+    assert good.returncode == 0, good.stderr
+    assert "|flips vs bundled:triton TP (TP1)||strict-match|reference|" in good.stdout
+    bad = run_cli(["compare", "--format", "markdown", "--reference", "cutlass", *runs])
+    assert bad.returncode == 4 and "--reference 'cutlass' matches no column" in bad.stderr and not bad.stdout
+
+
+def test_compare_marks_mutated_runs_in_their_labels(tmp_path):
+    _write_run(tmp_path, "r1", "Q", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4)
+    _write_run(tmp_path, "r2", "Q", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4,
+               mutation="scale_one_expert")
+    _write_run(tmp_path, "r3", "Q", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4, mutation=None)
+    table = markdown(group_runs([tmp_path / "r1", tmp_path / "r2"]))
+    assert "|bundled:triton TP (TP1)|bundled:triton TP (TP1) [mutated: scale_one_expert]|" in table
+    # The same kernel and layout twice still gets the run to tell the columns apart, after the mark.
+    _write_run(tmp_path, "r4", "Q", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4,
+               mutation="scale_one_expert")
+    table = markdown(group_runs([tmp_path / "r2", tmp_path / "r4", tmp_path / "r3"]))
+    assert ("|bundled:triton TP (TP1) [mutated: scale_one_expert] [r2]|bundled:triton TP (TP1) [mutated: "
+            "scale_one_expert] [r4]|bundled:triton TP (TP1) [r3]|") in table
+
+
+def test_compare_golden_row_other_golden_missing_and_unscored(tmp_path):
+    golden, other = _golden(tmp_path, "a" * 24), _golden(tmp_path, "b" * 24)
+    _scored_run(tmp_path, "r1", "vllm:TRITON", "TP (TP1)", 0.02, golden=golden)
+    _scored_run(tmp_path, "r2", "bundled:triton", "TP (TP1)", 0.03, golden=other)  # another golden's run
+    _scored_run(tmp_path, "r3", "bundled:torch", "TP (TP1)", None, golden=golden)  # scored no texts
+    _scored_run(tmp_path, "r4", "bundled:fi", "TP (TP1)", 0.01)
+    d = _write_run(tmp_path, "r5", "Q-BF16", "Qwen", "bundled:x", "TP (TP1)", [True] * 4)
+    from moe_eval.logprobs import write_logprobs
+
+    write_logprobs(d / "logprobs.jsonl", _texts(0.0, first_token=8))  # other tokens than the golden's
+    runs = [tmp_path / r for r in ("r1", "r2", "r3", "r4", "r5")]
+    row = _cells(markdown(group_runs(runs)), "error vs golden")
+    assert row == ["0.0200 (reference)", "other golden", "-", "0.0100 (x0.50)", "not comparable"]
+    # The reference names the other golden: its digest is the one measured against, the first's is "other".
+    row = _cells(markdown(group_runs(runs), "2"), "error vs golden")
+    assert row == ["other golden", "0.0300 (reference)", "-", "0.0100 (x0.33)", "not comparable"]
+    # The golden folder is gone (results copied from another machine): said so, not a crash.
+    shutil.rmtree(golden["path"])
+    row = _cells(markdown(group_runs(runs)), "error vs golden")
+    assert row == ["golden missing", "other golden", "-", "golden missing", "golden missing"]
+
+
+def test_compare_golden_row_is_dashes_without_any_golden(tmp_path):
+    _scored_run(tmp_path, "r1", "vllm:TRITON", "TP (TP1)", 0.02)
+    _scored_run(tmp_path, "r2", "bundled:triton", "TP (TP1)", 0.03)
+    assert _cells(markdown(group_runs([tmp_path / "r1", tmp_path / "r2"])), "error vs golden") == ["-", "-"]
+
+
+def test_compare_rich_table_keeps_the_bracketed_marks(tmp_path, capsys, monkeypatch):
+    from moe_eval.compare import print_rich
+
+    monkeypatch.setenv("COLUMNS", "300")  # one line per row, so the marks are not wrapped apart
+    _write_run(tmp_path, "r1", "Q", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4, mutation="zero_expert")
+    _write_run(tmp_path, "r2", "Q", "Qwen", "vllm:TRITON", "TP (TP1)", [True] * 4)
+    print_rich(group_runs([tmp_path / "r1", tmp_path / "r2"]))
+    out = capsys.readouterr().out
+    assert "bundled:triton TP (TP1) [mutated: zero_expert]" in out and "flips vs vllm:TRITON TP (TP1)" in out

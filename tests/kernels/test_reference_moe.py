@@ -1,0 +1,70 @@
+"""The golden MoE backend: exact against float64, refuses inexact fp32 matmuls, never mutated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_eval.kernels.oracle import MoeBackend, convert_to_kernel_format, make_moe_kernel
+from moe_eval.kernels.reference_moe import exact_matmul_mode, exact_matmul_problem, reference_moe
+from moe_eval.kernels.testing import make_case
+
+
+@pytest.fixture(autouse=True)
+def _restore_precision():
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("apply_on_input", [False, True])
+def test_matches_float64_to_a_final_bf16_rounding(apply_on_input):
+    exact_matmul_mode()
+    K = 1 if apply_on_input else 2
+    case = make_case(37, 8, K, 64, 48, dtype=torch.bfloat16, device="cpu", seed=11, local_experts=[1, 3, 5, 7],
+                     apply_router_weight_on_input=apply_on_input)
+    out = reference_moe(*case.args(), **case.kwargs())
+    # The same sums in float64, rounded once to bf16: the fp32 result must round to the same bf16 values
+    # nearly everywhere (a tie at the rounding boundary may go either way).
+    exact = make_case(37, 8, K, 64, 48, dtype=torch.bfloat16, device="cpu", seed=11, local_experts=[1, 3, 5, 7],
+                      apply_router_weight_on_input=apply_on_input)
+    from moe_eval.kernels.fused_moe import fused_moe_ref
+
+    ref64 = fused_moe_ref(exact.hidden_TD.double(), exact.w13_eFD.double(), exact.w2_eDF.double(),
+                          exact.topk_weights_TK.double(), exact.topk_ids_TK, **exact.kwargs())
+    differs = (out != ref64.to(torch.bfloat16)).float().mean().item()
+    assert out.dtype == torch.bfloat16
+    assert differs < 0.01, f"{differs:.2%} of outputs round differently from float64"
+
+
+def test_refuses_when_fp32_matmuls_may_use_tf32_or_bf16():
+    exact_matmul_mode()
+    assert exact_matmul_problem() is None
+    torch.set_float32_matmul_precision("medium")
+    assert "medium" in exact_matmul_problem()
+    case = make_case(4, 4, 2, 32, 32, dtype=torch.bfloat16, device="cpu", seed=1)
+    with pytest.raises(RuntimeError, match="refuses to run inexactly"):
+        reference_moe(*case.args(), **case.kwargs())
+
+
+def test_through_the_oracle_entry_point():
+    exact_matmul_mode()
+    case = make_case(9, 8, 2, 32, 32, dtype=torch.bfloat16, device="cpu", seed=4)
+    weights = convert_to_kernel_format(MoeBackend.REFERENCE, case.w13_eFD, case.w2_eDF)
+    out = make_moe_kernel(MoeBackend.REFERENCE)(case.hidden_TD, weights, case.topk_weights_TK, case.topk_ids_TK,
+                                                None, False)
+    assert torch.equal(out, reference_moe(*case.args(), **case.kwargs()))
+
+
+def test_the_plugin_never_mutates_the_reference(monkeypatch):
+    from moe_eval.kernels.plugin import BundledExperts
+    from moe_eval.layout import Layout, LayoutKind
+
+    tp1 = Layout(kind=LayoutKind.TP, tensor_parallel=1, data_parallel=1)
+    with pytest.raises(ValueError, match="never mutated"):
+        BundledExperts("reference", tp1, mutation="scale_one_expert")
+    monkeypatch.setenv("MOE_EVAL_GOLDEN_PROBE", "scale_one_expert")
+    with pytest.raises(ValueError, match="reference backend only"):
+        BundledExperts("torch", tp1)
+    probe = BundledExperts("reference", tp1)  # the probe: recorded as such by moe_eval.golden, never a golden
+    assert probe.mutation == "scale_one_expert" and probe.choice.backend is MoeBackend.REFERENCE
