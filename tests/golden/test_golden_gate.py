@@ -107,3 +107,13 @@ def test_decode_compares_up_to_the_first_different_token():
     assert decode_rule(errs, decode_errors(gold, gold)) is not None
     parted_at_once = [gold[0], TextLogprobs(1, (8,), (-1.0,), ((8,),), ((-1.0,),))]
     assert decode_rule(errs, decode_errors(gold, parted_at_once)) is None  # one text left to compare
+
+
+@pytest.mark.parametrize("df", [1, 3, 15, 63, 400])
+@pytest.mark.parametrize("t", [-8.0, -1.3, 0.0, 0.4, 2.1, 9.5, 40.0])
+def test_student_t_tail_matches_scipy(t, df):
+    from scipy.stats import t as scipy_t  # lm-eval's dependencies bring SciPy on the CPU
+
+    from moe_eval.golden_gate import student_t_sf
+
+    assert student_t_sf(t, df) == pytest.approx(float(scipy_t.sf(t, df)), rel=1e-9, abs=1e-300)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The golden gate on the GPU canary (issue 20), one layout per call of the lent H200s:
+#   the layout's pair as shipped (vLLM's own Triton kernel, the incumbent, then the bundled Triton kernel,
+#   which makes the golden reference when the cache has none), then the same pair with each mutation of
+#   MUTATIONS: the vLLM row carries over from the unmutated run (`--resume` keeps it: it is never mutated),
+#   the bundled row runs mutated. PARALLEL=1 runs the mutations two at a time (TP1 rows: one GPU each).
+# Results (every config's results.json, logprobs, logs) are packed into $OUT/<layout>.tar.xz, the golden
+# cache into $OUT/goldens.tar.xz; a .goldens/ folder in the checkout (carried) seeds the cache.
+#
+#   bash benchmarks/h200_golden_canary.sh tp|tep|dep      (from the checkout; the kit in .vgpu/)
+set -u
+layout="${1:?usage: h200_golden_canary.sh tp|tep|dep}"
+MUTATIONS="${MUTATIONS:-scale_one_expert}"
+out="${OUT:-/tmp/golden-out}"; work="/tmp/golden-$layout"
+export MOE_EVAL_GOLDEN_CACHE=/tmp/goldens
+mkdir -p "$out" "$work" "$MOE_EVAL_GOLDEN_CACHE"
+[ -d .goldens ] && cp -rn .goldens/. "$MOE_EVAL_GOLDEN_CACHE"/
+moe_eval() { bash .vgpu/device_env.sh python3 -m moe_eval "$@"; }
+pack() {  # after every stage: a call cut short by its time limit still brings back what finished
+  tar -C "$work" -cJf "$out/$layout.tar.xz" --exclude='*.safetensors' .
+  tar -C "$MOE_EVAL_GOLDEN_CACHE" -cJf "$out/goldens.tar.xz" .
+}
+pair=("configs/canary-gpu-$layout/Canary-Qwen3-MoE-BF16-vllm-triton.yaml"
+      "configs/canary-gpu-$layout/Canary-Qwen3-MoE-BF16-triton.yaml")
+t0=$(date +%s)
+moe_eval run --hw h200 --jobs auto --output-dir "$work/shipped" "${pair[@]}" > "$work/shipped.log" 2>&1
+echo "shipped: exit $? in $(( $(date +%s) - t0 )) s"
+pack
+shipped=$(ls -d "$work"/shipped/*/ | head -1)
+mutate() {
+  local m=$1 t; t=$(date +%s)
+  cp -r "$shipped" "$work/mut-$m"
+  moe_eval run --hw h200 --jobs auto --resume "$work/mut-$m" --mutate "$m" "${pair[@]}" > "$work/mut-$m.log" 2>&1
+  echo "--mutate $m: exit $? in $(( $(date +%s) - t )) s"
+  pack
+}
+if [ "${PARALLEL:-0}" = 1 ]; then
+  set -- $MUTATIONS
+  while [ $# -gt 0 ]; do
+    mutate "$1" & first=$!
+    if [ $# -gt 1 ]; then sleep 40; mutate "$2"; shift; fi  # staggered: the first server holds its GPU by then
+    wait "$first"; shift
+  done
+else
+  for m in $MUTATIONS; do mutate "$m"; done
+fi
+grep -h "golden_gate" "$work"/*.log | cut -c1-400
+pack
+echo "total $(( $(date +%s) - t0 )) s"
