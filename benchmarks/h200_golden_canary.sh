@@ -5,7 +5,8 @@
 #   MUTATIONS: the vLLM row carries over from the unmutated run (`--resume` keeps it: it is never mutated),
 #   the bundled row runs mutated. PARALLEL=1 runs the mutations two at a time (TP1 rows: one GPU each).
 # Results (every config's results.json, logprobs, logs) are packed into $OUT/<layout>.tar.xz, the golden
-# cache into $OUT/goldens.tar.xz; a .goldens/ folder in the checkout (carried) seeds the cache.
+# cache into $OUT/goldens.tar.xz; a .goldens/ folder in the checkout (carried) seeds the cache, and
+# SHIPPED=<carried run folder> skips the shipped pair (an earlier call's) and runs the mutations only.
 #
 #   bash benchmarks/h200_golden_canary.sh tp|tep|dep      (from the checkout; the kit in .vgpu/)
 set -u
@@ -23,9 +24,13 @@ pack() {  # after every stage: a call cut short by its time limit still brings b
 pair=("configs/canary-gpu-$layout/Canary-Qwen3-MoE-BF16-vllm-triton.yaml"
       "configs/canary-gpu-$layout/Canary-Qwen3-MoE-BF16-triton.yaml")
 t0=$(date +%s)
-moe_eval run --hw h200 --jobs auto --output-dir "$work/shipped" "${pair[@]}" > "$work/shipped.log" 2>&1
-echo "shipped: exit $? in $(( $(date +%s) - t0 )) s"
-pack
+if [ -n "${SHIPPED:-}" ]; then  # the shipped pair's run folder from an earlier call (carried): mutations only
+  mkdir -p "$work/shipped" && cp -r "$SHIPPED" "$work/shipped/"
+else
+  moe_eval run --hw h200 --jobs auto --output-dir "$work/shipped" "${pair[@]}" > "$work/shipped.log" 2>&1
+  echo "shipped: exit $? in $(( $(date +%s) - t0 )) s"
+  pack
+fi
 shipped=$(ls -d "$work"/shipped/*/ | head -1)
 mutate() {
   local m=$1 t; t=$(date +%s)
