@@ -3,7 +3,7 @@
 #   the layout's pair as shipped (vLLM's own Triton kernel, the incumbent, then the bundled Triton kernel,
 #   which makes the golden reference when the cache has none), then the same pair with each mutation of
 #   MUTATIONS: the vLLM row carries over from the unmutated run (`--resume` keeps it: it is never mutated),
-#   the bundled row runs mutated. PARALLEL=1 runs the mutations two at a time (TP1 rows: one GPU each).
+#   the bundled row runs mutated.
 # Results (every config's results.json, logprobs, logs) are packed into $OUT/<layout>.tar.xz, the golden
 # cache into $OUT/goldens.tar.xz; a .goldens/ folder in the checkout (carried) seeds the cache, and
 # SHIPPED=<carried run folder> skips the shipped pair (an earlier call's) and runs the mutations only.
@@ -39,16 +39,9 @@ mutate() {
   echo "--mutate $m: exit $? in $(( $(date +%s) - t )) s"
   pack
 }
-if [ "${PARALLEL:-0}" = 1 ]; then
-  set -- $MUTATIONS
-  while [ $# -gt 0 ]; do
-    mutate "$1" & first=$!
-    if [ $# -gt 1 ]; then sleep 40; mutate "$2"; shift; fi  # staggered: the first server holds its GPU by then
-    wait "$first"; shift
-  done
-else
-  for m in $MUTATIONS; do mutate "$m"; done
-fi
+# One at a time: .vgpu/device_env.sh reinstalls the checkout into one folder on every call, so two
+# invocations at once break each other (seen: a call running two side by side brought nothing back).
+for m in $MUTATIONS; do mutate "$m"; done
 grep -h "golden_gate" "$work"/*.log | cut -c1-400
 pack
 echo "total $(( $(date +%s) - t0 )) s"
