@@ -74,6 +74,8 @@ class Scheduler:
         self.options = options
         self.view = view
         self.pending = sorted(planned, key=lambda p: (-p.units, p.index))
+        # A dependency outside this list (kept by --resume) finished in an earlier run: never waited for.
+        self.scheduled = {p.index for p in planned}
         self.attempt = {p.index: 1 for p in planned}
         self.history: dict[int, list[dict]] = {p.index: [] for p in planned}
         self.running: list[_Running] = []
@@ -126,7 +128,7 @@ class Scheduler:
         for planned in list(self.pending):
             if len(self.running) >= self._limit():
                 return
-            if planned.depends_on is not None and planned.depends_on not in self.done:
+            if planned.depends_on in self.scheduled and planned.depends_on not in self.done:
                 continue
             share = self.options.jobs != 1  # jobs 1: the server may use the whole machine, as before --jobs
             if share and planned.units > len(self.free):

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Calibration of the golden gate on a list as shipped (issue 20; docs/logprob-gate.md): REPEATS runs of the
+# correct kernels (the first with an empty golden cache: it makes the golden; the second with another empty
+# cache: a second golden, its noise), then one run per mutation of MUTATIONS on a copy of the first run
+# (`--resume` keeps vLLM's rows, which are never mutated; the bundled rows run mutated). Every run folder
+# lands in WORK; benchmarks/golden_calibration_table.py WORK prints the table.
+#
+#   bash benchmarks/calibrate_golden.sh WORK [moe-eval run options, e.g. --hw cpu --gsm8k-dir DIR]
+# MOE_EVAL ("moe-eval" by default) is the command; on the H200: MOE_EVAL="bash .vgpu/device_env.sh python3 -m moe_eval".
+set -u
+work="${1:?usage: calibrate_golden.sh WORK [moe-eval run options]}"; shift
+REPEATS="${REPEATS:-2}"
+MUTATIONS="${MUTATIONS:-scale_one_expert scale_one_expert_small stale_gate_rows routing_temperature_slip scale_routing_weights bf16_down_accumulation}"
+read -r -a cmd <<< "${MOE_EVAL:-moe-eval}"
+mkdir -p "$work"
+for i in $(seq 1 "$REPEATS"); do
+  t=$(date +%s)
+  MOE_EVAL_GOLDEN_CACHE="$work/goldens-$i" "${cmd[@]}" run "$@" --output-dir "$work/correct-$i" > "$work/correct-$i.log" 2>&1
+  echo "correct-$i: exit $? in $(( $(date +%s) - t )) s"
+done
+first=$(ls -d "$work"/correct-1/*/ | head -1)
+for m in $MUTATIONS; do
+  t=$(date +%s)
+  mkdir -p "$work/mutate-$m" && cp -r "$first" "$work/mutate-$m/"
+  MOE_EVAL_GOLDEN_CACHE="$work/goldens-1" "${cmd[@]}" run "$@" --resume "$(ls -d "$work/mutate-$m"/*/ | head -1)" \
+    --mutate "$m" > "$work/mutate-$m.log" 2>&1
+  echo "--mutate $m: exit $? in $(( $(date +%s) - t )) s"
+done
