@@ -69,12 +69,14 @@ def select_configs(hw: str, config_paths: tuple[str, ...], shard_text: str | Non
         list_path = list_for_hardware(hw, find_root(root_option, hw))
         paths = read_list(list_path)
         source = str(list_path)
+    configs = {p: load_config(p) for p in paths}
     if shard_text:
         index, count = parse_shard(shard_text)
-        paths = shard(paths, index, count)
+        paths = shard(paths, index, count, {p: c.baseline_config_path for p, c in configs.items()
+                                            if c.baseline_config_path is not None})
         source += f" (shard {index}/{count})"
     require_some(paths, source)
-    return [load_config(p) for p in paths], source
+    return [configs[p] for p in paths], source
 
 
 hw_option = click.option("--hw", type=click.Choice(("auto", *HARDWARE)), default="auto", show_default=True,

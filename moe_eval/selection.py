@@ -58,9 +58,20 @@ def parse_shard(text: str) -> tuple[int, int]:
     return index, count
 
 
-def shard(paths: list[Path], index: int, count: int) -> list[Path]:
-    """Round-robin over the list order: deterministic, and every config lands on exactly one agent."""
-    return [p for i, p in enumerate(paths) if i % count == index]
+def shard(paths: list[Path], index: int, count: int, baseline_of: dict[Path, Path] | None = None) -> list[Path]:
+    """Round-robin over the list order: deterministic, and every config lands on exactly one agent.
+
+    With `baseline_of` (a config -> the baseline_config it names), a listed baseline and the configs
+    comparing with it form one group and go to one agent together: split, every agent would serve the
+    incumbent (vLLM's own kernel) again for its share of the bundled rows."""
+    baseline_of = baseline_of or {}
+    listed = set(paths)
+    groups: dict[Path, list[Path]] = {}
+    for path in paths:
+        root = baseline_of.get(path)
+        groups.setdefault(root if root in listed else path, []).append(path)
+    chosen = {p for i, members in enumerate(groups.values()) if i % count == index for p in members}
+    return [p for p in paths if p in chosen]
 
 
 def require_some(paths: list[Path], what: str) -> list[Path]:

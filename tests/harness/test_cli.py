@@ -41,11 +41,15 @@ def test_list_b200_shows_exactly_the_b200_configs_with_layouts(repo_root):
     result = run_cli(["list", "--hw", "b200"], cwd=repo_root)
     assert result.returncode == 0, result.stderr
     rows = [line.split("\t") for line in result.stdout.splitlines()[2:]]
-    listed = {(r[0], r[2], r[3]) for r in rows}
+    listed = {(r[0], r[2], r[3], r[-1]) for r in rows}
+    golden = "accuracy,paired,divergence,golden"  # every bundled row: the golden gate against its incumbent
     assert listed == {
-        ("moe-refactor/Llama-4-Scout-BF16-triton.yaml", "TP (TP2)", "2"),
-        ("moe-refactor/Llama-4-Scout-BF16-fi-cutlass.yaml", "TEP (TP2 EP2)", "2"),
-        ("moe-refactor-dp-ep/Qwen3-30B-A3B-BF16-triton.yaml", "DEP (TP1 DP2 EP2)", "2"),
+        ("moe-refactor/Llama-4-Scout-BF16-vllm-tp2.yaml", "TP (TP2)", "2", "accuracy"),
+        ("moe-refactor/Llama-4-Scout-BF16-triton.yaml", "TP (TP2)", "2", golden),
+        ("moe-refactor/Llama-4-Scout-BF16-vllm-tep2.yaml", "TEP (TP2 EP2)", "2", "accuracy"),
+        ("moe-refactor/Llama-4-Scout-BF16-fi-cutlass.yaml", "TEP (TP2 EP2)", "2", golden),
+        ("moe-refactor-dp-ep/Qwen3-30B-A3B-BF16-vllm.yaml", "DEP (TP1 DP2 EP2)", "2", "accuracy"),
+        ("moe-refactor-dp-ep/Qwen3-30B-A3B-BF16-triton.yaml", "DEP (TP1 DP2 EP2)", "2", golden),
     }
 
 
@@ -124,7 +128,8 @@ def test_buildkite_parallel_job_selects_the_shard(repo_root):
     assert "(shard 1/2)" in result.stdout
     listed = [line.split("\t")[0] for line in result.stdout.splitlines()[2:]]
     full = [line.split("\t")[0] for line in run_cli(["list", "--hw", "h100"], cwd=repo_root).stdout.splitlines()[2:]]
-    assert listed == full[1::2]
+    # Each incumbent travels with the bundled rows that compare with it: groups of two, every other group.
+    assert listed == full[2:4] + full[6:8] and all("-vllm-" in name for name in listed[::2])
     half = run_cli(["list", "--hw", "h100"], cwd=repo_root, env={"BUILDKITE_PARALLEL_JOB": "1"})
     assert half.returncode == 4 and "must be set together" in half.stderr
 
@@ -136,7 +141,7 @@ def test_jobs_and_list_options_are_checked(tmp_path, repo_root):
     both = run_cli(["run", "--hw", "cpu", "--list", str(repo_root / "config-cpu.txt"), str(config)])
     assert both.returncode == 4 and "given together with config files" in both.stderr
     listed = run_cli(["list", "--hw", "h200", "--list", "config-gpu-canary.txt"], cwd=repo_root)
-    assert listed.returncode == 0 and sum(line.startswith("canary-gpu-") for line in listed.stdout.splitlines()) == 5
+    assert listed.returncode == 0 and sum(line.startswith("canary-gpu-") for line in listed.stdout.splitlines()) == 7
 
 
 def test_a_config_too_large_for_the_free_devices_is_refused_before_launch(tmp_path):

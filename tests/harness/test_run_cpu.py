@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -34,16 +35,17 @@ def _assert_nothing_left(tmp_path: Path) -> None:
 def embedded_default_run(tmp_path_factory, gsm8k_dir, repo_root):
     """The README's main job, run once for the tests that read it (it takes minutes on 2 cores)."""
     out = tmp_path_factory.mktemp("embedded-default")
-    result = run_cli(["run", "--hw", "cpu", "--output-dir", str(out)] + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []),
-                     cwd=repo_root, timeout=1500)
-    return result, out
+    goldens = tmp_path_factory.mktemp("goldens")  # empty: the run makes the golden reference itself
+    result = run_cli(["run", "--hw", "cpu", "--output-dir", str(out), "--golden-cache", str(goldens)]
+                     + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []), cwd=repo_root, timeout=1500)
+    return result, out, goldens
 
 
 def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_root):
     """`moe-eval run --hw cpu`: the canary with vLLM's own CPU kernel (the reference), then with the bundled
     torch kernel at TP and TEP, served by real vLLM, scored by lm-eval on its generated task, passing the
     accuracy gate, the paired gate and the log-probability divergence gate against the reference."""
-    result, out = embedded_default_run
+    result, out, goldens = embedded_default_run
     assert result.returncode == 0, result.stderr[-3000:]
     records = {f"{r['config_name']}/{r['layout']['kind']}": r
                for r in (json.loads(p.read_text()) for p in out.rglob("results.json"))}
@@ -60,8 +62,9 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         assert record["versions"]["vllm"] == "0.32.0" and record["versions"]["lm-eval"] == "0.4.13"
         run_dir = Path(record["server"]["log"]).parent
         log = (run_dir / "server.log").read_text()
-        # Every question and scored text reached the server (plus the launcher's warm-up): the numbers came from it.
-        assert log.count("POST /v1/completions") == 200 + 16 + 1
+        # Every question, scored text and decode prompt reached the server (plus the launcher's warm-up).
+        assert log.count("POST /v1/completions") == 200 + 16 + 8 + 1
+        assert record["decode"]["prompts"] == 8 and (run_dir / "decode.jsonl").is_file()
         samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
         assert {s["doc_id"] for s in samples} == set(range(200))
         assert all(s["resps"][0][0] for s in samples), "every reply carries generated text"
@@ -83,26 +86,51 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
             "Canary-Qwen3-MoE-BF16-vllm/results.json")
         assert record["divergence"]["comparison"] == "another kernel or layout"
         assert 0 < record["divergence"]["mean_abs_dlogp"] < record["divergence"]["limits"]["max_mean_abs_dlogp"]
+        # The golden gate: an error against the exact-MoE golden no worse than vLLM's kernel's, with its power.
+        gate = record["golden_gate"]
+        checks = {c["name"]: c["passed"] for c in record["checks"]}
+        assert checks["golden_gate"] and checks["golden_gate_decode"] and gate["passed"]
+        assert gate["incumbent"]["moe_backend_used"] == "vllm:CPU" and gate["incumbent"]["errors"]["mean_abs"] > 0
+        assert 0 < gate["run"]["mean_abs"] and gate["ratio"] <= 1 + gate["margin"]
+        assert 0 < gate["power"]["scale_error"] < 0.05, "a 5% expert bug must be within the gate's reach"
+        assert Path(record["golden"]["path"]).parent == goldens
+    made = [r["golden"]["made_now"] for r in records.values()]
+    assert sorted(made) == [False, True], "one row makes the golden, the other finds it in the cache"
+    assert len(list(goldens.glob("*/golden.json"))) == 1, "TP and TEP rows share one golden (TP1, eager)"
     assert "|Config|" in result.stdout and "PASS" in result.stdout and "bundled:torch" in result.stdout
     assert "Δ log p vs baseline" in result.stdout and "Catches a drop of" in result.stdout
+    assert "Error vs golden (incumbent)" in result.stdout
     assert not processes_with_env("MOE_EVAL_RUN_DIR", str(out)), "processes of the run survived it"
 
 
-def test_a_subtle_mutation_passes_the_accuracy_gate_and_fails_the_divergence_gate(embedded_default_run, repo_root):
-    """Every routing weight times 0.98: no answer changes, the numbers do. Against the correct kernel's run
-    (the same kernel at the same layout, which repeats exactly) the divergence gate catches it: exit 1."""
-    result, out = embedded_default_run
+def test_a_subtle_mutation_fails_every_bundled_row_of_the_list_as_shipped_by_the_golden_gate(embedded_default_run,
+                                                                                              repo_root, gsm8k_dir):
+    """`moe-eval run --hw cpu --mutate scale_one_expert`: global expert 0's output 5% short. No answer changes;
+    against the golden, both bundled rows (TP1 and TEP) are worse than vLLM's kernel by more than the margin,
+    with significance: exit 1 by the golden gate. Run as `--resume` of a copy of the correct run, so vLLM's row
+    (never mutated) carries over and only the bundled rows run: that also proves a resumed list whose
+    baseline row was kept runs the rows that depend on it."""
+    result, out, goldens = embedded_default_run
     assert result.returncode == 0, result.stderr[-3000:]
-    config = repo_root / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml"
-    mutated = run_cli(["run", "--hw", "cpu", "--output-dir", str(out / "mutated"), "--mutate", "scale_routing_weights",
-                       "--baseline", str(next(out.iterdir())), str(config)], cwd=repo_root, timeout=900)
+    copy = out.parent / "mutated-run"
+    shutil.copytree(next(p for p in out.iterdir() if p.is_dir()), copy)
+    mutated = run_cli(["run", "--hw", "cpu", "--resume", str(copy), "--golden-cache", str(goldens), "--mutate",
+                       "scale_one_expert"] + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []), cwd=repo_root,
+                      timeout=1200)
     assert mutated.returncode == 1, mutated.stderr[-3000:]
-    record = json.loads(next((out / "mutated").rglob("results.json")).read_text())
-    checks = {c["name"]: c["passed"] for c in record["checks"]}
-    assert checks["accuracy_gate"] and checks["paired_gate"], checks
-    assert record["divergence"]["comparison"] == "same kernel and layout"
-    assert not checks["logprob_mean_abs"], record["divergence"]
-    assert record["status"] == "failed" and record["mutation"] == "scale_routing_weights"
+    summary = json.loads((copy / "summary.json").read_text())
+    assert [(Path(c["config"]).stem, c["resumed"]) for c in summary["configs"]] == [
+        ("Canary-Qwen3-MoE-BF16-vllm", True), ("Canary-Qwen3-MoE-BF16-torch", False),
+        ("Canary-Qwen3-MoE-BF16-torch", False)]
+    for path in (copy / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch", copy / "canary-tep" / "Canary-Qwen3-MoE-BF16-torch"):
+        record = json.loads((path / "results.json").read_text())
+        checks = {c["name"]: c["passed"] for c in record["checks"]}
+        assert record["mutation"] == "scale_one_expert" and record["status"] == "failed"
+        assert checks["accuracy_gate"] and checks["paired_gate"], checks
+        assert not checks["golden_gate"], record["golden_gate"]
+        assert record["golden_gate"]["ratio"] > 1 + record["golden_gate"]["margin"]
+        assert record["golden"]["made_now"] is False  # the golden is never made from a mutated run
+    assert "golden_gate" in mutated.stdout
 
 
 def test_threshold_one_fails_the_gate_with_exit_1(tmp_path, gsm8k_dir):

@@ -78,3 +78,10 @@ def test_layout_derivation(args, kind, world, ep_size):
 def test_bad_parallel_size():
     with pytest.raises(ValueError):
         layout_from_server_args(["--tensor-parallel-size", "0"])
+
+
+def test_shards_keep_a_listed_baseline_with_the_configs_that_compare_with_it():
+    paths = [Path(f"/l/{n}.yaml") for n in ("vllm-tp", "triton-tp", "fi-tp", "vllm-tep", "triton-tep", "lone")]
+    baseline_of = {paths[1]: paths[0], paths[2]: paths[0], paths[4]: paths[3], paths[5]: Path("/elsewhere.yaml")}
+    parts = [shard(paths, i, 2, baseline_of) for i in range(2)]
+    assert parts == [[paths[0], paths[1], paths[2], paths[5]], [paths[3], paths[4]]]

@@ -28,7 +28,8 @@ def test_run_junit_summary_compare_and_paired_gate(tmp_path, gsm8k_dir):
     family = tmp_path / "configs" / "cpu-tp"
     family.mkdir(parents=True)
     torch_cfg = family / "Tiny-BF16-torch.yaml"
-    torch_cfg.write_text(TINY.format(threshold=0.0) + "moe_backend: torch\n")
+    # golden: false: this test is about the reports; the golden gate's runs are in tests/harness/test_run_cpu.py.
+    torch_cfg.write_text(TINY.format(threshold=0.0) + "moe_backend: torch\ngolden: false\n")
     vllm_cfg = family / "Tiny-BF16-vllm.yaml"
     vllm_cfg.write_text(TINY.format(threshold=1.0))
     data = ["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []
