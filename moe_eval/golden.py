@@ -43,6 +43,7 @@ from moe_eval import launch
 from moe_eval.config import EvalConfig
 from moe_eval.errors import ConfigError, InfraError
 from moe_eval.gsm8k import Gsm8kData
+from moe_eval.kernels.mutations import ONE_EXPERT_SCALE, TARGET_EXPERT
 from moe_eval.layout import layout_from_server_args
 from moe_eval.logprobs import (
     TextLogprobs,
@@ -53,30 +54,52 @@ from moe_eval.logprobs import (
     scoring_texts,
     write_logprobs,
 )
-from moe_eval.kernels.mutations import ONE_EXPERT_SCALE, TARGET_EXPERT
 from moe_eval.plugin_protocol import GOLDEN_PROBE_ENV
 from moe_eval.results import atomic_write_json, versions
 from moe_eval.server_log import read_log, verify_moe_backend
 
 GOLDEN_FORMAT = 1  # golden.json's layout; a record of another format is refused by name
-GOLDEN_METHOD = "bf16 model; MoE exact: fp32 IEEE GEMMs and sums, weights upcast per expert (reference_moe); eager"
+GOLDEN_METHOD = (
+    "bf16 model; MoE exact: fp32 IEEE GEMMs and sums, weights upcast per expert (reference_moe); eager"
+)
 REFERENCE_BACKEND = "reference"
-PROBE = "scale_one_expert"  # global expert TARGET_EXPERT's output short by PROBE_SCALE_ERROR (kernels/mutations.py)
+# Global expert TARGET_EXPERT's output short by PROBE_SCALE_ERROR (kernels/mutations.py).
+PROBE = "scale_one_expert"
 PROBE_SCALE_ERROR = round(1 - ONE_EXPERT_SCALE, 6)
 TOP_K = 5
 FILES = ("prefill.jsonl", "decode.jsonl", "probe.jsonl")
 
 # Parallel flags dropped from a config's server arguments for its golden (the golden is TP=1 unless
 # golden_server_args says otherwise): value flags, then switches.
-_PARALLEL_VALUE_FLAGS = ("--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp", "--pipeline-parallel-size",
-                         "-pp", "--data-parallel-size-local", "--data-parallel-address", "--data-parallel-rpc-port")
+_PARALLEL_VALUE_FLAGS = (
+    "--tensor-parallel-size",
+    "-tp",
+    "--data-parallel-size",
+    "-dp",
+    "--pipeline-parallel-size",
+    "-pp",
+    "--data-parallel-size-local",
+    "--data-parallel-address",
+    "--data-parallel-rpc-port",
+)
 _PARALLEL_SWITCHES = ("--enable-expert-parallel", "-ep")
 # Server arguments that do not change the numbers of a text scored alone (memory, admission, logging),
 # left out of the key so that, for example, two configs differing only in memory share a golden.
-_NON_NUMERIC_VALUE_FLAGS = ("--gpu-memory-utilization", "--max-num-seqs", "--max-model-len", "--swap-space",
-                            "--kv-cache-memory-bytes", "--cpu-offload-gb", "--api-server-count")
-_NON_NUMERIC_SWITCHES = ("--enforce-eager", "--disable-log-requests", "--disable-log-stats",
-                         "--no-enable-log-requests")
+_NON_NUMERIC_VALUE_FLAGS = (
+    "--gpu-memory-utilization",
+    "--max-num-seqs",
+    "--max-model-len",
+    "--swap-space",
+    "--kv-cache-memory-bytes",
+    "--cpu-offload-gb",
+    "--api-server-count",
+)
+_NON_NUMERIC_SWITCHES = (
+    "--enforce-eager",
+    "--disable-log-requests",
+    "--disable-log-stats",
+    "--no-enable-log-requests",
+)
 
 
 def cache_dir(option: str | None = None) -> Path:
@@ -127,8 +150,14 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "tokenizer.model")
+_MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+)
 
 
 def weights_digest(model_dir: Path, memo_path: Path | None = None) -> str:
@@ -139,8 +168,11 @@ def weights_digest(model_dir: Path, memo_path: Path | None = None) -> str:
     if memo_path is not None and memo_path.is_file():
         with contextlib.suppress(OSError, ValueError):
             memo = json.loads(memo_path.read_text())
-    files = sorted(p for p in model_dir.iterdir()
-                   if p.is_file() and (p.suffix in (".safetensors", ".bin", ".pt") or p.name in _MODEL_FILES))
+    files = sorted(
+        p
+        for p in model_dir.iterdir()
+        if p.is_file() and (p.suffix in (".safetensors", ".bin", ".pt") or p.name in _MODEL_FILES)
+    )
     if not files:
         raise ConfigError(f"{model_dir}: no weights (*.safetensors, *.bin) to identify the model by")
     total = hashlib.sha256()
@@ -218,25 +250,41 @@ class GoldenPlan:
         return layout_from_server_args(list(self.server_argv)).world_size
 
 
-def golden_plan(config: EvalConfig, data: Gsm8kData, model_path: str, device: str,
-                memo_path: Path | None = None) -> GoldenPlan:
+def golden_plan(
+    config: EvalConfig, data: Gsm8kData, model_path: str, device: str, memo_path: Path | None = None
+) -> GoldenPlan:
     """ConfigError when the config cannot have a golden (no texts, no local questions)."""
     if config.logprob_texts == 0:
-        raise ConfigError(f"{config.path}: key 'golden': value true needs logprob_texts > 0 (the texts it scores)")
+        raise ConfigError(
+            f"{config.path}: key 'golden': value true needs logprob_texts > 0 (the texts it scores)"
+        )
     train, test = data.train_rows(), data.test_rows()
     if not test:
-        raise ConfigError(f"{config.path}: key 'golden': the golden gate scores GSM8K texts, which need a local "
-                          "copy of the questions (--gsm8k-dir)")
+        raise ConfigError(
+            f"{config.path}: key 'golden': the golden gate scores GSM8K texts, which need a local "
+            "copy of the questions (--gsm8k-dir)"
+        )
     texts = scoring_texts(train, test, config.num_fewshot, min(config.logprob_texts, len(test)))
-    prompts = decode_prompts(train, test, config.num_fewshot, min(config.decode_texts, len(texts))) \
-        if config.decode_texts else []
+    prompts = (
+        decode_prompts(train, test, config.num_fewshot, min(config.decode_texts, len(texts)))
+        if config.decode_texts
+        else []
+    )
     argv = golden_server_argv(config)
     numeric = _drop_flags(argv, _NON_NUMERIC_VALUE_FLAGS, _NON_NUMERIC_SWITCHES)
     texts_sha = hashlib.sha256(json.dumps([texts, prompts]).encode()).hexdigest()
-    key = GoldenKey(model=model_identity(config.model_name, model_path, memo_path), texts_sha256=texts_sha,
-                    texts=len(texts), decode_texts=len(prompts), decode_tokens=config.decode_tokens,
-                    server_args=tuple(numeric), env=tuple(sorted(config.env.items())), device=device,
-                    vllm=versions()["vllm"], torch=versions()["torch"])
+    key = GoldenKey(
+        model=model_identity(config.model_name, model_path, memo_path),
+        texts_sha256=texts_sha,
+        texts=len(texts),
+        decode_texts=len(prompts),
+        decode_tokens=config.decode_tokens,
+        server_args=tuple(numeric),
+        env=tuple(sorted(config.env.items())),
+        device=device,
+        vllm=versions()["vllm"],
+        torch=versions()["torch"],
+    )
     return GoldenPlan(key, model_path, tuple(argv), tuple(texts), tuple(prompts))
 
 
@@ -253,9 +301,14 @@ class Golden:
     meta: dict = field(default_factory=dict)  # golden.json: made_at, made_seconds, server argv, noise, ...
 
     def describe(self) -> dict:
-        return {"digest": self.key.digest, "path": str(self.path), "key": self.key.as_dict(),
-                "made_at": self.meta.get("made_at"), "made_seconds": self.meta.get("made_seconds"),
-                "noise": self.meta.get("noise")}
+        return {
+            "digest": self.key.digest,
+            "path": str(self.path),
+            "key": self.key.as_dict(),
+            "made_at": self.meta.get("made_at"),
+            "made_seconds": self.meta.get("made_seconds"),
+            "noise": self.meta.get("noise"),
+        }
 
 
 class GoldenStore:
@@ -280,11 +333,16 @@ class GoldenStore:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"{meta_path}: corrupt golden record ({exc}); {fix}") from None
         if not isinstance(meta, dict) or meta.get("format") != GOLDEN_FORMAT:
-            raise ConfigError(f"{meta_path}: golden record of format {meta.get('format') if isinstance(meta, dict) else '?'}"
-                              f", this moe-eval reads format {GOLDEN_FORMAT}; {fix}")
+            raise ConfigError(
+                f"{meta_path}: golden record of format "
+                f"{meta.get('format') if isinstance(meta, dict) else '?'}"
+                f", this moe-eval reads format {GOLDEN_FORMAT}; {fix}"
+            )
         if meta.get("key") != key.as_dict():
             diff = sorted(k for k in key.as_dict() if (meta.get("key") or {}).get(k) != key.as_dict()[k])
-            raise ConfigError(f"{meta_path}: golden record made for another key (differs in {', '.join(diff)}); {fix}")
+            raise ConfigError(
+                f"{meta_path}: golden record made for another key (differs in {', '.join(diff)}); {fix}"
+            )
         records = {}
         for name in FILES:
             path = folder / name
@@ -294,13 +352,23 @@ class GoldenStore:
             except OSError as exc:
                 raise ConfigError(f"{path}: golden file unreadable ({exc.strerror or exc}); {fix}") from None
             if actual != expected:
-                raise ConfigError(f"{path}: golden file's sha256 {actual[:16]}... is not the {str(expected)[:16]}... "
-                                  f"its golden.json records (changed or cut short); {fix}")
+                raise ConfigError(
+                    f"{path}: golden file's sha256 {actual[:16]}... is not the {str(expected)[:16]}... "
+                    f"its golden.json records (changed or cut short); {fix}"
+                )
             records[name] = read_logprobs(path)
-        return Golden(key, folder, records["prefill.jsonl"], records["decode.jsonl"], records["probe.jsonl"], meta)
+        return Golden(
+            key, folder, records["prefill.jsonl"], records["decode.jsonl"], records["probe.jsonl"], meta
+        )
 
-    def save(self, key: GoldenKey, prefill: list[TextLogprobs], decode: list[TextLogprobs],
-             probe: list[TextLogprobs], meta: dict) -> Golden:
+    def save(
+        self,
+        key: GoldenKey,
+        prefill: list[TextLogprobs],
+        decode: list[TextLogprobs],
+        probe: list[TextLogprobs],
+        meta: dict,
+    ) -> Golden:
         """Written into a temporary folder beside the target, then renamed into place: a reader sees a
         whole record or none."""
         self.root.mkdir(parents=True, exist_ok=True)
@@ -308,8 +376,12 @@ class GoldenStore:
         try:
             for name, records in zip(FILES, (prefill, decode, probe)):
                 write_logprobs(tmp / name, records)
-            meta = {**meta, "format": GOLDEN_FORMAT, "key": key.as_dict(),
-                    "files": {name: _sha256_file(tmp / name) for name in FILES}}
+            meta = {
+                **meta,
+                "format": GOLDEN_FORMAT,
+                "key": key.as_dict(),
+                "files": {name: _sha256_file(tmp / name) for name in FILES},
+            }
             atomic_write_json(tmp / "golden.json", meta)
             target = self.folder(key)
             if target.exists():  # a refresh: the old record goes only once the new one is whole
@@ -351,27 +423,57 @@ class ServerPlace:
     stage: Callable[[str], None] = lambda _: None
 
 
-def _serve_and_score(plan: GoldenPlan, config: EvalConfig, place: ServerPlace, probe: bool,
-                     log_path: Path) -> tuple[list[TextLogprobs], list[TextLogprobs], float]:
+def _serve_and_score(
+    plan: GoldenPlan, config: EvalConfig, place: ServerPlace, probe: bool, log_path: Path
+) -> tuple[list[TextLogprobs], list[TextLogprobs], float]:
     on_cpu = place.hw == "cpu"
-    env = launch.server_environment(dict(os.environ), config.env, on_cpu=on_cpu, world_size=plan.world_size,
-                                    run_dir=log_path.parent, moe_backend=REFERENCE_BACKEND, mutation=None,
-                                    devices=place.devices)
+    env = launch.server_environment(
+        dict(os.environ),
+        config.env,
+        on_cpu=on_cpu,
+        world_size=plan.world_size,
+        run_dir=log_path.parent,
+        moe_backend=REFERENCE_BACKEND,
+        mutation=None,
+        devices=place.devices,
+    )
     env.pop(GOLDEN_PROBE_ENV, None)
     if probe:
         env[GOLDEN_PROBE_ENV] = PROBE
-    spec = launch.ServerSpec(model=plan.model_path, server_args=list(plan.server_argv), log_path=log_path,
-                             port=launch.free_port(), seed=config.seed,
-                             startup_max_wait_seconds=config.startup_max_wait_seconds)
+    spec = launch.ServerSpec(
+        model=plan.model_path,
+        server_args=list(plan.server_argv),
+        log_path=log_path,
+        port=launch.free_port(),
+        seed=config.seed,
+        startup_max_wait_seconds=config.startup_max_wait_seconds,
+    )
     started = time.monotonic()
     with launch.VllmServer(spec, env, progress=place.progress) as server:
         verify_moe_backend(REFERENCE_BACKEND, "", read_log(log_path))
         retries = max(config.max_retries, 1)
-        prefill = capture(server.base_url, plan.model_path, list(plan.texts), top_k=TOP_K, concurrency=1,
-                          timeout=config.request_timeout_seconds, retries=retries)
-        decode = [] if probe or not plan.prompts else capture_decode(
-            server.base_url, plan.model_path, list(plan.prompts), tokens=plan.key.decode_tokens, top_k=TOP_K,
-            timeout=config.request_timeout_seconds, retries=retries)
+        prefill = capture(
+            server.base_url,
+            plan.model_path,
+            list(plan.texts),
+            top_k=TOP_K,
+            concurrency=1,
+            timeout=config.request_timeout_seconds,
+            retries=retries,
+        )
+        decode = (
+            []
+            if probe or not plan.prompts
+            else capture_decode(
+                server.base_url,
+                plan.model_path,
+                list(plan.prompts),
+                tokens=plan.key.decode_tokens,
+                top_k=TOP_K,
+                timeout=config.request_timeout_seconds,
+                retries=retries,
+            )
+        )
     return prefill, decode, time.monotonic() - started
 
 
@@ -379,21 +481,34 @@ def make_golden(plan: GoldenPlan, config: EvalConfig, place: ServerPlace, store:
     """Serve the golden, then the probe, score the texts on each, save the record."""
     if place.hw != "cpu" and plan.world_size > place.gpus:
         raise ConfigError(
-            f"{config.path}: the golden needs {plan.world_size} GPU(s) (server args {' '.join(plan.server_argv)!r}) "
-            f"and this machine has {place.gpus}: set golden_server_args with a --pipeline-parallel-size that "
-            "fits, or make the golden where it fits (`moe-eval golden`) and share the cache folder (--golden-cache)")
+            f"{config.path}: the golden needs {plan.world_size} GPU(s) (server args "
+            f"{' '.join(plan.server_argv)!r}) and this machine has {place.gpus}: set golden_server_args "
+            "with a --pipeline-parallel-size that fits, or make the golden where it fits (`moe-eval golden`) "
+            "and share the cache folder (--golden-cache)"
+        )
     place.log_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     place.stage("making the golden reference")
-    place.progress(f"  making the golden reference {plan.key.digest} (exact fp32 MoE, "
-                   f"{' '.join(plan.server_argv)}); logs in {place.log_dir}")
-    prefill, decode, golden_seconds = _serve_and_score(plan, config, place, False, place.log_dir / "golden-server.log")
+    place.progress(
+        f"  making the golden reference {plan.key.digest} (exact fp32 MoE, "
+        f"{' '.join(plan.server_argv)}); logs in {place.log_dir}"
+    )
+    prefill, decode, golden_seconds = _serve_and_score(
+        plan, config, place, False, place.log_dir / "golden-server.log"
+    )
     place.stage("making the golden's power probe")
     probe, _, probe_seconds = _serve_and_score(plan, config, place, True, place.log_dir / "probe-server.log")
-    meta = {"made_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "made_seconds": time.monotonic() - started,
-            "golden_server_seconds": golden_seconds, "probe_server_seconds": probe_seconds,
-            "server_argv": list(plan.server_argv), "model_path": plan.model_path, "config": str(config.path),
-            "versions": versions(), "probe": {"mutation": PROBE, "expert": TARGET_EXPERT, "scale_error": PROBE_SCALE_ERROR}}
+    meta = {
+        "made_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "made_seconds": time.monotonic() - started,
+        "golden_server_seconds": golden_seconds,
+        "probe_server_seconds": probe_seconds,
+        "server_argv": list(plan.server_argv),
+        "model_path": plan.model_path,
+        "config": str(config.path),
+        "versions": versions(),
+        "probe": {"mutation": PROBE, "expert": TARGET_EXPERT, "scale_error": PROBE_SCALE_ERROR},
+    }
     golden = store.save(plan.key, prefill, decode, probe, meta)
     for name in ("golden-server.log", "probe-server.log"):
         with contextlib.suppress(OSError):
@@ -402,8 +517,9 @@ def make_golden(plan: GoldenPlan, config: EvalConfig, place: ServerPlace, store:
     return golden
 
 
-def ensure_golden(plan: GoldenPlan, config: EvalConfig, place: ServerPlace, store: GoldenStore,
-                  refresh: bool = False) -> tuple[Golden, bool]:
+def ensure_golden(
+    plan: GoldenPlan, config: EvalConfig, place: ServerPlace, store: GoldenStore, refresh: bool = False
+) -> tuple[Golden, bool]:
     """The cached record, or a new one made now. (golden, made_now)."""
     if not refresh:
         found = store.load(plan.key)

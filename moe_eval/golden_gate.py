@@ -75,7 +75,9 @@ def abs_deltas(golden: Sequence[TextLogprobs], capture: Sequence[TextLogprobs]) 
     for i in sorted(gold):
         g, c = gold[i], other[i]
         if g.token_ids != c.token_ids:
-            raise ValueError(f"text {i}: token ids differ from the golden's (another tokenizer or other texts)")
+            raise ValueError(
+                f"text {i}: token ids differ from the golden's (another tokenizer or other texts)"
+            )
         deltas.append(np.array(c.logprobs[1:], dtype=np.float64) - np.array(g.logprobs[1:], dtype=np.float64))
     return deltas
 
@@ -86,13 +88,16 @@ def errors_vs_golden(golden: Sequence[TextLogprobs], capture: Sequence[TextLogpr
     counts = [d.size for d in deltas]
     total = sum(counts)
     return GoldenErrors(
-        texts=len(deltas), positions=total,
+        texts=len(deltas),
+        positions=total,
         mean_abs=float(sum(np.abs(d).sum() for d in deltas) / total),
         per_text=tuple(float(np.abs(d).mean()) if d.size else 0.0 for d in deltas),
         per_text_positions=tuple(counts),
         signed_mean=float(sum(d.sum() for d in deltas) / total),
         texts_more_likely=sum(1 for d in deltas if d.size and d.mean() > 0),
-        kl_topk=div.kl_topk, top1_agreement=1.0 - div.top1_flip_rate)
+        kl_topk=div.kl_topk,
+        top1_agreement=1.0 - div.top1_flip_rate,
+    )
 
 
 # --- the rule ------------------------------------------------------------------------------------
@@ -118,7 +123,9 @@ def student_t_sf(t: float, df: int) -> float:
         return 0.5
     x = df / (df + t * t)
     a, b = df / 2.0, 0.5
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    front = math.exp(
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
     if x < (a + 1) / (a + b + 2):
         tail = front * _beta_cf(a, b, x) / a
     else:
@@ -132,8 +139,10 @@ def _beta_cf(a: float, b: float, x: float) -> float:
     d = 1.0 / (d if abs(d) > tiny else tiny)
     h = d
     for m in range(1, 300):
-        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+        for num in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
             d = 1.0 + num * d
             d = 1.0 / (d if abs(d) > tiny else tiny)
             c = 1.0 + num / c
@@ -158,38 +167,63 @@ class GoldenRuleResult:
 
     def describe(self) -> str:
         verdict = "FAIL" if self.failed else "pass"
-        return (f"{verdict}: error ratio {self.ratio:.3f} vs the incumbent (fail above {1 + self.margin:.2f} "
-                f"with p < {self.alpha:g}); paired over {self.texts} texts: {self.paired_mean_diff:+.5f} "
-                f"mean, t = {self.t:.2f}, p = {self.p:.3g}, {self.texts_worse} worse")
+        return (
+            f"{verdict}: error ratio {self.ratio:.3f} vs the incumbent (fail above {1 + self.margin:.2f} "
+            f"with p < {self.alpha:g}); paired over {self.texts} texts: {self.paired_mean_diff:+.5f} "
+            f"mean, t = {self.t:.2f}, p = {self.p:.3g}, {self.texts_worse} worse"
+        )
 
 
-def _rule(run_per_text: np.ndarray, run_counts: np.ndarray, inc_per_text: np.ndarray, margin: float,
-          alpha: float) -> GoldenRuleResult:
+def _rule(
+    run_per_text: np.ndarray, run_counts: np.ndarray, inc_per_text: np.ndarray, margin: float, alpha: float
+) -> GoldenRuleResult:
     # The ratio of pooled errors (each text weighted by its positions), the test over per-text differences.
     run_err = float((run_per_text * run_counts).sum() / run_counts.sum())
     inc_err = float((inc_per_text * run_counts).sum() / run_counts.sum())
     ratio = run_err / inc_err if inc_err > 0 else (math.inf if run_err > 0 else 1.0)
     diffs = run_per_text - inc_per_text
     t, p = paired_t_greater(diffs)
-    return GoldenRuleResult(ratio=ratio, paired_mean_diff=float(diffs.mean()), t=t, p=p,
-                            texts_worse=int((diffs > 0).sum()), texts=int(diffs.size), margin=margin, alpha=alpha,
-                            failed=bool(ratio > 1 + margin and p < alpha))
+    return GoldenRuleResult(
+        ratio=ratio,
+        paired_mean_diff=float(diffs.mean()),
+        t=t,
+        p=p,
+        texts_worse=int((diffs > 0).sum()),
+        texts=int(diffs.size),
+        margin=margin,
+        alpha=alpha,
+        failed=bool(ratio > 1 + margin and p < alpha),
+    )
 
 
-def golden_rule(run: GoldenErrors, incumbent: GoldenErrors, margin: float = DEFAULT_MARGIN,
-                alpha: float = DEFAULT_ALPHA) -> GoldenRuleResult:
+def golden_rule(
+    run: GoldenErrors, incumbent: GoldenErrors, margin: float = DEFAULT_MARGIN, alpha: float = DEFAULT_ALPHA
+) -> GoldenRuleResult:
     if run.per_text_positions != incumbent.per_text_positions:
         raise ValueError("run and incumbent were scored on different texts")
-    return _rule(np.array(run.per_text), np.array(run.per_text_positions, dtype=np.float64),
-                 np.array(incumbent.per_text), margin, alpha)
+    return _rule(
+        np.array(run.per_text),
+        np.array(run.per_text_positions, dtype=np.float64),
+        np.array(incumbent.per_text),
+        margin,
+        alpha,
+    )
 
 
 # --- the gate's power ------------------------------------------------------------------------------
 
 
-def scale_error_power(golden: Sequence[TextLogprobs], probe: Sequence[TextLogprobs], probe_scale_error: float,
-                      run: Sequence[TextLogprobs], incumbent: GoldenErrors, margin: float = DEFAULT_MARGIN,
-                      alpha: float = DEFAULT_ALPHA, power: float = POWER, seed: int = 0) -> float | None:
+def scale_error_power(
+    golden: Sequence[TextLogprobs],
+    probe: Sequence[TextLogprobs],
+    probe_scale_error: float,
+    run: Sequence[TextLogprobs],
+    incumbent: GoldenErrors,
+    margin: float = DEFAULT_MARGIN,
+    alpha: float = DEFAULT_ALPHA,
+    power: float = POWER,
+    seed: int = 0,
+) -> float | None:
     """The smallest per-expert scale error (0.02 = one expert's output 2% short) that the rule catches
     with probability >= `power`, for this model and text set, added to this run's kernel.
 
@@ -212,8 +246,12 @@ def scale_error_power(golden: Sequence[TextLogprobs], probe: Sequence[TextLogpro
     draws = rng.integers(0, counts.size, size=(BOOTSTRAP_DRAWS, counts.size))
 
     def caught(eps: float) -> bool:
-        per_text = np.array([np.abs(r + eps * p / probe_scale_error).mean() if r.size else 0.0
-                             for r, p in zip(run_d, probe_d)])
+        per_text = np.array(
+            [
+                np.abs(r + eps * p / probe_scale_error).mean() if r.size else 0.0
+                for r, p in zip(run_d, probe_d)
+            ]
+        )
         fails = sum(_rule(per_text[idx], counts[idx], inc[idx], margin, alpha).failed for idx in draws)
         return fails >= power * BOOTSTRAP_DRAWS
 
@@ -261,27 +299,39 @@ def decode_errors(golden: Sequence[TextLogprobs], capture: Sequence[TextLogprobs
     identical = 0
     for i in sorted(gold):
         g, c = gold[i], other[i]
-        shared = next((p for p, (x, y) in enumerate(zip(g.token_ids, c.token_ids)) if x != y),
-                      min(len(g), len(c)))
+        shared = next(
+            (p for p, (x, y) in enumerate(zip(g.token_ids, c.token_ids)) if x != y), min(len(g), len(c))
+        )
         same_to_end = shared == len(g) == len(c)
         identical += same_to_end
         firsts.append(None if same_to_end else shared)
-        d = np.abs(np.array(c.logprobs[:shared], dtype=np.float64) - np.array(g.logprobs[:shared], dtype=np.float64))
+        d = np.abs(
+            np.array(c.logprobs[:shared], dtype=np.float64) - np.array(g.logprobs[:shared], dtype=np.float64)
+        )
         counts.append(int(d.size))
         per_text.append(float(d.mean()) if d.size else None)
         total_abs += float(d.sum())
     positions = sum(counts)
-    return DecodeErrors(texts=len(gold), tokens_generated=sum(len(g) for g in gold.values()), positions=positions,
-                        mean_abs=total_abs / positions if positions else None, per_text=tuple(per_text),
-                        per_text_positions=tuple(counts), identical_texts=identical,
-                        first_difference=tuple(firsts))
+    return DecodeErrors(
+        texts=len(gold),
+        tokens_generated=sum(len(g) for g in gold.values()),
+        positions=positions,
+        mean_abs=total_abs / positions if positions else None,
+        per_text=tuple(per_text),
+        per_text_positions=tuple(counts),
+        identical_texts=identical,
+        first_difference=tuple(firsts),
+    )
 
 
-def decode_rule(run: DecodeErrors, incumbent: DecodeErrors, margin: float = DEFAULT_MARGIN,
-                alpha: float = DEFAULT_ALPHA) -> GoldenRuleResult | None:
+def decode_rule(
+    run: DecodeErrors, incumbent: DecodeErrors, margin: float = DEFAULT_MARGIN, alpha: float = DEFAULT_ALPHA
+) -> GoldenRuleResult | None:
     """The same rule on the decode positions, over the texts where both shared at least one token with
     the golden (each side over its own shared prefix); None when fewer than 2 such texts."""
-    keep = [i for i, (r, c) in enumerate(zip(run.per_text, incumbent.per_text)) if r is not None and c is not None]
+    keep = [
+        i for i, (r, c) in enumerate(zip(run.per_text, incumbent.per_text)) if r is not None and c is not None
+    ]
     if len(keep) < 2:
         return None
     run_pt = np.array([run.per_text[i] for i in keep])

@@ -56,5 +56,12 @@ def reference_moe(
     problem = exact_matmul_problem()
     if problem is not None:
         raise RuntimeError(f"moe-eval reference MoE refuses to run inexactly: {problem}")
-    return fused_moe_ref(hidden_TD, w13_eFD, w2_eDF, topk_weights_TK, topk_ids_TK, expert_map_E=expert_map_E,
-                         apply_router_weight_on_input=apply_router_weight_on_input)
+    return fused_moe_ref(
+        hidden_TD,
+        w13_eFD,
+        w2_eDF,
+        topk_weights_TK,
+        topk_ids_TK,
+        expert_map_E=expert_map_E,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+    )

@@ -71,7 +71,9 @@ def test_errors_report_signed_shift_kl_and_top1(world):
 def test_other_texts_are_refused(world):
     golden, _, incumbent, _ = world
     with pytest.raises(ValueError, match="token ids differ"):
-        errors_vs_golden(capture(golden), capture(incumbent, ids=[[7] * (golden.shape[1] + 1)] * golden.shape[0]))
+        errors_vs_golden(
+            capture(golden), capture(incumbent, ids=[[7] * (golden.shape[1] + 1)] * golden.shape[0])
+        )
 
 
 def test_paired_t_edges():
@@ -92,14 +94,20 @@ def test_power_finds_the_scale_error_the_rule_catches(world):
     at = golden_rule(errors_vs_golden(capture(golden), capture(correct + power * sensitivity)), inc)
     half = golden_rule(errors_vs_golden(capture(golden), capture(correct + power / 2 * sensitivity)), inc)
     assert at.failed and not half.failed
-    assert scale_error_power(capture(golden), capture(golden), 0.05, capture(correct), inc) is None  # dead expert
+    assert (
+        scale_error_power(capture(golden), capture(golden), 0.05, capture(correct), inc) is None
+    )  # dead expert
 
 
 def test_decode_compares_up_to_the_first_different_token():
-    gold = [TextLogprobs(0, (1, 2, 3, 4), (-0.1, -0.2, -0.3, -0.4), ((1,),) * 4, ((-0.1,),) * 4),
-            TextLogprobs(1, (5, 6), (-0.5, -0.6), ((5,),) * 2, ((-0.5,),) * 2)]
-    run = [TextLogprobs(0, (1, 2, 9, 9), (-0.2, -0.2, -1.0, -1.0), ((1,),) * 4, ((-0.2,),) * 4),
-           TextLogprobs(1, (5, 6), (-0.5, -0.7), ((5,),) * 2, ((-0.5,),) * 2)]
+    gold = [
+        TextLogprobs(0, (1, 2, 3, 4), (-0.1, -0.2, -0.3, -0.4), ((1,),) * 4, ((-0.1,),) * 4),
+        TextLogprobs(1, (5, 6), (-0.5, -0.6), ((5,),) * 2, ((-0.5,),) * 2),
+    ]
+    run = [
+        TextLogprobs(0, (1, 2, 9, 9), (-0.2, -0.2, -1.0, -1.0), ((1,),) * 4, ((-0.2,),) * 4),
+        TextLogprobs(1, (5, 6), (-0.5, -0.7), ((5,),) * 2, ((-0.5,),) * 2),
+    ]
     errs = decode_errors(gold, run)
     assert errs.first_difference == (2, None) and errs.identical_texts == 1
     assert errs.per_text_positions == (2, 2) and errs.positions == 4

@@ -13,16 +13,33 @@ from moe_eval.errors import ConfigError
 from moe_eval.golden import GoldenKey, GoldenStore, golden_server_argv, model_identity, weights_digest
 from moe_eval.logprobs import TextLogprobs
 
-KEY = GoldenKey(model="weights-sha256:ab", texts_sha256="cd", texts=2, decode_texts=1, decode_tokens=4,
-                server_args=("--dtype", "bfloat16"), env=(), device="cpu: test", vllm="0.32.0", torch="2.13.0")
-PREFILL = [TextLogprobs(0, (1, 2, 3), (None, -0.5, -0.25), (None, (2, 7), (3, 7)), (None, (-0.5, -2.0), (-0.25, -3.0))),
-           TextLogprobs(1, (1, 4), (None, -1.5), (None, (4, 2)), (None, (-1.5, -1.75)))]
+KEY = GoldenKey(
+    model="weights-sha256:ab",
+    texts_sha256="cd",
+    texts=2,
+    decode_texts=1,
+    decode_tokens=4,
+    server_args=("--dtype", "bfloat16"),
+    env=(),
+    device="cpu: test",
+    vllm="0.32.0",
+    torch="2.13.0",
+)
+PREFILL = [
+    TextLogprobs(
+        0, (1, 2, 3), (None, -0.5, -0.25), (None, (2, 7), (3, 7)), (None, (-0.5, -2.0), (-0.25, -3.0))
+    ),
+    TextLogprobs(1, (1, 4), (None, -1.5), (None, (4, 2)), (None, (-1.5, -1.75))),
+]
 DECODE = [TextLogprobs(0, (5, 6), (-0.125, -0.5), ((5, 1), (6, 1)), ((-0.125, -3.0), (-0.5, -2.0)))]
 
 
 def config(tmp_path: Path, server_args: str, extra: str = ""):
-    text = (f'model_name: "builtin:canary-qwen3-moe"\naccuracy_threshold: 0.5\nnum_questions: 10\nnum_fewshot: 5\n'
-            f'moe_backend: torch\nserver_args: "{server_args}"\n{extra}')
+    text = (
+        'model_name: "builtin:canary-qwen3-moe"\naccuracy_threshold: 0.5\nnum_questions: 10\n'
+        "num_fewshot: 5\n"
+        f'moe_backend: torch\nserver_args: "{server_args}"\n{extra}'
+    )
     path = tmp_path / "c.yaml"
     path.write_text(text)
     return parse_config(path, text)
@@ -35,7 +52,9 @@ def test_round_trip_and_files_checked(tmp_path):
     loaded = store.load(KEY)
     assert loaded.prefill == PREFILL and loaded.decode == DECODE and loaded.probe == PREFILL
     assert loaded.path == saved.path == tmp_path / "goldens" / KEY.digest
-    assert not [p for p in (tmp_path / "goldens").iterdir() if p.name.startswith(f".{KEY.digest}.")], "no temp left"
+    assert not [p for p in (tmp_path / "goldens").iterdir() if p.name.startswith(f".{KEY.digest}.")], (
+        "no temp left"
+    )
 
 
 def test_a_changed_file_is_refused_naming_it(tmp_path):

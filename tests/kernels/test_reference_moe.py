@@ -21,17 +21,43 @@ def _restore_precision():
 def test_matches_float64_to_a_final_bf16_rounding(apply_on_input):
     exact_matmul_mode()
     K = 1 if apply_on_input else 2
-    case = make_case(37, 8, K, 64, 48, dtype=torch.bfloat16, device="cpu", seed=11, local_experts=[1, 3, 5, 7],
-                     apply_router_weight_on_input=apply_on_input)
+    case = make_case(
+        37,
+        8,
+        K,
+        64,
+        48,
+        dtype=torch.bfloat16,
+        device="cpu",
+        seed=11,
+        local_experts=[1, 3, 5, 7],
+        apply_router_weight_on_input=apply_on_input,
+    )
     out = reference_moe(*case.args(), **case.kwargs())
     # The same sums in float64, rounded once to bf16: the fp32 result must round to the same bf16 values
     # nearly everywhere (a tie at the rounding boundary may go either way).
-    exact = make_case(37, 8, K, 64, 48, dtype=torch.bfloat16, device="cpu", seed=11, local_experts=[1, 3, 5, 7],
-                      apply_router_weight_on_input=apply_on_input)
+    exact = make_case(
+        37,
+        8,
+        K,
+        64,
+        48,
+        dtype=torch.bfloat16,
+        device="cpu",
+        seed=11,
+        local_experts=[1, 3, 5, 7],
+        apply_router_weight_on_input=apply_on_input,
+    )
     from moe_eval.kernels.fused_moe import fused_moe_ref
 
-    ref64 = fused_moe_ref(exact.hidden_TD.double(), exact.w13_eFD.double(), exact.w2_eDF.double(),
-                          exact.topk_weights_TK.double(), exact.topk_ids_TK, **exact.kwargs())
+    ref64 = fused_moe_ref(
+        exact.hidden_TD.double(),
+        exact.w13_eFD.double(),
+        exact.w2_eDF.double(),
+        exact.topk_weights_TK.double(),
+        exact.topk_ids_TK,
+        **exact.kwargs(),
+    )
     differs = (out != ref64.to(torch.bfloat16)).float().mean().item()
     assert out.dtype == torch.bfloat16
     assert differs < 0.01, f"{differs:.2%} of outputs round differently from float64"
@@ -51,8 +77,9 @@ def test_through_the_oracle_entry_point():
     exact_matmul_mode()
     case = make_case(9, 8, 2, 32, 32, dtype=torch.bfloat16, device="cpu", seed=4)
     weights = convert_to_kernel_format(MoeBackend.REFERENCE, case.w13_eFD, case.w2_eDF)
-    out = make_moe_kernel(MoeBackend.REFERENCE)(case.hidden_TD, weights, case.topk_weights_TK, case.topk_ids_TK,
-                                                None, False)
+    out = make_moe_kernel(MoeBackend.REFERENCE)(
+        case.hidden_TD, weights, case.topk_weights_TK, case.topk_ids_TK, None, False
+    )
     assert torch.equal(out, reference_moe(*case.args(), **case.kwargs()))
 
 

@@ -1,0 +1,115 @@
+"""The golden gate's calibration table from run folders (benchmarks/calibrate_golden.sh's WORK, or any).
+
+For every bundled row of every run under the folders given: mutation, accuracy, the paired McNemar
+gate, the old absolute divergence gate, the golden gate (ratio, p, verdict, power). Also the golden's
+own noise: two golden records of one key made from empty caches (goldens-*/), compared text by text.
+
+    python benchmarks/golden_calibration_table.py WORK [--json docs/data/golden_calibration_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from moe_eval.logprobs import divergence, read_logprobs
+from moe_eval.results import atomic_write_json, result_files
+
+
+def _checks(record: dict) -> dict[str, bool]:
+    return {c["name"]: c["passed"] for c in record.get("checks", [])}
+
+
+def rows(work: Path) -> list[dict]:
+    found = []
+    for path in result_files(work):
+        record = json.loads(path.read_text())
+        gate = record.get("golden_gate") or {}
+        if record.get("config", {}).get("moe_backend") is None or "ratio" not in gate:
+            continue
+        checks = _checks(record)
+        old = [v for k, v in checks.items() if k.startswith("logprob_")]
+        found.append(
+            {
+                "run": str(path.relative_to(work).parts[0]),
+                "config": f"{Path(record['config_path']).parent.name}/{record['config_name']}",
+                "layout": record["layout"]["describe"],
+                "mutation": record.get("mutation"),
+                "accuracy": record["scores"]["strict-match"]["accuracy"],
+                "accuracy_gate": checks.get("accuracy_gate"),
+                "mcnemar": checks.get("paired_gate"),
+                "old_divergence_gate": all(old) if old else None,
+                "old_mean_abs": (record.get("divergence") or {}).get("mean_abs_dlogp"),
+                "error": gate["run"]["mean_abs"],
+                "incumbent_error": gate["incumbent"]["errors"]["mean_abs"],
+                "ratio": gate["ratio"],
+                "p": gate["p"],
+                "margin": gate["margin"],
+                "golden_gate": gate["passed"],
+                "decode_gate": checks.get("golden_gate_decode"),
+                "power_scale_error": (gate.get("power") or {}).get("scale_error"),
+                "status": record["status"],
+            }
+        )
+    return found
+
+
+def golden_noise(work: Path) -> list[dict]:
+    """Each pair of golden records with the same key digest in different goldens-*/ caches."""
+    by_digest: dict[str, list[Path]] = {}
+    for folder in sorted(work.glob("goldens-*/*/golden.json")):
+        by_digest.setdefault(folder.parent.name, []).append(folder.parent)
+    out = []
+    for digest, folders in by_digest.items():
+        for other in folders[1:]:
+            div = divergence(
+                read_logprobs(folders[0] / "prefill.jsonl"), read_logprobs(other / "prefill.jsonl")
+            )
+            out.append(
+                {
+                    "digest": digest,
+                    "a": str(folders[0]),
+                    "b": str(other),
+                    "mean_abs": div.mean_abs_dlogp,
+                    "max_abs": div.max_abs_dlogp,
+                    "top1_flips": div.top1_flips,
+                    "positions": div.positions,
+                }
+            )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("work", type=Path)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    table, noise = rows(args.work), golden_noise(args.work)
+    print(
+        "| run | config | mutation | accuracy | McNemar | old divergence gate | error (incumbent) | ratio "
+        "| p "
+        "| golden gate | decode | catches (80%) |"
+    )
+    print("|---|---|---|---:|---|---|---|---:|---:|---|---|---:|")
+    word = {True: "pass", False: "**FAIL**", None: "-"}
+    for r in sorted(table, key=lambda r: (r["mutation"] or "", r["config"], r["run"])):
+        power = "-" if r["power_scale_error"] is None else f"{r['power_scale_error']:.1%}"
+        print(
+            f"| {r['run']} | {r['config']} | {r['mutation'] or 'none'} | {r['accuracy']:.3f} "
+            f"| {word[r['mcnemar']]} "
+            f"| {word[r['old_divergence_gate']]} ({r['old_mean_abs']:.4f}) | {r['error']:.4f} "
+            f"({r['incumbent_error']:.4f}) | {r['ratio']:.3f} | {r['p']:.2g} | {word[r['golden_gate']]} "
+            f"| {word[r['decode_gate']]} | {power} |"
+        )
+    for n in noise:
+        print(
+            f"golden noise {n['digest']}: mean |Δ| {n['mean_abs']:.3g}, max {n['max_abs']:.3g}, "
+            f"top-1 flips {n['top1_flips']} of {n['positions']}"
+        )
+    if args.json:
+        atomic_write_json(args.json, {"rows": table, "golden_noise": noise})
+
+
+if __name__ == "__main__":
+    main()
