@@ -13,12 +13,35 @@ import argparse
 import json
 from pathlib import Path
 
+from moe_eval.golden import PROBE_SCALE_ERROR
+from moe_eval.golden_gate import errors_vs_golden, scale_error_power
 from moe_eval.logprobs import divergence, read_logprobs
 from moe_eval.results import atomic_write_json, result_files
 
 
 def _checks(record: dict) -> dict[str, bool]:
     return {c["name"]: c["passed"] for c in record.get("checks", [])}
+
+
+def _power(path: Path, record: dict) -> float | None:
+    """The gate's power recomputed by the committed code (moe_eval.golden_gate) from the files the run left:
+    a run folder made by an earlier version keeps its own number in results.json."""
+    golden = Path(record["golden"]["path"])
+    incumbent = Path(record["golden_gate"]["incumbent"]["results"]).parent / "logprobs.jsonl"
+    if not golden.is_dir():  # moved with its run folder: the copy beside it
+        golden = next(path.parents[3].glob(f"*/{golden.name}"), golden)
+    if not golden.is_dir() or not incumbent.is_file():
+        return (record["golden_gate"].get("power") or {}).get("scale_error")
+    gold = read_logprobs(golden / "prefill.jsonl")
+    return scale_error_power(
+        gold,
+        read_logprobs(golden / "probe.jsonl"),
+        PROBE_SCALE_ERROR,
+        read_logprobs(path.parent / "logprobs.jsonl"),
+        errors_vs_golden(gold, read_logprobs(incumbent)),
+        record["golden_gate"]["margin"],
+        record["golden_gate"]["alpha"],
+    )
 
 
 def rows(work: Path) -> list[dict]:
@@ -48,7 +71,7 @@ def rows(work: Path) -> list[dict]:
                 "margin": gate["margin"],
                 "golden_gate": gate["passed"],
                 "decode_gate": checks.get("golden_gate_decode"),
-                "power_scale_error": (gate.get("power") or {}).get("scale_error"),
+                "power_scale_error": _power(path, record),
                 "status": record["status"],
             }
         )
