@@ -228,7 +228,8 @@ class GoldenKey:
     format: int = GOLDEN_FORMAT
 
     def as_dict(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        # Through JSON and back: nested tuples (env pairs) must compare equal to what golden.json holds.
+        return json.loads(json.dumps(asdict(self)))
 
     @property
     def digest(self) -> str:

@@ -282,16 +282,19 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData
         record["paired"] = paired.as_dict() | {"baseline": str(baseline.results_path)}
         outcome.checks += _divergence_checks(config, baseline, logprobs, outcome.moe_backend_used, record)
         outcome.divergence = record.get("divergence")
+    # Scores first: a golden that cannot be made must not take the evaluation's numbers with it.
+    record.update({"scores": result.scores, "num_questions_evaluated": result.num_questions,
+                   "answers": stats, "lm_eval": result.lm_eval_config, "samples": "samples.jsonl"})
     if config.golden_gated:
         from moe_eval.golden_checks import golden_checks
+
+        cancel.raise_if_cancelled()  # a signal during the teardown: no golden server starts after it
 
         _stage(options, "comparing with the golden reference")
         outcome.checks += golden_checks(config, options, data, model, run_dir, logprobs, decode, baseline, record,
                                         outcome.timings)
         outcome.golden_gate = record.get("golden_gate")
     outcome.status = "passed" if not outcome.failed_checks else "failed"
-    record.update({"scores": result.scores, "num_questions_evaluated": result.num_questions,
-                   "answers": stats, "lm_eval": result.lm_eval_config, "samples": "samples.jsonl"})
 
 
 def _score_logprobs(config: EvalConfig, options: RunOptions, data: Gsm8kData, base_url: str, model: str,

@@ -57,6 +57,13 @@ def test_round_trip_and_files_checked(tmp_path):
     )
 
 
+def test_a_key_with_env_reloads(tmp_path):
+    key = dataclasses.replace(KEY, env=(("VLLM_ATTENTION_BACKEND", "FLASH_ATTN"),))
+    store = GoldenStore(tmp_path)
+    store.save(key, PREFILL, DECODE, PREFILL, {})
+    assert store.load(key).prefill == PREFILL
+
+
 def test_a_changed_file_is_refused_naming_it(tmp_path):
     store = GoldenStore(tmp_path)
     saved = store.save(KEY, PREFILL, DECODE, PREFILL, {})
