@@ -125,10 +125,8 @@ def _top_k(entry: dict[str, float], top_k: int, what: str) -> tuple[tuple[int, .
     return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
 
 
-def parse_completion(reply: dict, index: int, top_k: int) -> TextLogprobs:
-    """The echoed prompt's logprobs from one vLLM completions reply (echo, logprobs, max_tokens 1).
-
-    Raises ValueError when the reply is not shaped as expected."""
+def _logprob_lists(reply: dict) -> tuple[list, list, list]:
+    """choices[0].logprobs' tokens, token_logprobs and top_logprobs, checked to be of one length."""
     try:
         lp = reply["choices"][0]["logprobs"]
         tokens, token_lps, tops = lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]
@@ -138,6 +136,14 @@ def parse_completion(reply: dict, index: int, top_k: int) -> TextLogprobs:
     if not (len(tokens) == len(token_lps) == len(tops)):
         raise ValueError(f"logprobs lists differ in length: tokens {len(tokens)}, token_logprobs "
                          f"{len(token_lps)}, top_logprobs {len(tops)}")
+    return tokens, token_lps, tops
+
+
+def parse_completion(reply: dict, index: int, top_k: int) -> TextLogprobs:
+    """The echoed prompt's logprobs from one vLLM completions reply (echo, logprobs, max_tokens 1).
+
+    Raises ValueError when the reply is not shaped as expected."""
+    tokens, token_lps, tops = _logprob_lists(reply)
     # The echo is prompt + generated; usage says where the prompt ends. Without usage, assume the one
     # token max_tokens=1 asked for.
     usage = reply.get("usage") or {}
@@ -209,15 +215,9 @@ def capture_decode(base_url: str, model: str, prompts: list[str], *, tokens: int
 def parse_generation(reply: dict, index: int, top_k: int) -> TextLogprobs:
     """The generated tokens' logprobs from one completions reply without echo. ValueError when the
     reply is not shaped as expected."""
-    try:
-        lp = reply["choices"][0]["logprobs"]
-        tokens, token_lps, tops = lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]
-    except (KeyError, IndexError, TypeError):
-        raise ValueError(f"no choices[0].logprobs with tokens/token_logprobs/top_logprobs in {reply!s:.200}") \
-            from None
-    if not (len(tokens) == len(token_lps) == len(tops)) or not tokens:
-        raise ValueError(f"generated logprobs empty or of unequal lengths: tokens {len(tokens)}, token_logprobs "
-                         f"{len(token_lps)}, top_logprobs {len(tops)}")
+    tokens, token_lps, tops = _logprob_lists(reply)
+    if not tokens:
+        raise ValueError("generated logprobs empty")
     ids, lps, top_ids, top_lps = [], [], [], []
     for pos, (token, token_lp, top) in enumerate(zip(tokens, token_lps, tops)):
         what = f"generated token {pos}"
