@@ -24,6 +24,9 @@ from moe_eval.layout import Layout, layout_from_server_args
 MOE_BACKENDS = ("triton", "flashinfer_cutlass", "torch")
 TASKS = ("gsm8k", "canary")
 GSM8K_TEST_QUESTIONS = 1319
+# The golden gate's paired test over texts: below this many texts its p-value and its power analysis are
+# too coarse to decide (docs/logprob-gate.md); such a config sets more logprob_texts or golden: false.
+MIN_GOLDEN_TEXTS = 8
 REQUIRED = object()
 
 
@@ -278,6 +281,9 @@ def parse_config(path: Path, text: str) -> EvalConfig:
         _ = config.layout  # derived from server_args: an impossible layout is a config error now, not at launch
     except ValueError as exc:
         raise ConfigError(f"{path}: key 'server_args': value {config.server_args!r}: {exc}") from None
+    if config.golden_gated and config.logprob_texts < MIN_GOLDEN_TEXTS:
+        raise ConfigError(f"{path}: key 'logprob_texts': value {config.logprob_texts} is too few for the golden "
+                          f"gate's paired test (at least {MIN_GOLDEN_TEXTS}); raise it or set 'golden: false'")
     return config
 
 

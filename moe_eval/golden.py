@@ -81,8 +81,14 @@ _PARALLEL_VALUE_FLAGS = (
     "--data-parallel-size-local",
     "--data-parallel-address",
     "--data-parallel-rpc-port",
+    "--data-parallel-start-rank",
+    "--decode-context-parallel-size",
+    "-dcp",
+    "--eplb-config",
+    "--num-redundant-experts",
 )
-_PARALLEL_SWITCHES = ("--enable-expert-parallel", "-ep")
+# Expert load balancing moves experts between ranks: meaningless in a one-rank golden.
+_PARALLEL_SWITCHES = ("--enable-expert-parallel", "-ep", "--enable-eplb")
 # Server arguments that do not change the numbers of a text scored alone (memory, admission, logging),
 # left out of the key so that, for example, two configs differing only in memory share a golden.
 _NON_NUMERIC_VALUE_FLAGS = (

@@ -81,8 +81,11 @@ def require_some(paths: list[Path], what: str) -> list[Path]:
 
 
 # Keys a config and its baseline_config must share: the same model answering the same questions, and the
-# same scored texts, or neither the paired gate nor the divergence gate compares like with like.
-BASELINE_MUST_MATCH = ("model_name", "task", "num_fewshot", "num_questions", "logprob_texts")
+# same scored texts and continuations, or neither the paired gate, the divergence gate nor the golden
+# gate compares like with like.
+BASELINE_MUST_MATCH = (
+    "model_name", "task", "num_fewshot", "num_questions", "logprob_texts", "decode_texts", "decode_tokens",
+)
 
 
 def with_baselines(configs: list[EvalConfig]) -> tuple[list[EvalConfig], dict[int, int], list[str]]:

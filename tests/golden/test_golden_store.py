@@ -104,6 +104,8 @@ def test_golden_server_drops_parallel_flags_and_is_eager(tmp_path):
     assert golden_server_argv(dep) == ["--enforce-eager", "--dtype", "bfloat16"]
     pp = config(tmp_path, "--tensor-parallel-size 2", 'golden_server_args: "--pipeline-parallel-size 2"\n')
     assert golden_server_argv(pp) == ["--pipeline-parallel-size", "2", "--enforce-eager"]
+    eplb = config(tmp_path, "-tp 2 -ep --enable-eplb --num-redundant-experts 2 -dcp 2 --dtype bfloat16")
+    assert golden_server_argv(eplb) == ["--dtype", "bfloat16", "--enforce-eager"]
 
 
 def test_model_identity_hashes_the_checkpoint(tmp_path):
@@ -126,3 +128,6 @@ def test_golden_keys_in_configs(tmp_path):
         config(tmp_path, "", "golden: 'yes'\n")
     with pytest.raises(ConfigError, match="key 'golden_margin'"):
         config(tmp_path, "", "golden_margin: -1\n")
+    with pytest.raises(ConfigError, match="key 'logprob_texts': value 4 is too few for the golden gate"):
+        config(tmp_path, "", "logprob_texts: 4\n")
+    assert not config(tmp_path, "", "logprob_texts: 4\ngolden: false\n").golden_gated

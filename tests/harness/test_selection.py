@@ -6,7 +6,8 @@ import pytest
 
 from moe_eval.errors import ConfigError, NothingSelected
 from moe_eval.layout import LayoutKind, layout_from_server_args
-from moe_eval.selection import list_for_hardware, parse_shard, read_list, require_some, shard
+from moe_eval.config import load_config
+from moe_eval.selection import list_for_hardware, parse_shard, read_list, require_some, shard, with_baselines
 
 
 def _write(path: Path, text: str = "") -> Path:
@@ -85,3 +86,16 @@ def test_shards_keep_a_listed_baseline_with_the_configs_that_compare_with_it():
     baseline_of = {paths[1]: paths[0], paths[2]: paths[0], paths[4]: paths[3], paths[5]: Path("/elsewhere.yaml")}
     parts = [shard(paths, i, 2, baseline_of) for i in range(2)]
     assert parts == [[paths[0], paths[1], paths[2], paths[5]], [paths[3], paths[4]]]
+
+
+@pytest.mark.parametrize("key, value", [("num_questions", 20), ("logprob_texts", 32), ("decode_tokens", 16)])
+def test_a_baseline_must_score_what_its_user_scores(tmp_path, key, value):
+    common = 'model_name: "builtin:canary-qwen3-moe"\naccuracy_threshold: 0.5\nnum_questions: 10\nnum_fewshot: 5\n'
+    _write(tmp_path / "vllm.yaml", common + f"{key}: {value}\n" if key != "num_questions" else
+           common.replace("num_questions: 10", f"num_questions: {value}"))
+    user = load_config(_write(tmp_path / "torch.yaml", common + "moe_backend: torch\nbaseline_config: vllm.yaml\n"))
+    with pytest.raises(ConfigError, match=f"torch.yaml: key 'baseline_config': value 'vllm.yaml' has {key} {value}"):
+        with_baselines([user])
+    _write(tmp_path / "vllm.yaml", common)
+    ordered, dependencies, _ = with_baselines([user])
+    assert [c.path.name for c in ordered] == ["vllm.yaml", "torch.yaml"] and dependencies == {1: 0}
