@@ -372,21 +372,24 @@ def list_configs(hw: str, root: str | None, list_path: str | None, shard_text: s
     for i, c in enumerate(selected):
         baseline = selected[dependencies[i]] if i in dependencies else None
         click.echo(f"{c.path.parent.name}/{c.path.name}\t{c.model_name}\t{c.layout.describe()}\t{c.layout.world_size}\t"
-                   f"{c.moe_backend or 'vllm-default'}\t{c.accuracy_threshold}\t{c.num_questions}\t"
+                   f"{c.moe_backend or 'vllm-default'}\t{c.accuracy_threshold if c.answers_gated else 'n/a'}\t"
+                   f"{c.num_questions}\t"
                    f"{f'{baseline.path.parent.name}/{baseline.path.name}' if baseline else '-'}\t"
                    f"{','.join(gate_names(c, baseline is not None))}")
 
 
 def gate_names(config: EvalConfig, has_baseline: bool) -> list[str]:
     """The gates a config runs under (`list`): a golden gate without an incumbent reports, never gates."""
-    gates = ["accuracy"]
+    gates = ["accuracy"] if config.answers_gated else []
     if has_baseline:
-        gates += ["paired", "divergence"]
+        gates += ["paired", "divergence"] if config.answers_gated else ["divergence"]
     if config.golden_gated:
         gates.append("golden" if has_baseline else "golden(no incumbent: reports only)")
     if config.max_jit_while_serving is not None:
         gates.append("jit")
-    return gates
+    if config.moe_backend is not None:
+        gates.append("kernel_calls")
+    return gates or ["none (it serves: an incumbent)"]
 
 
 @cli.command()

@@ -110,7 +110,8 @@ NUMBER = (int, float)
 CONFIG_KEYS: dict[str, KeySpec] = {
     # --- vLLM's GSM8K harness keys ---
     "model_name": KeySpec((str,), doc="hub id, local checkpoint dir, or builtin:<name> (built on first use)"),
-    "accuracy_threshold": KeySpec(NUMBER, check=_between(0.0, 1.0), doc="expected strict-match accuracy"),
+    "accuracy_threshold": KeySpec(NUMBER, None, _between(0.0, 1.0),
+                                  "expected strict-match accuracy (required unless random_weights)"),
     "num_questions": KeySpec((int,), check=_between(1, GSM8K_TEST_QUESTIONS), doc="GSM8K test questions"),
     "num_fewshot": KeySpec((int,), check=_between(0, 20), doc="few-shot examples from the train split"),
     "server_args": KeySpec((str,), "", _shell_splittable, "extra `vllm serve` arguments, shell-split",
@@ -166,6 +167,9 @@ CONFIG_KEYS: dict[str, KeySpec] = {
     "decode_texts": KeySpec((int,), 8, _between(0, GSM8K_TEST_QUESTIONS),
                             "prompts whose greedy continuation is compared with the golden's (the decode path); 0: none"),
     "decode_tokens": KeySpec((int,), 32, _between(1, 4096), "tokens generated per decode prompt"),
+    "random_weights": KeySpec((bool,), False, None,
+                              "the model's weights are random (a shape twin, models.py): its answers mean nothing, so "
+                              "no accuracy, paired or garbage gate; accuracy is reported as n/a"),
     "max_jit_while_serving": KeySpec((int,), None, _non_negative,
                                      "fail when more kernel compilations than this happen while serving "
                                      "(vLLM's JIT monitor, GPU servers)"),
@@ -179,9 +183,9 @@ class EvalConfig:
     path: Path
     sha256: str
     model_name: str
-    accuracy_threshold: float
     num_questions: int
     num_fewshot: int
+    accuracy_threshold: float | None = None  # None only with random_weights (parse_config checks)
     server_args: str = ""
     env: dict[str, str] = field(default_factory=dict)
     tolerance: float = 0.08
@@ -212,6 +216,12 @@ class EvalConfig:
     golden_server_args: str | None = None
     decode_texts: int = 8
     decode_tokens: int = 32
+    random_weights: bool = False
+
+    @property
+    def answers_gated(self) -> bool:
+        """The answers are gated (accuracy, paired McNemar, garbage): the model is trained, not a random twin."""
+        return not self.random_weights
 
     @property
     def golden_gated(self) -> bool:
@@ -276,6 +286,11 @@ def parse_config(path: Path, text: str) -> EvalConfig:
         if data[key] is None and spec.default is None:
             continue
         values[key] = _check_value(path, key, data[key], spec)
+    if values.get("random_weights") and "accuracy_threshold" in values:
+        raise ConfigError(f"{path}: key 'accuracy_threshold': value {values['accuracy_threshold']!r} cannot be met by "
+                          "a model with random weights (random_weights: true); leave it out")
+    if not values.get("random_weights") and "accuracy_threshold" not in values:
+        raise ConfigError(f"{path}: missing required key 'accuracy_threshold'")
     config = EvalConfig(path=path, sha256=hashlib.sha256(text.encode()).hexdigest(), **values)
     try:
         _ = config.layout  # derived from server_args: an impossible layout is a config error now, not at launch

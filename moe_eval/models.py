@@ -14,7 +14,7 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -68,25 +68,41 @@ def resolve_model(model_name: str) -> str:
         if not (CANARY_DIR / "model.safetensors").exists():
             raise ConfigError(f"model_name: value '{model_name}': the canary checkpoint is missing from {CANARY_DIR}")
         return str(CANARY_DIR)
+    from moe_eval.twins import TWIN_PREFIX, TWINS, build_twin
+
+    if name.startswith(TWIN_PREFIX) and name[len(TWIN_PREFIX):] in TWINS:
+        spec = TWINS[name[len(TWIN_PREFIX):]]
+        return str(ensure_built(cache_root() / "models", spec.cache_name, lambda out: build_twin(spec, out)))
     if name not in BUILTIN_MODELS:
+        known = [*BUILTIN_MODELS, CANARY_NAME, *(TWIN_PREFIX + t for t in TWINS)]
         raise ConfigError(f"model_name: value '{model_name}' names no builtin model; "
-                          f"known: {', '.join(BUILTIN_PREFIX + n for n in [*BUILTIN_MODELS, CANARY_NAME])}")
+                          f"known: {', '.join(BUILTIN_PREFIX + n for n in known)}")
     return str(ensure_tiny_moe(BUILTIN_MODELS[name], cache_root() / "models"))
 
 
 def ensure_tiny_moe(spec: TinyMoeSpec, root: Path) -> Path:
     """Build the checkpoint unless the cache has it; safe against concurrent builders."""
-    target = root / spec.cache_name
+    return ensure_built(root, spec.cache_name, lambda out: build_tiny_moe(spec, out))
+
+
+def ensure_built(root: Path, cache_name: str, build: Callable[[Path], None]) -> Path:
+    """root/cache_name, built by `build(staging_dir)` unless the cache has it; safe against concurrent
+    builders (a lock file), and atomic: readers see a whole checkpoint or none."""
+    target = root / cache_name
     if (target / "config.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{spec.cache_name}.lock", "w") as lock:
+    with open(root / f".{cache_name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").exists():
-            staging = root / f".{spec.cache_name}.building-{os.getpid()}"
+            staging = root / f".{cache_name}.building-{os.getpid()}"
             shutil.rmtree(staging, ignore_errors=True)
-            build_tiny_moe(spec, staging)
-            os.replace(staging, target)  # atomic: readers see a whole checkpoint or none
+            try:
+                build(staging)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)  # a killed or failed build leaves no half checkpoint
+                raise
+            os.replace(staging, target)
     return target
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: `moe-eval compare` uses the table helpers without the runner
     from rich.table import Table
 
+    from moe_eval.config import EvalConfig
     from moe_eval.runner import ConfigOutcome
 
 COLUMNS = ("Config", "Layout", "MoE backend", "Filter", "n-shot", "Metric", "Value", "", "Stderr", "Floor",
@@ -51,6 +52,10 @@ def golden_cell(gate: dict | None) -> str:
     return f"{run:.4f} ({incumbent:.4f}) x{gate['ratio']:.2f} p={gate['p']:.2g}{caught}"
 
 
+def _floor(config: EvalConfig) -> str:
+    return _fmt(config.accuracy_threshold - config.tolerance) if config.accuracy_threshold is not None else "n/a"
+
+
 def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
     table = []
     for o in outcomes:
@@ -59,14 +64,17 @@ def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
         backend = o.moe_backend_used or "n/a"
         if o.scores is None:  # an infrastructure error, or cancelled before the evaluation ended
             table.append([name, cfg.layout.describe(), backend, "-", str(cfg.num_fewshot), "exact_match", "-", "",
-                          "-", _fmt(cfg.accuracy_threshold - cfg.tolerance), "-", "-", "-", "-", o.status.upper()])
+                          "-", _floor(cfg), "-", "-", "-", "-", o.status.upper()])
             continue
         for i, (filt, score) in enumerate(o.scores.items()):
             gated = filt == "strict-match"
             sigma = o.gate.margin_in_stderr if gated and o.gate else None
+            # A random-weights twin answers nothing: its accuracy is not a number to read (n/a), never 0.000.
+            value, stderr = ((_fmt(score["accuracy"]), _fmt(score["stderr"])) if cfg.answers_gated
+                             else ("n/a", "n/a"))
             table.append([
                 name if i == 0 else "", cfg.layout.describe() if i == 0 else "", backend if i == 0 else "",
-                filt, str(cfg.num_fewshot), "exact_match", _fmt(score["accuracy"]), "±", _fmt(score["stderr"]),
+                filt, str(cfg.num_fewshot), "exact_match", value, "±", stderr,
                 _fmt(o.gate.floor) if gated and o.gate else "", f"{sigma:+.1f}" if sigma is not None else "",
                 _fmt(o.detectable_drop, 3) if gated and o.detectable_drop is not None else "",
                 divergence_cell(o.divergence) if gated else "", golden_cell(o.golden_gate) if gated else "",

@@ -35,7 +35,7 @@ from moe_eval.checks import (
 from moe_eval.config import EvalConfig
 from moe_eval.errors import ConfigError, InfraError, MoeEvalError
 from moe_eval.gate import GateResult
-from moe_eval.gsm8k import Gsm8kData, canary_data, run_gsm8k
+from moe_eval.gsm8k import Gsm8kData, Gsm8kOutcome, canary_data, run_gsm8k
 from moe_eval.layout import LayoutKind
 from moe_eval.logprobs import (
     DivergenceLimits,
@@ -58,6 +58,7 @@ from moe_eval.results import RESULTS_SCHEMA_VERSION, atomic_write_json, cpu_mode
 from moe_eval.server_log import (
     bundled_kernel_lines,
     jit_while_serving,
+    memory_reported,
     kernel_call_counts,
     read_log,
     verify_moe_backend,
@@ -114,6 +115,7 @@ class ConfigOutcome:
     def from_record(cls, config: EvalConfig, run_dir: Path, record: dict[str, Any]) -> ConfigOutcome:
         """The outcome a results.json describes (written by run_config, maybe in another process)."""
         gate = record.get("gate")
+        gate = gate if gate and "skipped" not in gate else None
         return cls(
             config=config, run_dir=run_dir, status=record.get("status", "error"),
             gate=GateResult(**{k: gate[k] for k in ("accuracy", "stderr", "threshold", "tolerance")},
@@ -204,6 +206,7 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
                        "vllm_moe_backends_logged": vllm_moe_backends(log_text),
                        "bundled_kernel_logged": bundled_kernel_lines(log_text),
                        "jit_while_serving": jit_while_serving(log_text),
+                       "gpu_memory_logged": memory_reported(log_text),
                        "checks": [c.as_dict() for c in outcome.checks],
                        "timings": outcome.timings, "status": outcome.status, "attempt": options.attempt,
                        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
@@ -264,22 +267,17 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData
         record["bundled_kernel_calls"] = kernel_call_counts(run_dir)
         _stage(options, "stopping the server")
     write_samples(run_dir / "samples.jsonl", result.samples)
-    strict = result.scores["strict-match"]
     outcome.scores = result.scores
-    outcome.gate = GateResult(accuracy=strict["accuracy"], stderr=strict["stderr"],
-                              threshold=config.accuracy_threshold, tolerance=config.tolerance,
-                              stderr_k=config.stderr_gate_k)
     stats = answer_stats(result.samples, token_counts, config.max_tokens)
-    power = describe_power(result.num_questions, config.accuracy_threshold, outcome.gate.floor)
-    outcome.checks = [Check("accuracy_gate", outcome.gate.passed, f"{outcome.gate.describe()}; {power}"),
-                      *garbage_checks(config, stats), *jit_checks(config, jit_while_serving(read_log(log_path)))]
-    record["gate"] = outcome.gate.as_dict() | _power(config, outcome.gate, result.num_questions)
-    outcome.detectable_drop = record["gate"]["detectable_drop"]
+    outcome.checks = _answer_checks(config, result, stats, outcome, record)
+    outcome.checks += jit_checks(config, jit_while_serving(read_log(log_path)))
+    outcome.checks += kernel_call_checks(config, record["bundled_kernel_calls"])
     baseline = options.baselines.get(config.path)
     if baseline is not None:
-        check, paired = paired_check(baseline, result.samples, config.paired_alpha)
-        outcome.checks.append(check)
-        record["paired"] = paired.as_dict() | {"baseline": str(baseline.results_path)}
+        if config.answers_gated:
+            check, paired = paired_check(baseline, result.samples, config.paired_alpha)
+            outcome.checks.append(check)
+            record["paired"] = paired.as_dict() | {"baseline": str(baseline.results_path)}
         outcome.checks += _divergence_checks(config, baseline, logprobs, outcome.moe_backend_used, record)
         outcome.divergence = record.get("divergence")
     # Scores first: a golden that cannot be made must not take the evaluation's numbers with it.
@@ -295,6 +293,24 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData
                                         outcome.timings)
         outcome.golden_gate = record.get("golden_gate")
     outcome.status = "passed" if not outcome.failed_checks else "failed"
+
+
+def _answer_checks(config: EvalConfig, result: Gsm8kOutcome, stats: dict[str, Any], outcome: ConfigOutcome,
+                   record: dict[str, Any]) -> list[Check]:
+    """The accuracy gate and the garbage checks; none for a random-weights twin, whose answers mean nothing
+    (its accuracy is reported as n/a, never as a passing 0.000)."""
+    if not config.answers_gated:
+        record["gate"] = {"skipped": "random weights (random_weights: true): the answers are not gated"}
+        return []
+    strict = result.scores["strict-match"]
+    outcome.gate = GateResult(accuracy=strict["accuracy"], stderr=strict["stderr"],
+                              threshold=config.accuracy_threshold, tolerance=config.tolerance,
+                              stderr_k=config.stderr_gate_k)
+    power = describe_power(result.num_questions, config.accuracy_threshold, outcome.gate.floor)
+    record["gate"] = outcome.gate.as_dict() | _power(config, outcome.gate, result.num_questions)
+    outcome.detectable_drop = record["gate"]["detectable_drop"]
+    return [Check("accuracy_gate", outcome.gate.passed, f"{outcome.gate.describe()}; {power}"),
+            *garbage_checks(config, stats)]
 
 
 def _score_logprobs(config: EvalConfig, options: RunOptions, data: Gsm8kData, base_url: str, model: str,
@@ -386,6 +402,18 @@ def jit_checks(config: EvalConfig, jit: dict) -> list[Check]:
     return [Check("jit_while_serving", jit["count"] <= limit,
                   f"kernel compilations while serving: {jit['count']}{kernels} (limit {limit}; "
                   f"{jit['monitored_processes']} process(es) monitored)")]
+
+
+def kernel_call_checks(config: EvalConfig, calls: dict) -> list[Check]:
+    """A bundled kernel must have run in every rank of the layout, as its own counters say (counted on the
+    device where CUDA graphs replay it): a server that loaded the plugin but routed around it fails here."""
+    if config.moe_backend is None:
+        return []
+    ranks = config.layout.world_size
+    ran = calls["processes"] >= ranks and calls["calls"] > 0
+    return [Check("bundled_kernel_calls", ran,
+                  f"{calls['calls']} MoE calls ({calls['tokens']} tokens) counted by {calls['processes']} of "
+                  f"{ranks} rank(s), on {', '.join(map(str, calls['counted_on'])) or 'nothing'}")]
 
 
 def _base_record(config: EvalConfig, options: RunOptions, data: Gsm8kData) -> dict[str, Any]:

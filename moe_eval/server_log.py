@@ -116,3 +116,19 @@ def read_log(path: Path) -> str:
         return path.read_text(errors="replace")
     except FileNotFoundError:
         return ""
+
+
+# What vLLM's GPU workers say they took (0.26 and 0.32, gpu_model_runner / gpu_worker): weights after loading,
+# the KV cache it preallocated from --gpu-memory-utilization, and the CUDA graphs; one line per worker process.
+_MEMORY_LINES = {
+    "weights_gib": re.compile(r"Model loading took ([\d.]+) GiB"),
+    "kv_cache_gib": re.compile(r"Available KV cache memory: ([\d.]+) GiB"),
+    "cuda_graphs_gib": re.compile(r"Graph capturing finished in [\d.]+ secs?, took ([\d.]+) GiB"),
+}
+
+
+def memory_reported(log_text: str) -> dict:
+    """GPU memory per worker as vLLM logged it at start-up. Not nvidia-smi's number: vLLM preallocates the KV
+    cache up to --gpu-memory-utilization, so 'in use' is that fraction of the GPU whatever the model; the
+    weights and graphs are what the model itself needs."""
+    return {key: [float(m) for m in pattern.findall(log_text)] for key, pattern in _MEMORY_LINES.items()}

@@ -42,7 +42,7 @@ def test_list_b200_shows_exactly_the_b200_configs_with_layouts(repo_root):
     assert result.returncode == 0, result.stderr
     rows = [line.split("\t") for line in result.stdout.splitlines()[2:]]
     listed = {(r[0], r[2], r[3], r[-1]) for r in rows}
-    golden = "accuracy,paired,divergence,golden"  # every bundled row: the golden gate against its incumbent
+    golden = "accuracy,paired,divergence,golden,kernel_calls"  # every bundled row: golden gate vs its incumbent
     assert listed == {
         ("moe-refactor/Llama-4-Scout-BF16-vllm-tp2.yaml", "TP (TP2)", "2", "accuracy"),
         ("moe-refactor/Llama-4-Scout-BF16-triton.yaml", "TP (TP2)", "2", golden),
@@ -62,6 +62,31 @@ def test_h100_and_b200_lists_split_the_seed_configs(repo_root):
         (repo_root / "configs" / "moe-refactor-dp-ep").glob("*.yaml"))
     assert b200 | h100 == {p.resolve() for p in seeds} and not (b200 & h100)
     assert not any("Llama-4-Scout" in p.name for p in h100)  # ~108B params do not fit two H100s
+
+
+def test_list_shows_a_builtin_twin_for_each_shipped_gpu_config(repo_root):
+    """`moe-eval list --list config-gpu-twins.txt`: every config of the B200 and H100 lists has a twin row of the
+    same layout, backend and baseline layout, on a builtin: twin model, its answers not gated (accuracy n/a)."""
+    from moe_eval.selection import read_list
+
+    result = run_cli(["list", "--hw", "b200", "--list", "config-gpu-twins.txt"], cwd=repo_root)
+    assert result.returncode == 0, result.stderr
+    rows = {r[0]: r for r in (line.split("\t") for line in result.stdout.splitlines()[2:])}
+    shipped = read_list(repo_root / "config-b200.txt") + read_list(repo_root / "config-h100.txt")
+    assert len(shipped) == 14 and sum(1 for p in shipped if "vllm" not in p.stem) == 7
+    for path in shipped:
+        twin = rows.pop(f"twins-{path.parent.name}/{path.name}")
+        assert twin[1].startswith("builtin:twin-") and twin[5] == "n/a", twin
+        gates = twin[-1].split(",")
+        if "vllm" in path.stem:
+            assert twin[4] == "vllm-default" and twin[7] == "-"
+        else:
+            assert {"golden", "divergence", "jit", "kernel_calls"} <= set(gates) and "accuracy" not in gates
+            assert twin[7].startswith(f"twins-{path.parent.name}/")
+    # Left: one CUDA-graph pair per model (TP1, no --enforce-eager).
+    assert sorted(rows) == sorted(f"twins-cuda-graph/{m}-BF16-{b}.yaml" for m in
+                                  ("Qwen3-30B-A3B", "Mixtral-8x7B", "Llama-4-Scout") for b in ("vllm", "triton"))
+    assert {r[2] for r in rows.values()} == {"TP (TP1)"}
 
 
 def test_malformed_yaml_exits_4_naming_the_file(tmp_path):

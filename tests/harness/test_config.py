@@ -99,3 +99,14 @@ def test_seed_configs_match_the_issue(repo_root):
         assert (c.model_name, c.accuracy_threshold, c.layout.kind, c.moe_backend) == (model, threshold, kind, backend)
         assert (c.num_questions, c.num_fewshot, c.layout.world_size) == (1319, 5, 2)
         assert "--enforce-eager" in c.server_argv and "8192" in c.server_argv
+
+
+def test_random_weights_drop_the_accuracy_threshold():
+    """A shape twin (random weights) answers nothing: it has no threshold, and says so if given one."""
+    twin = parse_config(P, "model_name: builtin:twin-qwen3-30b-a3b\nrandom_weights: true\nnum_questions: 8\n"
+                           "num_fewshot: 5\n")
+    assert twin.accuracy_threshold is None and not twin.answers_gated
+    with pytest.raises(ConfigError, match="key 'accuracy_threshold': value 0.5 cannot be met by a model with random"):
+        parse_config(P, MINIMAL + "random_weights: true\n")
+    with pytest.raises(ConfigError, match="missing required key 'accuracy_threshold'"):
+        parse_config(P, "model_name: m\nnum_questions: 10\nnum_fewshot: 5\n")

@@ -80,6 +80,7 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         assert all(line["layer"]["expert_map"] is (kind == "TEP") for line in record["bundled_kernel_logged"])
         calls = record["bundled_kernel_calls"]
         assert calls["processes"] == ranks and calls["calls"] > 200 and calls["counted_on"] == ["host"]
+        assert {c["name"]: c["passed"] for c in record["checks"]}["bundled_kernel_calls"]
         assert record["timings"]["startup_seconds"] > 0
         # Compared with the reference: the same answers, and log-probabilities within bf16 rounding.
         assert record["paired"]["baseline_only_right"] == 0 and record["paired"]["baseline"].endswith(

@@ -286,3 +286,17 @@ def test_compare_rich_table_keeps_the_bracketed_marks(tmp_path, capsys, monkeypa
     print_rich(group_runs([tmp_path / "r1", tmp_path / "r2"]))
     out = capsys.readouterr().out
     assert "bundled:triton TP (TP1) [mutated: zero_expert]" in out and "flips vs vllm:TRITON TP (TP1)" in out
+
+
+def test_a_random_weights_row_reads_n_a_never_a_passing_zero(tmp_path):
+    from moe_eval.report import markdown as run_table
+
+    config = parse_config(tmp_path / "twins" / "Twin-BF16-triton.yaml",
+                          "model_name: builtin:twin-qwen3-30b-a3b\nrandom_weights: true\nnum_questions: 8\n"
+                          "num_fewshot: 5\nmoe_backend: triton\n")
+    outcome = ConfigOutcome(config=config, run_dir=tmp_path, status="passed", moe_backend_used="bundled:triton",
+                            scores={"strict-match": {"accuracy": 0.0, "stderr": 0.0},
+                                    "flexible-extract": {"accuracy": 0.0, "stderr": 0.0}},
+                            checks=[Check("golden_gate", True, "ratio 0.99")])
+    strict = next(line for line in run_table([outcome]).splitlines() if "strict-match" in line).split("|")
+    assert strict[7:10] == ["n/a", "±", "n/a"] and "0.0000" not in "|".join(strict) and strict[-2] == "PASS"

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Shape twins on the lent H200s (issue 21): run some configs of config-gpu-twins.txt with the committed code
+# inside CUDA vLLM (the kit in .vgpu/), the twins built on the device (seeded, the same bytes everywhere).
+#
+#   bash benchmarks/h200_twins.sh NAME CONFIG...           (from the checkout)
+#
+# Needs, carried: .vgpu (the kit), .gsm8k (GSM8K's train/test.jsonl: the twins answer a few questions and score
+# 64 texts), optionally .goldens (golden cache of an earlier call) and RESUME=<carried run folder> (continue it).
+# Extra `moe-eval run` options in RUN_OPTS (e.g. "--mutate scale_one_expert"). Packs $OUT/NAME.tar.xz (every
+# run folder, no weights) and $OUT/goldens.tar.xz after the run, $OUT/NAME-run.log and $OUT/NAME-gpu.txt (the
+# device as nvidia-smi names it).
+set -u
+name="${1:?usage: h200_twins.sh NAME CONFIG...}"; shift
+out="${OUT:-/tmp/twins-out}"; work="/tmp/twins-$name"
+export MOE_EVAL_GOLDEN_CACHE=/tmp/goldens MOE_EVAL_CACHE=/tmp/moe-eval-cache
+mkdir -p "$out" "$work" "$MOE_EVAL_GOLDEN_CACHE"
+[ -d .goldens ] && cp -rn .goldens/. "$MOE_EVAL_GOLDEN_CACHE"/
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/$name-gpu.txt"
+t0=$(date +%s)
+if [ -n "${RESUME:-}" ]; then
+  mkdir -p "$work/run" && cp -r "$RESUME" "$work/run/" && target=(--resume "$(ls -d "$work"/run/*/ | head -1)")
+else
+  target=(--output-dir "$work/run")
+fi
+# shellcheck disable=SC2086
+bash .vgpu/device_env.sh python3 -m moe_eval run --hw h200 --jobs auto --gsm8k-dir .gsm8k "${target[@]}" \
+  ${RUN_OPTS:-} "$@" > "$work/run.log" 2>&1
+echo "exit $? in $(( $(date +%s) - t0 )) s"
+tail -40 "$work/run.log"
+cp "$work/run.log" "$out/$name-run.log"
+tar -C "$work" -cJf "$out/$name.tar.xz" --exclude='*.safetensors' run
+tar -C "$MOE_EVAL_GOLDEN_CACHE" -cJf "$out/goldens.tar.xz" .
