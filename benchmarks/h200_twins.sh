@@ -14,7 +14,7 @@ name="${1:?usage: h200_twins.sh NAME CONFIG...}"; shift
 out="${OUT:-/tmp/twins-out}"; work="/tmp/twins-$name"
 export MOE_EVAL_GOLDEN_CACHE=/tmp/goldens MOE_EVAL_CACHE=/tmp/moe-eval-cache
 mkdir -p "$out" "$work" "$MOE_EVAL_GOLDEN_CACHE"
-[ -d .goldens ] && cp -rn .goldens/. "$MOE_EVAL_GOLDEN_CACHE"/
+[ -d .goldens ] && cp -r --update=none .goldens/. "$MOE_EVAL_GOLDEN_CACHE"/
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/$name-gpu.txt"
 t0=$(date +%s)
 if [ -n "${RESUME:-}" ]; then
@@ -22,10 +22,13 @@ if [ -n "${RESUME:-}" ]; then
 else
   target=(--output-dir "$work/run")
 fi
+# RUN_TIMEOUT (s): SIGTERM the run then, as a CI system cancels a step: moe-eval stops the running config,
+# tears its servers down and keeps what finished (exit 130), and this script still packs it.
 # shellcheck disable=SC2086
-bash .vgpu/device_env.sh python3 -m moe_eval run --hw h200 --jobs auto --gsm8k-dir .gsm8k "${target[@]}" \
-  ${RUN_OPTS:-} "$@" > "$work/run.log" 2>&1
+timeout -s TERM "${RUN_TIMEOUT:-100000}" bash .vgpu/device_env.sh python3 -m moe_eval run --hw h200 --jobs auto \
+  --gsm8k-dir .gsm8k "${target[@]}" ${RUN_OPTS:-} "$@" > "$work/run.log" 2>&1
 echo "exit $? in $(( $(date +%s) - t0 )) s"
+sleep 5  # the cancelled run's teardown
 tail -40 "$work/run.log"
 cp "$work/run.log" "$out/$name-run.log"
 tar -C "$work" -cJf "$out/$name.tar.xz" --exclude='*.safetensors' run

@@ -14,7 +14,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -357,6 +357,10 @@ def _divergence_checks(config: EvalConfig, baseline: Baseline, logprobs: list[Te
     same = (baseline.moe_backend_used == moe_backend_used and baseline.layout == config.layout.describe()
             and not config.golden_gated)
     defaults = default_limits(same)
+    if config.random_weights:
+        # A random-weights twin's next-token distributions are near flat: its top-1 token flips on rounding alone
+        # (1.9% for a correct kernel on the Scout twin, H200), so only an explicit max_top1_flip_rate gates it.
+        defaults = replace(defaults, max_top1_flip_rate=None)
     limits = DivergenceLimits(
         _first_set(config.max_logprob_mean_abs_diff, defaults.max_mean_abs_dlogp),
         _first_set(config.max_logprob_p99_abs_diff, defaults.max_p99_abs_dlogp),
