@@ -304,9 +304,11 @@ def parse_config(path: Path, text: str) -> EvalConfig:
 
 def load_config(path: Path) -> EvalConfig:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config: {exc}") from None
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
     return parse_config(path, text)

@@ -22,9 +22,13 @@ _SHARD = re.compile(r"^(\d+)/(\d+)$")
 
 def read_list(list_path: Path) -> list[Path]:
     try:
-        lines = list_path.read_text().splitlines()
+        lines = list_path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
         raise ConfigError(f"{list_path}: hardware list does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{list_path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except OSError as exc:
+        raise ConfigError(f"{list_path}: cannot read the list: {exc.strerror or exc}") from None
     paths: list[Path] = []
     for lineno, raw in enumerate(lines, start=1):
         entry = raw.split("#", 1)[0].strip()

@@ -96,6 +96,20 @@ def test_malformed_yaml_exits_4_naming_the_file(tmp_path):
     assert str(path) in result.stderr and "malformed YAML" in result.stderr
 
 
+def test_a_config_or_list_that_is_not_utf8_exits_4_naming_the_file(tmp_path):
+    path = _config(tmp_path)
+    path.write_bytes(path.read_bytes() + b"# caf\xe9 (latin-1)\n")
+    result = run_cli(["run", "--hw", "cpu", str(path)])
+    assert result.returncode == 4, result.stderr
+    assert f"{path}: not UTF-8 text" in result.stderr and "Traceback" not in result.stderr
+    listing = tmp_path / "config-cpu.txt"
+    listing.write_bytes(b"configs/fam/c.yaml # \xff\n")
+    result = run_cli(["list", "--hw", "cpu", "--root", str(tmp_path)])
+    assert result.returncode == 4 and f"{listing}: not UTF-8 text" in result.stderr, result.stderr
+    result = run_cli(["run", "--hw", "cpu", str(tmp_path)])  # a folder where a config file should be
+    assert result.returncode == 4 and f"{tmp_path}' is a directory" in result.stderr, result.stderr
+
+
 def test_list_naming_a_missing_file_exits_4(tmp_path):
     (tmp_path / "config-cpu.txt").write_text("configs/fam/missing.yaml\n")
     result = run_cli(["run", "--hw", "cpu", "--root", str(tmp_path)])
