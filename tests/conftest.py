@@ -1,8 +1,15 @@
-"""Shared fixtures: the repository, the GSM8K folder, and running the real `moe-eval` CLI."""
+"""Shared fixtures: the repository, the GSM8K folder, running the real `moe-eval` CLI, the two test tiers,
+and the real runs that several tests read (each started once per session).
+
+Tiers (pytest's own `--runslow` pattern): `pytest` runs the unit tests and a few shared real runs (the
+README's embedded default, a subtle and a gross kernel mutation; reports, JUnit, compare and step summary are
+read from them). `pytest --runslow -m slow` adds the rest: signals at each stage, SIGKILL, retry, resume,
+packing, the plugin's multi-rank CPU tests. `.ci/run` runs both."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -11,6 +18,20 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run the slow tier (tests marked slow; .ci/run runs it)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow tier: run with --runslow (.ci/run does)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -90,3 +111,53 @@ def processes_with_env(marker_key: str, marker_prefix: str) -> list[str]:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")[:200]
             found.append(f"{entry}: {cmdline!r}")
     return found
+
+
+@dataclass
+class SharedRun:
+    result: CliResult
+    out: Path  # the --output-dir: one timestamped run folder inside
+    goldens: Path  # the golden cache the run used
+    junit: Path
+    step_summary: Path
+
+    @property
+    def folder(self) -> Path:
+        return next(p for p in self.out.iterdir() if p.is_dir())
+
+
+def _gsm8k_args(gsm8k_dir: str | None) -> list[str]:
+    return ["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []
+
+
+@pytest.fixture(scope="session")
+def embedded_default_run(tmp_path_factory, gsm8k_dir) -> SharedRun:
+    """The README's main job (`moe-eval run --hw cpu`), run once for the tests that read it (minutes on 2 cores),
+    from an empty golden cache (the run makes the golden itself), with JUnit and a GitHub step summary."""
+    out = tmp_path_factory.mktemp("embedded-default")
+    goldens = tmp_path_factory.mktemp("goldens")
+    junit, summary = out.parent / "embedded-junit.xml", out.parent / "embedded-step-summary.md"
+    result = run_cli(["run", "--hw", "cpu", "--output-dir", str(out), "--golden-cache", str(goldens),
+                      "--junit", str(junit)] + _gsm8k_args(gsm8k_dir),
+                     env={"GITHUB_STEP_SUMMARY": str(summary)}, timeout=1500)
+    return SharedRun(result, out, goldens, junit, summary)
+
+
+SUBTLE_MUTATION = "scale_one_expert"
+
+
+@pytest.fixture(scope="session")
+def subtle_mutation_run(embedded_default_run, tmp_path_factory, gsm8k_dir) -> SharedRun:
+    """`--mutate scale_one_expert` (global expert 0's output 5% short: no answer changes) on the canary's TP1
+    row, as `--resume` of a copy of the embedded default's run: vLLM's row (never mutated) carries over, the
+    golden comes from the cache, only the bundled TP1 row runs."""
+    shared = embedded_default_run
+    assert shared.result.returncode == 0, shared.result.stderr[-3000:]
+    out = tmp_path_factory.mktemp("subtle-mutation")
+    shutil.copytree(shared.folder, out / shared.folder.name)
+    junit, summary = out.parent / "subtle-junit.xml", out.parent / "subtle-step-summary.md"
+    config = REPO_ROOT / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml"
+    result = run_cli(["run", "--hw", "cpu", "--resume", str(out / shared.folder.name), "--golden-cache",
+                      str(shared.goldens), "--mutate", SUBTLE_MUTATION, "--junit", str(junit), str(config)]
+                     + _gsm8k_args(gsm8k_dir), env={"GITHUB_STEP_SUMMARY": str(summary)}, timeout=1200)
+    return SharedRun(result, out, shared.goldens, junit, summary)

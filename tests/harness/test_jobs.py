@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import run_args, run_cli, tiny_config
 from tests.harness.running import evaluating, left_running, result_record, start_run, wait_for
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
 def _junit_without_times(path: Path) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from tests.conftest import processes_with_env, run_args, run_cli, tiny_config
+from tests.conftest import SUBTLE_MUTATION, processes_with_env, run_args, run_cli, tiny_config
 from tests.harness.running import evaluating, left_running, server_log, start_run, wait_for
 
 pytestmark = pytest.mark.server
@@ -31,21 +31,11 @@ def _assert_nothing_left(tmp_path: Path) -> None:
     assert not left, f"processes of the run survived it: {left}"
 
 
-@pytest.fixture(scope="module")
-def embedded_default_run(tmp_path_factory, gsm8k_dir, repo_root):
-    """The README's main job, run once for the tests that read it (it takes minutes on 2 cores)."""
-    out = tmp_path_factory.mktemp("embedded-default")
-    goldens = tmp_path_factory.mktemp("goldens")  # empty: the run makes the golden reference itself
-    result = run_cli(["run", "--hw", "cpu", "--output-dir", str(out), "--golden-cache", str(goldens)]
-                     + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []), cwd=repo_root, timeout=1500)
-    return result, out, goldens
-
-
 def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_root):
     """`moe-eval run --hw cpu`: the canary with vLLM's own CPU kernel (the reference), then with the bundled
     torch kernel at TP and TEP, served by real vLLM, scored by lm-eval on its generated task, passing the
     accuracy gate, the paired gate and the log-probability divergence gate against the reference."""
-    result, out, goldens = embedded_default_run
+    result, out, goldens = embedded_default_run.result, embedded_default_run.out, embedded_default_run.goldens
     assert result.returncode == 0, result.stderr[-3000:]
     records = {f"{r['config_name']}/{r['layout']['kind']}": r
                for r in (json.loads(p.read_text()) for p in out.rglob("results.json"))}
@@ -104,48 +94,49 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
     assert not processes_with_env("MOE_EVAL_RUN_DIR", str(out)), "processes of the run survived it"
 
 
-def test_a_subtle_mutation_fails_every_bundled_row_of_the_list_as_shipped_by_the_golden_gate(embedded_default_run,
-                                                                                              repo_root, gsm8k_dir):
-    """`moe-eval run --hw cpu --mutate scale_one_expert`: global expert 0's output 5% short. No answer changes;
-    against the golden, both bundled rows (TP1 and TEP) are worse than vLLM's kernel by more than the margin,
-    with significance: exit 1 by the golden gate. Run as `--resume` of a copy of the correct run, so vLLM's row
-    (never mutated) carries over and only the bundled rows run: that also proves a resumed list whose
-    baseline row was kept runs the rows that depend on it."""
-    result, out, goldens = embedded_default_run
-    assert result.returncode == 0, result.stderr[-3000:]
-    copy = out.parent / "mutated-run"
-    shutil.copytree(next(p for p in out.iterdir() if p.is_dir()), copy)
-    mutated = run_cli(["run", "--hw", "cpu", "--resume", str(copy), "--golden-cache", str(goldens), "--mutate",
-                       "scale_one_expert"] + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []), cwd=repo_root,
-                      timeout=1200)
-    assert mutated.returncode == 1, mutated.stderr[-3000:]
-    summary = json.loads((copy / "summary.json").read_text())
-    assert [(Path(c["config"]).stem, c["resumed"]) for c in summary["configs"]] == [
-        ("Canary-Qwen3-MoE-BF16-vllm", True), ("Canary-Qwen3-MoE-BF16-torch", False),
-        ("Canary-Qwen3-MoE-BF16-torch", False)]
-    for path in (copy / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch", copy / "canary-tep" / "Canary-Qwen3-MoE-BF16-torch"):
-        record = json.loads((path / "results.json").read_text())
-        checks = {c["name"]: c["passed"] for c in record["checks"]}
-        assert record["mutation"] == "scale_one_expert" and record["status"] == "failed"
-        assert checks["accuracy_gate"] and checks["paired_gate"], checks
-        assert not checks["golden_gate"], record["golden_gate"]
-        assert record["golden_gate"]["ratio"] > 1 + record["golden_gate"]["margin"]
-        assert record["golden"]["made_now"] is False  # the golden is never made from a mutated run
-    assert "golden_gate" in mutated.stdout
+def _assert_failed_by_the_golden_gate_alone(record: dict) -> None:
+    checks = {c["name"]: c["passed"] for c in record["checks"]}
+    assert record["mutation"] == SUBTLE_MUTATION and record["status"] == "failed"
+    assert checks["accuracy_gate"] and checks["paired_gate"] and checks["logprob_mean_abs"], checks
+    assert not checks["golden_gate"], record["golden_gate"]
+    assert record["golden_gate"]["ratio"] > 1 + record["golden_gate"]["margin"]
+    assert record["golden"]["made_now"] is False  # the golden comes from the cache, never from a mutated run
 
 
-def test_threshold_one_fails_the_gate_with_exit_1(tmp_path, gsm8k_dir):
-    path = tiny_config(tmp_path, "Tiny-BF16-strict", threshold=1.0, questions=4)
-    result = run_cli(run_args(tmp_path, gsm8k_dir, path))
+def test_a_subtle_mutation_fails_the_tp1_row_by_the_golden_gate(subtle_mutation_run, embedded_default_run):
+    """`--mutate scale_one_expert` on the canary's TP1 row: no answer changes, the old divergence limits pass,
+    and against the golden the row is worse than vLLM's kernel by more than the margin, with significance:
+    exit 1 by the golden gate. Run as `--resume` of a copy of the correct run, so vLLM's row (never mutated)
+    carries over: a resumed list whose baseline row was kept runs the rows that depend on it."""
+    result = subtle_mutation_run.result
     assert result.returncode == 1, result.stderr[-3000:]
-    record = _results(tmp_path)["Tiny-BF16-strict"]
-    assert record["status"] == "failed" and record["gate"]["passed"] is False
-    assert record["gate"]["floor"] == pytest.approx(0.92) and record["num_questions_evaluated"] == 4
-    assert record["moe_backend_used"] == "vllm:CPU"  # no moe_backend: vLLM's own kernel, as its log says
-    assert "FAIL" in result.stdout and "FAIL: accuracy" in result.stderr
-    _assert_nothing_left(tmp_path)
+    folder = subtle_mutation_run.folder
+    summary = json.loads((folder / "summary.json").read_text())
+    assert [(Path(c["config"]).stem, c["resumed"]) for c in summary["configs"]] == [
+        ("Canary-Qwen3-MoE-BF16-vllm", True), ("Canary-Qwen3-MoE-BF16-torch", False)]
+    record = json.loads((folder / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch" / "results.json").read_text())
+    _assert_failed_by_the_golden_gate_alone(record)
+    correct = json.loads(next(embedded_default_run.folder.glob("canary-tp/*torch/results.json")).read_text())
+    assert record["golden"]["digest"] == correct["golden"]["digest"]
+    assert "golden_gate" in result.stdout and "FAIL" in result.stdout
 
 
+@pytest.mark.slow
+def test_the_subtle_mutation_fails_the_tep_row_too(subtle_mutation_run, tmp_path, repo_root, gsm8k_dir):
+    """The rest of the list as shipped: the TEP row (global expert 0 on rank 0 only) fails by the golden gate too,
+    so `moe-eval run --hw cpu --mutate scale_one_expert` fails every bundled row."""
+    copy = tmp_path / "run"
+    shutil.copytree(subtle_mutation_run.folder, copy)
+    config = repo_root / "configs" / "canary-tep" / "Canary-Qwen3-MoE-BF16-torch.yaml"
+    result = run_cli(["run", "--hw", "cpu", "--resume", str(copy), "--golden-cache", str(subtle_mutation_run.goldens),
+                      "--mutate", SUBTLE_MUTATION, str(config)] + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []),
+                     timeout=1200)
+    assert result.returncode == 1, result.stderr[-3000:]
+    _assert_failed_by_the_golden_gate_alone(
+        json.loads((copy / "canary-tep" / "Canary-Qwen3-MoE-BF16-torch" / "results.json").read_text()))
+
+
+@pytest.mark.slow
 def test_server_that_exits_at_start_is_exit_3_with_its_log(tmp_path, gsm8k_dir):
     path = tiny_config(tmp_path, "Tiny-BF16-badargs")
     path.write_text(path.read_text().replace("--enforce-eager", "--no-such-vllm-flag"))
@@ -157,6 +148,7 @@ def test_server_that_exits_at_start_is_exit_3_with_its_log(tmp_path, gsm8k_dir):
     _assert_nothing_left(tmp_path)
 
 
+@pytest.mark.slow
 def test_startup_timeout_is_exit_3_and_kills_the_server(tmp_path, gsm8k_dir):
     path = tiny_config(tmp_path, "Tiny-BF16-slow", extra="startup_max_wait_seconds: 8\n")
     result = run_cli(run_args(tmp_path, gsm8k_dir, path))
@@ -165,6 +157,7 @@ def test_startup_timeout_is_exit_3_and_kills_the_server(tmp_path, gsm8k_dir):
     _assert_nothing_left(tmp_path)
 
 
+@pytest.mark.slow
 def test_server_killed_during_evaluation_is_exit_3(tmp_path, gsm8k_dir):
     path = tiny_config(tmp_path, "Tiny-BF16-killed", questions=200, concurrency=2)
     proc = start_run(run_args(tmp_path, gsm8k_dir, path))
@@ -182,6 +175,7 @@ def test_server_killed_during_evaluation_is_exit_3(tmp_path, gsm8k_dir):
     _assert_nothing_left(tmp_path)
 
 
+@pytest.mark.slow
 def test_ctrl_c_tears_down_and_keeps_partial_results(tmp_path, gsm8k_dir):
     path = tiny_config(tmp_path, "Tiny-BF16-interrupted")
     proc = start_run(run_args(tmp_path, gsm8k_dir, path))
@@ -225,4 +219,6 @@ def test_a_kernel_mutation_fails_the_canary_gate_with_exit_1(tmp_path, repo_root
     assert record["mutation"] == "swap_gate_up" and record["moe_backend_used"] == "bundled:torch"
     assert all(line["mutation"] == "swap_gate_up" for line in record["bundled_kernel_logged"])
     assert record["scores"]["strict-match"]["accuracy"] < 0.5 and record["status"] == "failed"
+    assert record["gate"]["passed"] is False and record["gate"]["floor"] == pytest.approx(0.98)
+    assert "FAIL" in result.stdout and "FAIL: accuracy" in result.stderr
     _assert_nothing_left(tmp_path)

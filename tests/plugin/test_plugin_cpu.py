@@ -20,7 +20,7 @@ from moe_eval.server_log import (
 )
 from tests.conftest import processes_with_env, run_cli
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 PROMPTS = [f"Question: {a} apples and {b} more. How many?\nAnswer:" for a, b in
            [(3, 4), (12, 7), (250, 13), (9, 9), (101, 1), (47, 53), (6, 60), (800, 88)]]

@@ -1,5 +1,7 @@
-"""Reports from a real run: two configs of the tiny model on two MoE kernels (bundled torch, vLLM's
-own), JUnit with one pass and one failure, the GitHub step summary, compare, and the paired gate."""
+"""Reports of real runs, read from the session's shared runs (tests/conftest.py): the embedded default (three
+configs passing: vLLM's CPU kernel, bundled torch at TP1 and TEP) and the subtle mutation of its TP1 row
+(failing by the golden gate). JUnit with its passes and its failure, the GitHub step summary, summary.md,
+results.json against the schema, `moe-eval compare` of the two, and the paired gate against the baseline."""
 
 from __future__ import annotations
 
@@ -9,65 +11,52 @@ import jsonschema
 import pytest
 from junitparser import Failure, JUnitXml
 
-from tests.conftest import REPO_ROOT, run_cli
+from tests.conftest import REPO_ROOT, SUBTLE_MUTATION, run_cli
 
 pytestmark = pytest.mark.server
 
-TINY = """model_name: "builtin:tiny-qwen3-moe"
-accuracy_threshold: {threshold}
-num_questions: 6
-num_fewshot: 5
-max_tokens: 32
-stderr_gate_k: 3
-max_empty_rate: 0.5
-server_args: "--enforce-eager --max-model-len 4096"
-"""
+
+def _cases(junit) -> dict:
+    """Test cases by '<classname>/<name>' (the TP and TEP rows share a config name; the family tells them apart)."""
+    return {f"{case.classname}/{case.name}": case for suite in JUnitXml.fromfile(str(junit)) for case in suite}
 
 
-def test_run_junit_summary_compare_and_paired_gate(tmp_path, gsm8k_dir):
-    family = tmp_path / "configs" / "cpu-tp"
-    family.mkdir(parents=True)
-    torch_cfg = family / "Tiny-BF16-torch.yaml"
-    # golden: false: this test is about the reports; the golden gate's runs are in tests/harness/test_run_cpu.py.
-    torch_cfg.write_text(TINY.format(threshold=0.0) + "moe_backend: torch\ngolden: false\n")
-    vllm_cfg = family / "Tiny-BF16-vllm.yaml"
-    vllm_cfg.write_text(TINY.format(threshold=1.0))
-    data = ["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []
-    summary = tmp_path / "step-summary.md"
-    junit = tmp_path / "junit.xml"
-    result = run_cli(["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out"), "--junit", str(junit),
-                      str(torch_cfg), str(vllm_cfg), *data], env={"GITHUB_STEP_SUMMARY": str(summary)})
-    assert result.returncode == 1, result.stderr[-3000:]
+def test_junit_and_step_summary_of_a_passing_and_a_failing_run(embedded_default_run, subtle_mutation_run):
+    passing = _cases(embedded_default_run.junit)
+    assert len(passing) == 3 and all(case.is_passed for case in passing.values()), passing
+    summary = embedded_default_run.step_summary.read_text()
+    assert summary.count("|canary-t") >= 3 and "PASS" in summary and "Error vs golden (incumbent)" in summary
 
+    failing = _cases(subtle_mutation_run.junit)
+    assert failing["moe-eval.canary-tp/Canary-Qwen3-MoE-BF16-vllm"].is_passed  # resumed: its verdict stands
+    failure = failing["moe-eval.canary-tp/Canary-Qwen3-MoE-BF16-torch"].result[0]
+    assert isinstance(failure, Failure) and "golden_gate" in failure.type, failure.type
+    assert "FAIL (golden_gate)" in subtle_mutation_run.step_summary.read_text()
+    assert "FAIL (golden_gate)" in (subtle_mutation_run.folder / "summary.md").read_text()
+
+
+def test_results_files_follow_the_schema_and_carry_the_paired_gate(embedded_default_run, subtle_mutation_run):
     schema = json.loads((REPO_ROOT / "docs" / "results.schema.json").read_text())
-    records = {}
-    for path in (tmp_path / "out").rglob("results.json"):
-        record = json.loads(path.read_text())
-        jsonschema.validate(record, schema)
-        records[record["config_name"]] = record
-    assert records["Tiny-BF16-torch"]["status"] == "passed" and records["Tiny-BF16-vllm"]["status"] == "failed"
-    assert records["Tiny-BF16-torch"]["moe_backend_used"] == "bundled:torch"
-    assert records["Tiny-BF16-vllm"]["moe_backend_used"] == "vllm:CPU"
-    answers = records["Tiny-BF16-torch"]["answers"]
-    assert answers["questions"] == 6 and answers["truncated"] is not None  # counted by the server's tokenizer
+    for run in (embedded_default_run, subtle_mutation_run):
+        for path in run.folder.rglob("results.json"):
+            if "attempts" in path.parts:
+                continue
+            record = json.loads(path.read_text())
+            jsonschema.validate(record, schema)
+            if record["moe_backend_requested"] is not None:  # compared with vLLM's row of the same run
+                paired = record["paired"]
+                assert paired["n"] == 200 and paired["baseline"].endswith("Canary-Qwen3-MoE-BF16-vllm/results.json")
+                assert paired["passed"], paired  # a 5% expert bug flips no canary answer
 
-    cases = {case.name: case for suite in JUnitXml.fromfile(str(junit)) for case in suite}
-    assert cases["Tiny-BF16-torch"].is_passed
-    failure = cases["Tiny-BF16-vllm"].result[0]
-    assert isinstance(failure, Failure) and "accuracy_gate" in failure.type and "vs floor 1.0000" in failure.message  # stderr 0: the k*stderr floor is the threshold
-    assert "|Config|" in summary.read_text() and "Tiny-BF16-vllm" in summary.read_text()
 
-    run_folder = next((tmp_path / "out").iterdir())
-    compared = run_cli(["compare", "--format", "markdown", str(run_folder)])
+def test_compare_puts_the_runs_side_by_side_with_the_mutation_marked(embedded_default_run, subtle_mutation_run):
+    tp = "canary-tp/Canary-Qwen3-MoE-BF16-torch/results.json"
+    compared = run_cli(["compare", "--format", "markdown", str(embedded_default_run.folder / tp),
+                        str(subtle_mutation_run.folder / tp),
+                        str(embedded_default_run.folder / "canary-tp/Canary-Qwen3-MoE-BF16-vllm/results.json")])
     assert compared.returncode == 0, compared.stderr
-    assert "bundled:torch TP (TP1)" in compared.stdout and "vllm:CPU TP (TP1)" in compared.stdout
-    assert "### builtin:tiny-qwen3-moe: GSM8K, 6 questions, 5-shot" in compared.stdout
-
-    # The paired gate against the first run: same model, questions and few-shot; the same config name
-    # picks the torch run out of the two. Greedy decoding on the same kernel: no answer may flip.
-    again = run_cli(["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out2"), "--baseline", str(run_folder),
-                     str(torch_cfg), *data])
-    assert again.returncode == 0, again.stderr[-3000:]
-    paired = json.loads(next((tmp_path / "out2").rglob("results.json")).read_text())["paired"]
-    assert paired["n"] == 6 and paired["passed"] and paired["baseline"].endswith("Tiny-BF16-torch/results.json")
-    assert "paired_gate: PASS" in again.stderr
+    out = compared.stdout
+    assert "### builtin:canary-qwen3-moe" in out and "200 questions" in out
+    assert f"bundled:torch TP (TP1) [mutated: {SUBTLE_MUTATION}]" in out and "vllm:CPU TP (TP1)" in out
+    golden_row = next(line for line in out.splitlines() if line.startswith("|error vs golden"))
+    assert "(reference)" in golden_row and golden_row.count("(x") == 2, golden_row
