@@ -103,8 +103,10 @@ def _ptxas_report(ptx: str) -> dict:
         for ptxas in PTXAS:
             if not ptxas.is_file():
                 continue
-            run = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                                 capture_output=True, text=True, check=False)  # fmt: skip
+            run = subprocess.run(
+                [str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                capture_output=True, text=True, check=False,
+            )  # fmt: skip
             log = run.stdout + run.stderr
             if run.returncode == 0:
                 break
@@ -132,7 +134,13 @@ def compile_gemm(
 ) -> dict:
     """Compile GEMM `kind` (1 or 2) for sm_90; report shared bytes, registers, spills, MMA kind."""
     tma = kind == 2 and getattr(tile, "tma", False)
-    fn = kernels._gemm1_silu_kernel if kind == 1 else kernels._gemm2_tma_kernel if tma else kernels._gemm2_kernel
+    fn = (
+        kernels._gemm1_silu_kernel
+        if kind == 1
+        else kernels._gemm2_tma_kernel
+        if tma
+        else kernels._gemm2_kernel
+    )
     if mul_routed is None:
         mul_routed = kind == 2
     reduce_dim = D if kind == 1 else F
@@ -213,15 +221,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs is not None:
         matrix = [
             (j["kind"], j["block_m"], GemmTile(**j["tile"]),
-             {"F": j["F"], "D": j["D"], "mul_routed": j["mul_routed"], "naive": j["naive"], "fold_k": j["fold_k"],
-              "has_map": j.get("has_map", False)})
+             {"F": j["F"], "D": j["D"], "mul_routed": j["mul_routed"], "naive": j["naive"],
+              "fold_k": j["fold_k"], "has_map": j.get("has_map", False)})
             for j in json.loads(args.jobs.read_text())
         ]  # fmt: skip
     else:
         matrix = default_matrix(args.quick)
     for kind, block_m, tile, extra in matrix:
         report = compile_gemm(kind, block_m, tile, **extra)
-        row = {"triton": triton.__version__, "gemm": kind, "block_m": block_m, **tile.__dict__, **extra, **report}
+        row = {
+            "triton": triton.__version__,
+            "gemm": kind,
+            "block_m": block_m,
+            **tile.__dict__,
+            **extra,
+            **report,
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:

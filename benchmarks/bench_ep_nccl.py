@@ -196,8 +196,11 @@ def _rank_main(rank: int, store: str, out_dir: str, Ms: list[int], cpu_smoke: bo
         meta = {
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "backend": backend, "shape": shape, "world": WORLD, "torch": torch.__version__,
-            "devices": [torch.cuda.get_device_name(i) for i in range(WORLD)] if not cpu_smoke else ["cpu"] * WORLD,
-            "env": {k: os.environ.get(k) for k in NO_MULTICAST_ENV}, "command": "python " + " ".join(sys.argv),
+            "devices": (
+                [torch.cuda.get_device_name(i) for i in range(WORLD)] if not cpu_smoke else ["cpu"] * WORLD
+            ),
+            "env": {k: os.environ.get(k) for k in NO_MULTICAST_ENV},
+            "command": "python " + " ".join(sys.argv),
         }  # fmt: skip
         if not cpu_smoke:
             import triton

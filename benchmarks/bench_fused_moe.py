@@ -294,7 +294,8 @@ def flashinfer_cutlass_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]
         c, out, ws = cases[i], outs[i], _fi.workspace[i % len(_fi.workspace)]
         return lambda: flashinfer_cutlass_moe(
             c.hidden_TD, _fi.w31, c.w2_eDF, c.topk_weights_TK, c.topk_ids_TK, expert_map_E=c.expert_map_E,
-            out=out, workspace=ws, tune_max_num_tokens=_fi.max_tokens, enable_pdl=FLASHINFER_OPTIONS["enable_pdl"],
+            out=out, workspace=ws, tune_max_num_tokens=_fi.max_tokens,
+            enable_pdl=FLASHINFER_OPTIONS["enable_pdl"],
         )  # fmt: skip
 
     if _fi.tune_s is None:
@@ -345,7 +346,10 @@ def configure_vllm_peers(peers: Iterable[str], peer_dir: Path | None) -> list[st
             # A vLLM built for another torch can crash the interpreter on import, not raise: try it
             # in a child first, so this process (and the other peers' numbers) survives.
             probe = subprocess.run(
-                [sys.executable, "-c", "import vllm._custom_ops, vllm.model_executor.layers.fused_moe.fused_moe"],
+                [
+                    sys.executable, "-c",
+                    "import vllm._custom_ops, vllm.model_executor.layers.fused_moe.fused_moe",
+                ],
                 capture_output=True, text=True, timeout=300, check=False,
             )  # fmt: skip
             if probe.returncode != 0:
@@ -354,7 +358,9 @@ def configure_vllm_peers(peers: Iterable[str], peer_dir: Path | None) -> list[st
                 failed.append(name)
                 continue
         try:
-            VLLM_PEERS[name] = vllm_moe_peer.load(peer_dir) if name == "vllm_triton" else vllm_moe_peer.load_installed()
+            VLLM_PEERS[name] = (
+                vllm_moe_peer.load(peer_dir) if name == "vllm_triton" else vllm_moe_peer.load_installed()
+            )
         except Exception as exc:  # noqa: BLE001 - ImportError and whatever vLLM raises on a foreign torch
             log(f"{name}: not loaded ({type(exc).__name__}: {str(exc)[:300]}); dropped from this run")
             failed.append(name)
@@ -398,12 +404,13 @@ def triton_gemms(shape: MoeShape, cases: list[MoeCase]) -> GemmCalls:
         align = assign_slots(c.topk_ids_TK, plan, shape.local_experts, c.expert_map_E)
         out = torch.empty_like(c.hidden_TD)
         h_PF, y_SD = allocate_intermediates(align, plan, c.hidden_TD, shape.F, out)
-        kwargs = {"expert_map_E": c.expert_map_E, "apply_router_weight_on_input": c.apply_router_weight_on_input,
+        kwargs = {"expert_map_E": c.expert_map_E,
+                  "apply_router_weight_on_input": c.apply_router_weight_on_input,
                   "precision": "tf32"}  # fmt: skip
 
         def call(c=c, align=align, plan=plan, h_PF=h_PF, y_SD=y_SD, out=out, kwargs=kwargs) -> None:
-            launch_experts(c.hidden_TD, c.w13_eFD, c.w2_eDF, c.topk_weights_TK, c.topk_ids_TK, align, plan, h_PF,
-                           y_SD, out, with_sum=False, **kwargs)  # fmt: skip
+            launch_experts(c.hidden_TD, c.w13_eFD, c.w2_eDF, c.topk_weights_TK, c.topk_ids_TK, align, plan,
+                           h_PF, y_SD, out, with_sum=False, **kwargs)  # fmt: skip
 
         def finish(c=c, y_SD=y_SD, out=out) -> torch.Tensor:
             if y_SD is not out:
@@ -500,7 +507,10 @@ def bench_shape(
                     timers[f"{name}:gemms"] = _timer(calls)
                     outputs[f"{name}:gemms"] = lambda call=calls[0], finish=finishes[0]: (call(), finish())[1]
                 except Exception as exc:  # noqa: BLE001 - as above
-                    log(f"  {shape.name} M={M} {name}:gemms: not timed ({type(exc).__name__}: {str(exc)[:300]})")
+                    log(
+                        f"  {shape.name} M={M} {name}:gemms: not timed "
+                        f"({type(exc).__name__}: {str(exc)[:300]})"
+                    )
         samples = time_interleaved(timers, replays)
         del timers
         errors = _check_outputs(cases[0], outputs) if check else {}
@@ -531,7 +541,9 @@ def bench_shape(
         rows += m_rows
         if on_rows is not None:
             on_rows(m_rows)
-        meds = {r["impl"]: r["median_us"] for r in m_rows if r["impl"] in samples and r["impl"] != "reference"}
+        meds = {
+            r["impl"]: r["median_us"] for r in m_rows if r["impl"] in samples and r["impl"] != "reference"
+        }
         log(f"  {shape.name:24s} M={M:6d} " + "  ".join(f"{k} {v:9.1f} us" for k, v in meds.items())
             + f"  roofline {roof_us:8.1f} us")  # fmt: skip
         bad = {k: v for k, v in errors.items() if not v <= CHECK_TOLERANCE}
@@ -630,7 +642,8 @@ def markdown_table(rows: list[dict]) -> str:
         triton = by_key.get((r["model"], r["layout"], r["M"], "triton"))
         ratio = f"{r['median_us'] / triton['median_us']:.2f}" if triton else ""
         lines.append(
-            f"| {r['model']} | {r['layout']} | {r['M']} | {r['impl']} | {r['median_us']:.1f} | {r['tflops']:.1f} | "
+            f"| {r['model']} | {r['layout']} | {r['M']} | {r['impl']} | "
+            f"{r['median_us']:.1f} | {r['tflops']:.1f} | "
             f"{r['gbps']:.0f} | {r['roofline_us']:.1f} | {r['frac_roofline']:.1%} | {ratio} |"
         )
     return "\n".join(lines)
@@ -667,7 +680,10 @@ def ratio_tables(rows: list[dict]) -> tuple[str, bool]:
             if not any(k[2] == impl + suffix for k in by):
                 continue
             lines += [
-                f"#### vLLM / bundled, {what}: {impl} ({src.get('vllm_source', '?')}, vLLM {src.get('vllm_version', '?')})",
+                (
+                    f"#### vLLM / bundled, {what}: {impl} "
+                    f"({src.get('vllm_source', '?')}, vLLM {src.get('vllm_version', '?')})"
+                ),
                 "",
                 "| shape | " + " | ".join(f"M={m}" for m in Ms) + " | geomean | verdict |",
                 "|---|" + "---:|" * (len(Ms) + 1) + "---|",
@@ -683,7 +699,11 @@ def ratio_tables(rows: list[dict]) -> tuple[str, bool]:
                     ratio = theirs["median_us"] / ours["median_us"]
                     ratios.append(ratio)
                     miss = targeted and ratio < CELL_TARGET
-                    wrong = [n for n, r in (("ours", ours), ("vLLM", theirs)) if not r.get("rel_err", 0) <= CHECK_TOLERANCE]
+                    wrong = [
+                        n
+                        for n, r in (("ours", ours), ("vLLM", theirs))
+                        if not r.get("rel_err", 0) <= CHECK_TOLERANCE
+                    ]
                     ok &= not miss and not wrong
                     cells.append((f"**{ratio:.2f}** (miss)" if miss else f"{ratio:.2f}")
                                  + (f" WRONG {'/'.join(wrong)}" if wrong else ""))  # fmt: skip
@@ -691,16 +711,24 @@ def ratio_tables(rows: list[dict]) -> tuple[str, bool]:
                 geo_miss = targeted and ratios and geo < GEOMEAN_TARGET
                 ok &= not geo_miss
                 complete = len(ratios) == len(Ms)
-                verdict = ("PASS" if ok else "FAIL") if targeted and complete else ("partial" if targeted else "no target")
+                verdict = (
+                    ("PASS" if ok else "FAIL")
+                    if targeted and complete
+                    else ("partial" if targeted else "no target")
+                )
                 if targeted and not ok:
                     all_ok = False
                 lines.append(f"| {shape} | " + " | ".join(cells)
-                             + f" | {'**' if geo_miss else ''}{geo:.3f}{'**' if geo_miss else ''} | {verdict} |")  # fmt: skip
+                             + (f" | {'**' if geo_miss else ''}{geo:.3f}{'**' if geo_miss else ''}"
+                                f" | {verdict} |"))  # fmt: skip
             lines.append("")
     if vllm_impls:
         base = [s for s in shapes if s in ISSUE_BASELINE]
         if base:
-            lines += ["Issue 13's numbers from the week before (whole call, vLLM / bundled), for comparison:", ""]
+            lines += [
+                "Issue 13's numbers from the week before (whole call, vLLM / bundled), for comparison:",
+                "",
+            ]
             lines += [f"- {s}: " + " ".join(f"{v:.2f}" for v in ISSUE_BASELINE[s]) for s in base]
             lines.append("")
     for (shape, M), limit in LATENCY_TARGETS_US.items():
@@ -834,15 +862,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--skip-eager", action="store_true", help="skip the eager reference and torch_moe rows"
     )
-    parser.add_argument("--vllm-peer-dir", type=Path, help="extracted vLLM kernel + configs (default .vllm-peer/)")
+    parser.add_argument(
+        "--vllm-peer-dir", type=Path, help="extracted vLLM kernel + configs (default .vllm-peer/)"
+    )
     parser.add_argument("--gemms-alone", action=argparse.BooleanOptionalAction, default=None,
-                        help="also time GEMM1 + activation + GEMM2 alone (default: on with a vLLM peer)")  # fmt: skip
+                        help="also time GEMM1 + activation + GEMM2 alone "
+                             "(default: on with a vLLM peer)")  # fmt: skip
     parser.add_argument("--no-check", action="store_true", help="skip the output check against fused_moe_ref")
     parser.add_argument("--precompile-workers", type=int, default=12, help="0: compile inline while timing")
     parser.add_argument("--deadline-s", type=float, help="start no new (shape, M) after this many seconds")
     parser.add_argument("--report-only", type=Path, help="print the ratio tables of a rows.jsonl and exit")
     parser.add_argument("--cpu-smoke", action="store_true",
-                        help="no GPU: miniature shapes under Triton's interpreter in fp32, eager timing (plumbing only)")  # fmt: skip
+                        help="no GPU: miniature shapes under Triton's interpreter in fp32, eager timing "
+                             "(plumbing only)")  # fmt: skip
     add_flashinfer_options(parser)
     args = parser.parse_args(argv)
     if args.report_only is not None:
@@ -856,7 +888,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     failed = configure_vllm_peers([p for p in args.peers if p in VLLM_PEER_NAMES], args.vllm_peer_dir)
     peers = tuple(p for p in args.peers if p not in failed)
-    gemms_alone = args.gemms_alone if args.gemms_alone is not None else any(p in VLLM_PEER_NAMES for p in peers)
+    gemms_alone = (
+        args.gemms_alone if args.gemms_alone is not None else any(p in VLLM_PEER_NAMES for p in peers)
+    )
     for name, peer in VLLM_PEERS.items():
         log(f"{name}: vLLM {peer.version} from {peer.source}")
     import triton
@@ -905,7 +939,9 @@ def main(argv: list[str] | None = None) -> int:
         "ceilings_before": ceilings,
         "ceilings_after": ceilings_after,
         "seconds": round(time.perf_counter() - started, 1),
-        "vllm_peers": {n: {"source": p.source, "version": p.version, **p.notes} for n, p in VLLM_PEERS.items()},
+        "vllm_peers": {
+            n: {"source": p.source, "version": p.version, **p.notes} for n, p in VLLM_PEERS.items()
+        },
     }
     if "flashinfer_cutlass" in args.peers:
         import flashinfer

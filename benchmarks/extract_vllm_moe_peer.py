@@ -71,7 +71,8 @@ def cut_kernel(source: str, version: str) -> str:
         raise ValueError(f"{SOURCE} of vLLM {version} has no {sorted(missing)}")
     header = (
         f"# Cut from vLLM {version}, {SOURCE} (Apache-2.0, the vLLM project) by\n"
-        "# benchmarks/extract_vllm_moe_peer.py, for benchmarking only. Not part of moe-eval; never committed.\n"
+        "# benchmarks/extract_vllm_moe_peer.py, for benchmarking only. "
+        "Not part of moe-eval; never committed.\n"
         "import triton\nimport triton.language as tl\n\n\n"
     )
     return header + "\n\n\n".join(chunks[name] for name in FUNCTIONS) + "\n"
@@ -122,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             manifest = extract(download_wheel(args.version, Path(tmp)), args.out, args.version)
     size = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
-    print(f"wrote {args.out}: vLLM {manifest['vllm_version']}, {len(manifest['files'])} files, {size / 1024:.0f} KB",
-          file=sys.stderr)  # fmt: skip
+    print(f"wrote {args.out}: vLLM {manifest['vllm_version']}, {len(manifest['files'])} files, "
+          f"{size / 1024:.0f} KB", file=sys.stderr)  # fmt: skip
     return 0
 
 

@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         "--bench-inputs", action="store_true", help="bench_fused_moe's weights and input sets"
     )
     parser.add_argument("--suggest-flags", action="store_true",
-                        help="print bench_fused_moe's --fi-* flags of the first clean graph4 setup in --out")  # fmt: skip
+                        help="print bench_fused_moe's --fi-* flags of the first clean graph4 setup "
+                             "in --out")  # fmt: skip
     parser.add_argument("--child", nargs=2, metavar=("M", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.suggest_flags:
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                     rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
                 except subprocess.TimeoutExpired as exc:
                     rc, stdout, stderr = "timeout", str(exc.stdout or ""), str(exc.stderr or "")
-                row = {"shape": args.shape, "M": M, "variant": variant, "rc": rc, "bench_inputs": args.bench_inputs,
+                row = {"shape": args.shape, "M": M, "variant": variant, "rc": rc,
+                       "bench_inputs": args.bench_inputs,
                        "seconds": round(time.perf_counter() - t, 1)}  # fmt: skip
                 if rc == 0:
                     row |= json.loads(stdout.strip().splitlines()[-1])

@@ -12,7 +12,8 @@ GEMM1, each BLOCK_M, naive or aligned, folded sum or not) goes into the file's m
 records what lost as well as what won.
 
 GEMM2 at BLOCK_M >= 128 is also tried with TMA descriptor loads (`gemm2.tma`; the shipped shapes'
-F * 2 bytes are multiples of 16, as TMA needs). Candidate tiles are pruned before anything runs: shared memory (227 KiB, num_stages stages, see
+F * 2 bytes are multiples of 16, as TMA needs). Candidate tiles are pruned before anything runs: \
+shared memory (227 KiB, num_stages stages, see
 tile_configs.SMEM_LIMIT), the fp32 accumulator per thread (<= 128 registers: beyond it the large
 tiles spill, seen in benchmarks/aot_sm90.py's ptxas reports), and tiles that cannot win a regime
 (compute tiles for weight streaming and the reverse). During timing, a candidate whose first
@@ -184,7 +185,9 @@ class Buffers:
         if plan.naive:
             self.align = naive_alignment(case.topk_ids_TK, plan.block_m, case.expert_map_E)
         else:
-            self.align = moe_align_block_size(case.topk_ids_TK, plan.block_m, shape.local_experts, case.expert_map_E)
+            self.align = moe_align_block_size(
+                case.topk_ids_TK, plan.block_m, shape.local_experts, case.expert_map_E
+            )
         x = case.hidden_TD
         self.h_PF = x.new_empty(self.align.h_rows, shape.F)
         self.y_SD = x.new_empty(T if shape.top_k == 1 else T * shape.top_k, shape.D)
@@ -197,8 +200,8 @@ class Buffers:
 
     def gemm2(self, shape: MoeShape, tile: GemmTile, fold: bool = False) -> None:
         c = self.case
-        launch_gemm2(self.h_PF, c.w2_eDF, self.out_TD if fold else self.y_SD, c.topk_weights_TK, self.align, tile,
-                     not shape.apply_router_weight_on_input, fold_k=fold)  # fmt: skip
+        launch_gemm2(self.h_PF, c.w2_eDF, self.out_TD if fold else self.y_SD, c.topk_weights_TK, self.align,
+                     tile, not shape.apply_router_weight_on_input, fold_k=fold)  # fmt: skip
 
     def sum(self) -> None:
         launch_sum(self.y_SD, self.out_TD, self.case.topk_ids_TK, self.case.expert_map_E)
@@ -216,7 +219,10 @@ def _precompile(shape_index: int, jobs: list[tuple[int, int, GemmTile, bool, boo
     )
     # Token counts are do_not_specialize: any count compiles the same variant; one token qualifies
     # for the naive plan.
-    cases = {False: shape_case(shape, 8, seed=0, weights_from=weights), True: shape_case(shape, 1, seed=0, weights_from=weights)}
+    cases = {
+        False: shape_case(shape, 8, seed=0, weights_from=weights),
+        True: shape_case(shape, 1, seed=0, weights_from=weights),
+    }
     errors, buffers = [], {}
     for bm, kind, tile, naive, fold in jobs:
         key = (bm, naive)
@@ -274,8 +280,9 @@ def dump_jobs(cells: dict[MoeShape, list[int]], path: Path) -> None:
             mul_routed = shape.apply_router_weight_on_input == (kind == 1)
             has_map = naive and shape.local_experts != shape.num_experts
             key = (bm, kind, replace(tile, group_m=1), naive, fold, mul_routed, has_map)
-            jobs.setdefault(key, {"block_m": bm, "kind": kind, "tile": asdict(tile), "naive": naive, "fold_k": fold,
-                                  "mul_routed": mul_routed, "has_map": has_map, "F": shape.F, "D": shape.D})  # fmt: skip
+            jobs.setdefault(key, {"block_m": bm, "kind": kind, "tile": asdict(tile), "naive": naive,
+                                  "fold_k": fold, "mul_routed": mul_routed, "has_map": has_map,
+                                  "F": shape.F, "D": shape.D})  # fmt: skip
     path.write_text(json.dumps(list(jobs.values()), indent=0) + "\n")
     log(f"wrote {len(jobs)} variants to {path}")
 
@@ -355,8 +362,8 @@ def tune_cell(shape: MoeShape, M: int, base) -> tuple[MoeTileConfig, dict, dict]
             b.gemm1(shape, g1[0][1])
         for fold in gemm2_folds(shape, plan):
             g2 = _time_tiles(f"{shape.name} M={M} {plan.name()} gemm2{' fold' if fold else ''}",
-                             gemm_candidates(2, plan.block_m), lambda b, t, f=fold: b.gemm2(shape, t, f), bufs,
-                             replays)  # fmt: skip
+                             gemm_candidates(2, plan.block_m), lambda b, t, f=fold: b.gemm2(shape, t, f),
+                             bufs, replays)  # fmt: skip
             if not g2:
                 continue
             for us, tile in g2:
@@ -368,8 +375,9 @@ def tune_cell(shape: MoeShape, M: int, base) -> tuple[MoeTileConfig, dict, dict]
                       "gemm2_us": round(g2[0][0], 2), "sum_us": round(0.0 if fold else sum_us, 2),
                       "total_us": round(total, 2)}  # fmt: skip
             results.append((total, config, stages))
-            log(f"  {shape.name} M={M} {plan.name()}{' fold_k' if fold else ''}: align {align_us:.1f} + gemm1 "
-                f"{g1[0][0]:.1f} + gemm2 {g2[0][0]:.1f} + sum {stages['sum_us']:.1f} = {total:.1f} us")  # fmt: skip
+            log(f"  {shape.name} M={M} {plan.name()}{' fold_k' if fold else ''}: "
+                f"align {align_us:.1f} + gemm1 {g1[0][0]:.1f} + gemm2 {g2[0][0]:.1f} "
+                f"+ sum {stages['sum_us']:.1f} = {total:.1f} us")  # fmt: skip
         del bufs
     results.sort(key=lambda r: r[0])
     # The winner must compute the layer: a variant that is fast and wrong is dropped, logged.
@@ -396,7 +404,9 @@ def parse_cells(args: argparse.Namespace) -> list[tuple[MoeShape, int]]:
             cells += [(shape, int(m)) for m in ms.split(",")]
         return cells
     # TP1 shapes first: they carry the targets, and a time-boxed run keeps what it finished.
-    shapes = shapes_named(args.shapes) if args.shapes else sorted(SHIPPED_SHAPES, key=lambda s: s.layout != "TP1")
+    shapes = (
+        shapes_named(args.shapes) if args.shapes else sorted(SHIPPED_SHAPES, key=lambda s: s.layout != "TP1")
+    )
     return [(shape, M) for shape in shapes for M in args.m]
 
 
@@ -405,7 +415,8 @@ def write_shape(path: Path, shape: MoeShape, configs: dict, timings: dict, famil
     import triton
 
     meta = {
-        "shape": f"{shape.name}: E={shape.num_experts} e={shape.local_experts} K={shape.top_k} D={shape.D} F={shape.F}",
+        "shape": (f"{shape.name}: E={shape.num_experts} e={shape.local_experts} K={shape.top_k} "
+                  f"D={shape.D} F={shape.F}"),
         "device": device, "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv),
         "timings_us": timings, "variants_us": families,
@@ -432,8 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--deadline-s", type=float, help="start no new cell after this many seconds")
     parser.add_argument("--dump-jobs", type=Path,
-                        help="write the kernel variants these cells would compile (JSON, for benchmarks/aot_sm90.py "
-                             "--jobs; no GPU needed) and exit")  # fmt: skip
+                        help="write the kernel variants these cells would compile (JSON, for "
+                             "benchmarks/aot_sm90.py --jobs; no GPU needed) and exit")  # fmt: skip
     args = parser.parse_args(argv)
     started = time.perf_counter()
     cells = parse_cells(args)

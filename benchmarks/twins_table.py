@@ -52,20 +52,24 @@ def _num(value: Any, fmt: str) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    head = ("| config | layout | kernel (server log) | Δ log p vs incumbent, top-1 | error vs golden (ratio) | "
-            "start s | eval s | weights / KV / graphs GiB | JIT | MoE calls | verdict |")
+    head = (
+        "| config | layout | kernel (server log) | Δ log p vs incumbent, top-1 | error vs golden (ratio) | "
+        "start s | eval s | weights / KV / graphs GiB | JIT | MoE calls | verdict |"
+    )
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         mem = r["gpu_memory_logged"] or {}
-        gib = "/".join(_num((mem.get(k) or [None])[0], ".2f") for k in ("weights_gib", "kv_cache_gib",
-                                                                       "cuda_graphs_gib"))
+        gib = "/".join(
+            _num((mem.get(k) or [None])[0], ".2f") for k in ("weights_gib", "kv_cache_gib", "cuda_graphs_gib")
+        )
         verdict = r["status"].upper() + (f" ({', '.join(r['failed_checks'])})" if r["failed_checks"] else "")
         lines.append(
             f"| {r['config']} | {r['layout']} | {r['kernel'] or '-'} | "
             f"{_num(r['divergence_mean_abs'], '.4f')}, {_num(r['divergence_top1_flip_rate'], '.2%')} | "
             f"{_num(r['golden_error'], '.4f')} ({_num(r['golden_ratio'], '.3f')}) | "
             f"{_num(r['startup_seconds'], '.0f')} | {_num(r['eval_seconds'], '.0f')} | {gib} | "
-            f"{_num(r['jit_while_serving'], 'd')} | {_num(r['kernel_calls'], 'd')} | {verdict} |")
+            f"{_num(r['jit_while_serving'], 'd')} | {_num(r['kernel_calls'], 'd')} | {verdict} |"
+        )
     return "\n".join(lines) + "\n"
 
 

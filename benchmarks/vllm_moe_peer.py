@@ -82,7 +82,9 @@ def silu_and_mul_standin(out_SF: torch.Tensor, x_S2F: torch.Tensor) -> None:
     if S == 0:
         return
     block = min(1024, triton.next_power_of_2(F))
-    _silu_and_mul_kernel[(S, triton.cdiv(F, block))](x_S2F, out_SF, F, x_S2F.stride(0), out_SF.stride(0), BLOCK=block)
+    _silu_and_mul_kernel[(S, triton.cdiv(F, block))](
+        x_S2F, out_SF, F, x_S2F.stride(0), out_SF.stride(0), BLOCK=block
+    )
 
 
 @triton.jit
@@ -222,7 +224,9 @@ class VllmPeer:
         mul_routed_weight: bool, top_k: int, config: dict,
     ) -> None:  # fmt: skip
         """One fused_moe_kernel launch, with invoke_fused_moe_triton_kernel's arguments (unquantized)."""
-        compute_type = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[A.dtype]
+        compute_type = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[
+            A.dtype
+        ]
         if self.installed:
             if sorted_ids is not None and sorted_ids.numel() < padded:
                 # vLLM sizes its grid from this buffer's length: give it the length vLLM's align has.
@@ -305,16 +309,20 @@ class VllmPeer:
             case.topk_ids_TK, config["BLOCK_SIZE_M"], E, global_num_experts, case.expert_map_E
         )
         on_input = case.apply_router_weight_on_input
-        self.gemm(x, w1, cache1, case.topk_weights_TK, sorted_ids, expert_ids, ntpp, padded, on_input, top_k, config)
+        self.gemm(
+            x, w1, cache1, case.topk_weights_TK, sorted_ids, expert_ids, ntpp, padded, on_input, top_k, config
+        )
         self.silu_and_mul(cache2, cache1.view(-1, N))  # stand-in
         if case.expert_map_E is not None:
             cache3.zero_()
-        self.gemm(cache2, w2, cache3, case.topk_weights_TK, sorted_ids, expert_ids, ntpp, padded, not on_input, 1,
-                  config)  # fmt: skip
+        self.gemm(cache2, w2, cache3, case.topk_weights_TK, sorted_ids, expert_ids, ntpp, padded,
+                  not on_input, 1, config)  # fmt: skip
         self.moe_sum(cache3, out)  # stand-in
         return out
 
-    def gemms_call(self, case: MoeCase, global_num_experts: int) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
+    def gemms_call(
+        self, case: MoeCase, global_num_experts: int
+    ) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
         """(timed call, finish): GEMM1 + activation + GEMM2 on a precomputed assignment and buffers;
         `finish` sums over K outside the timing (fp32) so the result can be checked."""
         x, w1, w2 = case.hidden_TD, case.w13_eFD, case.w2_eDF

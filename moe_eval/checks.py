@@ -19,7 +19,9 @@ from moe_eval.results import result_files
 from moe_eval.stats import PairedResult, paired_compare
 
 INVALID = "[invalid]"  # what lm-eval's regex filters leave when they find nothing
-LOGPROBS_FILE = "logprobs.jsonl"  # a config's scored log-probabilities (moe_eval.logprobs), beside results.json
+LOGPROBS_FILE = (
+    "logprobs.jsonl"  # a config's scored log-probabilities (moe_eval.logprobs), beside results.json
+)
 DECODE_FILE = "decode.jsonl"  # its greedy continuations with their log-probabilities (the decode path)
 
 
@@ -60,16 +62,24 @@ def answer_stats(samples: list[dict], token_counts: dict[int, int] | None, max_t
     invalid = sum(1 for qid in strict if qid in flexible and _filtered(flexible[qid]) == INVALID)
     no_strict = sum(1 for s in strict.values() if _filtered(s) == INVALID)
     truncated = None if token_counts is None else sum(1 for c in token_counts.values() if c >= max_tokens)
-    return {"questions": n, "empty": empty, "invalid": invalid, "no_strict_answer": no_strict,
-            "truncated": truncated, "max_tokens": max_tokens}
+    return {
+        "questions": n,
+        "empty": empty,
+        "invalid": invalid,
+        "no_strict_answer": no_strict,
+        "truncated": truncated,
+        "max_tokens": max_tokens,
+    }
 
 
 def garbage_checks(config: EvalConfig, stats: dict[str, Any]) -> list[Check]:
     n = max(stats["questions"], 1)
     checks = []
-    for key, count_key, what in (("max_empty_rate", "empty", "empty answers"),
-                                 ("max_truncated_rate", "truncated", "answers cut at max_tokens"),
-                                 ("max_invalid_rate", "invalid", "answers with no number")):
+    for key, count_key, what in (
+        ("max_empty_rate", "empty", "empty answers"),
+        ("max_truncated_rate", "truncated", "answers cut at max_tokens"),
+        ("max_invalid_rate", "invalid", "answers with no number"),
+    ):
         limit = getattr(config, key)
         if limit is None:
             continue
@@ -107,27 +117,36 @@ def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
         except (OSError, json.JSONDecodeError):
             continue
         cfg = record.get("config", {})
-        if (record.get("status") in ("passed", "failed") and cfg.get("model_name") == config.model_name
-                and record.get("num_questions_evaluated") == config.num_questions
-                and cfg.get("num_fewshot") == config.num_fewshot):
-            # The same family folder and file name first (canary-tp/X and canary-tep/X share a name), then the name.
+        if (
+            record.get("status") in ("passed", "failed")
+            and cfg.get("model_name") == config.model_name
+            and record.get("num_questions_evaluated") == config.num_questions
+            and cfg.get("num_fewshot") == config.num_fewshot
+        ):
+            # The same family folder and file name first (canary-tp/X and canary-tep/X share a name), then
+            # the name.
             same_folder = Path(record.get("config_path", "")).parent.name == config.path.parent.name
             candidates.append((record.get("config_name") == config.name, same_folder, path))
     if not candidates:
-        raise ConfigError(f"--baseline: value '{baseline_root}' holds no finished result for model "
-                          f"{config.model_name} with {config.num_questions} questions, {config.num_fewshot}-shot "
-                          f"(needed by {config.path})")
+        raise ConfigError(
+            f"--baseline: value '{baseline_root}' holds no finished result for model "
+            f"{config.model_name} with {config.num_questions} questions, {config.num_fewshot}-shot "
+            f"(needed by {config.path})"
+        )
     same_file = [p for same_name, same_folder, p in candidates if same_name and same_folder]
     same_name_only = [p for same_name, _, p in candidates if same_name]
     pool = same_file or same_name_only or [p for _, _, p in candidates]
     if len(pool) > 1:
-        raise ConfigError(f"--baseline: value '{baseline_root}' holds {len(pool)} results that fit {config.path}: "
-                          f"{', '.join(map(str, pool[:4]))}; point --baseline at one run folder or results.json")
+        raise ConfigError(
+            f"--baseline: value '{baseline_root}' holds {len(pool)} results that fit {config.path}: "
+            f"{', '.join(map(str, pool[:4]))}; point --baseline at one run folder or results.json"
+        )
     return load_baseline(pool[0], "--baseline")
 
 
 def load_baseline(results_path: Path, what: str) -> Baseline:
-    """The baseline a finished results.json holds (ConfigError, naming `what`, when its samples are unreadable)."""
+    """The baseline a finished results.json holds (ConfigError, naming `what`, when its samples are
+    unreadable)."""
     samples_path = results_path.parent / "samples.jsonl"
     try:
         samples = [json.loads(line) for line in samples_path.read_text().splitlines() if line.strip()]
@@ -139,11 +158,18 @@ def load_baseline(results_path: Path, what: str) -> Baseline:
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{what}: {results_path}: cannot read ({exc})") from None
     decode = results_path.parent / DECODE_FILE
-    return Baseline(results_path, correctness(samples), logprobs if logprobs.is_file() else None,
-                    record.get("moe_backend_used"), (record.get("layout") or {}).get("describe"),
-                    decode if decode.is_file() else None)
+    return Baseline(
+        results_path,
+        correctness(samples),
+        logprobs if logprobs.is_file() else None,
+        record.get("moe_backend_used"),
+        (record.get("layout") or {}).get("describe"),
+        decode if decode.is_file() else None,
+    )
 
 
 def paired_check(baseline: Baseline, samples: list[dict], alpha: float) -> tuple[Check, PairedResult]:
     result = paired_compare(baseline.correctness, correctness(samples), alpha)
-    return Check("paired_gate", result.passed, result.describe() + f" [baseline {baseline.results_path}]"), result
+    return Check(
+        "paired_gate", result.passed, result.describe() + f" [baseline {baseline.results_path}]"
+    ), result

@@ -54,11 +54,18 @@ def resolve_hw(hw: str, gpus: list[str] | None = None) -> str:
     return detect_hardware(gpus)
 
 
-def select_configs(hw: str, config_paths: tuple[str, ...], shard_text: str | None,
-                   root_option: str | None, list_path: str | None = None) -> tuple[list[EvalConfig], str]:
+def select_configs(
+    hw: str,
+    config_paths: tuple[str, ...],
+    shard_text: str | None,
+    root_option: str | None,
+    list_path: str | None = None,
+) -> tuple[list[EvalConfig], str]:
     """Load (and so validate) every selected config before anything launches."""
     if config_paths and list_path:
-        raise ConfigError(f"--list: value '{list_path}' given together with config files; give one or the other")
+        raise ConfigError(
+            f"--list: value '{list_path}' given together with config files; give one or the other"
+        )
     if config_paths:
         paths = [Path(p).resolve() for p in config_paths]
         source = "the configs given on the command line"
@@ -72,23 +79,45 @@ def select_configs(hw: str, config_paths: tuple[str, ...], shard_text: str | Non
     configs = {p: load_config(p) for p in paths}
     if shard_text:
         index, count = parse_shard(shard_text)
-        paths = shard(paths, index, count, {p: c.baseline_config_path for p, c in configs.items()
-                                            if c.baseline_config_path is not None})
+        paths = shard(
+            paths,
+            index,
+            count,
+            {p: c.baseline_config_path for p, c in configs.items() if c.baseline_config_path is not None},
+        )
         source += f" (shard {index}/{count})"
     require_some(paths, source)
     return [configs[p] for p in paths], source
 
 
-hw_option = click.option("--hw", type=click.Choice(("auto", *HARDWARE)), default="auto", show_default=True,
-                         help="Hardware list to run: config-<hw>.txt. auto detects the GPU (none -> cpu).")
-list_option = click.option("--list", "list_path", type=click.Path(dir_okay=False), default=None,
-                           help="A list file of configs to use instead of config-<hw>.txt "
-                                "(e.g. config-gpu-canary.txt).")
+hw_option = click.option(
+    "--hw",
+    type=click.Choice(("auto", *HARDWARE)),
+    default="auto",
+    show_default=True,
+    help="Hardware list to run: config-<hw>.txt. auto detects the GPU (none -> cpu).",
+)
+list_option = click.option(
+    "--list",
+    "list_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A list file of configs to use instead of config-<hw>.txt (e.g. config-gpu-canary.txt).",
+)
 golden_cache_option = click.option(
-    "--golden-cache", "golden_cache", envvar="MOE_EVAL_GOLDEN_CACHE", type=click.Path(file_okay=False), default=None,
-    help="Folder of golden references (kept between CI runs); default ~/.cache/moe-eval/goldens.")
-root_option = click.option("--root", type=click.Path(file_okay=False), default=None,
-                           help="Folder holding config-<hw>.txt (default: current folder, else the checkout).")
+    "--golden-cache",
+    "golden_cache",
+    envvar="MOE_EVAL_GOLDEN_CACHE",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Folder of golden references (kept between CI runs); default ~/.cache/moe-eval/goldens.",
+)
+root_option = click.option(
+    "--root",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Folder holding config-<hw>.txt (default: current folder, else the checkout).",
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -114,8 +143,10 @@ def shard_from_environment(shard_text: str | None) -> str | None:
     if index is None and count is None:
         return None
     if index is None or count is None:
-        raise ConfigError("BUILDKITE_PARALLEL_JOB and BUILDKITE_PARALLEL_JOB_COUNT must be set together "
-                          f"(got {index!r} and {count!r})")
+        raise ConfigError(
+            "BUILDKITE_PARALLEL_JOB and BUILDKITE_PARALLEL_JOB_COUNT must be set together "
+            f"(got {index!r} and {count!r})"
+        )
     return f"{index}/{count}"
 
 
@@ -124,35 +155,100 @@ def shard_from_environment(shard_text: str | None) -> str | None:
 @root_option
 @click.argument("configs", nargs=-1, type=click.Path(dir_okay=False))
 @list_option
-@click.option("--shard", "shard_text", default=None,
-              help="Run shard i of n of the list (i/n, 0-based); default: Buildkite's BUILDKITE_PARALLEL_JOB/_COUNT.")
-@click.option("--gsm8k-dir", envvar="MOE_EVAL_GSM8K_DIR", default=None,
-              help="Folder with GSM8K train.jsonl and test.jsonl; offline. Default: the hub.")
-@click.option("--output-dir", default="moe-eval-results", show_default=True,
-              help="Each run writes a new timestamped folder here.")
-@click.option("--port", type=click.IntRange(1, 65535), default=None,
-              help="Server port (default: a free one); with --jobs > 1, config i of the list uses port + i.")
-@click.option("--limit", type=click.IntRange(1, 1319), default=None,
-              help="Evaluate at most this many questions per config (overrides num_questions; recorded).")
-@click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None,
-              help="Also write JUnit XML here (one testcase per config, named after its file stem).")
-@click.option("--mutate", "mutation", default=None, metavar="NAME",
-              help="Run the bundled kernel with a deliberate bug (see README) to check that the gates catch it.")
-@click.option("--baseline", "baseline_path", type=click.Path(exists=True), default=None,
-              help="A run folder (or results.json) of the same model and questions: adds the paired gate.")
-@click.option("--jobs", "jobs_text", default="1", show_default=True, metavar="N|auto",
-              help="Configs served at once, each on its own GPUs (or CPU cores); auto: as many as the free "
-                   "devices allow. 1 gives each server the whole machine.")
-@click.option("--retries", type=click.IntRange(0, 10), default=0, show_default=True,
-              help="Run a config that ended in an infrastructure error again, with a fresh server, up to N times.")
+@click.option(
+    "--shard",
+    "shard_text",
+    default=None,
+    help="Run shard i of n of the list (i/n, 0-based); default: Buildkite's BUILDKITE_PARALLEL_JOB/_COUNT.",
+)
+@click.option(
+    "--gsm8k-dir",
+    envvar="MOE_EVAL_GSM8K_DIR",
+    default=None,
+    help="Folder with GSM8K train.jsonl and test.jsonl; offline. Default: the hub.",
+)
+@click.option(
+    "--output-dir",
+    default="moe-eval-results",
+    show_default=True,
+    help="Each run writes a new timestamped folder here.",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Server port (default: a free one); with --jobs > 1, config i of the list uses port + i.",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(1, 1319),
+    default=None,
+    help="Evaluate at most this many questions per config (overrides num_questions; recorded).",
+)
+@click.option(
+    "--junit",
+    "junit_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Also write JUnit XML here (one testcase per config, named after its file stem).",
+)
+@click.option(
+    "--mutate",
+    "mutation",
+    default=None,
+    metavar="NAME",
+    help="Run the bundled kernel with a deliberate bug (see README) to check that the gates catch it.",
+)
+@click.option(
+    "--baseline",
+    "baseline_path",
+    type=click.Path(exists=True),
+    default=None,
+    help="A run folder (or results.json) of the same model and questions: adds the paired gate.",
+)
+@click.option(
+    "--jobs",
+    "jobs_text",
+    default="1",
+    show_default=True,
+    metavar="N|auto",
+    help="Configs served at once, each on its own GPUs (or CPU cores); auto: as many as the free "
+    "devices allow. 1 gives each server the whole machine.",
+)
+@click.option(
+    "--retries",
+    type=click.IntRange(0, 10),
+    default=0,
+    show_default=True,
+    help="Run a config that ended in an infrastructure error again, with a fresh server, up to N times.",
+)
 @golden_cache_option
-@click.option("--resume", "resume_dir", type=click.Path(file_okay=False, exists=True), default=None,
-              help="Finish this run folder: configs whose results there passed or failed with the same config, "
-                   "versions and questions are kept; the rest run; one summary covers all.")
-def run(hw: str, root: str | None, configs: tuple[str, ...], list_path: str | None, shard_text: str | None,
-        gsm8k_dir: str | None, output_dir: str, port: int | None, limit: int | None, junit_path: str | None,
-        mutation: str | None, baseline_path: str | None, jobs_text: str, retries: int, golden_cache: str | None,
-        resume_dir: str | None) -> None:
+@click.option(
+    "--resume",
+    "resume_dir",
+    type=click.Path(file_okay=False, exists=True),
+    default=None,
+    help="Finish this run folder: configs whose results there passed or failed with the same config, "
+    "versions and questions are kept; the rest run; one summary covers all.",
+)
+def run(
+    hw: str,
+    root: str | None,
+    configs: tuple[str, ...],
+    list_path: str | None,
+    shard_text: str | None,
+    gsm8k_dir: str | None,
+    output_dir: str,
+    port: int | None,
+    limit: int | None,
+    junit_path: str | None,
+    mutation: str | None,
+    baseline_path: str | None,
+    jobs_text: str,
+    retries: int,
+    golden_cache: str | None,
+    resume_dir: str | None,
+) -> None:
     """Serve each selected config with vLLM, run GSM8K through lm-eval, gate, report."""
     from moe_eval.checks import find_baseline
     from moe_eval.devices import cpu_pool, gpu_pool
@@ -177,8 +273,10 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], list_path: str | No
         selected = [dataclasses.replace(c, num_questions=min(limit, c.num_questions)) for c in selected]
     data = gsm8k_data(gsm8k_dir)
     if mutation is not None and all(c.moe_backend is None for c in selected):
-        raise ConfigError(f"--mutate {mutation}: no selected config runs a bundled kernel (moe_backend); "
-                          "mutations apply to the bundled kernels only")
+        raise ConfigError(
+            f"--mutate {mutation}: no selected config runs a bundled kernel (moe_backend); "
+            "mutations apply to the bundled kernels only"
+        )
     for config in selected:
         # vLLM's own kernel is never mutated: such configs are the references of a mutation run.
         preflight(config, hw, len(gpu_list), mutation if config.moe_backend is not None else None)
@@ -186,8 +284,10 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], list_path: str | No
         for config in selected:
             find_baseline(Path(baseline_path).resolve(), config)
     pool = cpu_pool() if hw == "cpu" else gpu_pool()
-    planned = [Planned(i, c, pool.units_for(c.layout.world_size, jobs), dependencies.get(i))
-               for i, c in enumerate(selected)]
+    planned = [
+        Planned(i, c, pool.units_for(c.layout.world_size, jobs), dependencies.get(i))
+        for i, c in enumerate(selected)
+    ]
     if jobs != 1:
         check_fits(planned, pool)
     run_root = Path(resume_dir).resolve() if resume_dir else new_run_root(Path(output_dir).resolve())
@@ -195,16 +295,33 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], list_path: str | No
     append_text(run_root / "command.txt", " ".join(sys.argv) + "\n")
     for note in notes:
         progress(note)
-    progress(f"{len(selected)} config(s) from {source} on {hw}; results in {run_root}"
-             + (f"; {len(kept)} kept from the earlier run" if kept else "")
-             + (f"; up to {jobs or 'auto'} at once on {pool.kind} {','.join(map(str, pool.ids))}" if jobs != 1 else ""))
-    job = Job(config_path="", run_root=str(run_root), hw=hw, parent_pid=os.getpid(), limit=limit,
-              gsm8k_dir=str(data.dir) if data.dir is not None else None, mutation=mutation,
-              baseline=str(Path(baseline_path).resolve()) if baseline_path else None, gpus=list(gpu_list),
-              golden_cache=str(Path(golden_cache).resolve()) if golden_cache else None)
+    progress(
+        f"{len(selected)} config(s) from {source} on {hw}; results in {run_root}"
+        + (f"; {len(kept)} kept from the earlier run" if kept else "")
+        + (
+            f"; up to {jobs or 'auto'} at once on {pool.kind} {','.join(map(str, pool.ids))}"
+            if jobs != 1
+            else ""
+        )
+    )
+    job = Job(
+        config_path="",
+        run_root=str(run_root),
+        hw=hw,
+        parent_pid=os.getpid(),
+        limit=limit,
+        gsm8k_dir=str(data.dir) if data.dir is not None else None,
+        mutation=mutation,
+        baseline=str(Path(baseline_path).resolve()) if baseline_path else None,
+        gpus=list(gpu_list),
+        golden_cache=str(Path(golden_cache).resolve()) if golden_cache else None,
+    )
     view = ProgressView(len(selected), pool.kind)
-    scheduler = Scheduler([p for p in planned if p.index not in kept],
-                          SchedulerOptions(job=job, pool=pool, jobs=jobs, retries=retries, port_base=port), view)
+    scheduler = Scheduler(
+        [p for p in planned if p.index not in kept],
+        SchedulerOptions(job=job, pool=pool, jobs=jobs, retries=retries, port_base=port),
+        view,
+    )
     try:
         done = scheduler.run()
     finally:
@@ -212,8 +329,16 @@ def run(hw: str, root: str | None, configs: tuple[str, ...], list_path: str | No
     outcomes = {**kept, **done}
     ordered = [outcomes[i] for i in range(len(selected)) if i in outcomes]
     not_started = [selected[i] for i in range(len(selected)) if i not in outcomes]
-    write_run_reports(run_root, ordered, not_started, hw=hw, source=source, junit_path=junit_path, gpus=gpu_list,
-                      cancelled_by=scheduler.cancelled_by)
+    write_run_reports(
+        run_root,
+        ordered,
+        not_started,
+        hw=hw,
+        source=source,
+        junit_path=junit_path,
+        gpus=gpu_list,
+        cancelled_by=scheduler.cancelled_by,
+    )
     print_table(ordered, rich_output=sys.stdout.isatty())
     progress(f"results: {run_root}")
     if scheduler.cancelled_by is not None:
@@ -230,9 +355,11 @@ def check_fits(planned: list, pool) -> None:
     for p in planned:
         if p.units > len(pool.ids):
             busy = f"; busy (another process uses them): {','.join(map(str, pool.busy))}" if pool.busy else ""
-            raise ConfigError(f"{p.config.path}: layout {p.config.layout.describe()} needs {p.units} "
-                              f"{'GPUs' if pool.kind == 'gpu' else 'CPU cores'}; free here: "
-                              f"{','.join(map(str, pool.ids)) or 'none'}{busy}")
+            raise ConfigError(
+                f"{p.config.path}: layout {p.config.layout.describe()} needs {p.units} "
+                f"{'GPUs' if pool.kind == 'gpu' else 'CPU cores'}; free here: "
+                f"{','.join(map(str, pool.ids)) or 'none'}{busy}"
+            )
 
 
 def new_run_root(output_dir: Path) -> Path:
@@ -245,8 +372,9 @@ def new_run_root(output_dir: Path) -> Path:
     return run_root
 
 
-def resumable_outcomes(run_root: Path, selected: list[EvalConfig], data, mutation: str | None = None
-                       ) -> dict[int, object]:
+def resumable_outcomes(
+    run_root: Path, selected: list[EvalConfig], data, mutation: str | None = None
+) -> dict[int, object]:
     """Configs of `selected` whose results.json in run_root holds a verdict for the same config file
     (sha256), the same versions, the same questions and the same mutation (vLLM's own kernel is never
     mutated, so its rows carry over into a `--mutate` run); the others' old files move to attempts/."""
@@ -263,11 +391,15 @@ def resumable_outcomes(run_root: Path, selected: list[EvalConfig], data, mutatio
             record = json.loads((run_dir / "results.json").read_text())
         except (OSError, ValueError):
             record = None
-        same = (record is not None and record.get("status") in ("passed", "failed")
-                and record.get("config_sha256") == config.sha256 and record.get("versions") == versions()
-                and record.get("num_questions_evaluated") == config.num_questions
-                and record.get("gsm8k") == task_data(config, data).describe()
-                and record.get("mutation") == (mutation if config.moe_backend is not None else None))
+        same = (
+            record is not None
+            and record.get("status") in ("passed", "failed")
+            and record.get("config_sha256") == config.sha256
+            and record.get("versions") == versions()
+            and record.get("num_questions_evaluated") == config.num_questions
+            and record.get("gsm8k") == task_data(config, data).describe()
+            and record.get("mutation") == (mutation if config.moe_backend is not None else None)
+        )
         if same:
             outcome = ConfigOutcome.from_record(config, run_dir, record)
             outcome.resumed = True
@@ -278,21 +410,43 @@ def resumable_outcomes(run_root: Path, selected: list[EvalConfig], data, mutatio
     return kept
 
 
-def write_run_reports(run_root: Path, outcomes: list, not_started: list, *, hw: str, source: str,
-                      junit_path: str | None, gpus: list[str], cancelled_by: str | None = None) -> None:
+def write_run_reports(
+    run_root: Path,
+    outcomes: list,
+    not_started: list,
+    *,
+    hw: str,
+    source: str,
+    junit_path: str | None,
+    gpus: list[str],
+    cancelled_by: str | None = None,
+) -> None:
     """summary.json and summary.md in the run folder, the JUnit file, GitHub's step summary."""
     from moe_eval.report import markdown
     from moe_eval.results import atomic_write_json, atomic_write_text
 
-    summary = {"hw": hw, "source": source, "run_root": str(run_root),
-               "complete": not not_started and all(o.status != "cancelled" for o in outcomes),
-               "cancelled_by": cancelled_by,
-               "configs": [{"config": str(o.config.path), "status": o.status, "run_dir": str(o.run_dir),
-                            "error": o.error, "gate": o.gate.as_dict() if o.gate else None,
-                            "checks": [c.as_dict() for c in o.checks], "moe_backend_used": o.moe_backend_used,
-                            "attempts": len(o.attempts) + 1, "resumed": o.resumed}
-                           for o in outcomes]
-               + [{"config": str(c.path), "status": "not_started"} for c in not_started]}
+    summary = {
+        "hw": hw,
+        "source": source,
+        "run_root": str(run_root),
+        "complete": not not_started and all(o.status != "cancelled" for o in outcomes),
+        "cancelled_by": cancelled_by,
+        "configs": [
+            {
+                "config": str(o.config.path),
+                "status": o.status,
+                "run_dir": str(o.run_dir),
+                "error": o.error,
+                "gate": o.gate.as_dict() if o.gate else None,
+                "checks": [c.as_dict() for c in o.checks],
+                "moe_backend_used": o.moe_backend_used,
+                "attempts": len(o.attempts) + 1,
+                "resumed": o.resumed,
+            }
+            for o in outcomes
+        ]
+        + [{"config": str(c.path), "status": "not_started"} for c in not_started],
+    }
     atomic_write_json(run_root / "summary.json", summary)
     if not outcomes:
         return
@@ -313,14 +467,30 @@ def write_run_reports(run_root: Path, outcomes: list, not_started: list, *, hw: 
 @root_option
 @click.argument("configs", nargs=-1, type=click.Path(dir_okay=False))
 @list_option
-@click.option("--gsm8k-dir", envvar="MOE_EVAL_GSM8K_DIR", default=None,
-              help="Folder with GSM8K train.jsonl and test.jsonl (the texts the goldens score).")
+@click.option(
+    "--gsm8k-dir",
+    envvar="MOE_EVAL_GSM8K_DIR",
+    default=None,
+    help="Folder with GSM8K train.jsonl and test.jsonl (the texts the goldens score).",
+)
 @golden_cache_option
 @click.option("--refresh", is_flag=True, help="Make the goldens anew even where the cache holds them.")
-@click.option("--output-dir", default="moe-eval-results", show_default=True,
-              help="The golden servers' logs go to <output-dir>/goldens-<timestamp>/.")
-def golden(hw: str, root: str | None, configs: tuple[str, ...], list_path: str | None, gsm8k_dir: str | None,
-           golden_cache: str | None, refresh: bool, output_dir: str) -> None:
+@click.option(
+    "--output-dir",
+    default="moe-eval-results",
+    show_default=True,
+    help="The golden servers' logs go to <output-dir>/goldens-<timestamp>/.",
+)
+def golden(
+    hw: str,
+    root: str | None,
+    configs: tuple[str, ...],
+    list_path: str | None,
+    gsm8k_dir: str | None,
+    golden_cache: str | None,
+    refresh: bool,
+    output_dir: str,
+) -> None:
     """Make the golden references the selected configs' golden gate needs (ahead of `run`, e.g. in CI's
     cache step); each is made once per key and kept in the golden cache."""
     from moe_eval.golden import GoldenStore, ServerPlace, cache_dir, ensure_golden, golden_plan
@@ -335,14 +505,21 @@ def golden(hw: str, root: str | None, configs: tuple[str, ...], list_path: str |
     selected, source = select_configs(hw, configs, None, root, list_path)
     gated = [c for c in selected if c.golden_gated]
     if not gated:
-        raise ConfigError(f"no config of {source} has the golden gate (a moe_backend, logprob_texts > 0, golden on)")
+        raise ConfigError(
+            f"no config of {source} has the golden gate (a moe_backend, logprob_texts > 0, golden on)"
+        )
     data = gsm8k_data(gsm8k_dir)
     store = GoldenStore(cache_dir(golden_cache))
     logs = new_run_root(Path(output_dir).resolve())
     plans = {}
     for config in gated:
-        plan = golden_plan(config, task_data(config, data), resolve_model(config.model_name),
-                           golden_device(hw, tuple(gpu_list)), memo_path=store.root / "weights-digests.json")
+        plan = golden_plan(
+            config,
+            task_data(config, data),
+            resolve_model(config.model_name),
+            golden_device(hw, tuple(gpu_list)),
+            memo_path=store.root / "weights-digests.json",
+        )
         plans.setdefault(plan.key.digest, (plan, config, []))[2].append(config)
     progress(f"{len(plans)} golden reference(s) for {len(gated)} config(s) of {source}; cache {store.root}")
     click.echo("golden	made	seconds	model	server_args	configs	path")
@@ -350,8 +527,19 @@ def golden(hw: str, root: str | None, configs: tuple[str, ...], list_path: str |
         place = ServerPlace(hw=hw, devices=None, gpus=len(gpu_list), log_dir=logs / digest, progress=progress)
         started = time.monotonic()
         found, made = ensure_golden(plan, config, place, store, refresh=refresh)
-        click.echo(f"{digest}	{'made' if made else 'cached'}	{time.monotonic() - started:.0f}	{config.model_name}	"
-                   f"{' '.join(plan.server_argv)}	{','.join(c.path.stem for c in users)}	{found.path}")
+        click.echo(
+            "\t".join(
+                [
+                    digest,
+                    "made" if made else "cached",
+                    f"{time.monotonic() - started:.0f}",
+                    config.model_name,
+                    " ".join(plan.server_argv),
+                    ",".join(c.path.stem for c in users),
+                    str(found.path),
+                ]
+            )
+        )
 
 
 @cli.command(name="list")
@@ -360,22 +548,27 @@ def golden(hw: str, root: str | None, configs: tuple[str, ...], list_path: str |
 @list_option
 @click.option("--shard", "shard_text", default=None, help="Show shard i of n (i/n, 0-based).")
 def list_configs(hw: str, root: str | None, list_path: str | None, shard_text: str | None) -> None:
-    """Show what `run` would run: config, model, layout, devices (GPUs, or CPU ranks) needed, backend, gate."""
+    """Show what `run` would run: config, model, layout, devices (GPUs, or CPU ranks) needed, backend,
+    gate."""
     hw = resolve_hw(hw)
     selected, source = select_configs(hw, (), shard_from_environment(shard_text), root, list_path)
     selected, dependencies, notes = with_baselines(selected)
     click.echo(f"# {source}")
     for note in notes:
         click.echo(f"# {note}")
-    click.echo(f"config\tmodel\tlayout\t{'cpu_ranks' if hw == 'cpu' else 'gpus'}\tmoe_backend\tthreshold\tquestions"
-               "\tbaseline\tgates")
+    click.echo(
+        f"config\tmodel\tlayout\t{'cpu_ranks' if hw == 'cpu' else 'gpus'}\tmoe_backend\tthreshold\tquestions"
+        "\tbaseline\tgates"
+    )
     for i, c in enumerate(selected):
         baseline = selected[dependencies[i]] if i in dependencies else None
-        click.echo(f"{c.path.parent.name}/{c.path.name}\t{c.model_name}\t{c.layout.describe()}\t{c.layout.world_size}\t"
-                   f"{c.moe_backend or 'vllm-default'}\t{c.accuracy_threshold if c.answers_gated else 'n/a'}\t"
-                   f"{c.num_questions}\t"
-                   f"{f'{baseline.path.parent.name}/{baseline.path.name}' if baseline else '-'}\t"
-                   f"{','.join(gate_names(c, baseline is not None))}")
+        click.echo(
+            f"{c.path.parent.name}/{c.path.name}\t{c.model_name}\t{c.layout.describe()}\t{c.layout.world_size}\t"
+            f"{c.moe_backend or 'vllm-default'}\t{c.accuracy_threshold if c.answers_gated else 'n/a'}\t"
+            f"{c.num_questions}\t"
+            f"{f'{baseline.path.parent.name}/{baseline.path.name}' if baseline else '-'}\t"
+            f"{','.join(gate_names(c, baseline is not None))}"
+        )
 
 
 def gate_names(config: EvalConfig, has_baseline: bool) -> list[str]:
@@ -410,13 +603,23 @@ def validate(root: str | None) -> None:
 
 @cli.command()
 @click.argument("results", nargs=-1, required=True, type=click.Path())
-@click.option("--format", "fmt", type=click.Choice(("auto", "markdown", "rich")), default="auto",
-              show_default=True,
-              help="auto: rich on a terminal, Markdown (ready to paste into a pull request) otherwise.")
-@click.option("--reference", default="vllm", show_default=True, metavar="vllm|first|N|TEXT",
-              help="The column the flips, Δ log p and golden-error ratios are against: vllm (the first "
-                   "column running vLLM's own MoE kernel, else the first), first, a 1-based column number, "
-                   "or a part of exactly one column's label.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(("auto", "markdown", "rich")),
+    default="auto",
+    show_default=True,
+    help="auto: rich on a terminal, Markdown (ready to paste into a pull request) otherwise.",
+)
+@click.option(
+    "--reference",
+    default="vllm",
+    show_default=True,
+    metavar="vllm|first|N|TEXT",
+    help="The column the flips, Δ log p and golden-error ratios are against: vllm (the first "
+    "column running vLLM's own MoE kernel, else the first), first, a 1-based column number, "
+    "or a part of exactly one column's label.",
+)
 def compare(results: tuple[str, ...], fmt: str, reference: str) -> None:
     """Side-by-side accuracy of run folders or results.json files, one table per model."""
     from moe_eval import compare as cmp
@@ -429,7 +632,8 @@ def compare(results: tuple[str, ...], fmt: str, reference: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cancel.install()  # SIGTERM and Ctrl-C alike: cancel, tear down, exit 130 (the scheduler takes over while it runs)
+    # SIGTERM and Ctrl-C alike: cancel, tear down, exit 130 (the scheduler takes over while it runs).
+    cancel.install()
     try:
         cli.main(args=argv, prog_name="moe-eval", standalone_mode=False)
     except click.exceptions.Exit as exc:
@@ -451,6 +655,8 @@ def main(argv: list[str] | None = None) -> None:
         import traceback
 
         traceback.print_exc()
-        click.echo("moe-eval: internal error (see the traceback above); reported as an infrastructure error",
-                   err=True)
+        click.echo(
+            "moe-eval: internal error (see the traceback above); reported as an infrastructure error",
+            err=True,
+        )
         sys.exit(ExitCode.INFRA)

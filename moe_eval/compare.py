@@ -96,12 +96,20 @@ def load_run(path: Path) -> RunResult | None:
     golden = record.get("golden") if isinstance(record.get("golden"), dict) else {}
     correct = correctness(samples)
     logprobs = path.parent / LOGPROBS_FILE
-    return RunResult(path=path, model=record["config"]["model_name"], label=label,
-                     num_fewshot=record["config"]["num_fewshot"], scores=record["scores"],
-                     verdict=record["status"].upper(), correct=correct,
-                     logprobs=logprobs if logprobs.is_file() else None, backend=backend,
-                     mutation=mutation or None, golden_digest=golden.get("digest"),
-                     golden_path=Path(golden["path"]) if golden.get("path") else None)
+    return RunResult(
+        path=path,
+        model=record["config"]["model_name"],
+        label=label,
+        num_fewshot=record["config"]["num_fewshot"],
+        scores=record["scores"],
+        verdict=record["status"].upper(),
+        correct=correct,
+        logprobs=logprobs if logprobs.is_file() else None,
+        backend=backend,
+        mutation=mutation or None,
+        golden_digest=golden.get("digest"),
+        golden_path=Path(golden["path"]) if golden.get("path") else None,
+    )
 
 
 def group_runs(inputs: list[Path]) -> dict[str, list[RunResult]]:
@@ -113,21 +121,28 @@ def group_runs(inputs: list[Path]) -> dict[str, list[RunResult]]:
         raise ConfigError("compare: no finished results among the inputs (errored configs have no scores)")
     for model, members in groups.items():
         if len(members) < 2:
-            raise ConfigError(f"compare: model {model} has one result ({members[0].path}); nothing to "
-                              "compare it with (results of different models are never compared)")
+            raise ConfigError(
+                f"compare: model {model} has one result ({members[0].path}); nothing to "
+                "compare it with (results of different models are never compared)"
+            )
         first = members[0]
         for other in members[1:]:
             if other.num_fewshot != first.num_fewshot:
-                raise ConfigError(f"compare: {model}: few-shot counts differ ({first.num_fewshot} in "
-                                  f"{first.path}, {other.num_fewshot} in {other.path})")
+                raise ConfigError(
+                    f"compare: {model}: few-shot counts differ ({first.num_fewshot} in "
+                    f"{first.path}, {other.num_fewshot} in {other.path})"
+                )
             if other.questions != first.questions:
-                raise ConfigError(f"compare: {model}: question sets differ ({len(first.questions)} "
-                                  f"questions in {first.path}, {len(other.questions)} in {other.path}, "
-                                  f"{len(first.questions ^ other.questions)} not in both)")
+                raise ConfigError(
+                    f"compare: {model}: question sets differ ({len(first.questions)} "
+                    f"questions in {first.path}, {len(other.questions)} in {other.path}, "
+                    f"{len(first.questions ^ other.questions)} not in both)"
+                )
         labels = [m.label for m in members]
         if len(set(labels)) < len(labels):  # same kernel and layout twice: tell the runs apart
-            groups[model] = [dataclasses.replace(m, label=f"{m.label} [{m.path.parents[2].name}]")
-                             for m in members]
+            groups[model] = [
+                dataclasses.replace(m, label=f"{m.label} [{m.path.parents[2].name}]") for m in members
+            ]
     return dict(groups)
 
 
@@ -147,13 +162,16 @@ def reference_index(model: str, members: list[RunResult], reference: str = DEFAU
     if len(found) != 1:
         how = "matches no column" if not found else f"matches {len(found)} columns"
         labels = ", ".join(repr(m.label) for m in members)
-        raise ConfigError(f"compare: --reference '{reference}' {how} of {model} ({labels}); give a longer "
-                          "part of one label, a column number, 'first' or 'vllm'")
+        raise ConfigError(
+            f"compare: --reference '{reference}' {how} of {model} ({labels}); give a longer "
+            "part of one label, a column number, 'first' or 'vllm'"
+        )
     return found[0]
 
 
-def reference_indices(groups: dict[str, list[RunResult]],
-                      reference: str = DEFAULT_REFERENCE) -> dict[str, int]:
+def reference_indices(
+    groups: dict[str, list[RunResult]], reference: str = DEFAULT_REFERENCE
+) -> dict[str, int]:
     """Every group's reference column, resolved before any table is printed (a bad value prints nothing)."""
     return {model: reference_index(model, members, reference) for model, members in groups.items()}
 
@@ -165,8 +183,10 @@ def _cell(score: dict[str, float]) -> str:
 
 def table_rows(members: list[RunResult], ref: int = 0) -> tuple[list[str], list[list[str]]]:
     header = ["Filter", "n-shot", "Metric", *[m.label for m in members]]
-    rows = [[f, str(members[0].num_fewshot), "exact_match", *[_cell(m.scores[f]) for m in members]]
-            for f in FILTERS]
+    rows = [
+        [f, str(members[0].num_fewshot), "exact_match", *[_cell(m.scores[f]) for m in members]]
+        for f in FILTERS
+    ]
     base = members[ref]
     flips = [f"flips vs {base.label}", "", "strict-match"]
     for i, m in enumerate(members):
@@ -174,13 +194,15 @@ def table_rows(members: list[RunResult], ref: int = 0) -> tuple[list[str], list[
             flips.append("reference")
             continue
         p = paired_compare(base.correct, m.correct, alpha=0.05)
-        flips.append(f"{p.baseline_only} right->wrong, {p.new_only} wrong->right "
-                     f"(McNemar p={p.p_two_sided:.3g})")
+        flips.append(
+            f"{p.baseline_only} right->wrong, {p.new_only} wrong->right (McNemar p={p.p_two_sided:.3g})"
+        )
     rows.append(flips)
     # Each file is read once: the divergence and the golden rows both use every run's records.
     records = [read_logprobs(m.logprobs) if m.logprobs is not None else None for m in members]
-    divergences = ["reference" if i == ref else _divergence(records[ref], recs)
-                   for i, recs in enumerate(records)]
+    divergences = [
+        "reference" if i == ref else _divergence(records[ref], recs) for i, recs in enumerate(records)
+    ]
     rows.append([f"Δ log p vs {base.label}", "", "mean, top-1 changed", *divergences])
     rows.append(["error vs golden", "", "mean |Δ log p|, x reference", *_golden_cells(members, records, ref)])
     rows.append(["verdict", "", "", *[m.verdict for m in members]])
@@ -286,5 +308,10 @@ def print_rich(groups: dict[str, list[RunResult]], reference: str = DEFAULT_REFE
     for model, members in groups.items():
         header, rows = table_rows(members, refs[model])
         # Rich reads "[...]" as markup and drops it: the "[mutated: ...]" and "[<run>]" marks must show.
-        console.print(rich_table(escape(_title(model, members)), [escape(c) for c in header],
-                                 [[escape(c) for c in r] for r in rows]))
+        console.print(
+            rich_table(
+                escape(_title(model, members)),
+                [escape(c) for c in header],
+                [[escape(c) for c in r] for r in rows],
+            )
+        )

@@ -47,8 +47,9 @@ NAME_SUFFIX_BACKEND = {
 
 def backend_named_by(stem: str) -> NamedBackend:
     """The kernel a config file's stem names by its suffix; both fields None when it names none."""
-    return next((b for suffix, b in NAME_SUFFIX_BACKEND.items() if stem.endswith(suffix)),
-                NamedBackend(None, None))
+    return next(
+        (b for suffix, b in NAME_SUFFIX_BACKEND.items() if stem.endswith(suffix)), NamedBackend(None, None)
+    )
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,9 @@ def _shell_splittable(v: str) -> str | None:
         return f"is not a valid shell-quoted argument string ({exc})"
     for word in words:
         if word.split("=", 1)[0] in RESERVED_SERVER_FLAGS:
-            return f"sets {word.split('=', 1)[0]}, which moe-eval sets itself (use model_name, --port or seed)"
+            return (
+                f"sets {word.split('=', 1)[0]}, which moe-eval sets itself (use model_name, --port or seed)"
+            )
     return None
 
 
@@ -110,14 +113,21 @@ NUMBER = (int, float)
 CONFIG_KEYS: dict[str, KeySpec] = {
     # --- vLLM's GSM8K harness keys ---
     "model_name": KeySpec((str,), doc="hub id, local checkpoint dir, or builtin:<name> (built on first use)"),
-    "accuracy_threshold": KeySpec(NUMBER, None, _between(0.0, 1.0),
-                                  "expected strict-match accuracy (required unless random_weights)"),
+    "accuracy_threshold": KeySpec(
+        NUMBER, None, _between(0.0, 1.0), "expected strict-match accuracy (required unless random_weights)"
+    ),
     "num_questions": KeySpec((int,), check=_between(1, GSM8K_TEST_QUESTIONS), doc="GSM8K test questions"),
     "num_fewshot": KeySpec((int,), check=_between(0, 20), doc="few-shot examples from the train split"),
-    "server_args": KeySpec((str,), "", _shell_splittable, "extra `vllm serve` arguments, shell-split",
-                           normalize=_single_spaced),
-    "env": KeySpec((dict,), {}, _str_to_str, "environment for the server only, merged over os.environ",
-                   normalize=_str_values),
+    "server_args": KeySpec(
+        (str,), "", _shell_splittable, "extra `vllm serve` arguments, shell-split", normalize=_single_spaced
+    ),
+    "env": KeySpec(
+        (dict,),
+        {},
+        _str_to_str,
+        "environment for the server only, merged over os.environ",
+        normalize=_str_values,
+    ),
     "tolerance": KeySpec(NUMBER, 0.08, _between(0.0, 1.0), "pass iff accuracy >= threshold - tolerance"),
     "startup_max_wait_seconds": KeySpec(NUMBER, 1200, _positive, "server must be ready within this"),
     "max_tokens": KeySpec((int,), 256, _positive, "generation limit per answer"),
@@ -128,54 +138,115 @@ CONFIG_KEYS: dict[str, KeySpec] = {
     # --- moe-eval keys ---
     "moe_backend": KeySpec((str,), None, _one_of(MOE_BACKENDS), "bundled MoE kernel the server must use"),
     "task": KeySpec((str,), "gsm8k", _one_of(TASKS), "gsm8k, or canary (the canary model's generated task)"),
-    "max_retries": KeySpec((int,), 3, _non_negative, "retries of a failed request before the run is an infra error"),
+    "max_retries": KeySpec(
+        (int,), 3, _non_negative, "retries of a failed request before the run is an infra error"
+    ),
     "stderr_gate_k": KeySpec(NUMBER, None, _non_negative, "also require accuracy >= threshold - k * stderr"),
-    "paired_alpha": KeySpec(NUMBER, 0.05, _between(1e-9, 0.5), "paired gate: fail when McNemar p(worse) < this"),
+    "paired_alpha": KeySpec(
+        NUMBER, 0.05, _between(1e-9, 0.5), "paired gate: fail when McNemar p(worse) < this"
+    ),
     "max_empty_rate": KeySpec(NUMBER, None, _between(0.0, 1.0), "fail when more answers than this are empty"),
-    "max_truncated_rate": KeySpec(NUMBER, None, _between(0.0, 1.0),
-                                  "fail when more answers than this hit max_tokens"),
-    "max_invalid_rate": KeySpec(NUMBER, None, _between(0.0, 1.0),
-                                "fail when more answers than this hold no number at all"),
+    "max_truncated_rate": KeySpec(
+        NUMBER, None, _between(0.0, 1.0), "fail when more answers than this hit max_tokens"
+    ),
+    "max_invalid_rate": KeySpec(
+        NUMBER, None, _between(0.0, 1.0), "fail when more answers than this hold no number at all"
+    ),
     # --- the log-probability divergence gate (moe_eval.logprobs; docs/logprob-gate.md) ---
-    "logprob_texts": KeySpec((int,), 64, _between(0, GSM8K_TEST_QUESTIONS),
-                             "texts scored for log-probabilities after the evaluation (few-shot block + the "
-                             "reference answer of the first N questions); 0: none"),
-    "baseline_config": KeySpec((str,), None, None, "a config (path relative to this file) run first in the same run; "
-                               "its answers and log-probabilities are this config's baseline"),
-    "max_logprob_mean_abs_diff": KeySpec(NUMBER, None, _non_negative,
-                                         "with a baseline: fail when the mean |Δ log p| of the reference tokens "
-                                         "is above this (unset: the default for the kind of baseline)"),
-    "max_logprob_p99_abs_diff": KeySpec(NUMBER, None, _non_negative,
-                                        "with a baseline: fail when the 99th percentile of |Δ log p| is above this"),
-    "max_top1_flip_rate": KeySpec(NUMBER, None, _between(0.0, 1.0),
-                                  "with a baseline: fail when more positions than this change their top-1 token "
-                                  "(unset: the default for the kind of baseline)"),
-    "max_logprob_kl": KeySpec(NUMBER, None, _non_negative,
-                              "with a baseline: fail when the mean KL over the shared top-k is above this"),
+    "logprob_texts": KeySpec(
+        (int,),
+        64,
+        _between(0, GSM8K_TEST_QUESTIONS),
+        "texts scored for log-probabilities after the evaluation (few-shot block + the "
+        "reference answer of the first N questions); 0: none",
+    ),
+    "baseline_config": KeySpec(
+        (str,),
+        None,
+        None,
+        "a config (path relative to this file) run first in the same run; "
+        "its answers and log-probabilities are this config's baseline",
+    ),
+    "max_logprob_mean_abs_diff": KeySpec(
+        NUMBER,
+        None,
+        _non_negative,
+        "with a baseline: fail when the mean |Δ log p| of the reference tokens "
+        "is above this (unset: the default for the kind of baseline)",
+    ),
+    "max_logprob_p99_abs_diff": KeySpec(
+        NUMBER,
+        None,
+        _non_negative,
+        "with a baseline: fail when the 99th percentile of |Δ log p| is above this",
+    ),
+    "max_top1_flip_rate": KeySpec(
+        NUMBER,
+        None,
+        _between(0.0, 1.0),
+        "with a baseline: fail when more positions than this change their top-1 token "
+        "(unset: the default for the kind of baseline)",
+    ),
+    "max_logprob_kl": KeySpec(
+        NUMBER,
+        None,
+        _non_negative,
+        "with a baseline: fail when the mean KL over the shared top-k is above this",
+    ),
     # --- the golden gate (moe_eval.golden, moe_eval.golden_gate; docs/logprob-gate.md) ---
-    "golden": KeySpec((bool,), True, None,
-                      "a bundled-kernel config with a baseline and logprob_texts > 0: compare its error against an "
-                      "exact golden reference with the incumbent's (the baseline's); false: off"),
-    "golden_margin": KeySpec(NUMBER, 0.10, _between(0.0, 10.0),
-                             "golden gate: fail when error / incumbent's error > 1 + this and the paired test agrees"),
-    "golden_alpha": KeySpec(NUMBER, 0.01, _between(1e-9, 0.5),
-                            "golden gate: the one-sided paired t-test's significance level"),
-    "golden_server_args": KeySpec((str,), None, _shell_splittable,
-                                  "server arguments of the golden (default: server_args without its parallel "
-                                  "flags, TP=1); e.g. --pipeline-parallel-size 2 where one GPU cannot hold the model",
-                                  normalize=_single_spaced),
-    "decode_texts": KeySpec((int,), 8, _between(0, GSM8K_TEST_QUESTIONS),
-                            "prompts whose greedy continuation is compared with the golden's (the decode path); 0: none"),
+    "golden": KeySpec(
+        (bool,),
+        True,
+        None,
+        "a bundled-kernel config with a baseline and logprob_texts > 0: compare its error against an "
+        "exact golden reference with the incumbent's (the baseline's); false: off",
+    ),
+    "golden_margin": KeySpec(
+        NUMBER,
+        0.10,
+        _between(0.0, 10.0),
+        "golden gate: fail when error / incumbent's error > 1 + this and the paired test agrees",
+    ),
+    "golden_alpha": KeySpec(
+        NUMBER, 0.01, _between(1e-9, 0.5), "golden gate: the one-sided paired t-test's significance level"
+    ),
+    "golden_server_args": KeySpec(
+        (str,),
+        None,
+        _shell_splittable,
+        "server arguments of the golden (default: server_args without its parallel "
+        "flags, TP=1); e.g. --pipeline-parallel-size 2 where one GPU cannot hold the model",
+        normalize=_single_spaced,
+    ),
+    "decode_texts": KeySpec(
+        (int,),
+        8,
+        _between(0, GSM8K_TEST_QUESTIONS),
+        "prompts whose greedy continuation is compared with the golden's (the decode path); 0: none",
+    ),
     "decode_tokens": KeySpec((int,), 32, _between(1, 4096), "tokens generated per decode prompt"),
-    "random_weights": KeySpec((bool,), False, None,
-                              "the model's weights are random (a shape twin, models.py): its answers mean nothing, so "
-                              "no accuracy, paired or garbage gate; accuracy is reported as n/a"),
-    "max_jit_while_serving": KeySpec((int,), None, _non_negative,
-                                     "fail when more kernel compilations than this happen while serving "
-                                     "(vLLM's JIT monitor, GPU servers)"),
+    "random_weights": KeySpec(
+        (bool,),
+        False,
+        None,
+        "the model's weights are random (a shape twin, models.py): its answers mean nothing, so "
+        "no accuracy, paired or garbage gate; accuracy is reported as n/a",
+    ),
+    "max_jit_while_serving": KeySpec(
+        (int,),
+        None,
+        _non_negative,
+        "fail when more kernel compilations than this happen while serving (vLLM's JIT monitor, GPU servers)",
+    ),
 }
 
-_TYPE_NAMES = {bool: "true or false", str: "a string", int: "an integer", float: "a number", dict: "a mapping"}
+_TYPE_NAMES = {
+    bool: "true or false",
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    dict: "a mapping",
+}
 
 
 @dataclass(frozen=True)
@@ -220,7 +291,8 @@ class EvalConfig:
 
     @property
     def answers_gated(self) -> bool:
-        """The answers are gated (accuracy, paired McNemar, garbage): the model is trained, not a random twin."""
+        """The answers are gated (accuracy, paired McNemar, garbage): the model is trained, not a random
+        twin."""
         return not self.random_weights
 
     @property
@@ -275,7 +347,8 @@ def parse_config(path: Path, text: str) -> EvalConfig:
     unknown = sorted(set(map(str, data)) - set(CONFIG_KEYS))
     if unknown:
         raise ConfigError(
-            f"{path}: unknown key '{unknown[0]}' (value {data[unknown[0]]!r}); known keys: {', '.join(CONFIG_KEYS)}"
+            f"{path}: unknown key '{unknown[0]}' (value {data[unknown[0]]!r}); "
+            f"known keys: {', '.join(CONFIG_KEYS)}"
         )
     values: dict[str, Any] = {}
     for key, spec in CONFIG_KEYS.items():
@@ -287,18 +360,24 @@ def parse_config(path: Path, text: str) -> EvalConfig:
             continue
         values[key] = _check_value(path, key, data[key], spec)
     if values.get("random_weights") and "accuracy_threshold" in values:
-        raise ConfigError(f"{path}: key 'accuracy_threshold': value {values['accuracy_threshold']!r} cannot be met by "
-                          "a model with random weights (random_weights: true); leave it out")
+        raise ConfigError(
+            f"{path}: key 'accuracy_threshold': value {values['accuracy_threshold']!r} cannot be met by "
+            "a model with random weights (random_weights: true); leave it out"
+        )
     if not values.get("random_weights") and "accuracy_threshold" not in values:
         raise ConfigError(f"{path}: missing required key 'accuracy_threshold'")
     config = EvalConfig(path=path, sha256=hashlib.sha256(text.encode()).hexdigest(), **values)
     try:
-        _ = config.layout  # derived from server_args: an impossible layout is a config error now, not at launch
+        _ = (
+            config.layout
+        )  # derived from server_args: an impossible layout is a config error now, not at launch
     except ValueError as exc:
         raise ConfigError(f"{path}: key 'server_args': value {config.server_args!r}: {exc}") from None
     if config.golden_gated and config.logprob_texts < MIN_GOLDEN_TEXTS:
-        raise ConfigError(f"{path}: key 'logprob_texts': value {config.logprob_texts} is too few for the golden "
-                          f"gate's paired test (at least {MIN_GOLDEN_TEXTS}); raise it or set 'golden: false'")
+        raise ConfigError(
+            f"{path}: key 'logprob_texts': value {config.logprob_texts} is too few for the golden "
+            f"gate's paired test (at least {MIN_GOLDEN_TEXTS}); raise it or set 'golden: false'"
+        )
     return config
 
 

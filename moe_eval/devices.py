@@ -54,7 +54,9 @@ def _nvidia_smi(args: list[str]) -> list[str]:
     if shutil.which("nvidia-smi") is None:
         return []
     try:
-        out = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", *args], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
     except (subprocess.SubprocessError, OSError):
         return []
     return [line for line in out.splitlines() if line.strip()]

@@ -58,11 +58,23 @@ class GateResult:
         rule = f"threshold {self.threshold:.4f} - tolerance {self.tolerance:.4f}"
         if self.stderr_floor is not None:
             rule += f"; threshold - {self.stderr_k:g} x stderr = {self.stderr_floor:.4f}"
-        return (f"{verdict}: accuracy {self.accuracy:.4f} vs floor {self.floor:.4f} ({rule}); "
-                f"margin {self.margin:+.4f}, {sigma_text}")
+        return (
+            f"{verdict}: accuracy {self.accuracy:.4f} vs floor {self.floor:.4f} ({rule}); "
+            f"margin {self.margin:+.4f}, {sigma_text}"
+        )
 
     def as_dict(self) -> dict:
-        return {"metric": "exact_match,strict-match", "accuracy": self.accuracy, "stderr": self.stderr,
-                "threshold": self.threshold, "tolerance": self.tolerance, "tolerance_floor": self.tolerance_floor,
-                "stderr_k": self.stderr_k, "stderr_floor": self.stderr_floor, "floor": self.floor,
-                "margin": self.margin, "margin_in_stderr": self.margin_in_stderr, "passed": self.passed}
+        return {
+            "metric": "exact_match,strict-match",
+            "accuracy": self.accuracy,
+            "stderr": self.stderr,
+            "threshold": self.threshold,
+            "tolerance": self.tolerance,
+            "tolerance_floor": self.tolerance_floor,
+            "stderr_k": self.stderr_k,
+            "stderr_floor": self.stderr_floor,
+            "floor": self.floor,
+            "margin": self.margin,
+            "margin_in_stderr": self.margin_in_stderr,
+            "passed": self.passed,
+        }

@@ -68,10 +68,20 @@ class Gsm8kData:
             return {"source": "hub", "dataset": "openai/gsm8k (main)"}
         hashes = {name: _sha256(self.dir / name) for name in ORIGINAL_SHA256}
         if self.generated:
-            return {"source": "generated", "task": CANARY_TASK, "generator": "moe_eval.canary.task",
-                    "seed": SPLIT_SEED, "dir": str(self.dir), "sha256": hashes}
-        return {"source": "local", "dir": str(self.dir), "sha256": hashes,
-                "matches_original_release": hashes == ORIGINAL_SHA256}
+            return {
+                "source": "generated",
+                "task": CANARY_TASK,
+                "generator": "moe_eval.canary.task",
+                "seed": SPLIT_SEED,
+                "dir": str(self.dir),
+                "sha256": hashes,
+            }
+        return {
+            "source": "local",
+            "dir": str(self.dir),
+            "sha256": hashes,
+            "matches_original_release": hashes == ORIGINAL_SHA256,
+        }
 
 
 def canary_data() -> Gsm8kData:
@@ -90,15 +100,16 @@ def canary_data() -> Gsm8kData:
     return Gsm8kData(folder, generated=True, extra_stops=("\n\n",))
 
 
-
 def gsm8k_data(dir_option: str | None) -> Gsm8kData:
     if not dir_option:
         return Gsm8kData(None)
     path = Path(dir_option).expanduser().resolve()
     missing = [name for name in ORIGINAL_SHA256 if not (path / name).is_file()]
     if missing:
-        raise ConfigError(f"--gsm8k-dir: value '{dir_option}' lacks {', '.join(missing)} "
-                          "(a GSM8K folder holds train.jsonl and test.jsonl)")
+        raise ConfigError(
+            f"--gsm8k-dir: value '{dir_option}' lacks {', '.join(missing)} "
+            "(a GSM8K folder holds train.jsonl and test.jsonl)"
+        )
     return Gsm8kData(path)
 
 
@@ -106,8 +117,9 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def write_local_task(data_dir: Path, task_dir: Path, task_name: str = LOCAL_TASK,
-                     extra_stops: tuple[str, ...] = ()) -> Path:
+def write_local_task(
+    data_dir: Path, task_dir: Path, task_name: str = LOCAL_TASK, extra_stops: tuple[str, ...] = ()
+) -> Path:
     """lm-eval's gsm8k.yaml, unchanged except for its name, where its rows come from and any extra stops."""
     import lm_eval
 
@@ -117,8 +129,9 @@ def write_local_task(data_dir: Path, task_dir: Path, task_name: str = LOCAL_TASK
     task["task"] = task_name
     task["dataset_path"] = "json"
     task["dataset_name"] = None
-    task["dataset_kwargs"] = {"data_files": {"train": str(data_dir / "train.jsonl"),
-                                             "test": str(data_dir / "test.jsonl")}}
+    task["dataset_kwargs"] = {
+        "data_files": {"train": str(data_dir / "train.jsonl"), "test": str(data_dir / "test.jsonl")}
+    }
     if extra_stops:
         task["generation_kwargs"]["until"] = [*task["generation_kwargs"]["until"], *extra_stops]
     task_dir.mkdir(parents=True, exist_ok=True)
@@ -135,8 +148,14 @@ class Gsm8kOutcome:
     lm_eval_config: dict[str, Any]
 
 
-def run_gsm8k(config: EvalConfig, base_url: str, model: str, data: Gsm8kData, work_dir: Path,
-              listener: Callable[[str, str], None] | None = None) -> Gsm8kOutcome:
+def run_gsm8k(
+    config: EvalConfig,
+    base_url: str,
+    model: str,
+    data: Gsm8kData,
+    work_dir: Path,
+    listener: Callable[[str, str], None] | None = None,
+) -> Gsm8kOutcome:
     """lm-eval against the server; `listener(prompt, text)` hears every answer as it arrives."""
     if data.dir is not None:
         # Set before `datasets` is imported: without HF_DATASETS_OFFLINE it pings the hub.
@@ -149,8 +168,9 @@ def run_gsm8k(config: EvalConfig, base_url: str, model: str, data: Gsm8kData, wo
 
     include = None
     if data.dir is not None:
-        include = str(write_local_task(data.dir, work_dir / "lm_eval_tasks", data.task_name,
-                                       data.extra_stops).parent)
+        include = str(
+            write_local_task(data.dir, work_dir / "lm_eval_tasks", data.task_name, data.extra_stops).parent
+        )
     model_args = {
         "model": model,
         "base_url": f"{base_url}/v1/completions",
@@ -163,18 +183,29 @@ def run_gsm8k(config: EvalConfig, base_url: str, model: str, data: Gsm8kData, wo
         "max_gen_toks": config.max_tokens,
         "seed": config.seed,
     }
-    gen_kwargs = {"max_gen_toks": config.max_tokens, "temperature": config.temperature,
-                  "do_sample": config.temperature > 0}
+    gen_kwargs = {
+        "max_gen_toks": config.max_tokens,
+        "temperature": config.temperature,
+        "do_sample": config.temperature > 0,
+    }
     lm_eval_model.set_listener(listener)
     try:
         results = lm_eval.simple_evaluate(
-            model=lm_eval_model.MODEL_NAME, model_args=model_args, tasks=[data.task_name],
-            num_fewshot=config.num_fewshot, limit=config.num_questions, log_samples=True,
-            gen_kwargs=gen_kwargs, task_manager=TaskManager(include_path=include),
-            random_seed=config.seed, numpy_random_seed=config.seed, torch_random_seed=config.seed,
+            model=lm_eval_model.MODEL_NAME,
+            model_args=model_args,
+            tasks=[data.task_name],
+            num_fewshot=config.num_fewshot,
+            limit=config.num_questions,
+            log_samples=True,
+            gen_kwargs=gen_kwargs,
+            task_manager=TaskManager(include_path=include),
+            random_seed=config.seed,
+            numpy_random_seed=config.seed,
+            torch_random_seed=config.seed,
             # exact_match aggregates by mean, whose stderr lm-eval computes in closed form (no resampling)
             # whenever bootstrap_iters > 0; at 0 it reports no stderr at all.
-            fewshot_random_seed=config.seed, bootstrap_iters=1000,
+            fewshot_random_seed=config.seed,
+            bootstrap_iters=1000,
         )
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -189,15 +220,24 @@ def _outcome(results: dict, task: str, model_args: dict, gen_kwargs: dict) -> Gs
     metrics = results["results"][task]
     scores = {}
     for name in FILTERS:
-        scores[name] = {"accuracy": float(metrics[f"exact_match,{name}"]),
-                        "stderr": _float_or_nan(metrics.get(f"exact_match_stderr,{name}"))}
+        scores[name] = {
+            "accuracy": float(metrics[f"exact_match,{name}"]),
+            "stderr": _float_or_nan(metrics.get(f"exact_match_stderr,{name}")),
+        }
     samples = results.get("samples", {}).get(task, [])
     # lm-eval logs one sample per (question, filter); a question is one doc_id.
     questions = {s["doc_id"] for s in samples}
-    return Gsm8kOutcome(scores=scores, num_questions=len(questions), samples=samples,
-                        lm_eval_config={"model_args": dict(model_args),
-                                        "gen_kwargs": gen_kwargs, "task": task,
-                                        "n_samples": results.get("n-samples", {}).get(task)})
+    return Gsm8kOutcome(
+        scores=scores,
+        num_questions=len(questions),
+        samples=samples,
+        lm_eval_config={
+            "model_args": dict(model_args),
+            "gen_kwargs": gen_kwargs,
+            "task": task,
+            "n_samples": results.get("n-samples", {}).get(task),
+        },
+    )
 
 
 def _float_or_nan(value: Any) -> float:

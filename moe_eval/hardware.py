@@ -13,7 +13,10 @@ def gpu_names() -> list[str]:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30, check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
         ).stdout
     except (subprocess.SubprocessError, OSError):
         return []

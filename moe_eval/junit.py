@@ -33,26 +33,55 @@ def junit_xml(outcomes: list[ConfigOutcome], hw: str, gpus: list[str]) -> str:
     for o in outcomes:
         seconds = o.timings.get("total_seconds", 0.0)
         failures, errors = int(o.status == "failed"), int(o.status in ("error", "cancelled"))
-        suite = ET.SubElement(root, "testsuite", name=f"{o.config.path.parent.name}/{o.config.name}", tests="1",
-                              failures=str(failures), errors=str(errors), skipped="0", time=f"{seconds:.3f}",
-                              timestamp=stamp, hostname=host)
-        _properties(suite, {"config_path": o.config.path, "model": o.config.model_name,
-                            "layout": o.config.layout.describe(), "moe_backend_requested": o.config.moe_backend,
-                            "moe_backend_used": o.moe_backend_used, "hardware": hw, "gpus": ", ".join(gpus),
-                            "gate.detectable_drop_80": o.detectable_drop,
-                            **{f"divergence.{k}": (o.divergence or {}).get(k)
-                               for k in ("mean_abs_dlogp", "p99_abs_dlogp", "top1_flip_rate", "kl_topk", "comparison")},
-                            **{f"version.{k}": v for k, v in versions().items()}})
-        case = ET.SubElement(suite, "testcase", classname=f"moe-eval.{o.config.path.parent.name}",
-                             name=o.config.name, time=f"{seconds:.3f}")
+        suite = ET.SubElement(
+            root,
+            "testsuite",
+            name=f"{o.config.path.parent.name}/{o.config.name}",
+            tests="1",
+            failures=str(failures),
+            errors=str(errors),
+            skipped="0",
+            time=f"{seconds:.3f}",
+            timestamp=stamp,
+            hostname=host,
+        )
+        _properties(
+            suite,
+            {
+                "config_path": o.config.path,
+                "model": o.config.model_name,
+                "layout": o.config.layout.describe(),
+                "moe_backend_requested": o.config.moe_backend,
+                "moe_backend_used": o.moe_backend_used,
+                "hardware": hw,
+                "gpus": ", ".join(gpus),
+                "gate.detectable_drop_80": o.detectable_drop,
+                **{
+                    f"divergence.{k}": (o.divergence or {}).get(k)
+                    for k in ("mean_abs_dlogp", "p99_abs_dlogp", "top1_flip_rate", "kl_topk", "comparison")
+                },
+                **{f"version.{k}": v for k, v in versions().items()},
+            },
+        )
+        case = ET.SubElement(
+            suite,
+            "testcase",
+            classname=f"moe-eval.{o.config.path.parent.name}",
+            name=o.config.name,
+            time=f"{seconds:.3f}",
+        )
         if o.status in ("error", "cancelled"):
             kind = "Cancelled" if o.status == "cancelled" else "InfrastructureError"
             element = ET.SubElement(case, "error", type=kind, message=(o.error or "")[:500])
             element.text = f"{o.error}\n\n{log_tail(o.run_dir / 'server.log')}"
         elif o.status == "failed":
             failed = o.failed_checks
-            element = ET.SubElement(case, "failure", type=",".join(c.name for c in failed),
-                                    message="; ".join(c.detail for c in failed)[:500])
+            element = ET.SubElement(
+                case,
+                "failure",
+                type=",".join(c.name for c in failed),
+                message="; ".join(c.detail for c in failed)[:500],
+            )
             element.text = "\n".join(c.detail for c in o.checks)
         ET.SubElement(case, "system-out").text = "\n".join(c.detail for c in o.checks) or (o.error or "")
         totals["tests"] += 1

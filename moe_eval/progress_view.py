@@ -46,8 +46,13 @@ def describe(name: str, devices: list[int] | None, kind: str, status: Status | N
 class ProgressView:
     """What the scheduler calls: started / tick / finished / note; `close()` at the end."""
 
-    def __init__(self, total: int, device_kind: str, live: bool | None = None,
-                 echo: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        total: int,
+        device_kind: str,
+        live: bool | None = None,
+        echo: Callable[[str], None] | None = None,
+    ) -> None:
         self.total = total
         self.kind = device_kind
         self.live = sys.stderr.isatty() if live is None else live
@@ -76,8 +81,10 @@ class ProgressView:
     def started(self, planned, devices: list[int] | None, attempt: int) -> None:
         where = f" on {self.kind} {','.join(map(str, devices))}" if devices is not None else ""
         again = f" (attempt {attempt})" if attempt > 1 else ""
-        self._print(f"[{planned.index + 1}/{self.total}] {planned.config.path}{where}{again}: "
-                    f"{planned.config.layout.describe()}, {planned.config.num_questions} questions")
+        self._print(
+            f"[{planned.index + 1}/{self.total}] {planned.config.path}{where}{again}: "
+            f"{planned.config.layout.describe()}, {planned.config.num_questions} questions"
+        )
 
     def tick(self, running: list) -> None:
         now = time.time()
@@ -92,13 +99,19 @@ class ProgressView:
                 continue
             stage = status.stage
             last = self._last_plain.get(planned.index)
-            if last is None or last[0] != stage or (stage == "evaluating" and now - last[1] >= PLAIN_INTERVAL_SECONDS):
+            if (
+                last is None
+                or last[0] != stage
+                or (stage == "evaluating" and now - last[1] >= PLAIN_INTERVAL_SECONDS)
+            ):
                 self._last_plain[planned.index] = (stage, now)
                 self._print(line)
 
     def finished(self, planned, outcome) -> None:
         self.finished_count += 1
-        verdict = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "cancelled": "CANCELLED"}[outcome.status]
+        verdict = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "cancelled": "CANCELLED"}[
+            outcome.status
+        ]
         seconds = outcome.timings.get("total_seconds")
         took = f" in {seconds:.0f} s" if seconds is not None else ""
         self._print(f"[{planned.index + 1}/{self.total}] {planned.config.name}: {verdict}{took}")

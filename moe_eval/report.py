@@ -12,9 +12,23 @@ if TYPE_CHECKING:  # annotations only: `moe-eval compare` uses the table helpers
     from moe_eval.config import EvalConfig
     from moe_eval.runner import ConfigOutcome
 
-COLUMNS = ("Config", "Layout", "MoE backend", "Filter", "n-shot", "Metric", "Value", "", "Stderr", "Floor",
-           "Margin (stderr)", "Catches a drop of (80%)", "Δ log p vs baseline", "Error vs golden (incumbent)",
-           "Verdict")
+COLUMNS = (
+    "Config",
+    "Layout",
+    "MoE backend",
+    "Filter",
+    "n-shot",
+    "Metric",
+    "Value",
+    "",
+    "Stderr",
+    "Floor",
+    "Margin (stderr)",
+    "Catches a drop of (80%)",
+    "Δ log p vs baseline",
+    "Error vs golden (incumbent)",
+    "Verdict",
+)
 
 
 def _fmt(value: float | None, digits: int = 4) -> str:
@@ -48,12 +62,14 @@ def golden_cell(gate: dict | None) -> str:
         return f"{run:.4f} (no incumbent)" if run is not None else "-"
     incumbent = gate["incumbent"]["errors"]["mean_abs"]
     power = (gate.get("power") or {}).get("scale_error")
-    caught = ("; catches none <= 50%" if power is None else "" if power == 0.0 else f"; catches {power:.1%}")
+    caught = "; catches none <= 50%" if power is None else "" if power == 0.0 else f"; catches {power:.1%}"
     return f"{run:.4f} ({incumbent:.4f}) x{gate['ratio']:.2f} p={gate['p']:.2g}{caught}"
 
 
 def _floor(config: EvalConfig) -> str:
-    return _fmt(config.accuracy_threshold - config.tolerance) if config.accuracy_threshold is not None else "n/a"
+    return (
+        _fmt(config.accuracy_threshold - config.tolerance) if config.accuracy_threshold is not None else "n/a"
+    )
 
 
 def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
@@ -63,23 +79,52 @@ def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
         name = f"{cfg.path.parent.name}/{cfg.name}"
         backend = o.moe_backend_used or "n/a"
         if o.scores is None:  # an infrastructure error, or cancelled before the evaluation ended
-            table.append([name, cfg.layout.describe(), backend, "-", str(cfg.num_fewshot), "exact_match", "-", "",
-                          "-", _floor(cfg), "-", "-", "-", "-", o.status.upper()])
+            table.append(
+                [
+                    name,
+                    cfg.layout.describe(),
+                    backend,
+                    "-",
+                    str(cfg.num_fewshot),
+                    "exact_match",
+                    "-",
+                    "",
+                    "-",
+                    _floor(cfg),
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    o.status.upper(),
+                ]
+            )
             continue
         for i, (filt, score) in enumerate(o.scores.items()):
             gated = filt == "strict-match"
             sigma = o.gate.margin_in_stderr if gated and o.gate else None
             # A random-weights twin answers nothing: its accuracy is not a number to read (n/a), never 0.000.
-            value, stderr = ((_fmt(score["accuracy"]), _fmt(score["stderr"])) if cfg.answers_gated
-                             else ("n/a", "n/a"))
-            table.append([
-                name if i == 0 else "", cfg.layout.describe() if i == 0 else "", backend if i == 0 else "",
-                filt, str(cfg.num_fewshot), "exact_match", value, "±", stderr,
-                _fmt(o.gate.floor) if gated and o.gate else "", f"{sigma:+.1f}" if sigma is not None else "",
-                _fmt(o.detectable_drop, 3) if gated and o.detectable_drop is not None else "",
-                divergence_cell(o.divergence) if gated else "", golden_cell(o.golden_gate) if gated else "",
-                _verdict(o) if gated else "",
-            ])
+            value, stderr = (
+                (_fmt(score["accuracy"]), _fmt(score["stderr"])) if cfg.answers_gated else ("n/a", "n/a")
+            )
+            table.append(
+                [
+                    name if i == 0 else "",
+                    cfg.layout.describe() if i == 0 else "",
+                    backend if i == 0 else "",
+                    filt,
+                    str(cfg.num_fewshot),
+                    "exact_match",
+                    value,
+                    "±",
+                    stderr,
+                    _fmt(o.gate.floor) if gated and o.gate else "",
+                    f"{sigma:+.1f}" if sigma is not None else "",
+                    _fmt(o.detectable_drop, 3) if gated and o.detectable_drop is not None else "",
+                    divergence_cell(o.divergence) if gated else "",
+                    golden_cell(o.golden_gate) if gated else "",
+                    _verdict(o) if gated else "",
+                ]
+            )
     return table
 
 
@@ -91,8 +136,13 @@ def markdown_table(header: Sequence[str], body: Iterable[Sequence[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def rich_table(title: str, header: Sequence[str], body: Iterable[Sequence[str]], right: Collection[str] = (),
-               row_style: Callable[[Sequence[str]], str | None] = lambda _: None) -> Table:
+def rich_table(
+    title: str,
+    header: Sequence[str],
+    body: Iterable[Sequence[str]],
+    right: Collection[str] = (),
+    row_style: Callable[[Sequence[str]], str | None] = lambda _: None,
+) -> Table:
     """The same table for a terminal: columns named in `right` right-justified, rows styled by `row_style`."""
     from rich.table import Table
 
@@ -114,7 +164,11 @@ def print_table(outcomes: list[ConfigOutcome], rich_output: bool) -> None:
         return
     from rich.console import Console
 
-    table = rich_table("moe-eval GSM8K", COLUMNS, rows(outcomes),
-                       right=("Value", "Stderr", "Floor", "Margin (stderr)", "Catches a drop of (80%)"),
-                       row_style=lambda row: {"P": "green", "F": "red", "E": "yellow", "C": "yellow"}.get(row[-1][:1]))
+    table = rich_table(
+        "moe-eval GSM8K",
+        COLUMNS,
+        rows(outcomes),
+        right=("Value", "Stderr", "Floor", "Margin (stderr)", "Catches a drop of (80%)"),
+        row_style=lambda row: {"P": "green", "F": "red", "E": "yellow", "C": "yellow"}.get(row[-1][:1]),
+    )
     Console().print(table)

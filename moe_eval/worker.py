@@ -70,8 +70,14 @@ def run_job(job: Job) -> int:
     run_root = Path(job.run_root)
     run_dir = config_run_dir(run_root, config)
     references = reference_answers(task_data(config, data).test_rows())
-    status = StatusWriter(run_dir / STATUS_FILE, config=str(config.path), total=config.num_questions,
-                          devices=job.devices, attempt=job.attempt, references=references)
+    status = StatusWriter(
+        run_dir / STATUS_FILE,
+        config=str(config.path),
+        total=config.num_questions,
+        devices=job.devices,
+        attempt=job.attempt,
+        references=references,
+    )
     baselines, baseline_error = {}, None
     if job.baseline:
         baselines[config.path] = find_baseline(Path(job.baseline), config)
@@ -81,10 +87,14 @@ def run_job(job: Job) -> int:
             baseline_error = found
         else:
             baselines[config.path] = found
-    options = dataclasses.replace(_options(job, run_root, data), baselines=baselines, status=status,
-                                  baseline_error=baseline_error,
-                                  # vLLM's own kernel is never mutated: such configs are a mutation run's references
-                                  mutation=job.mutation if config.moe_backend is not None else None)
+    options = dataclasses.replace(
+        _options(job, run_root, data),
+        baselines=baselines,
+        status=status,
+        baseline_error=baseline_error,
+        # vLLM's own kernel is never mutated: such configs are a mutation run's references
+        mutation=job.mutation if config.moe_backend is not None else None,
+    )
     try:
         run_config(config, options)
     except KeyboardInterrupt:
@@ -109,7 +119,8 @@ def _baseline_config(config, job: Job, run_root: Path):
         return f"baseline_config {baseline.path} left no results ({results}); nothing to compare against"
     if record.get("status") not in ("passed", "failed"):
         why = (record.get("error") or {}).get("message", "")
-        return f"baseline_config {baseline.path} ended {record.get('status')} ({why}); nothing to compare against"
+        status = record.get("status")
+        return f"baseline_config {baseline.path} ended {status} ({why}); nothing to compare against"
     return load_baseline(results, f"{config.path}: baseline_config")
 
 
@@ -119,10 +130,18 @@ def _options(job: Job, run_root: Path, data: object):
     def progress(message: str) -> None:
         print(f"[moe-eval {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
-    return RunOptions(hw=job.hw, run_root=run_root, data=data, port=job.port, progress=progress,
-                      mutation=job.mutation, gpus=tuple(job.gpus),
-                      devices=tuple(job.devices) if job.devices is not None else None, attempt=job.attempt,
-                      golden_cache=Path(job.golden_cache) if job.golden_cache else None)
+    return RunOptions(
+        hw=job.hw,
+        run_root=run_root,
+        data=data,
+        port=job.port,
+        progress=progress,
+        mutation=job.mutation,
+        gpus=tuple(job.gpus),
+        devices=tuple(job.devices) if job.devices is not None else None,
+        attempt=job.attempt,
+        golden_cache=Path(job.golden_cache) if job.golden_cache else None,
+    )
 
 
 def main(argv: list[str]) -> int:

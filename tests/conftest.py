@@ -21,8 +21,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--runslow", action="store_true", default=False,
-                     help="also run the slow tier (tests marked slow; .ci/run runs it)")
+    parser.addoption(
+        "--runslow",
+        action="store_true",
+        default=False,
+        help="also run the slow tier (tests marked slow; .ci/run runs it)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -60,17 +64,31 @@ server_args: "--enforce-eager --max-model-len 4096"
 """
 
 
-def tiny_config(tmp_path: Path, name: str, *, threshold: float = 0.0, questions: int = 8, concurrency: int = 16,
-                extra: str = "") -> Path:
+def tiny_config(
+    tmp_path: Path,
+    name: str,
+    *,
+    threshold: float = 0.0,
+    questions: int = 8,
+    concurrency: int = 16,
+    extra: str = "",
+) -> Path:
     """A config of the random tiny MoE (accuracy 0: the model is not the point) in tmp_path/configs/cpu/."""
     path = tmp_path / "configs" / "cpu" / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(TINY_CONFIG.format(threshold=threshold, questions=questions, concurrency=concurrency) + extra)
+    path.write_text(
+        TINY_CONFIG.format(threshold=threshold, questions=questions, concurrency=concurrency) + extra
+    )
     return path
 
 
-def run_args(tmp_path: Path, gsm8k_dir: str | None, *configs: Path, extra: tuple[str, ...] = (),
-             out: Path | None = None) -> list[str]:
+def run_args(
+    tmp_path: Path,
+    gsm8k_dir: str | None,
+    *configs: Path,
+    extra: tuple[str, ...] = (),
+    out: Path | None = None,
+) -> list[str]:
     """`moe-eval run --hw cpu` of these configs into `out` (default tmp_path/out), offline when the GSM8K
     copy is there."""
     args = ["run", "--hw", "cpu", "--output-dir", str(out or tmp_path / "out"), *extra, *map(str, configs)]
@@ -84,12 +102,20 @@ class CliResult:
     stderr: str
 
 
-def run_cli(args: list[str], *, cwd: Path = REPO_ROOT, env: dict[str, str] | None = None,
-            timeout: float = 900) -> CliResult:
+def run_cli(
+    args: list[str], *, cwd: Path = REPO_ROOT, env: dict[str, str] | None = None, timeout: float = 900
+) -> CliResult:
     """The installed entry point, as a user runs it: a real process with a real exit code."""
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "moe_eval", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_eval", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -132,14 +158,28 @@ def _gsm8k_args(gsm8k_dir: str | None) -> list[str]:
 
 @pytest.fixture(scope="session")
 def embedded_default_run(tmp_path_factory, gsm8k_dir) -> SharedRun:
-    """The README's main job (`moe-eval run --hw cpu`), run once for the tests that read it (minutes on 2 cores),
+    """The README's main job (`moe-eval run --hw cpu`), run once for the tests that read it (minutes on 2
+    cores),
     from an empty golden cache (the run makes the golden itself), with JUnit and a GitHub step summary."""
     out = tmp_path_factory.mktemp("embedded-default")
     goldens = tmp_path_factory.mktemp("goldens")
     junit, summary = out.parent / "embedded-junit.xml", out.parent / "embedded-step-summary.md"
-    result = run_cli(["run", "--hw", "cpu", "--output-dir", str(out), "--golden-cache", str(goldens),
-                      "--junit", str(junit)] + _gsm8k_args(gsm8k_dir),
-                     env={"GITHUB_STEP_SUMMARY": str(summary)}, timeout=1500)
+    result = run_cli(
+        [
+            "run",
+            "--hw",
+            "cpu",
+            "--output-dir",
+            str(out),
+            "--golden-cache",
+            str(goldens),
+            "--junit",
+            str(junit),
+        ]
+        + _gsm8k_args(gsm8k_dir),
+        env={"GITHUB_STEP_SUMMARY": str(summary)},
+        timeout=1500,
+    )
     return SharedRun(result, out, goldens, junit, summary)
 
 
@@ -157,7 +197,23 @@ def subtle_mutation_run(embedded_default_run, tmp_path_factory, gsm8k_dir) -> Sh
     shutil.copytree(shared.folder, out / shared.folder.name)
     junit, summary = out.parent / "subtle-junit.xml", out.parent / "subtle-step-summary.md"
     config = REPO_ROOT / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml"
-    result = run_cli(["run", "--hw", "cpu", "--resume", str(out / shared.folder.name), "--golden-cache",
-                      str(shared.goldens), "--mutate", SUBTLE_MUTATION, "--junit", str(junit), str(config)]
-                     + _gsm8k_args(gsm8k_dir), env={"GITHUB_STEP_SUMMARY": str(summary)}, timeout=1200)
+    result = run_cli(
+        [
+            "run",
+            "--hw",
+            "cpu",
+            "--resume",
+            str(out / shared.folder.name),
+            "--golden-cache",
+            str(shared.goldens),
+            "--mutate",
+            SUBTLE_MUTATION,
+            "--junit",
+            str(junit),
+            str(config),
+        ]
+        + _gsm8k_args(gsm8k_dir),
+        env={"GITHUB_STEP_SUMMARY": str(summary)},
+        timeout=1200,
+    )
     return SharedRun(result, out, shared.goldens, junit, summary)

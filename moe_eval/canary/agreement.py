@@ -5,7 +5,8 @@ a bundled kernel (torch path, then Triton), greedily answers the same few-shot p
 reports each kernel's accuracy and how often the two kernels give the same final answer. Usage
 (on a GPU; the Triton kernel needs CUDA):
 
-    python -m moe_eval.canary.agreement --model moe_eval/canary/checkpoint --questions 300 --out agreement.json
+    python -m moe_eval.canary.agreement --model moe_eval/canary/checkpoint --questions 300 --out
+    agreement.json
 """
 
 from __future__ import annotations
@@ -26,13 +27,21 @@ ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")  # lm-eval gsm8k's strict-match pat
 
 
 def use_kernel(model: torch.nn.Module, kernel) -> int:
-    """Route every experts module (gate_up_proj [E, 2F, D] gate rows first, down_proj [E, D, F]) to `kernel`."""
+    """Route every experts module (gate_up_proj [E, 2F, D] gate rows first, down_proj [E, D, F]) to
+    `kernel`."""
     patched = 0
     for module in model.modules():
         if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+
             def forward(hidden, top_k_index, top_k_weights, _m=module):
-                return kernel(hidden.contiguous(), _m.gate_up_proj, _m.down_proj, top_k_weights.float().contiguous(),
-                              top_k_index.to(torch.int32).contiguous())
+                return kernel(
+                    hidden.contiguous(),
+                    _m.gate_up_proj,
+                    _m.down_proj,
+                    top_k_weights.float().contiguous(),
+                    top_k_index.to(torch.int32).contiguous(),
+                )
+
             module.forward = forward
             patched += 1
     return patched
@@ -42,9 +51,13 @@ def use_kernel(model: torch.nn.Module, kernel) -> int:
 def answers(model, tokenizer, prompts: list[str], max_new_tokens: int, batch: int) -> list[str]:
     out = []
     for i in range(0, len(prompts), batch):
-        enc = tokenizer(prompts[i:i + batch], return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        enc = tokenizer(
+            prompts[i : i + batch], return_tensors="pt", padding=True, add_special_tokens=False
+        ).to(model.device)
+        gen = model.generate(
+            **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+        texts = tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         for text in texts:
             text = text.split("Question:")[0]  # the server cuts here too (lm-eval's stop sequence)
             match = ANSWER.search(text)

@@ -22,10 +22,42 @@ SPLIT_SEED = 0
 N_TRAIN = 2000  # the few-shot pool
 N_TEST = GSM8K_TEST_QUESTIONS  # as many test questions as GSM8K's test split
 
-NAMES = ["Ava", "Ben", "Cara", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jill", "Kai", "Lena", "Milo", "Nora",
-         "Omar", "Pia", "Quinn", "Rosa", "Sam", "Tess"]
-THINGS = ["apples", "books", "coins", "eggs", "pens", "cards", "shells", "stamps", "beads", "cookies", "marbles",
-          "stickers"]
+NAMES = [
+    "Ava",
+    "Ben",
+    "Cara",
+    "Dan",
+    "Eli",
+    "Fay",
+    "Gus",
+    "Hana",
+    "Ivan",
+    "Jill",
+    "Kai",
+    "Lena",
+    "Milo",
+    "Nora",
+    "Omar",
+    "Pia",
+    "Quinn",
+    "Rosa",
+    "Sam",
+    "Tess",
+]
+THINGS = [
+    "apples",
+    "books",
+    "coins",
+    "eggs",
+    "pens",
+    "cards",
+    "shells",
+    "stamps",
+    "beads",
+    "cookies",
+    "marbles",
+    "stickers",
+]
 
 
 def _step(rng: random.Random, name: str, thing: str, have: int) -> tuple[str, str, int]:

@@ -65,7 +65,9 @@ def train_tokenizer(spec: CanarySpec, corpus: list[str]):
 def build_model(spec: CanarySpec, tokenizer):
     from transformers import Qwen3MoeForCausalLM
 
-    config = qwen3_moe_config(spec, tokenizer, "bfloat16", router_aux_loss_coef=0.01, output_router_logits=False)
+    config = qwen3_moe_config(
+        spec, tokenizer, "bfloat16", router_aux_loss_coef=0.01, output_router_logits=False
+    )
     return Qwen3MoeForCausalLM(config)
 
 
@@ -109,7 +111,7 @@ def greedy_accuracy(model, tokenizer, test: list[dict], shots: list[dict], devic
         p = tokenizer(context + prompt, add_special_tokens=False)["input_ids"]
         a = tokenizer(answer, add_special_tokens=False)["input_ids"]
         ids = torch.tensor([p + a], device=device)
-        logits = model(input_ids=ids).logits[0, len(p) - 1: -1]
+        logits = model(input_ids=ids).logits[0, len(p) - 1 : -1]
         right += int(torch.equal(logits.argmax(-1).cpu(), torch.tensor(a)))
     model.train()
     return right / min(limit, len(test))
@@ -125,10 +127,18 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--eval-questions", type=int, default=300)
-    parser.add_argument("--max-seconds", type=float, default=None, help="stop (and save) after this much training time")
-    parser.add_argument("--stop-after-step", type=int, default=None,
-                        help="stop (and save) after this step; the learning-rate schedule still spans --steps")
-    parser.add_argument("--stop-at", type=float, default=0.995, help="stop early once fp32 greedy accuracy reaches this")
+    parser.add_argument(
+        "--max-seconds", type=float, default=None, help="stop (and save) after this much training time"
+    )
+    parser.add_argument(
+        "--stop-after-step",
+        type=int,
+        default=None,
+        help="stop (and save) after this step; the learning-rate schedule still spans --steps",
+    )
+    parser.add_argument(
+        "--stop-at", type=float, default=0.995, help="stop early once fp32 greedy accuracy reaches this"
+    )
     args = parser.parse_args()
     spec = CanarySpec()
     torch.manual_seed(spec.seed)
@@ -139,15 +149,22 @@ def main() -> None:
     tokenizer = train_tokenizer(spec, corpus)
     model = build_model(spec, tokenizer).to(args.device)
     params = sum(p.numel() for p in model.parameters())
-    print(f"canary: {params / 1e6:.2f} M parameters, vocab {len(tokenizer)}, device {args.device}", flush=True)
+    print(
+        f"canary: {params / 1e6:.2f} M parameters, vocab {len(tokenizer)}, device {args.device}", flush=True
+    )
 
-    packer = Packer(tokenizer, seed=spec.seed + 1, seq_len=args.seq_len,
-                    exclude={t["question"] for t in test_items})
+    packer = Packer(
+        tokenizer, seed=spec.seed + 1, seq_len=args.seq_len, exclude={t["question"] for t in test_items}
+    )
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     warmup = max(args.steps // 20, 1)
     # Linear warm-up, then cosine decay to 5% of the peak.
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min((s + 1) / warmup, 0.05 + 0.95 * 0.5 * (
-        1 + math.cos(math.pi * min(s / args.steps, 1.0)))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim,
+        lambda s: min(
+            (s + 1) / warmup, 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(s / args.steps, 1.0)))
+        ),
+    )
     shots = train_items[:5]
     history = []
     for step in range(1, args.steps + 1):
@@ -155,8 +172,9 @@ def main() -> None:
         ids, mask = ids.to(args.device), mask.to(args.device)
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=args.device.startswith("cuda")):
             logits = model(input_ids=ids).logits.float()
-        loss_tok = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                     ids[:, 1:].reshape(-1), reduction="none")
+        loss_tok = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+        )
         m = mask[:, 1:].reshape(-1).float()
         loss = (loss_tok * m).sum() / m.sum()
         optim.zero_grad(set_to_none=True)
@@ -168,17 +186,32 @@ def main() -> None:
             print(f"step {step} loss {loss.item():.4f} {time.time() - started:.0f}s", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
             acc = greedy_accuracy(model, tokenizer, test_items, shots, args.device, args.eval_questions)
-            history.append({"step": step, "loss": loss.item(), "greedy_accuracy_fp32": acc,
-                            "seconds": time.time() - started})
-            print(f"step {step} greedy accuracy (fp32, {args.eval_questions} test questions): {acc:.3f}", flush=True)
+            history.append(
+                {
+                    "step": step,
+                    "loss": loss.item(),
+                    "greedy_accuracy_fp32": acc,
+                    "seconds": time.time() - started,
+                }
+            )
+            print(
+                f"step {step} greedy accuracy (fp32, {args.eval_questions} test questions): {acc:.3f}",
+                flush=True,
+            )
             if acc >= args.stop_at:
                 break
         out_of_time = args.max_seconds is not None and time.time() - started > args.max_seconds
         if out_of_time or step == args.stop_after_step:
             acc = greedy_accuracy(model, tokenizer, test_items, shots, args.device, args.eval_questions)
-            history.append({"step": step, "loss": loss.item(), "greedy_accuracy_fp32": acc,
-                            "seconds": time.time() - started,
-                            "stopped": "max_seconds" if out_of_time else "stop_after_step"})
+            history.append(
+                {
+                    "step": step,
+                    "loss": loss.item(),
+                    "greedy_accuracy_fp32": acc,
+                    "seconds": time.time() - started,
+                    "stopped": "max_seconds" if out_of_time else "stop_after_step",
+                }
+            )
             print(f"step {step}: stopped; greedy accuracy (fp32) {acc:.3f}", flush=True)
             break
 
@@ -188,10 +221,16 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out)
-    record = {"spec": asdict(spec), "args": {k: str(v) for k, v in vars(args).items()}, "parameters": params,
-              "history": history, "final_greedy_accuracy_bf16": acc_bf16, "seconds": time.time() - started,
-              "torch": torch.__version__, "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda")
-              else "cpu"}
+    record = {
+        "spec": asdict(spec),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "parameters": params,
+        "history": history,
+        "final_greedy_accuracy_bf16": acc_bf16,
+        "seconds": time.time() - started,
+        "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+    }
     (args.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
 
 

@@ -291,7 +291,15 @@ def _gemm1_silu_kernel(
         if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
             return
     slot, rows, expert = _block_slots(
-        pid_m, sorted_ids_ptr, expert_ids_ptr, topk_ids_ptr, expert_map_ptr, num_slots, NAIVE, HAS_EXPERT_MAP, BLOCK_M
+        pid_m,
+        sorted_ids_ptr,
+        expert_ids_ptr,
+        topk_ids_ptr,
+        expert_map_ptr,
+        num_slots,
+        NAIVE,
+        HAS_EXPERT_MAP,
+        BLOCK_M,
     )
     if expert < 0:  # naive only: the slot's expert lives on another rank
         return
@@ -472,7 +480,15 @@ def _gemm2_kernel(
         if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
             return
     slot, rows, expert = _block_slots(
-        pid_m, sorted_ids_ptr, expert_ids_ptr, topk_ids_ptr, expert_map_ptr, num_slots, NAIVE, HAS_EXPERT_MAP, BLOCK_M
+        pid_m,
+        sorted_ids_ptr,
+        expert_ids_ptr,
+        topk_ids_ptr,
+        expert_map_ptr,
+        num_slots,
+        NAIVE,
+        HAS_EXPERT_MAP,
+        BLOCK_M,
     )
     if expert < 0:  # naive only
         return

@@ -97,9 +97,15 @@ class CallCounter:
 
     def snapshot(self) -> dict[str, Any]:
         on_device = self.cells is not None
-        calls, tokens = (self.cells.tolist() if on_device else (self.python_calls, self.python_tokens))
-        record = {"backend": self.backend, "pid": os.getpid(), "calls": int(calls), "tokens": int(tokens),
-                  "python_calls": self.python_calls, "counted_on": "device" if on_device else "host"}
+        calls, tokens = self.cells.tolist() if on_device else (self.python_calls, self.python_tokens)
+        record = {
+            "backend": self.backend,
+            "pid": os.getpid(),
+            "calls": int(calls),
+            "tokens": int(tokens),
+            "python_calls": self.python_calls,
+            "counted_on": "device" if on_device else "host",
+        }
         if self.device_problem is not None:
             record["device_problem"] = self.device_problem
         return record

@@ -43,15 +43,19 @@ def expert_map(num_experts: int, world: int, rank: int, device: torch.device | s
     """int32 [E]: global id -> local slot on `rank`, -1 for experts held elsewhere."""
     held = local_experts(num_experts, world, rank)
     map_E = torch.full((num_experts,), -1, dtype=torch.int32, device=device)
-    map_E[held.start:held.stop] = torch.arange(len(held), dtype=torch.int32, device=device)
+    map_E[held.start : held.stop] = torch.arange(len(held), dtype=torch.int32, device=device)
     return map_E
 
 
-def shard_experts(w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, world: int,
-                  rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def shard_experts(
+    w13_EFD: torch.Tensor, w2_EDF: torch.Tensor, world: int, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     held = local_experts(w13_EFD.shape[0], world, rank)
-    return (w13_EFD[held.start:held.stop].contiguous(), w2_EDF[held.start:held.stop].contiguous(),
-            expert_map(w13_EFD.shape[0], world, rank, w13_EFD.device))
+    return (
+        w13_EFD[held.start : held.stop].contiguous(),
+        w2_EDF[held.start : held.stop].contiguous(),
+        expert_map(w13_EFD.shape[0], world, rank, w13_EFD.device),
+    )
 
 
 def _sum_across_ranks(partial_TD: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -61,12 +65,28 @@ def _sum_across_ranks(partial_TD: torch.Tensor, group: dist.ProcessGroup | None)
     return total
 
 
-def tep_moe(moe: MoeFn, hidden_TD: torch.Tensor, w13_eFD: torch.Tensor, w2_eDF: torch.Tensor,
-            topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor, expert_map_E: torch.Tensor, *,
-            group: dist.ProcessGroup | None = None, apply_router_weight_on_input: bool = False) -> torch.Tensor:
+def tep_moe(
+    moe: MoeFn,
+    hidden_TD: torch.Tensor,
+    w13_eFD: torch.Tensor,
+    w2_eDF: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    expert_map_E: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    apply_router_weight_on_input: bool = False,
+) -> torch.Tensor:
     """Same tokens on every rank; each computes its experts; partial outputs summed."""
-    partial_TD = moe(hidden_TD, w13_eFD, w2_eDF, topk_weights_TK, topk_ids_TK, expert_map_E=expert_map_E,
-                     apply_router_weight_on_input=apply_router_weight_on_input)
+    partial_TD = moe(
+        hidden_TD,
+        w13_eFD,
+        w2_eDF,
+        topk_weights_TK,
+        topk_ids_TK,
+        expert_map_E=expert_map_E,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+    )
     return _sum_across_ranks(partial_TD, group).to(hidden_TD.dtype)
 
 
@@ -80,10 +100,19 @@ def _all_gather_rows(rows: torch.Tensor, counts: list[int], group: dist.ProcessG
     return torch.cat([g[:n] for g, n in zip(gathered, counts)])
 
 
-def dep_moe(moe: MoeFn, hidden_TD: torch.Tensor, w13_eFD: torch.Tensor, w2_eDF: torch.Tensor,
-            topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor, expert_map_E: torch.Tensor, *,
-            group: dist.ProcessGroup | None = None, apply_router_weight_on_input: bool = False,
-            combine: str | None = None) -> torch.Tensor:
+def dep_moe(
+    moe: MoeFn,
+    hidden_TD: torch.Tensor,
+    w13_eFD: torch.Tensor,
+    w2_eDF: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    expert_map_E: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    apply_router_weight_on_input: bool = False,
+    combine: str | None = None,
+) -> torch.Tensor:
     """Own tokens per rank: all-gather tokens and routing, local experts over all, reduce-scatter back.
 
     combine: "reduce_scatter" or "all_reduce" (then keep own rows); default: all_reduce on gloo,
@@ -99,8 +128,15 @@ def dep_moe(moe: MoeFn, hidden_TD: torch.Tensor, w13_eFD: torch.Tensor, w2_eDF: 
     hidden_all = _all_gather_rows(hidden_TD.float(), counts, group).to(hidden_TD.dtype)
     weights_all = _all_gather_rows(topk_weights_TK.float(), counts, group)
     ids_all = _all_gather_rows(topk_ids_TK, counts, group).contiguous()
-    partial_all = moe(hidden_all, w13_eFD, w2_eDF, weights_all.contiguous(), ids_all, expert_map_E=expert_map_E,
-                      apply_router_weight_on_input=apply_router_weight_on_input)
+    partial_all = moe(
+        hidden_all,
+        w13_eFD,
+        w2_eDF,
+        weights_all.contiguous(),
+        ids_all,
+        expert_map_E=expert_map_E,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+    )
     start = sum(counts[:rank])
     if combine is None:
         combine = "all_reduce" if dist.get_backend(group) == "gloo" else "reduce_scatter"
@@ -108,11 +144,13 @@ def dep_moe(moe: MoeFn, hidden_TD: torch.Tensor, w13_eFD: torch.Tensor, w2_eDF: 
         raise ValueError(f"combine must be 'all_reduce' or 'reduce_scatter', got {combine!r}")
     if combine == "all_reduce":  # the same sum; each rank keeps its own rows
         total = _sum_across_ranks(partial_all, group)
-        return total[start:start + counts[rank]].to(hidden_TD.dtype)
+        return total[start : start + counts[rank]].to(hidden_TD.dtype)
     return _reduce_scatter_rows(partial_all, counts, group)[: counts[rank]].to(hidden_TD.dtype)
 
 
-def _reduce_scatter_rows(rows: torch.Tensor, counts: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
+def _reduce_scatter_rows(
+    rows: torch.Tensor, counts: list[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
     """Sum over ranks and hand rank r its counts[r] rows (the first rows of the result).
 
     Each rank's block is padded to the largest count, as the collective wants equal blocks; summed in

@@ -157,7 +157,9 @@ def _max_blocks(num_slots: int, num_local_experts: int, block_m: int) -> int:
     return triton.cdiv(num_slots + min(num_slots, num_local_experts) * (block_m - 1), block_m)
 
 
-def align_variant(num_slots: int, block_m: int, num_local_experts: int, naive: bool = False) -> AlignVariant | None:
+def align_variant(
+    num_slots: int, block_m: int, num_local_experts: int, naive: bool = False
+) -> AlignVariant | None:
     """None for no slots (nothing is launched). `naive`: the caller's `naive_qualifies` verdict."""
     if num_slots == 0:
         return None
@@ -167,13 +169,17 @@ def align_variant(num_slots: int, block_m: int, num_local_experts: int, naive: b
         slots = max(16, _next_pow2(num_slots))
         # Sized for the largest slot count of the power-of-two bucket, not this call's: one
         # compiled kernel per bucket (a larger NB_BLOCKS only widens a masked histogram).
-        return AlignVariant(True, slots=slots, nb_blocks=_next_pow2(_max_blocks(slots, num_local_experts, block_m) + 1))
+        return AlignVariant(
+            True, slots=slots, nb_blocks=_next_pow2(_max_blocks(slots, num_local_experts, block_m) + 1)
+        )
     num_chunks = triton.cdiv(num_slots, ALIGN_CHUNK)
     per_program = triton.cdiv(_max_blocks(num_slots, num_local_experts, block_m), num_chunks)
     return AlignVariant(False, blocks_per_program=max(16, _next_pow2(per_program)))
 
 
-def naive_alignment(topk_ids_TK: torch.Tensor, block_m: int, expert_map_E: torch.Tensor | None = None) -> MoeAlignment:
+def naive_alignment(
+    topk_ids_TK: torch.Tensor, block_m: int, expert_map_E: torch.Tensor | None = None
+) -> MoeAlignment:
     """One block per slot, nothing launched: the GEMMs read each slot's expert themselves."""
     assert topk_ids_TK.dtype == torch.int32 and topk_ids_TK.is_contiguous(), "topk_ids: contiguous int32"
     return MoeAlignment(
@@ -199,7 +205,9 @@ def moe_align_block_size(
     sorted_ids_P = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
     expert_ids_B = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_post_pad_1 = torch.empty(1, dtype=torch.int32, device=device)
-    align = MoeAlignment(sorted_ids_P, expert_ids_B, num_post_pad_1, block_m, num_slots, topk_ids_TK.shape[-1])
+    align = MoeAlignment(
+        sorted_ids_P, expert_ids_B, num_post_pad_1, block_m, num_slots, topk_ids_TK.shape[-1]
+    )
     variant = align_variant(num_slots, block_m, num_local_experts)
     if variant is None:
         num_post_pad_1.zero_()
@@ -281,7 +289,12 @@ def launch_plan(
     """
     if config is None:
         config = get_tile_config(
-            num_tokens=num_tokens, num_experts=num_local_experts, F=F, D=D, top_k=top_k, device_name=device_name
+            num_tokens=num_tokens,
+            num_experts=num_local_experts,
+            F=F,
+            D=D,
+            top_k=top_k,
+            device_name=device_name,
         )
     config = fit_shared_memory(config, itemsize)
     naive = config.naive and naive_qualifies(num_tokens, top_k, num_local_experts)
@@ -420,8 +433,17 @@ def launch_experts(
         # K == 1 writes the output directly, and tokens whose expert lives on another rank must
         # read as zero because GEMM2 never visits them (a folded GEMM2 writes every token).
         out_TD.zero_()
-    launch_gemm1(hidden_TD, w13_eFD, h_PF, topk_weights_TK, align, K, config.gemm1, apply_router_weight_on_input,
-                 precision)  # fmt: skip
+    launch_gemm1(
+        hidden_TD,
+        w13_eFD,
+        h_PF,
+        topk_weights_TK,
+        align,
+        K,
+        config.gemm1,
+        apply_router_weight_on_input,
+        precision,
+    )
     launch_gemm2(h_PF, w2_eDF, y_SD, topk_weights_TK, align, config.gemm2, not apply_router_weight_on_input,
                  precision, fold_k=plan.fold_k)  # fmt: skip
     if with_sum and y_SD is not out_TD:
@@ -509,7 +531,9 @@ def _launch_gemm2_tma(
     # Contract: TMA boxes need 16-byte strides and a contiguous inner dimension.
     assert not align.naive, "gemm2.tma runs aligned plans only (MoeTileConfig rejects naive + tma)"
     assert h_PF.is_contiguous() and w2_eDF.is_contiguous(), "tma: h and w2 contiguous"
-    assert (F * h_PF.element_size()) % 16 == 0, f"tma: F * itemsize = {F * h_PF.element_size()} bytes, not a multiple of 16"
+    assert (F * h_PF.element_size()) % 16 == 0, (
+        f"tma: F * itemsize = {F * h_PF.element_size()} bytes, not a multiple of 16"
+    )
     h_desc = TensorDescriptor(h_PF, list(h_PF.shape), [F, 1], [align.block_m, tile.block_k])
     w2_desc = TensorDescriptor(w2_eDF, [e, D, F], [D * F, F, 1], [1, tile.block_n, tile.block_k])
     num_pid_m = align.max_blocks

@@ -44,11 +44,13 @@ MUTATIONS = {
     "swap_gate_up": "w13's halves swapped: silu applied to the up projection, the gate used linearly",
     "ignore_routing_weights": "each expert's output added with weight 1 instead of its routing weight",
     "shift_expert_ids": "every token routed to the expert after the chosen one (id + 1 mod E)",
-    "ignore_expert_map": "EP only: global expert ids used as local slots (mod e); other ranks' experts not masked",
+    "ignore_expert_map": (
+        "EP only: global expert ids used as local slots (mod e); other ranks' experts not masked"
+    ),
     "scale_routing_weights": "routing weights multiplied by 0.98 (a renormalisation-style scale bug)",
     "bf16_down_accumulation": "the down projection's sum over F split in 4 chunks added in bf16, not fp32",
     "skip_tail_block": "the lowest-numbered expert with more than 16 tokens in a call loses its last "
-                       "(count mod 16): a kernel that drops a multi-block expert's final partial BLOCK_M block",
+    "(count mod 16): a kernel that drops a multi-block expert's final partial BLOCK_M block",
     "scale_one_expert": "global expert 0's output 5% short (one expert's weights loaded with a wrong scale)",
     "scale_one_expert_small": "global expert 0's output 2% short (scale_one_expert with a scale of 0.98)",
     "stale_gate_rows": "global expert 0's first F/8 gate rows are its local neighbour's (a stale tile)",
@@ -57,8 +59,14 @@ MUTATIONS = {
 # The mutations that leave the canary's answers right (accuracy >= 0.98 through vLLM) but move its
 # numbers: what only the log-probability gate sees (docs/logprob-gate.md has the measurements of the
 # first three; the last three are measured in-process only, see the module docstring).
-SUBTLE_MUTATIONS = ("scale_routing_weights", "bf16_down_accumulation", "scale_one_expert",
-                    "scale_one_expert_small", "stale_gate_rows", "routing_temperature_slip")
+SUBTLE_MUTATIONS = (
+    "scale_routing_weights",
+    "bf16_down_accumulation",
+    "scale_one_expert",
+    "scale_one_expert_small",
+    "stale_gate_rows",
+    "routing_temperature_slip",
+)
 # The weight mutations that change one expert: global expert TARGET_EXPERT, on the rank that holds it.
 ONE_EXPERT_MUTATIONS = ("scale_one_expert", "scale_one_expert_small", "stale_gate_rows")
 
@@ -79,11 +87,15 @@ def check_mutation(name: str, config: Any) -> None:
     if name not in MUTATIONS:
         raise ConfigError(f"--mutate: value '{name}' is not one of {', '.join(MUTATIONS)}")
     if config.moe_backend is None:
-        raise ConfigError(f"--mutate {name}: {config.path} runs vLLM's own MoE kernel (no moe_backend); "
-                          "mutations apply to the bundled kernels only")
+        raise ConfigError(
+            f"--mutate {name}: {config.path} runs vLLM's own MoE kernel (no moe_backend); "
+            "mutations apply to the bundled kernels only"
+        )
     if name == "ignore_expert_map" and not config.layout.expert_parallel:
-        raise ConfigError(f"--mutate {name}: {config.path} has layout {config.layout.describe()}, which has no "
-                          "expert map; use a TEP or DEP config")
+        raise ConfigError(
+            f"--mutate {name}: {config.path} has layout {config.layout.describe()}, which has no "
+            "expert map; use a TEP or DEP config"
+        )
 
 
 def target_slot(expert_map_E: Any) -> int | None:
@@ -176,7 +188,7 @@ def down_chunks(weights: Any) -> list[Any]:
             continue
         # Rows lo:hi of each half, halves kept in order: [gate; up] for triton/torch and [up; gate] for
         # flashinfer_cutlass both stay in their backend's layout (weights.backend is passed on).
-        w13_chunk = torch.cat([w13_eFD[:, lo:hi], w13_eFD[:, F + lo:F + hi]], dim=1)
+        w13_chunk = torch.cat([w13_eFD[:, lo:hi], w13_eFD[:, F + lo : F + hi]], dim=1)
         chunks.append(MoeWeights(weights.backend, w13_chunk, weights.w2_eDF[:, :, lo:hi].contiguous()))
     return chunks
 
@@ -197,13 +209,19 @@ def _chunked_bf16_sum(kernel: Any) -> Any:
     """
     import torch
 
-    def chunked(hidden_TD: torch.Tensor, weights: Any, topk_weights_TK: torch.Tensor,
-                topk_ids_TK: torch.Tensor, expert_map_E: torch.Tensor | None,
-                apply_router_weight_on_input: bool) -> torch.Tensor:
+    def chunked(
+        hidden_TD: torch.Tensor,
+        weights: Any,
+        topk_weights_TK: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        expert_map_E: torch.Tensor | None,
+        apply_router_weight_on_input: bool,
+    ) -> torch.Tensor:
         out_TD = None
         for chunk in down_chunks(weights):
-            part_TD = kernel(hidden_TD, chunk, topk_weights_TK, topk_ids_TK, expert_map_E,
-                             apply_router_weight_on_input).to(torch.bfloat16)
+            part_TD = kernel(
+                hidden_TD, chunk, topk_weights_TK, topk_ids_TK, expert_map_E, apply_router_weight_on_input
+            ).to(torch.bfloat16)
             out_TD = part_TD if out_TD is None else out_TD + part_TD  # bf16 + bf16: rounded at each add
         return out_TD.to(hidden_TD.dtype)
 
@@ -246,8 +264,9 @@ def tail_block_slots(topk_ids_TK: Any, expert_map_E: Any, num_local_experts: int
     return skip_S.reshape(topk_ids_TK.shape)
 
 
-def mutate_call(name: str | None, topk_weights_TK: Any, topk_ids_TK: Any, expert_map_E: Any,
-                num_local_experts: int) -> tuple[Any, Any, Any]:
+def mutate_call(
+    name: str | None, topk_weights_TK: Any, topk_ids_TK: Any, expert_map_E: Any, num_local_experts: int
+) -> tuple[Any, Any, Any]:
     """Applied on every call, to the routing vLLM hands apply()."""
     import torch
 

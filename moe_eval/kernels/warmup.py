@@ -32,12 +32,17 @@ class WarmupReport:
     seconds: float
 
     def as_dict(self) -> dict:
-        return {"variants": self.variants, "max_tokens": self.max_tokens, "seconds": round(self.seconds, 2),
-                "token_counts": list(self.token_counts)}
+        return {
+            "variants": self.variants,
+            "max_tokens": self.max_tokens,
+            "seconds": round(self.seconds, 2),
+            "token_counts": list(self.token_counts),
+        }
 
 
-def distinct_plans(max_tokens: int, num_local_experts: int, F: int, D: int, top_k: int,
-                   device_name: str, itemsize: int = 2) -> dict[LaunchPlan, int]:
+def distinct_plans(
+    max_tokens: int, num_local_experts: int, F: int, D: int, top_k: int, device_name: str, itemsize: int = 2
+) -> dict[LaunchPlan, int]:
     """Each plan a call of 1..max_tokens tokens can follow, with the smallest token count that follows it.
 
     Every token count is looked at (about 10 us each): plans change at power-of-two slot counts,
@@ -46,25 +51,43 @@ def distinct_plans(max_tokens: int, num_local_experts: int, F: int, D: int, top_
     """
     plans: dict[LaunchPlan, int] = {}
     for tokens in range(1, max_tokens + 1):
-        plans.setdefault(launch_plan(tokens, num_local_experts, F, D, top_k, device_name, itemsize=itemsize), tokens)
+        plans.setdefault(
+            launch_plan(tokens, num_local_experts, F, D, top_k, device_name, itemsize=itemsize), tokens
+        )
     return plans
 
 
-def precompile_fused_moe(w13_eFD: torch.Tensor, w2_eDF: torch.Tensor, *, top_k: int, num_experts: int,
-                         expert_map_E: torch.Tensor | None, apply_router_weight_on_input: bool,
-                         max_tokens: int) -> WarmupReport:
+def precompile_fused_moe(
+    w13_eFD: torch.Tensor,
+    w2_eDF: torch.Tensor,
+    *,
+    top_k: int,
+    num_experts: int,
+    expert_map_E: torch.Tensor | None,
+    apply_router_weight_on_input: bool,
+    max_tokens: int,
+) -> WarmupReport:
     """Run `fused_moe` once per distinct plan on random routing (the outputs are thrown away)."""
     started = time.monotonic()
     device = w13_eFD.device
     e, F2, D = w13_eFD.shape
-    plans = distinct_plans(max_tokens, e, F2 // 2, D, top_k, torch.cuda.get_device_name(device), w13_eFD.element_size())
+    plans = distinct_plans(
+        max_tokens, e, F2 // 2, D, top_k, torch.cuda.get_device_name(device), w13_eFD.element_size()
+    )
     generator = torch.Generator(device=device).manual_seed(0)
     for tokens in plans.values():
         hidden_TD = torch.randn(tokens, D, device=device, dtype=w13_eFD.dtype, generator=generator)
         scores_TE = torch.rand(tokens, num_experts, device=device, generator=generator)
         weights_TK, ids_TK = scores_TE.topk(top_k, dim=-1)
-        fused_moe(hidden_TD, w13_eFD, w2_eDF, weights_TK.contiguous(), ids_TK.to(torch.int32).contiguous(),
-                  expert_map_E=expert_map_E, apply_router_weight_on_input=apply_router_weight_on_input)
+        fused_moe(
+            hidden_TD,
+            w13_eFD,
+            w2_eDF,
+            weights_TK.contiguous(),
+            ids_TK.to(torch.int32).contiguous(),
+            expert_map_E=expert_map_E,
+            apply_router_weight_on_input=apply_router_weight_on_input,
+        )
     torch.cuda.synchronize(device)
     # The buffers of the largest calls would otherwise stay reserved by the caching allocator and
     # count against the KV cache in vLLM's memory profile.

@@ -45,7 +45,10 @@ class Handler(BaseHTTPRequestHandler):
             _served["completions"] += 1
             first = _served["completions"] == 1
         if first:  # the launcher's warm-up: answer properly so that the run reaches the evaluation
-            body = {"choices": [{"index": 0, "text": " 2", "finish_reason": "length"}], "model": request.get("model")}
+            body = {
+                "choices": [{"index": 0, "text": " 2", "finish_reason": "length"}],
+                "model": request.get("model"),
+            }
             self._reply(200, json.dumps(body).encode())
         elif MODE in ("hang", "stubborn"):
             print("fake-server: holding an evaluation request", flush=True)

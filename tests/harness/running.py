@@ -16,8 +16,14 @@ from tests.conftest import REPO_ROOT, processes_with_env
 
 
 def start_run(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "moe_eval", *args], cwd=REPO_ROOT, env={**os.environ, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "moe_eval", *args],
+        cwd=REPO_ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(condition: Callable[[], object], proc: subprocess.Popen, timeout: float, what: str) -> object:
@@ -37,17 +43,23 @@ def wait_for(condition: Callable[[], object], proc: subprocess.Popen, timeout: f
 
 def server_log(tmp_path: Path, name: str) -> Path | None:
     """The server log of config `name`'s current attempt, once it exists."""
-    logs = [p for p in (tmp_path / "out").rglob("server.log") if p.parent.name == name and "attempts" not in p.parts]
+    logs = [
+        p
+        for p in (tmp_path / "out").rglob("server.log")
+        if p.parent.name == name and "attempts" not in p.parts
+    ]
     return logs[0] if logs else None
 
 
 def evaluating(tmp_path: Path, name: str, requests: int = 4) -> Callable[[], Path | None]:
     """True once the config's server has answered `requests` evaluation requests (after the warm-up one)."""
+
     def check() -> Path | None:
         log = server_log(tmp_path, name)
         if log is not None and log.read_text(errors="replace").count("POST /v1/completions") >= requests + 1:
             return log
         return None
+
     return check
 
 

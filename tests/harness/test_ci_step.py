@@ -31,6 +31,7 @@ from tests.harness.running import (
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_cancel_during_evaluation_is_130_and_the_next_config_never_starts(tmp_path, gsm8k_dir, sig):
     """What Buildkite and GitHub Actions send on cancel (SIGTERM), and Ctrl-C: the same."""
@@ -77,14 +78,25 @@ def test_a_second_signal_during_teardown_kills_the_server_at_once(tmp_path, gsm8
     from moe_eval.launch import TEARDOWN_GRACE_SECONDS
 
     config = tiny_config(tmp_path, "Fake-stubborn", questions=2, extra="request_timeout_seconds: 300\n")
-    proc = start_run(run_args(tmp_path, gsm8k_dir, config),
-                  env={"MOE_EVAL_SERVER_MODULE": "tests.fakes.misbehaving_server", "FAKE_SERVER_MODE": "stubborn"})
+    proc = start_run(
+        run_args(tmp_path, gsm8k_dir, config),
+        env={"MOE_EVAL_SERVER_MODULE": "tests.fakes.misbehaving_server", "FAKE_SERVER_MODE": "stubborn"},
+    )
     try:
-        wait_for(lambda: (log := server_log(tmp_path, config.stem)) and "holding an evaluation request" in log.read_text(),
-              proc, 180, "the fake server held a request")
+        wait_for(
+            lambda: (
+                (log := server_log(tmp_path, config.stem))
+                and "holding an evaluation request" in log.read_text()
+            ),
+            proc,
+            180,
+            "the fake server held a request",
+        )
         proc.send_signal(signal.SIGTERM)
         time.sleep(2)  # the teardown has begun; the server ignores its SIGTERM
-        assert proc.poll() is None, "moe-eval ended before the grace period although the server ignored SIGTERM"
+        assert proc.poll() is None, (
+            "moe-eval ended before the grace period although the server ignored SIGTERM"
+        )
         second = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
@@ -121,7 +133,9 @@ def test_retry_after_the_server_was_killed_mid_evaluation_passes(tmp_path, gsm8k
     config = tiny_config(tmp_path, "Tiny-BF16-retried", questions=30, concurrency=1)
     proc = start_run(run_args(tmp_path, gsm8k_dir, config, extra=("--retries", "1")))
     try:
-        log = wait_for(evaluating(tmp_path, config.stem), proc, 300, "the first attempt's evaluation was under way")
+        log = wait_for(
+            evaluating(tmp_path, config.stem), proc, 300, "the first attempt's evaluation was under way"
+        )
         api_pid = int(re.search(r"\(APIServer pid=(\d+)\)", log.read_text()).group(1))
         os.killpg(os.getpgid(api_pid), signal.SIGKILL)  # the whole server, as a crash or an OOM kill would
         _, stderr = proc.communicate(timeout=600)
@@ -131,9 +145,13 @@ def test_retry_after_the_server_was_killed_mid_evaluation_passes(tmp_path, gsm8k
     assert proc.returncode == 0, stderr[-3000:]
     record = result_record(tmp_path, config.stem)
     assert record["status"] == "passed" and record["attempt"] == 2
-    assert [a["status"] for a in record["attempts"]] == ["error"] and "exited with code -9" in record["attempts"][0]["error"]
+    assert [a["status"] for a in record["attempts"]] == ["error"] and "exited with code -9" in record[
+        "attempts"
+    ][0]["error"]
     first = Path(record["server"]["log"]).parent / record["attempts"][0]["folder"]
-    assert (first / "server.log").exists() and json.loads((first / "results.json").read_text())["status"] == "error"
+    assert (first / "server.log").exists() and json.loads((first / "results.json").read_text())[
+        "status"
+    ] == "error"
     assert "retrying with a fresh server" in stderr
     assert not left_running(tmp_path), left_running(tmp_path)
 
@@ -162,6 +180,8 @@ def test_resume_after_an_interrupted_run_finishes_only_the_rest(tmp_path, gsm8k_
     summary = json.loads((interrupted / "summary.json").read_text())
     assert [(c["status"], c["resumed"]) for c in summary["configs"]] == [("passed", True), ("passed", False)]
     assert summary["complete"] is True
-    assert (interrupted / "cpu" / rest.stem / "attempts" / "1" / "server.log").exists()  # the cancelled attempt, kept
+    assert (
+        interrupted / "cpu" / rest.stem / "attempts" / "1" / "server.log"
+    ).exists()  # the cancelled attempt, kept
     assert "1 kept from the earlier run" in stderr
     assert not left_running(tmp_path), left_running(tmp_path)

@@ -42,7 +42,9 @@ def test_list_b200_shows_exactly_the_b200_configs_with_layouts(repo_root):
     assert result.returncode == 0, result.stderr
     rows = [line.split("\t") for line in result.stdout.splitlines()[2:]]
     listed = {(r[0], r[2], r[3], r[-1]) for r in rows}
-    golden = "accuracy,paired,divergence,golden,kernel_calls"  # every bundled row: golden gate vs its incumbent
+    golden = (
+        "accuracy,paired,divergence,golden,kernel_calls"  # every bundled row: golden gate vs its incumbent
+    )
     assert listed == {
         ("moe-refactor/Llama-4-Scout-BF16-vllm-tp2.yaml", "TP (TP2)", "2", "accuracy"),
         ("moe-refactor/Llama-4-Scout-BF16-triton.yaml", "TP (TP2)", "2", golden),
@@ -59,14 +61,17 @@ def test_h100_and_b200_lists_split_the_seed_configs(repo_root):
     b200 = set(read_list(repo_root / "config-b200.txt"))
     h100 = set(read_list(repo_root / "config-h100.txt"))
     seeds = set((repo_root / "configs" / "moe-refactor").glob("*.yaml")) | set(
-        (repo_root / "configs" / "moe-refactor-dp-ep").glob("*.yaml"))
+        (repo_root / "configs" / "moe-refactor-dp-ep").glob("*.yaml")
+    )
     assert b200 | h100 == {p.resolve() for p in seeds} and not (b200 & h100)
     assert not any("Llama-4-Scout" in p.name for p in h100)  # ~108B params do not fit two H100s
 
 
 def test_list_shows_a_builtin_twin_for_each_shipped_gpu_config(repo_root):
-    """`moe-eval list --list config-gpu-twins.txt`: every config of the B200 and H100 lists has a twin row of the
-    same layout, backend and baseline layout, on a builtin: twin model, its answers not gated (accuracy n/a)."""
+    """`moe-eval list --list config-gpu-twins.txt`: every config of the B200 and H100 lists has a twin row of
+    the
+    same layout, backend and baseline layout, on a builtin: twin model, its answers not gated (accuracy
+    n/a)."""
     from moe_eval.selection import read_list
 
     result = run_cli(["list", "--hw", "b200", "--list", "config-gpu-twins.txt"], cwd=repo_root)
@@ -84,8 +89,11 @@ def test_list_shows_a_builtin_twin_for_each_shipped_gpu_config(repo_root):
             assert {"golden", "divergence", "jit", "kernel_calls"} <= set(gates) and "accuracy" not in gates
             assert twin[7].startswith(f"twins-{path.parent.name}/")
     # Left: one CUDA-graph pair per model (TP1, no --enforce-eager).
-    assert sorted(rows) == sorted(f"twins-cuda-graph/{m}-BF16-{b}.yaml" for m in
-                                  ("Qwen3-30B-A3B", "Mixtral-8x7B", "Llama-4-Scout") for b in ("vllm", "triton"))
+    assert sorted(rows) == sorted(
+        f"twins-cuda-graph/{m}-BF16-{b}.yaml"
+        for m in ("Qwen3-30B-A3B", "Mixtral-8x7B", "Llama-4-Scout")
+        for b in ("vllm", "triton")
+    )
     assert {r[2] for r in rows.values()} == {"TP (TP1)"}
 
 
@@ -133,7 +141,9 @@ def test_empty_shard_exits_5(tmp_path):
 def test_usage_errors_exit_4(tmp_path):
     assert run_cli(["run", "--hw", "a100"]).returncode == 4
     assert run_cli(["run", "--hw", "cpu", "--shard", "2/2"]).returncode == 4
-    assert run_cli(["run", "--hw", "cpu", "--gsm8k-dir", str(tmp_path), str(_config(tmp_path))]).returncode == 4
+    assert (
+        run_cli(["run", "--hw", "cpu", "--gsm8k-dir", str(tmp_path), str(_config(tmp_path))]).returncode == 4
+    )
 
 
 def test_dep_on_cpu_is_refused_before_launch(tmp_path):
@@ -166,7 +176,10 @@ def test_buildkite_parallel_job_selects_the_shard(repo_root):
     assert result.returncode == 0, result.stderr
     assert "(shard 1/2)" in result.stdout
     listed = [line.split("\t")[0] for line in result.stdout.splitlines()[2:]]
-    full = [line.split("\t")[0] for line in run_cli(["list", "--hw", "h100"], cwd=repo_root).stdout.splitlines()[2:]]
+    full = [
+        line.split("\t")[0]
+        for line in run_cli(["list", "--hw", "h100"], cwd=repo_root).stdout.splitlines()[2:]
+    ]
     # Each incumbent travels with the bundled rows that compare with it: groups of two, every other group.
     assert listed == full[2:4] + full[6:8] and all("-vllm-" in name for name in listed[::2])
     half = run_cli(["list", "--hw", "h100"], cwd=repo_root, env={"BUILDKITE_PARALLEL_JOB": "1"})
@@ -180,7 +193,10 @@ def test_jobs_and_list_options_are_checked(tmp_path, repo_root):
     both = run_cli(["run", "--hw", "cpu", "--list", str(repo_root / "config-cpu.txt"), str(config)])
     assert both.returncode == 4 and "given together with config files" in both.stderr
     listed = run_cli(["list", "--hw", "h200", "--list", "config-gpu-canary.txt"], cwd=repo_root)
-    assert listed.returncode == 0 and sum(line.startswith("canary-gpu-") for line in listed.stdout.splitlines()) == 7
+    assert (
+        listed.returncode == 0
+        and sum(line.startswith("canary-gpu-") for line in listed.stdout.splitlines()) == 7
+    )
 
 
 def test_a_config_too_large_for_the_free_devices_is_refused_before_launch(tmp_path):

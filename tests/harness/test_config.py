@@ -14,7 +14,13 @@ MINIMAL = "model_name: m\naccuracy_threshold: 0.5\nnum_questions: 10\nnum_fewsho
 
 def test_minimal_config_gets_vllm_defaults():
     c = parse_config(P, MINIMAL)
-    assert (c.tolerance, c.startup_max_wait_seconds, c.max_tokens, c.temperature, c.seed) == (0.08, 1200, 256, 0.0, 42)
+    assert (c.tolerance, c.startup_max_wait_seconds, c.max_tokens, c.temperature, c.seed) == (
+        0.08,
+        1200,
+        256,
+        0.0,
+        42,
+    )
     assert c.request_timeout_seconds == 600 and c.moe_backend is None and c.server_args == "" and c.env == {}
     assert c.name == "Model-BF16-triton"
     assert set(c.resolved()) == set(CONFIG_KEYS)
@@ -22,25 +28,30 @@ def test_minimal_config_gets_vllm_defaults():
 
 def test_vllm_harness_yaml_runs_unchanged():
     # The shape of vLLM's own tests/evals/gsm8k configs, folded server_args included.
-    text = ('model_name: "Qwen/Qwen3-30B-A3B"\naccuracy_threshold: 0.88\nnum_questions: 1319\nnum_fewshot: 5\n'
-            'server_args: >-\n  --enforce-eager\n  --max-model-len 8192\n  --tensor-parallel-size 2\n'
-            'env:\n  VLLM_USE_DEEP_GEMM: "0"\n  SOME_INT: 1\n')
+    text = (
+        'model_name: "Qwen/Qwen3-30B-A3B"\naccuracy_threshold: 0.88\nnum_questions: 1319\nnum_fewshot: 5\n'
+        "server_args: >-\n  --enforce-eager\n  --max-model-len 8192\n  --tensor-parallel-size 2\n"
+        'env:\n  VLLM_USE_DEEP_GEMM: "0"\n  SOME_INT: 1\n'
+    )
     c = parse_config(P, text)
     assert c.server_argv == ["--enforce-eager", "--max-model-len", "8192", "--tensor-parallel-size", "2"]
     assert c.env == {"VLLM_USE_DEEP_GEMM": "0", "SOME_INT": "1"}
     assert c.layout.kind is LayoutKind.TP and c.layout.world_size == 2
 
 
-@pytest.mark.parametrize("extra, key, value_text", [
-    ("bogus_key: 3\n", "bogus_key", "3"),  # unknown keys are errors, never ignored
-    ("tolerance: high\n", "tolerance", "'high'"),  # wrong type
-    ("max_tokens: true\n", "max_tokens", "True"),  # YAML bool is not an integer
-    ("moe_backend: cuda_magic\n", "moe_backend", "'cuda_magic'"),  # not a bundled backend
-    ("env: [a, b]\n", "env", "['a', 'b']"),  # env must be a mapping
-    ("server_args: \"--x 'unterminated\"\n", "server_args", "--x 'unterminated"),  # not shell-splittable
-    ("server_args: --tensor-parallel-size zero\n", "server_args", "zero"),  # layout cannot be derived
-    ("server_args: --port=9000\n", "server_args", "--port=9000"),  # moe-eval picks the port itself
-])
+@pytest.mark.parametrize(
+    "extra, key, value_text",
+    [
+        ("bogus_key: 3\n", "bogus_key", "3"),  # unknown keys are errors, never ignored
+        ("tolerance: high\n", "tolerance", "'high'"),  # wrong type
+        ("max_tokens: true\n", "max_tokens", "True"),  # YAML bool is not an integer
+        ("moe_backend: cuda_magic\n", "moe_backend", "'cuda_magic'"),  # not a bundled backend
+        ("env: [a, b]\n", "env", "['a', 'b']"),  # env must be a mapping
+        ('server_args: "--x \'unterminated"\n', "server_args", "--x 'unterminated"),  # not shell-splittable
+        ("server_args: --tensor-parallel-size zero\n", "server_args", "zero"),  # layout cannot be derived
+        ("server_args: --port=9000\n", "server_args", "--port=9000"),  # moe-eval picks the port itself
+    ],
+)
 def test_bad_values_name_file_key_and_value(extra, key, value_text):
     with pytest.raises(ConfigError) as err:
         parse_config(P, MINIMAL + extra)
@@ -49,12 +60,21 @@ def test_bad_values_name_file_key_and_value(extra, key, value_text):
     assert err.value.exit_code == ExitCode.CONFIG
 
 
-@pytest.mark.parametrize("key, value", [
-    ("accuracy_threshold", "1.5"), ("accuracy_threshold", "-0.1"), ("num_questions", "0"),
-    ("num_questions", "1320"), ("num_fewshot", "-1"), ("startup_max_wait_seconds", "0"),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("accuracy_threshold", "1.5"),
+        ("accuracy_threshold", "-0.1"),
+        ("num_questions", "0"),
+        ("num_questions", "1320"),
+        ("num_fewshot", "-1"),
+        ("startup_max_wait_seconds", "0"),
+    ],
+)
 def test_out_of_range_values_are_errors(key, value):
-    text = "\n".join(line for line in MINIMAL.splitlines() if not line.startswith(key)) + f"\n{key}: {value}\n"
+    text = (
+        "\n".join(line for line in MINIMAL.splitlines() if not line.startswith(key)) + f"\n{key}: {value}\n"
+    )
     with pytest.raises(ConfigError, match=f"'{key}'.*{value}.*between|'{key}'.*{value}.*> 0"):
         parse_config(P, text)
 
@@ -83,30 +103,64 @@ def test_sha256_tracks_content():
 def test_seed_configs_match_the_issue(repo_root):
     expected = {
         "moe-refactor/Qwen3-30B-A3B-BF16-triton.yaml": ("Qwen/Qwen3-30B-A3B", 0.88, LayoutKind.TP, "triton"),
-        "moe-refactor/Qwen3-30B-A3B-BF16-fi-cutlass.yaml": ("Qwen/Qwen3-30B-A3B", 0.88, LayoutKind.TEP,
-                                                            "flashinfer_cutlass"),
-        "moe-refactor/Mixtral-8x7B-BF16-triton.yaml": ("mistralai/Mixtral-8x7B-v0.1", 0.58, LayoutKind.TP, "triton"),
-        "moe-refactor/Mixtral-8x7B-BF16-fi-cutlass.yaml": ("mistralai/Mixtral-8x7B-v0.1", 0.58, LayoutKind.TEP,
-                                                           "flashinfer_cutlass"),
-        "moe-refactor/Llama-4-Scout-BF16-triton.yaml": ("meta-llama/Llama-4-Scout-17B-16E-Instruct", 0.92,
-                                                        LayoutKind.TP, "triton"),
-        "moe-refactor/Llama-4-Scout-BF16-fi-cutlass.yaml": ("meta-llama/Llama-4-Scout-17B-16E-Instruct", 0.92,
-                                                            LayoutKind.TEP, "flashinfer_cutlass"),
-        "moe-refactor-dp-ep/Qwen3-30B-A3B-BF16-triton.yaml": ("Qwen/Qwen3-30B-A3B", 0.88, LayoutKind.DEP, "triton"),
+        "moe-refactor/Qwen3-30B-A3B-BF16-fi-cutlass.yaml": (
+            "Qwen/Qwen3-30B-A3B",
+            0.88,
+            LayoutKind.TEP,
+            "flashinfer_cutlass",
+        ),
+        "moe-refactor/Mixtral-8x7B-BF16-triton.yaml": (
+            "mistralai/Mixtral-8x7B-v0.1",
+            0.58,
+            LayoutKind.TP,
+            "triton",
+        ),
+        "moe-refactor/Mixtral-8x7B-BF16-fi-cutlass.yaml": (
+            "mistralai/Mixtral-8x7B-v0.1",
+            0.58,
+            LayoutKind.TEP,
+            "flashinfer_cutlass",
+        ),
+        "moe-refactor/Llama-4-Scout-BF16-triton.yaml": (
+            "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+            0.92,
+            LayoutKind.TP,
+            "triton",
+        ),
+        "moe-refactor/Llama-4-Scout-BF16-fi-cutlass.yaml": (
+            "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+            0.92,
+            LayoutKind.TEP,
+            "flashinfer_cutlass",
+        ),
+        "moe-refactor-dp-ep/Qwen3-30B-A3B-BF16-triton.yaml": (
+            "Qwen/Qwen3-30B-A3B",
+            0.88,
+            LayoutKind.DEP,
+            "triton",
+        ),
     }
     for rel, (model, threshold, kind, backend) in expected.items():
         c = load_config(repo_root / "configs" / rel)
-        assert (c.model_name, c.accuracy_threshold, c.layout.kind, c.moe_backend) == (model, threshold, kind, backend)
+        assert (c.model_name, c.accuracy_threshold, c.layout.kind, c.moe_backend) == (
+            model,
+            threshold,
+            kind,
+            backend,
+        )
         assert (c.num_questions, c.num_fewshot, c.layout.world_size) == (1319, 5, 2)
         assert "--enforce-eager" in c.server_argv and "8192" in c.server_argv
 
 
 def test_random_weights_drop_the_accuracy_threshold():
     """A shape twin (random weights) answers nothing: it has no threshold, and says so if given one."""
-    twin = parse_config(P, "model_name: builtin:twin-qwen3-30b-a3b\nrandom_weights: true\nnum_questions: 8\n"
-                           "num_fewshot: 5\n")
+    twin = parse_config(
+        P, "model_name: builtin:twin-qwen3-30b-a3b\nrandom_weights: true\nnum_questions: 8\nnum_fewshot: 5\n"
+    )
     assert twin.accuracy_threshold is None and not twin.answers_gated
-    with pytest.raises(ConfigError, match="key 'accuracy_threshold': value 0.5 cannot be met by a model with random"):
+    with pytest.raises(
+        ConfigError, match="key 'accuracy_threshold': value 0.5 cannot be met by a model with random"
+    ):
         parse_config(P, MINIMAL + "random_weights: true\n")
     with pytest.raises(ConfigError, match="missing required key 'accuracy_threshold'"):
         parse_config(P, "model_name: m\nnum_questions: 10\nnum_fewshot: 5\n")

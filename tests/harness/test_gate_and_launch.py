@@ -9,7 +9,9 @@ from moe_eval.launch import allowlisted_env, cpu_bind_per_rank, server_environme
 from moe_eval.server_log import vllm_moe_backends
 
 
-@pytest.mark.parametrize("accuracy, passed", [(0.80, True), (0.7999999999999999, True), (0.79, False), (0.95, True)])
+@pytest.mark.parametrize(
+    "accuracy, passed", [(0.80, True), (0.7999999999999999, True), (0.79, False), (0.95, True)]
+)
 def test_gate_is_threshold_minus_tolerance(accuracy, passed):
     gate = GateResult(accuracy=accuracy, stderr=0.01, threshold=0.88, tolerance=0.08)
     assert gate.passed is passed
@@ -23,11 +25,18 @@ def test_margin_in_standard_errors():
     assert "FAIL" in GateResult(accuracy=0.5, stderr=0.01, threshold=0.88, tolerance=0.08).describe()
 
 
-@pytest.mark.parametrize("cores, ranks, expected", [
-    ([0, 1], 2, "0|1"), (list(range(8)), 2, "0-3|4-7"), ([0], 2, "0|0"), (list(range(6)), 3, "0-1|2-3|4-5"),
-    ([1], 1, "1"),  # a packed TP1 server on the second core (run --jobs 2)
-    ([2, 3, 6, 7], 2, "2-3|6-7"), ([1, 3], 1, "1,3"),  # cores this process may use need not be contiguous
-])
+@pytest.mark.parametrize(
+    "cores, ranks, expected",
+    [
+        ([0, 1], 2, "0|1"),
+        (list(range(8)), 2, "0-3|4-7"),
+        ([0], 2, "0|0"),
+        (list(range(6)), 3, "0-1|2-3|4-5"),
+        ([1], 1, "1"),  # a packed TP1 server on the second core (run --jobs 2)
+        ([2, 3, 6, 7], 2, "2-3|6-7"),
+        ([1, 3], 1, "1,3"),  # cores this process may use need not be contiguous
+    ],
+)
 def test_cpu_bind_per_rank(cores, ranks, expected):
     assert cpu_bind_per_rank(cores, ranks) == expected
 
@@ -37,26 +46,45 @@ def test_server_environment_defaults_and_config_wins(tmp_path: Path):
     env = server_environment(base, {}, on_cpu=True, world_size=2, run_dir=tmp_path)
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and env["VLLM_CPU_KVCACHE_SPACE"]
     assert "VLLM_CPU_OMP_THREADS_BIND" in env and env["MOE_EVAL_RUN_DIR"] == str(tmp_path)
-    env = server_environment(base, {"VLLM_CPU_KVCACHE_SPACE": "7"}, on_cpu=True, world_size=1, run_dir=tmp_path)
+    env = server_environment(
+        base, {"VLLM_CPU_KVCACHE_SPACE": "7"}, on_cpu=True, world_size=1, run_dir=tmp_path
+    )
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "7" and "VLLM_CPU_OMP_THREADS_BIND" not in env
     gpu_env = server_environment(base, {}, on_cpu=False, world_size=2, run_dir=tmp_path)
     assert "VLLM_CPU_KVCACHE_SPACE" not in gpu_env and "CUDA_VISIBLE_DEVICES" not in gpu_env
     # Packed servers (run --jobs): each gets its own GPUs, or its own cores even at TP1.
-    assert server_environment(base, {}, on_cpu=False, world_size=2, run_dir=tmp_path,
-                              devices=(2, 3))["CUDA_VISIBLE_DEVICES"] == "2,3"
-    assert server_environment(base, {}, on_cpu=True, world_size=1, run_dir=tmp_path,
-                              devices=(1,))["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert (
+        server_environment(base, {}, on_cpu=False, world_size=2, run_dir=tmp_path, devices=(2, 3))[
+            "CUDA_VISIBLE_DEVICES"
+        ]
+        == "2,3"
+    )
+    assert (
+        server_environment(base, {}, on_cpu=True, world_size=1, run_dir=tmp_path, devices=(1,))[
+            "VLLM_CPU_OMP_THREADS_BIND"
+        ]
+        == "1"
+    )
     assert base == {"PATH": "/bin"}  # the caller's environment is not modified
 
 
 def test_allowlisted_env_never_records_secrets():
-    env = {"VLLM_X": "1", "HF_TOKEN": "s", "VLLM_API_KEY": "s", "HOME": "/root", "CUDA_VISIBLE_DEVICES": "0,1"}
+    env = {
+        "VLLM_X": "1",
+        "HF_TOKEN": "s",
+        "VLLM_API_KEY": "s",
+        "HOME": "/root",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+    }
     assert allowlisted_env(env) == {"CUDA_VISIBLE_DEVICES": "0,1", "VLLM_X": "1"}
 
 
 def test_vllm_backend_line_is_parsed():
-    log = ("(Worker pid=1) INFO [unquantized.py:364] Using CPU Unquantized MoE backend out of potential backends: "
-           "['CPU'].\n(Worker pid=2) INFO Using CPU Unquantized MoE backend out of potential backends: ['CPU'].\n")
+    log = (
+        "(Worker pid=1) INFO [unquantized.py:364] Using CPU Unquantized MoE backend out of potential "
+        "backends: ['CPU'].\n(Worker pid=2) INFO Using CPU Unquantized MoE backend out of potential "
+        "backends: ['CPU'].\n"
+    )
     assert vllm_moe_backends(log) == ["CPU"]
     assert vllm_moe_backends("nothing here") == []
 
@@ -65,10 +93,12 @@ def test_log_errors_surface_the_cause_before_the_shutdown_noise(tmp_path):
     from moe_eval.launch import describe_log
 
     log = tmp_path / "server.log"
-    log.write_text("INFO starting\n(Worker pid=3) moe_eval.kernels.oracle.MoeBackendUnavailable: requested MoE "
-                   "backend 'triton' cannot run: Triton kernels need a CUDA GPU\n"
-                   + "".join(f"INFO shutdown noise {i}\n" for i in range(100))
-                   + "RuntimeError: Engine core initialization failed.\n")
+    log.write_text(
+        "INFO starting\n(Worker pid=3) moe_eval.kernels.oracle.MoeBackendUnavailable: requested MoE "
+        "backend 'triton' cannot run: Triton kernels need a CUDA GPU\n"
+        + "".join(f"INFO shutdown noise {i}\n" for i in range(100))
+        + "RuntimeError: Engine core initialization failed.\n"
+    )
     text = describe_log(log)
     assert text.index("MoeBackendUnavailable: requested MoE backend 'triton'") < text.index("last lines")
     assert "RuntimeError: Engine core initialization failed." in text.split("last lines")[0]

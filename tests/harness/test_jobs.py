@@ -37,15 +37,24 @@ def test_jobs_2_gives_the_verdicts_and_junit_of_jobs_1(tmp_path, gsm8k_dir):
     results = {}
     for jobs in (1, 2):
         out = tmp_path / f"out-jobs{jobs}"
-        args = run_args(tmp_path, gsm8k_dir, passing, failing, out=out,
-                        extra=("--jobs", str(jobs), "--junit", str(tmp_path / f"junit-{jobs}.xml")))
+        args = run_args(
+            tmp_path,
+            gsm8k_dir,
+            passing,
+            failing,
+            out=out,
+            extra=("--jobs", str(jobs), "--junit", str(tmp_path / f"junit-{jobs}.xml")),
+        )
         result = run_cli(args, timeout=900)
         records = {p.parent.name: json.loads(p.read_text()) for p in out.rglob("results.json")}
         results[jobs] = (result, records)
     (one, one_records), (two, two_records) = results[1], results[2]
     assert one.returncode == two.returncode == 1, two.stderr[-3000:]
-    assert {k: r["status"] for k, r in one_records.items()} == {k: r["status"] for k, r in two_records.items()} \
+    assert (
+        {k: r["status"] for k, r in one_records.items()}
+        == {k: r["status"] for k, r in two_records.items()}
         == {"Tiny-BF16-pass": "passed", "Tiny-BF16-fail": "failed"}
+    )
     assert _junit_without_times(tmp_path / "junit-1.xml") == _junit_without_times(tmp_path / "junit-2.xml")
     # The table lists configs in the list's order, whichever finished first.
     assert one.stdout.index("Tiny-BF16-pass") < one.stdout.index("Tiny-BF16-fail")
@@ -55,7 +64,9 @@ def test_jobs_2_gives_the_verdicts_and_junit_of_jobs_1(tmp_path, gsm8k_dir):
     assert binds == ["0", "1"] and sorted(r["server"]["devices"][0] for r in two_records.values()) == [0, 1]
     windows = [(r["started_at"], r["finished_at"]) for r in two_records.values()]
     assert max(w[0] for w in windows) < min(w[1] for w in windows), f"the servers did not overlap: {windows}"
-    assert all(r["server"]["devices"] is None for r in one_records.values())  # jobs 1: the whole machine, as before
+    assert all(
+        r["server"]["devices"] is None for r in one_records.values()
+    )  # jobs 1: the whole machine, as before
 
 
 def test_a_crashed_config_leaves_the_others_result_intact(tmp_path, gsm8k_dir):
@@ -76,8 +87,12 @@ def test_sigterm_during_a_packed_run_is_130_with_nothing_left(tmp_path, gsm8k_di
     second = tiny_config(tmp_path, "Tiny-BF16-two", questions=200, concurrency=1)
     proc = start_run(run_args(tmp_path, gsm8k_dir, first, second, extra=("--jobs", "2")))
     try:
-        wait_for(lambda: evaluating(tmp_path, first.stem)() and evaluating(tmp_path, second.stem)(), proc, 400,
-              "both packed configs were evaluating")
+        wait_for(
+            lambda: evaluating(tmp_path, first.stem)() and evaluating(tmp_path, second.stem)(),
+            proc,
+            400,
+            "both packed configs were evaluating",
+        )
         proc.send_signal(signal.SIGTERM)
         started = time.monotonic()
         _, stderr = proc.communicate(timeout=120)

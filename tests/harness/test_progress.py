@@ -9,8 +9,10 @@ from types import SimpleNamespace
 from moe_eval.progress_view import PLAIN_INTERVAL_SECONDS, ProgressView, describe
 from moe_eval.status import StatusWriter, read_status, reference_answers
 
-ROWS = [{"question": "Ava has 3 pens. How many now?", "answer": "3 + 4 = 7\n#### 7"},
-        {"question": "Ben has 1,200 coins. How many now?", "answer": "1200 * 1 = 1200\n#### 1,200"}]
+ROWS = [
+    {"question": "Ava has 3 pens. How many now?", "answer": "3 + 4 = 7\n#### 7"},
+    {"question": "Ben has 1,200 coins. How many now?", "answer": "1200 * 1 = 1200\n#### 1,200"},
+]
 
 
 def _prompt(question: str) -> str:
@@ -18,10 +20,14 @@ def _prompt(question: str) -> str:
 
 
 def test_answers_are_scored_with_gsm8k_strict_match_as_they_arrive(tmp_path: Path):
-    writer = StatusWriter(tmp_path / "status.json", config="c.yaml", total=2, references=reference_answers(ROWS))
+    writer = StatusWriter(
+        tmp_path / "status.json", config="c.yaml", total=2, references=reference_answers(ROWS)
+    )
     writer.stage("evaluating")
     writer.answered(_prompt(ROWS[0]["question"]), " 3 + 4 = 7\n#### 7")
-    writer.answered(_prompt(ROWS[1]["question"]), " it is 1200\n#### 1200.")  # "," and a final "." are ignored
+    writer.answered(
+        _prompt(ROWS[1]["question"]), " it is 1200\n#### 1200."
+    )  # "," and a final "." are ignored
     writer.write()
     status = read_status(tmp_path / "status.json")
     assert (status.answered, status.scored, status.correct) == (2, 2, 2) and status.accuracy_so_far == 1.0
@@ -57,4 +63,7 @@ def test_plain_lines_come_on_stage_changes_and_every_interval(tmp_path: Path):
     writer.stage("passed")
     view.tick([(planned, None, writer.status)])  # the end is finished()'s to report
     assert [line.split("] ", 1)[1] for line in printed] == [
-        "Canary starting the server (0 s)", "Canary evaluating 0/10, 0 s", "Canary evaluating 0/10, 0 s"]
+        "Canary starting the server (0 s)",
+        "Canary evaluating 0/10, 0 s",
+        "Canary evaluating 0/10, 0 s",
+    ]

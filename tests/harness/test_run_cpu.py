@@ -22,6 +22,7 @@ from tests.harness.running import evaluating, left_running, server_log, start_ru
 
 pytestmark = pytest.mark.server
 
+
 def _results(tmp_path: Path) -> dict[str, dict]:
     return {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "out").rglob("results.json")}
 
@@ -37,16 +38,23 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
     accuracy gate, the paired gate and the log-probability divergence gate against the reference."""
     result, out, goldens = embedded_default_run.result, embedded_default_run.out, embedded_default_run.goldens
     assert result.returncode == 0, result.stderr[-3000:]
-    records = {f"{r['config_name']}/{r['layout']['kind']}": r
-               for r in (json.loads(p.read_text()) for p in out.rglob("results.json"))}
-    assert set(records) == {"Canary-Qwen3-MoE-BF16-vllm/TP", "Canary-Qwen3-MoE-BF16-torch/TP",
-                            "Canary-Qwen3-MoE-BF16-torch/TEP"}
+    records = {
+        f"{r['config_name']}/{r['layout']['kind']}": r
+        for r in (json.loads(p.read_text()) for p in out.rglob("results.json"))
+    }
+    assert set(records) == {
+        "Canary-Qwen3-MoE-BF16-vllm/TP",
+        "Canary-Qwen3-MoE-BF16-torch/TP",
+        "Canary-Qwen3-MoE-BF16-torch/TEP",
+    }
     schema = json.loads((repo_root / "docs" / "results.schema.json").read_text())
     for record in records.values():
         jsonschema.validate(record, schema)
         assert record["status"] == "passed"
         assert record["num_questions_evaluated"] == record["config"]["num_questions"] == 200
-        assert record["scores"]["strict-match"]["accuracy"] >= 0.98 and record["gsm8k"]["source"] == "generated"
+        assert (
+            record["scores"]["strict-match"]["accuracy"] >= 0.98 and record["gsm8k"]["source"] == "generated"
+        )
         assert record["gate"]["detectable_drop"] > 0  # the gate's power, printed with every verdict
         assert record["logprobs"]["texts"] == 16 and record["logprobs"]["positions"] > 5000
         assert record["versions"]["vllm"] == "0.32.0" and record["versions"]["lm-eval"] == "0.4.13"
@@ -74,14 +82,21 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         assert record["timings"]["startup_seconds"] > 0
         # Compared with the reference: the same answers, and log-probabilities within bf16 rounding.
         assert record["paired"]["baseline_only_right"] == 0 and record["paired"]["baseline"].endswith(
-            "Canary-Qwen3-MoE-BF16-vllm/results.json")
+            "Canary-Qwen3-MoE-BF16-vllm/results.json"
+        )
         assert record["divergence"]["comparison"] == "another kernel or layout"
-        assert 0 < record["divergence"]["mean_abs_dlogp"] < record["divergence"]["limits"]["max_mean_abs_dlogp"]
-        # The golden gate: an error against the exact-MoE golden no worse than vLLM's kernel's, with its power.
+        assert (
+            0 < record["divergence"]["mean_abs_dlogp"] < record["divergence"]["limits"]["max_mean_abs_dlogp"]
+        )
+        # The golden gate: an error against the exact-MoE golden no worse than vLLM's kernel's, with its
+        # power.
         gate = record["golden_gate"]
         checks = {c["name"]: c["passed"] for c in record["checks"]}
         assert checks["golden_gate"] and checks["golden_gate_decode"] and gate["passed"]
-        assert gate["incumbent"]["moe_backend_used"] == "vllm:CPU" and gate["incumbent"]["errors"]["mean_abs"] > 0
+        assert (
+            gate["incumbent"]["moe_backend_used"] == "vllm:CPU"
+            and gate["incumbent"]["errors"]["mean_abs"] > 0
+        )
         assert 0 < gate["run"]["mean_abs"] and gate["ratio"] <= 1 + gate["margin"]
         assert 0 < gate["power"]["scale_error"] < 0.05, "a 5% expert bug must be within the gate's reach"
         assert Path(record["golden"]["path"]).parent == goldens
@@ -113,7 +128,9 @@ def test_a_subtle_mutation_fails_the_tp1_row_by_the_golden_gate(subtle_mutation_
     folder = subtle_mutation_run.folder
     summary = json.loads((folder / "summary.json").read_text())
     assert [(Path(c["config"]).stem, c["resumed"]) for c in summary["configs"]] == [
-        ("Canary-Qwen3-MoE-BF16-vllm", True), ("Canary-Qwen3-MoE-BF16-torch", False)]
+        ("Canary-Qwen3-MoE-BF16-vllm", True),
+        ("Canary-Qwen3-MoE-BF16-torch", False),
+    ]
     record = json.loads((folder / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch" / "results.json").read_text())
     _assert_failed_by_the_golden_gate_alone(record)
     correct = json.loads(next(embedded_default_run.folder.glob("canary-tp/*torch/results.json")).read_text())
@@ -123,17 +140,32 @@ def test_a_subtle_mutation_fails_the_tp1_row_by_the_golden_gate(subtle_mutation_
 
 @pytest.mark.slow
 def test_the_subtle_mutation_fails_the_tep_row_too(subtle_mutation_run, tmp_path, repo_root, gsm8k_dir):
-    """The rest of the list as shipped: the TEP row (global expert 0 on rank 0 only) fails by the golden gate too,
+    """The rest of the list as shipped: the TEP row (global expert 0 on rank 0 only) fails by the golden gate
+    too,
     so `moe-eval run --hw cpu --mutate scale_one_expert` fails every bundled row."""
     copy = tmp_path / "run"
     shutil.copytree(subtle_mutation_run.folder, copy)
     config = repo_root / "configs" / "canary-tep" / "Canary-Qwen3-MoE-BF16-torch.yaml"
-    result = run_cli(["run", "--hw", "cpu", "--resume", str(copy), "--golden-cache", str(subtle_mutation_run.goldens),
-                      "--mutate", SUBTLE_MUTATION, str(config)] + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []),
-                     timeout=1200)
+    result = run_cli(
+        [
+            "run",
+            "--hw",
+            "cpu",
+            "--resume",
+            str(copy),
+            "--golden-cache",
+            str(subtle_mutation_run.goldens),
+            "--mutate",
+            SUBTLE_MUTATION,
+            str(config),
+        ]
+        + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []),
+        timeout=1200,
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     _assert_failed_by_the_golden_gate_alone(
-        json.loads((copy / "canary-tep" / "Canary-Qwen3-MoE-BF16-torch" / "results.json").read_text()))
+        json.loads((copy / "canary-tep" / "Canary-Qwen3-MoE-BF16-torch" / "results.json").read_text())
+    )
 
 
 @pytest.mark.slow
@@ -162,7 +194,9 @@ def test_server_killed_during_evaluation_is_exit_3(tmp_path, gsm8k_dir):
     path = tiny_config(tmp_path, "Tiny-BF16-killed", questions=200, concurrency=2)
     proc = start_run(run_args(tmp_path, gsm8k_dir, path))
     try:
-        log_path = wait_for(evaluating(tmp_path, path.stem, requests=3), proc, 300, "the evaluation was under way")
+        log_path = wait_for(
+            evaluating(tmp_path, path.stem, requests=3), proc, 300, "the evaluation was under way"
+        )
         api_pid = int(re.search(r"\(APIServer pid=(\d+)\)", log_path.read_text()).group(1))
         os.killpg(os.getpgid(api_pid), signal.SIGKILL)  # the whole server, as an OOM killer or a crash would
         _, stderr = proc.communicate(timeout=300)
@@ -191,11 +225,14 @@ def test_ctrl_c_tears_down_and_keeps_partial_results(tmp_path, gsm8k_dir):
     _assert_nothing_left(tmp_path)
 
 
-@pytest.mark.parametrize("mode, message", [
-    ("hang", "lm-eval failed"),  # a request that never returns: the request timeout fires
-    ("error500", "lm-eval failed"),  # HTTP errors are infrastructure, never wrong answers
-    ("garbage", "lm-eval failed"),  # a 200 whose body is not JSON
-])
+@pytest.mark.parametrize(
+    "mode, message",
+    [
+        ("hang", "lm-eval failed"),  # a request that never returns: the request timeout fires
+        ("error500", "lm-eval failed"),  # HTTP errors are infrastructure, never wrong answers
+        ("garbage", "lm-eval failed"),  # a 200 whose body is not JSON
+    ],
+)
 def test_misbehaving_server_is_exit_3(tmp_path, gsm8k_dir, mode, message):
     path = tiny_config(tmp_path, f"Fake-{mode}", questions=2, extra="request_timeout_seconds: 3\n")
     env = {"MOE_EVAL_SERVER_MODULE": "tests.fakes.misbehaving_server", "FAKE_SERVER_MODE": mode}
@@ -211,9 +248,23 @@ def test_a_kernel_mutation_fails_the_canary_gate_with_exit_1(tmp_path, repo_root
     shipped = (repo_root / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml").read_text()
     config = tmp_path / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml"
     config.parent.mkdir(parents=True)
-    config.write_text("\n".join(line for line in shipped.splitlines() if not line.startswith("baseline_config")) + "\n")
-    result = run_cli(["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out"), "--mutate", "swap_gate_up",
-                      "--limit", "50", str(config)])
+    config.write_text(
+        "\n".join(line for line in shipped.splitlines() if not line.startswith("baseline_config")) + "\n"
+    )
+    result = run_cli(
+        [
+            "run",
+            "--hw",
+            "cpu",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--mutate",
+            "swap_gate_up",
+            "--limit",
+            "50",
+            str(config),
+        ]
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     record = next(iter(_results(tmp_path).values()))
     assert record["mutation"] == "swap_gate_up" and record["moe_backend_used"] == "bundled:torch"

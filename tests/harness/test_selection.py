@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from moe_eval.config import load_config
 from moe_eval.errors import ConfigError, NothingSelected
 from moe_eval.layout import LayoutKind, layout_from_server_args
-from moe_eval.config import load_config
 from moe_eval.selection import list_for_hardware, parse_shard, read_list, require_some, shard, with_baselines
 
 
@@ -19,14 +19,18 @@ def _write(path: Path, text: str = "") -> Path:
 def test_list_paths_are_relative_to_the_list_and_skip_comments(tmp_path):
     a = _write(tmp_path / "configs" / "a.yaml")
     b = _write(tmp_path / "configs" / "b.yaml")
-    lst = _write(tmp_path / "config-cpu.txt", "# header\n\nconfigs/a.yaml   # trailing comment\n  configs/b.yaml\n")
+    lst = _write(
+        tmp_path / "config-cpu.txt", "# header\n\nconfigs/a.yaml   # trailing comment\n  configs/b.yaml\n"
+    )
     assert read_list(lst) == [a.resolve(), b.resolve()]
 
 
 def test_list_naming_a_missing_file_is_an_error_with_line_number(tmp_path):
     _write(tmp_path / "configs" / "a.yaml")
     lst = _write(tmp_path / "config-h100.txt", "configs/a.yaml\nconfigs/gone.yaml\n")
-    with pytest.raises(ConfigError, match=r"config-h100.txt:2: listed config 'configs/gone.yaml' does not exist"):
+    with pytest.raises(
+        ConfigError, match=r"config-h100.txt:2: listed config 'configs/gone.yaml' does not exist"
+    ):
         read_list(lst)
 
 
@@ -47,7 +51,7 @@ def test_shards_partition_the_list_deterministically():
     paths = [Path(f"c{i}.yaml") for i in range(7)]
     parts = [shard(paths, i, 3) for i in range(3)]
     assert sorted(p for part in parts for p in part) == sorted(paths)
-    assert all(set(x).isdisjoint(y) for i, x in enumerate(parts) for y in parts[i + 1:])
+    assert all(set(x).isdisjoint(y) for i, x in enumerate(parts) for y in parts[i + 1 :])
     assert parts == [shard(paths, i, 3) for i in range(3)]  # same answer every time
 
 
@@ -62,15 +66,23 @@ def test_empty_selection_is_nothing_selected():
         require_some([], "config-x.txt")
 
 
-@pytest.mark.parametrize("args, kind, world, ep_size", [
-    ([], LayoutKind.TP, 1, 1),
-    (["--tensor-parallel-size", "2"], LayoutKind.TP, 2, 1),
-    (["--tensor-parallel-size=2", "--enable-expert-parallel"], LayoutKind.TEP, 2, 2),
-    (["-tp", "4", "-ep"], LayoutKind.TEP, 4, 4),
-    (["--data-parallel-size", "2", "--enable-expert-parallel"], LayoutKind.DEP, 2, 2),
-    (["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--enable-expert-parallel"], LayoutKind.DEP, 4, 4),
-    (["--enable-expert-parallel"], LayoutKind.TP, 1, 1),  # EP over one rank splits nothing
-])
+@pytest.mark.parametrize(
+    "args, kind, world, ep_size",
+    [
+        ([], LayoutKind.TP, 1, 1),
+        (["--tensor-parallel-size", "2"], LayoutKind.TP, 2, 1),
+        (["--tensor-parallel-size=2", "--enable-expert-parallel"], LayoutKind.TEP, 2, 2),
+        (["-tp", "4", "-ep"], LayoutKind.TEP, 4, 4),
+        (["--data-parallel-size", "2", "--enable-expert-parallel"], LayoutKind.DEP, 2, 2),
+        (
+            ["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--enable-expert-parallel"],
+            LayoutKind.DEP,
+            4,
+            4,
+        ),
+        (["--enable-expert-parallel"], LayoutKind.TP, 1, 1),  # EP over one rank splits nothing
+    ],
+)
 def test_layout_derivation(args, kind, world, ep_size):
     layout = layout_from_server_args(args)
     assert (layout.kind, layout.world_size, layout.expert_parallel_size) == (kind, world, ep_size)
@@ -82,19 +94,36 @@ def test_bad_parallel_size():
 
 
 def test_shards_keep_a_listed_baseline_with_the_configs_that_compare_with_it():
-    paths = [Path(f"/l/{n}.yaml") for n in ("vllm-tp", "triton-tp", "fi-tp", "vllm-tep", "triton-tep", "lone")]
-    baseline_of = {paths[1]: paths[0], paths[2]: paths[0], paths[4]: paths[3], paths[5]: Path("/elsewhere.yaml")}
+    paths = [
+        Path(f"/l/{n}.yaml") for n in ("vllm-tp", "triton-tp", "fi-tp", "vllm-tep", "triton-tep", "lone")
+    ]
+    baseline_of = {
+        paths[1]: paths[0],
+        paths[2]: paths[0],
+        paths[4]: paths[3],
+        paths[5]: Path("/elsewhere.yaml"),
+    }
     parts = [shard(paths, i, 2, baseline_of) for i in range(2)]
     assert parts == [[paths[0], paths[1], paths[2], paths[5]], [paths[3], paths[4]]]
 
 
 @pytest.mark.parametrize("key, value", [("num_questions", 20), ("logprob_texts", 32), ("decode_tokens", 16)])
 def test_a_baseline_must_score_what_its_user_scores(tmp_path, key, value):
-    common = 'model_name: "builtin:canary-qwen3-moe"\naccuracy_threshold: 0.5\nnum_questions: 10\nnum_fewshot: 5\n'
-    _write(tmp_path / "vllm.yaml", common + f"{key}: {value}\n" if key != "num_questions" else
-           common.replace("num_questions: 10", f"num_questions: {value}"))
-    user = load_config(_write(tmp_path / "torch.yaml", common + "moe_backend: torch\nbaseline_config: vllm.yaml\n"))
-    with pytest.raises(ConfigError, match=f"torch.yaml: key 'baseline_config': value 'vllm.yaml' has {key} {value}"):
+    common = (
+        'model_name: "builtin:canary-qwen3-moe"\naccuracy_threshold: 0.5\nnum_questions: 10\nnum_fewshot: 5\n'
+    )
+    _write(
+        tmp_path / "vllm.yaml",
+        common + f"{key}: {value}\n"
+        if key != "num_questions"
+        else common.replace("num_questions: 10", f"num_questions: {value}"),
+    )
+    user = load_config(
+        _write(tmp_path / "torch.yaml", common + "moe_backend: torch\nbaseline_config: vllm.yaml\n")
+    )
+    with pytest.raises(
+        ConfigError, match=f"torch.yaml: key 'baseline_config': value 'vllm.yaml' has {key} {value}"
+    ):
         with_baselines([user])
     _write(tmp_path / "vllm.yaml", common)
     ordered, dependencies, _ = with_baselines([user])

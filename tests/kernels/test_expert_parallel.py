@@ -25,7 +25,15 @@ DTYPE = {"torch": torch.bfloat16, "triton": torch.float32}  # interpreter: no bf
 WORLD = 2
 CASES = [  # (name, E, K, D, F, tokens per rank, why)
     ("even", 8, 2, 32, 16, (6, 6), "E divides over the ranks: 4 experts each"),
-    ("uneven", 7, 2, 24, 12, (5, 3), "E = 7: ranks hold 4 and 3 (vLLM's linear placement); DEP ranks hold 5 and 3 tokens"),
+    (
+        "uneven",
+        7,
+        2,
+        24,
+        12,
+        (5, 3),
+        "E = 7: ranks hold 4 and 3 (vLLM's linear placement); DEP ranks hold 5 and 3 tokens",
+    ),
     ("one-token-k1", 6, 1, 16, 8, (1, 0), "K = 1 with an empty rank in DEP"),
     ("fewer-tokens-first", 8, 2, 16, 8, (2, 5), "DEP rank 0 holds fewer tokens: its block is padded"),
 ]
@@ -70,8 +78,16 @@ def _rank_main(rank: int, backend: str, store: str, out_dir: str, combine: str |
         tep = tep_moe(moe, full.hidden_TD, w13, w2, full.topk_weights_TK, full.topk_ids_TK, emap)
         start = sum(per_rank[:rank])
         rows = slice(start, start + per_rank[rank])
-        dep = dep_moe(moe, full.hidden_TD[rows], w13, w2, full.topk_weights_TK[rows].contiguous(),
-                      full.topk_ids_TK[rows].contiguous(), emap, combine=combine)
+        dep = dep_moe(
+            moe,
+            full.hidden_TD[rows],
+            w13,
+            w2,
+            full.topk_weights_TK[rows].contiguous(),
+            full.topk_ids_TK[rows].contiguous(),
+            emap,
+            combine=combine,
+        )
         results[name] = {"tep": tep, "dep": dep, "rows": (rows.start, rows.stop)}
     dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
@@ -109,8 +125,8 @@ def _run_bench_ep(out_dir: Path, *args: str) -> dict:
 
     env = {**os.environ, "PYTHONPATH": str(BENCH_EP.parents[1])}
     env.pop("TRITON_INTERPRET", None)  # the script's ranks pick their kernel themselves
-    proc = subprocess.run([sys.executable, str(BENCH_EP), "--out-dir", str(out_dir), *args], env=env, check=False,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    command = [sys.executable, str(BENCH_EP), "--out-dir", str(out_dir), *args]
+    proc = subprocess.run(command, env=env, check=False, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out_dir / "ep.json").read_text())
 
@@ -121,14 +137,17 @@ def test_ep_benchmark_script_runs_on_cpus(tmp_path):
     doc = _run_bench_ep(tmp_path, "--cpu-smoke")
     assert doc["meta"]["backend"] == "gloo" and doc["meta"]["env"]["NCCL_NVLS_ENABLE"] == "0"
     assert sorted((r["rank"], r["M_per_rank"]) for r in doc["rows"]) == [(0, 1), (0, 3), (1, 1), (1, 3)]
-    assert all(r["ok"] and r["rel_err_tep"] < 1e-2 and r["rel_err_dep_all_reduce"] < 1e-2 for r in doc["rows"])
+    assert all(
+        r["ok"] and r["rel_err_tep"] < 1e-2 and r["rel_err_dep_all_reduce"] < 1e-2 for r in doc["rows"]
+    )
     assert (tmp_path / "ep.md").read_text().startswith("| rank | M/rank | TEP rel err")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
 def test_tep_and_dep_over_nccl_on_two_gpus(tmp_path):
-    """Qwen3-30B-A3B's layer over 2 GPUs with the Triton kernel, both DEP combines (docs/expert-parallel.md)."""
+    """Qwen3-30B-A3B's layer over 2 GPUs with the Triton kernel, both DEP combines
+    (docs/expert-parallel.md)."""
     doc = _run_bench_ep(tmp_path, "--m", "1", "64", "--rounds", "2")
     assert doc["meta"]["backend"] == "nccl"
     for row in doc["rows"]:

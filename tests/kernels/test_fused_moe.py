@@ -53,11 +53,16 @@ INTERLEAVED = MoeTileConfig(
 )
 # No alignment for the calls that qualify (one token, or T*K*4 <= e); GEMM2 sums over K itself.
 NAIVE_FOLD = MoeTileConfig(
-    block_m=16, gemm1=GemmTile(block_n=32, block_k=32), gemm2=GemmTile(block_n=32, block_k=32), naive=True,
+    block_m=16,
+    gemm1=GemmTile(block_n=32, block_k=32),
+    gemm2=GemmTile(block_n=32, block_k=32),
+    naive=True,
     fold_k=True,
 )
 NAIVE = MoeTileConfig(
-    block_m=16, gemm1=GemmTile(block_n=32, block_k=32, interleave=True), gemm2=GemmTile(block_n=16, block_k=32),
+    block_m=16,
+    gemm1=GemmTile(block_n=32, block_k=32, interleave=True),
+    gemm2=GemmTile(block_n=16, block_k=32),
     naive=True,
 )
 CONFIGS = [
@@ -66,7 +71,6 @@ CONFIGS = [
     pytest.param(INTERLEAVED, id="bm16-interleaved"),
 ]
 NAIVE_CONFIGS = [pytest.param(NAIVE_FOLD, id="naive-fold"), pytest.param(NAIVE, id="naive-interleaved")]
-
 
 
 def test_triton_can_run_here():
@@ -234,7 +238,9 @@ def test_naive_token_held_elsewhere_gives_zeros(K, config, dtype, device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("K", [1, 3])
 def test_naive_fold_with_router_weight_on_input(K, dtype, device):
-    case = make_case(1, 12, K, 32, 48, dtype=dtype, device=device, seed=120 + K, apply_router_weight_on_input=True)
+    case = make_case(
+        1, 12, K, 32, 48, dtype=dtype, device=device, seed=120 + K, apply_router_weight_on_input=True
+    )
     _check(case, NAIVE_FOLD)
 
 
@@ -262,7 +268,9 @@ def test_config_fields_the_code_would_ignore_are_errors():
         MoeTileConfig(16, GemmTile(32, 32), GemmTile(32, 32, tma=True), naive=True)
 
 
-@pytest.mark.parametrize("config", [SWIZZLED, INTERLEAVED, NAIVE_FOLD], ids=["aligned", "interleaved", "naive-fold"])
+@pytest.mark.parametrize(
+    "config", [SWIZZLED, INTERLEAVED, NAIVE_FOLD], ids=["aligned", "interleaved", "naive-fold"]
+)
 def test_bitwise_repeatable(config, device, monkeypatch):
     # No atomics touch the values: the alignment's atomics only order slots inside an expert, and each
     # output row depends on its own slot. Three-launch alignment forced (its order varies most).
@@ -280,7 +288,9 @@ def test_large_blocks(dtype, device):
     # The large-M shapes of the tuner: 128-row blocks with a 2 x 64-wide interleaved GEMM1 and a
     # 128-wide GEMM2, GROUP_M 16; several blocks per expert.
     config = MoeTileConfig(
-        128, GemmTile(64, 32, group_m=16, num_warps=8, interleave=True), GemmTile(128, 32, group_m=16, num_warps=8)
+        128,
+        GemmTile(64, 32, group_m=16, num_warps=8, interleave=True),
+        GemmTile(128, 32, group_m=16, num_warps=8),
     )
     _check(make_case(300, 4, 2, 64, 64, dtype=dtype, device=device, seed=140), config)
 
@@ -296,7 +306,9 @@ def test_gemm2_tma(K, dtype, device):
 
 def test_fp32_stages_fit_shared_memory():
     # A bf16 tile at the limit: fp32 operands double every stage, so the plan drops stages.
-    big = MoeTileConfig(128, GemmTile(128, 64, num_warps=8, num_stages=4), GemmTile(256, 64, num_warps=8, num_stages=4))
+    big = MoeTileConfig(
+        128, GemmTile(128, 64, num_warps=8, num_stages=4), GemmTile(256, 64, num_warps=8, num_stages=4)
+    )
     assert max(big.shared_memory(2)) <= SMEM_LIMIT
     plan = fused_moe_module.launch_plan(4096, 8, 1024, 1024, 2, "test", big, itemsize=4)
     assert max(plan.config.shared_memory(4)) <= SMEM_LIMIT

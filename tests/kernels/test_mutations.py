@@ -74,9 +74,13 @@ def _layer(e: int, F: int, D: int, dtype, expert_map=None, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     w13 = (torch.randn(e, 2 * F, D, generator=g) / D**0.5).to(dtype)
     w2 = (torch.randn(e, D, F, generator=g) / F**0.5).to(dtype)
-    return SimpleNamespace(w13_weight=torch.nn.Parameter(w13, requires_grad=False),
-                           w2_weight=torch.nn.Parameter(w2, requires_grad=False), expert_map=expert_map,
-                           apply_router_weight_on_input=False, activation=SimpleNamespace(value="silu"))
+    return SimpleNamespace(
+        w13_weight=torch.nn.Parameter(w13, requires_grad=False),
+        w2_weight=torch.nn.Parameter(w2, requires_grad=False),
+        expert_map=expert_map,
+        apply_router_weight_on_input=False,
+        activation=SimpleNamespace(value="silu"),
+    )
 
 
 def _routing(T: int, E: int, K: int, seed: int):
@@ -102,7 +106,8 @@ def test_subtle_mutation_moves_the_output_a_little(mutation):
     if mutation == "bf16_down_accumulation":
         assert _plugin_applies_mutate_kernel(), (
             "BundledExperts does not wrap its kernel with mutations.mutate_kernel: in __init__, "
-            "self.kernel = mutate_kernel(mutation, make_moe_kernel(self.choice.backend))")
+            "self.kernel = mutate_kernel(mutation, make_moe_kernel(self.choice.backend))"
+        )
     E, K, D, F, T = 8, 2, 64, 128, 256
     layer_args = {"e": E, "F": F, "D": D, "dtype": torch.bfloat16}
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -110,7 +115,9 @@ def test_subtle_mutation_moves_the_output_a_little(mutation):
     correct = _apply(None, layer_args, x, topk_weights, topk_ids, E, K)
     mutated = _apply(mutation, layer_args, x, topk_weights, topk_ids, E, K)
     lo, hi = SUBTLE_BOUNDS[mutation]
-    assert lo < rel_err(mutated, correct) < hi, f"{mutation}: {rel_err(mutated, correct):.3g} not in ({lo}, {hi})"
+    assert lo < rel_err(mutated, correct) < hi, (
+        f"{mutation}: {rel_err(mutated, correct):.3g} not in ({lo}, {hi})"
+    )
 
 
 def test_scale_routing_weights_scales_by_0_98_exactly():
@@ -138,11 +145,20 @@ class _CountingKernel:
 
             w13 = from_flashinfer_w31(w13)
         self.F_seen.append(weights.w2_eDF.shape[2])
-        return torch_moe(hidden_TD, w13, weights.w2_eDF, topk_weights_TK, topk_ids_TK, expert_map_E=expert_map_E,
-                         apply_router_weight_on_input=on_input)
+        return torch_moe(
+            hidden_TD,
+            w13,
+            weights.w2_eDF,
+            topk_weights_TK,
+            topk_ids_TK,
+            expert_map_E=expert_map_E,
+            apply_router_weight_on_input=on_input,
+        )
 
 
-@pytest.mark.parametrize("backend", [MoeBackend.TORCH, MoeBackend.FLASHINFER_CUTLASS])  # [gate; up], [up; gate]
+@pytest.mark.parametrize(
+    "backend", [MoeBackend.TORCH, MoeBackend.FLASHINFER_CUTLASS]
+)  # [gate; up], [up; gate]
 @pytest.mark.parametrize("F", [128, 30])  # 30: chunks of 7, 8, 7, 8 (F not a multiple of 4)
 def test_bf16_down_accumulation_sums_the_chunks_of_F(backend, F):
     """In fp32 the chunks' sum is the full MoE: only the bf16 rounding of the sum remains."""
@@ -155,8 +171,9 @@ def test_bf16_down_accumulation_sums_the_chunks_of_F(backend, F):
     topk_weights, topk_ids = _routing(T, E, K, seed=2)
     kernel_w13 = to_flashinfer_w31(w13) if backend is MoeBackend.FLASHINFER_CUTLASS else w13
     inner = _CountingKernel()
-    out = mutate_kernel("bf16_down_accumulation", inner)(x, MoeWeights(backend, kernel_w13, w2), topk_weights,
-                                                         topk_ids, None, False)
+    out = mutate_kernel("bf16_down_accumulation", inner)(
+        x, MoeWeights(backend, kernel_w13, w2), topk_weights, topk_ids, None, False
+    )
     assert inner.F_seen == [F * (c + 1) // DOWN_CHUNKS - F * c // DOWN_CHUNKS for c in range(DOWN_CHUNKS)]
     ref = fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
     assert out.dtype == torch.float32 and 0 < rel_err(out, ref) < REL_TOL_BF16_ROUNDING
@@ -173,14 +190,20 @@ def test_bf16_down_accumulation_under_ep_and_router_weight_on_input():
     topk_weights, topk_ids = _routing(T, E, K, seed=5)
     kernel = mutate_kernel("bf16_down_accumulation", make_moe_kernel(MoeBackend.TORCH))
     out = kernel(x, MoeWeights(MoeBackend.TORCH, w13, w2), topk_weights, topk_ids, emap, True)
-    ref = fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map_E=emap, apply_router_weight_on_input=True)
+    ref = fused_moe_ref(
+        x, w13, w2, topk_weights, topk_ids, expert_map_E=emap, apply_router_weight_on_input=True
+    )
     assert rel_err(out, ref) < REL_TOL_BF16_ROUNDING
     assert (out[(emap[topk_ids.long()] < 0).all(-1)] == 0).all()  # other ranks' tokens stay 0
 
 
 def test_other_mutations_leave_the_kernel_alone():
     kernel = make_moe_kernel(MoeBackend.TORCH)
-    assert all(mutate_kernel(name, kernel) is kernel for name in [None, *MUTATIONS] if name != "bf16_down_accumulation")
+    assert all(
+        mutate_kernel(name, kernel) is kernel
+        for name in [None, *MUTATIONS]
+        if name != "bf16_down_accumulation"
+    )
 
 
 # --- skip_tail_block ---------------------------------------------------------------------------
@@ -194,7 +217,7 @@ def _expected_skip(local_TK: torch.Tensor, e: int) -> torch.Tensor:
     for expert in range(e):
         mine = [(t, k) for t, k in slots if local_TK[t, k] == expert]
         if len(mine) > 16:
-            for t, k in mine[len(mine) - len(mine) % 16:]:
+            for t, k in mine[len(mine) - len(mine) % 16 :]:
                 skip[t, k] = True
             break
     return skip
@@ -223,11 +246,14 @@ def _ids(T: int, planned: dict[int, int], seed: int) -> torch.Tensor:
     return ids
 
 
-@pytest.mark.parametrize("T, planned, victim, skipped", [
-    (40, {1: 21}, 1, 5),  # expert 0 idle, expert 1 has 21 tokens: 16 fill a block, the last 5 are skipped
-    (40, {0: 7, 3: 20}, 3, 4),  # expert 0 fits one block (as every expert of a decode step): passed over
-    (64, {2: 33}, 2, 1),  # two full blocks and one token over
-])
+@pytest.mark.parametrize(
+    "T, planned, victim, skipped",
+    [
+        (40, {1: 21}, 1, 5),  # expert 0 idle, expert 1 has 21 tokens: 16 fill a block, the last 5 are skipped
+        (40, {0: 7, 3: 20}, 3, 4),  # expert 0 fits one block (as every expert of a decode step): passed over
+        (64, {2: 33}, 2, 1),  # two full blocks and one token over
+    ],
+)
 def test_skip_tail_block_zeroes_exactly_the_tail(T, planned, victim, skipped):
     K, D, F = 2, 32, 16
     topk_ids = _ids(T, planned, seed=T)
@@ -244,8 +270,13 @@ def test_skip_tail_block_zeroes_exactly_the_tail(T, planned, victim, skipped):
     layer_args = {"e": E_SKIP, "F": F, "D": D, "dtype": torch.float32}
     out = _apply("skip_tail_block", layer_args, x, topk_weights, topk_ids, E_SKIP, K)
     layer = _layer(**layer_args)
-    ref = fused_moe_ref(x, layer.w13_weight.data, layer.w2_weight.data, torch.where(expected_skip, 0.0, topk_weights),
-                        topk_ids)
+    ref = fused_moe_ref(
+        x,
+        layer.w13_weight.data,
+        layer.w2_weight.data,
+        torch.where(expected_skip, 0.0, topk_weights),
+        topk_ids,
+    )
     assert rel_err(out, ref) < REL_TOL_FP32
 
 
@@ -266,8 +297,9 @@ def test_skip_tail_block_under_ep_counts_local_experts_only():
     assert skip.sum() == 3 and skip[16:19, 0].all()
 
 
-@pytest.mark.parametrize("case", ["the victim holds exactly two blocks", "decode-sized call",
-                                  "no local expert has a slot"])
+@pytest.mark.parametrize(
+    "case", ["the victim holds exactly two blocks", "decode-sized call", "no local expert has a slot"]
+)
 def test_skip_tail_block_skips_nothing_without_a_victim(case):
     """Nothing is skipped when the lowest expert with more than 16 tokens holds a multiple of 16 (even
     though expert 4 here ends in a partial block), when no expert has more than 16 (a decode step of
@@ -349,8 +381,10 @@ def test_one_expert_mutation_without_a_map_changes_slot_0(mutation):
     assert slots == [TARGET_EXPERT] == [0]
 
 
-@pytest.mark.parametrize("mutation, scale", [("scale_one_expert", ONE_EXPERT_SCALE),
-                                             ("scale_one_expert_small", SMALL_EXPERT_SCALE)])
+@pytest.mark.parametrize(
+    "mutation, scale",
+    [("scale_one_expert", ONE_EXPERT_SCALE), ("scale_one_expert_small", SMALL_EXPERT_SCALE)],
+)
 def test_scale_one_expert_scales_the_up_rows_only(mutation, scale):
     F = 16
     w13 = _w13(4, F, 8)
@@ -358,11 +392,14 @@ def test_scale_one_expert_scales_the_up_rows_only(mutation, scale):
     assert torch.equal(out[1, :F], w13[1, :F]) and torch.equal(out[1, F:], w13[1, F:] * scale)
 
 
-@pytest.mark.parametrize("held, slot, neighbour", [
-    ([0, 1, 2, 3], 0, 1),  # the slot after the target's
-    ([6, 0, 3, 5], 1, 2),  # ... whichever global expert the rank keeps there (3)
-    ([4, 5, 6, 0], 3, 2),  # the target in the last slot: the one before
-])
+@pytest.mark.parametrize(
+    "held, slot, neighbour",
+    [
+        ([0, 1, 2, 3], 0, 1),  # the slot after the target's
+        ([6, 0, 3, 5], 1, 2),  # ... whichever global expert the rank keeps there (3)
+        ([4, 5, 6, 0], 3, 2),  # the target in the last slot: the one before
+    ],
+)
 def test_stale_gate_rows_copies_f_over_8_gate_rows_from_the_neighbour(held, slot, neighbour):
     F = 32
     rows = F // STALE_ROW_FRACTION

@@ -23,9 +23,13 @@ REL_TOL_FP32 = 1e-5  # fp32 end to end: only summation order differs
 def _vllm_like_layer(e: int, F: int, D: int, dtype, device, expert_map=None, on_input=False):
     w13 = torch.randn(e, 2 * F, D, dtype=dtype, device=device) / D**0.5
     w2 = torch.randn(e, D, F, dtype=dtype, device=device) / F**0.5
-    return SimpleNamespace(w13_weight=torch.nn.Parameter(w13, requires_grad=False),
-                           w2_weight=torch.nn.Parameter(w2, requires_grad=False), expert_map=expert_map,
-                           apply_router_weight_on_input=on_input, activation=SimpleNamespace(value="silu"))
+    return SimpleNamespace(
+        w13_weight=torch.nn.Parameter(w13, requires_grad=False),
+        w2_weight=torch.nn.Parameter(w2, requires_grad=False),
+        expert_map=expert_map,
+        apply_router_weight_on_input=on_input,
+        activation=SimpleNamespace(value="silu"),
+    )
 
 
 def _routing(T: int, E: int, K: int, device):
@@ -37,10 +41,16 @@ def _routing(T: int, E: int, K: int, device):
 CPU = Hardware("cpu", "cpu", None, triton_available=True, flashinfer_available=False)
 
 
-@pytest.mark.parametrize("layout, expert_map", [
-    (Layout(LayoutKind.TP), None),  # all 8 experts local
-    (Layout(LayoutKind.TEP, tensor_parallel=2), "second-half"),  # rank 1 of 2: experts 4..7 local, rest -1
-])
+@pytest.mark.parametrize(
+    "layout, expert_map",
+    [
+        (Layout(LayoutKind.TP), None),  # all 8 experts local
+        (
+            Layout(LayoutKind.TEP, tensor_parallel=2),
+            "second-half",
+        ),  # rank 1 of 2: experts 4..7 local, rest -1
+    ],
+)
 def test_torch_backend_apply_matches_reference(layout, expert_map):
     torch.manual_seed(0)
     E, K, D, F, T = 8, 2, 64, 32, 13
@@ -97,8 +107,9 @@ def test_triton_backend_apply_on_gpu_matches_reference(T, ep):
     assert not out.isnan().any() and rel_err(out, ref) < REL_TOL_BF16
 
 
-@pytest.mark.parametrize("mutation", ["swap_gate_up", "ignore_routing_weights", "shift_expert_ids",
-                                      "ignore_expert_map"])
+@pytest.mark.parametrize(
+    "mutation", ["swap_gate_up", "ignore_routing_weights", "shift_expert_ids", "ignore_expert_map"]
+)
 def test_each_mutation_changes_the_output(mutation):
     """`run --mutate` must break the computation (or it could not prove a gate); None must not."""
     torch.manual_seed(1)
@@ -109,8 +120,14 @@ def test_each_mutation_changes_the_output(mutation):
     x = torch.randn(T, D)
     topk_weights, topk_ids = _routing(T, E, K, "cpu")
     layer = _vllm_like_layer(4, F, D, torch.float32, "cpu", emap)
-    ref = fused_moe_ref(x, layer.w13_weight.data.clone(), layer.w2_weight.data.clone(), topk_weights, topk_ids,
-                        expert_map_E=emap)
+    ref = fused_moe_ref(
+        x,
+        layer.w13_weight.data.clone(),
+        layer.w2_weight.data.clone(),
+        topk_weights,
+        topk_ids,
+        expert_map_E=emap,
+    )
     outs = {}
     for name in (None, mutation):
         layer_copy = _vllm_like_layer(4, F, D, torch.float32, "cpu", emap)

@@ -54,8 +54,8 @@ def test_json_round_trip(tmp_path):
 def test_files_without_the_new_fields_read_as_before(tmp_path):
     # Tuned files written before interleave / naive / fold_k existed mean the kernels of then.
     path = tmp_path / "old.json"
-    body = {"meta": {}, "configs": {"1": {"block_m": 16, "gemm1": {"block_n": 32, "block_k": 64},
-                                           "gemm2": {"block_n": 32, "block_k": 64, "group_m": 8}}}}  # fmt: skip
+    gemm1, gemm2 = {"block_n": 32, "block_k": 64}, {"block_n": 32, "block_k": 64, "group_m": 8}
+    body = {"meta": {}, "configs": {"1": {"block_m": 16, "gemm1": gemm1, "gemm2": gemm2}}}
     path.write_text(json.dumps(body))
     cfg = read_tuned_file(path)[1]
     assert not cfg.naive and not cfg.fold_k and not cfg.gemm1.interleave and cfg.gemm2.group_m == 8
@@ -70,7 +70,9 @@ def test_tuner_space_fits_and_holds_vllms_large_tiles():
     for block_m in (16, 32, 64, 128, 256):
         for kind in (1, 2):
             for tile in tune.gemm_candidates(kind, block_m):
-                cfg = MoeTileConfig(block_m, tile if kind == 1 else GemmTile(64, 64), tile if kind == 2 else GemmTile(64, 64))
+                cfg = MoeTileConfig(
+                    block_m, tile if kind == 1 else GemmTile(64, 64), tile if kind == 2 else GemmTile(64, 64)
+                )
                 assert cfg.shared_memory()[kind - 1] <= SMEM_LIMIT, (block_m, kind, tile)
                 acc = block_m * tile.block_n * (2 if kind == 1 else 1) / (32 * tile.num_warps)
                 assert acc <= tune.MAX_ACC_PER_THREAD, (block_m, kind, tile)
@@ -86,8 +88,8 @@ def test_tuner_space_fits_and_holds_vllms_large_tiles():
 
 def test_unknown_key_is_an_error(tmp_path):
     path = tmp_path / "x.json"
-    body = {"meta": {}, "configs": {"1": {"block_m": 16, "gemm1": {"block_n": 32, "block_k": 64, "num_wraps": 4},
-                                           "gemm2": {"block_n": 32, "block_k": 64}}}}  # fmt: skip
+    gemm1, gemm2 = {"block_n": 32, "block_k": 64, "num_wraps": 4}, {"block_n": 32, "block_k": 64}
+    body = {"meta": {}, "configs": {"1": {"block_m": 16, "gemm1": gemm1, "gemm2": gemm2}}}
     path.write_text(json.dumps(body))
     with pytest.raises(ValueError, match="num_wraps"):
         read_tuned_file(path)

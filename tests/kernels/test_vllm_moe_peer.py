@@ -119,8 +119,14 @@ def test_config_lookup_on_the_h200(peer, e, F, M, expected, monkeypatch):
 
 
 def test_config_file_name_and_nearest_rule():
-    assert vllm_moe_peer.config_file_name(128, 768, "NVIDIA H200", None) == "E=128,N=768,device_name=NVIDIA_H200.json"
-    assert vllm_moe_peer.config_file_name(8, 7168, "NVIDIA H200 NVL", None) == "E=8,N=7168,device_name=NVIDIA_H200.json"
+    assert (
+        vllm_moe_peer.config_file_name(128, 768, "NVIDIA H200", None)
+        == "E=128,N=768,device_name=NVIDIA_H200.json"
+    )
+    assert (
+        vllm_moe_peer.config_file_name(8, 7168, "NVIDIA H200 NVL", None)
+        == "E=8,N=7168,device_name=NVIDIA_H200.json"
+    )
     assert (
         vllm_moe_peer.config_file_name(8, 7168, "NVIDIA H100 80GB HBM3", "float32")
         == "E=8,N=7168,device_name=NVIDIA_H100_80GB_HBM3,dtype=float32.json"

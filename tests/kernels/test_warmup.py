@@ -22,7 +22,9 @@ from tests.kernels.conftest import HAS_GPU
 H200 = "NVIDIA H200"
 # (e, F, D, K): the canary at TP1 and at EP2 (default tiles), and two tuned shipped shapes.
 SHAPES = [(8, 128, 256, 2), (4, 128, 256, 2)] + [
-    (s.local_experts, s.F, s.D, s.top_k) for s in SHIPPED_SHAPES if s.name in ("Qwen3-30B-A3B TP1", "Mixtral-8x7B TP2")
+    (s.local_experts, s.F, s.D, s.top_k)
+    for s in SHIPPED_SHAPES
+    if s.name in ("Qwen3-30B-A3B TP1", "Mixtral-8x7B TP2")
 ]
 
 
@@ -71,15 +73,33 @@ def test_after_precompile_no_token_count_compiles(monkeypatch, ep):
     E, K, D, F, max_tokens = 8, 2, 256, 128, 3000  # the canary's layer; EP: this rank holds experts 4..7
     local = list(range(4, 8)) if ep else None
     base = make_case(4, E, K, D, F, dtype=torch.bfloat16, device="cuda", seed=0, local_experts=local)
-    report = precompile_fused_moe(base.w13_eFD, base.w2_eDF, top_k=K, num_experts=E, expert_map_E=base.expert_map_E,
-                                  apply_router_weight_on_input=False, max_tokens=max_tokens)
+    report = precompile_fused_moe(
+        base.w13_eFD,
+        base.w2_eDF,
+        top_k=K,
+        num_experts=E,
+        expert_map_E=base.expert_map_E,
+        apply_router_weight_on_input=False,
+        max_tokens=max_tokens,
+    )
     assert report.variants == len(report.token_counts) >= 5
     compiled = _compile_counter(monkeypatch)
     rng = random.Random(0)
     for tokens in [1, 2, 3, 7, 8, 9, 100, 511, 512, 513, 1000, 2047, 2048, 2049, max_tokens] + rng.sample(
-            range(1, max_tokens + 1), 20):
-        case = make_case(tokens, E, K, D, F, dtype=torch.bfloat16, device="cuda", seed=tokens, local_experts=local,
-                         weights_from=base)
+        range(1, max_tokens + 1), 20
+    ):
+        case = make_case(
+            tokens,
+            E,
+            K,
+            D,
+            F,
+            dtype=torch.bfloat16,
+            device="cuda",
+            seed=tokens,
+            local_experts=local,
+            weights_from=base,
+        )
         fused_moe(*case.args(), **case.kwargs())
     torch.cuda.synchronize()
     assert compiled == [], f"compiled while serving: {compiled}"

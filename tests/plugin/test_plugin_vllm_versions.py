@@ -38,7 +38,9 @@ def test_register_refuses_an_unsupported_vllm(monkeypatch):
 
     monkeypatch.setenv("MOE_EVAL_MOE_BACKEND", "torch")
     monkeypatch.setattr(vllm, "__version__", "0.25.0")
-    with pytest.raises(plugin.UnsupportedVllmVersion, match=r"supports vLLM 0.26 through 0.32; this server runs vLLM 0.25.0"):
+    with pytest.raises(
+        plugin.UnsupportedVllmVersion, match=r"supports vLLM 0.26 through 0.32; this server runs vLLM 0.25.0"
+    ):
         plugin.register()
 
 
@@ -59,12 +61,22 @@ def _moe_config(dp: int, ep: bool):
         RoutingMethodType,
     )
 
-    parallel = dataclasses.replace(FusedMoEParallelConfig.make_no_parallel(), dp_size=dp, ep_size=2 if ep else 1,
-                                   use_ep=ep)
-    return FusedMoEConfig(num_experts=8, experts_per_token=2, hidden_dim=64, intermediate_size=32,
-                          num_local_experts=4 if ep else 8, num_logical_experts=8, activation=MoEActivation.SILU,
-                          device="cpu", routing_method=RoutingMethodType.Renormalize,
-                          moe_parallel_config=parallel, in_dtype=torch.bfloat16)
+    parallel = dataclasses.replace(
+        FusedMoEParallelConfig.make_no_parallel(), dp_size=dp, ep_size=2 if ep else 1, use_ep=ep
+    )
+    return FusedMoEConfig(
+        num_experts=8,
+        experts_per_token=2,
+        hidden_dim=64,
+        intermediate_size=32,
+        num_local_experts=4 if ep else 8,
+        num_logical_experts=8,
+        activation=MoEActivation.SILU,
+        device="cpu",
+        routing_method=RoutingMethodType.Renormalize,
+        moe_parallel_config=parallel,
+        in_dtype=torch.bfloat16,
+    )
 
 
 def test_method_is_a_plain_non_modular_method_on_vllms_classes(monkeypatch):

@@ -25,8 +25,13 @@ def _outcome(tmp_path: Path, name: str, status: str) -> ConfigOutcome:
     run_dir = tmp_path / "run" / name
     run_dir.mkdir(parents=True)
     (run_dir / "server.log").write_text("INFO line 1\nERROR: engine died\n")
-    outcome = ConfigOutcome(config=config, run_dir=run_dir, status=status, moe_backend_used="bundled:torch",
-                            timings={"total_seconds": 12.5})
+    outcome = ConfigOutcome(
+        config=config,
+        run_dir=run_dir,
+        status=status,
+        moe_backend_used="bundled:torch",
+        timings={"total_seconds": 12.5},
+    )
     if status == "error":
         outcome.error = "vLLM server exited with code 1 before it was ready"
         return outcome
@@ -39,8 +44,11 @@ def _outcome(tmp_path: Path, name: str, status: str) -> ConfigOutcome:
 def test_junit_validates_and_a_real_consumer_reads_it(tmp_path):
     from junitparser import Error, Failure, JUnitXml
 
-    outcomes = [_outcome(tmp_path, "Good-BF16-torch", "passed"), _outcome(tmp_path, "Bad-BF16-torch", "failed"),
-                _outcome(tmp_path, "Broken-BF16-torch", "error")]
+    outcomes = [
+        _outcome(tmp_path, "Good-BF16-torch", "passed"),
+        _outcome(tmp_path, "Bad-BF16-torch", "failed"),
+        _outcome(tmp_path, "Broken-BF16-torch", "error"),
+    ]
     text = junit_xml(outcomes, "cpu", [])
     schema = etree.XMLSchema(etree.parse(str(XSD)))
     doc = etree.fromstring(text.encode())
@@ -58,23 +66,47 @@ def test_junit_validates_and_a_real_consumer_reads_it(tmp_path):
     assert isinstance(error, Error) and "ERROR: engine died" in error.text  # the server log's last lines
     suites = {suite.name: suite for suite in parsed}
     props = {p.name: p.value for p in suites["fam/Good-BF16-torch"].properties()}
-    assert props["moe_backend_used"] == "bundled:torch" and props["layout"] == "TP (TP1)" and props["version.lm-eval"]
+    assert (
+        props["moe_backend_used"] == "bundled:torch"
+        and props["layout"] == "TP (TP1)"
+        and props["version.lm-eval"]
+    )
     assert doc.get("tests") == "3" and doc.get("failures") == "1" and doc.get("errors") == "1"
 
 
-def _write_run(root: Path, run: str, config: str, model: str, backend: str, layout: str, correct: list[bool],
-               fewshot: int = 5, status: str = "passed", **extra) -> Path:
+def _write_run(
+    root: Path,
+    run: str,
+    config: str,
+    model: str,
+    backend: str,
+    layout: str,
+    correct: list[bool],
+    fewshot: int = 5,
+    status: str = "passed",
+    **extra,
+) -> Path:
     """A finished run's folder; `extra` goes into results.json as is (mutation, golden, ...)."""
     d = root / run / "fam" / config
     d.mkdir(parents=True)
     acc = sum(correct) / len(correct)
-    record = {"status": status, "config": {"model_name": model, "num_fewshot": fewshot},
-              "layout": {"describe": layout}, "moe_backend_used": backend, "samples": "samples.jsonl",
-              "scores": {"strict-match": {"accuracy": acc, "stderr": 0.01},
-                         "flexible-extract": {"accuracy": acc, "stderr": 0.01}}} | extra
+    record = {
+        "status": status,
+        "config": {"model_name": model, "num_fewshot": fewshot},
+        "layout": {"describe": layout},
+        "moe_backend_used": backend,
+        "samples": "samples.jsonl",
+        "scores": {
+            "strict-match": {"accuracy": acc, "stderr": 0.01},
+            "flexible-extract": {"accuracy": acc, "stderr": 0.01},
+        },
+    } | extra
     (d / "results.json").write_text(json.dumps(record))
-    lines = [{"doc_id": i, "filter": f, "exact_match": float(c)} for i, c in enumerate(correct)
-             for f in ("strict-match", "flexible-extract")]
+    lines = [
+        {"doc_id": i, "filter": f, "exact_match": float(c)}
+        for i, c in enumerate(correct)
+        for f in ("strict-match", "flexible-extract")
+    ]
     (d / "samples.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     return d
 
@@ -89,9 +121,18 @@ def _cells(table: str, title: str) -> list[str]:
 
 
 def test_compare_puts_backends_side_by_side_with_flips(tmp_path):
-    _write_run(tmp_path, "r1", "Q-BF16-triton", "Qwen", "bundled:triton", "TP (TP2)", [True] * 8 + [False] * 2)
-    _write_run(tmp_path, "r2", "Q-BF16-fi-cutlass", "Qwen", "bundled:flashinfer_cutlass", "TEP (TP2 EP2)",
-               [True] * 7 + [False] * 2 + [True])
+    _write_run(
+        tmp_path, "r1", "Q-BF16-triton", "Qwen", "bundled:triton", "TP (TP2)", [True] * 8 + [False] * 2
+    )
+    _write_run(
+        tmp_path,
+        "r2",
+        "Q-BF16-fi-cutlass",
+        "Qwen",
+        "bundled:flashinfer_cutlass",
+        "TEP (TP2 EP2)",
+        [True] * 7 + [False] * 2 + [True],
+    )
     table = markdown(group_runs([tmp_path / "r1", tmp_path / "r2"]))
     assert "### Qwen: GSM8K, 10 questions, 5-shot" in table
     assert "|Filter|n-shot|Metric|bundled:triton TP (TP2)|bundled:flashinfer_cutlass TEP (TP2 EP2)|" in table
@@ -99,16 +140,27 @@ def test_compare_puts_backends_side_by_side_with_flips(tmp_path):
     assert "|flips vs bundled:triton TP (TP2)||strict-match|reference|1 right->wrong, 1 wrong->right" in table
 
 
-@pytest.mark.parametrize("second, message", [
-    ({"fewshot": 3}, "few-shot counts differ"),
-    ({"correct": [True] * 9}, "question sets differ"),
-    ({"model": "Mixtral"}, "has one result"),
-])
+@pytest.mark.parametrize(
+    "second, message",
+    [
+        ({"fewshot": 3}, "few-shot counts differ"),
+        ({"correct": [True] * 9}, "question sets differ"),
+        ({"model": "Mixtral"}, "has one result"),
+    ],
+)
 def test_compare_refuses_mismatches(tmp_path, second, message):
     _write_run(tmp_path, "r1", "Q-BF16-triton", "Qwen", "bundled:triton", "TP (TP2)", [True] * 10)
     kwargs = {"model": "Qwen", "correct": [True] * 10, "fewshot": 5} | second
-    _write_run(tmp_path, "r2", "Q-BF16-fi-cutlass", kwargs["model"], "bundled:flashinfer_cutlass", "TEP",
-               kwargs["correct"], fewshot=kwargs["fewshot"])
+    _write_run(
+        tmp_path,
+        "r2",
+        "Q-BF16-fi-cutlass",
+        kwargs["model"],
+        "bundled:flashinfer_cutlass",
+        "TEP",
+        kwargs["correct"],
+        fewshot=kwargs["fewshot"],
+    )
     with pytest.raises(ConfigError, match=message):
         group_runs([tmp_path / "r1", tmp_path / "r2"])
 
@@ -126,18 +178,29 @@ def test_compare_shows_the_log_probability_divergence_against_the_first_run(tmp_
 
     def texts(shift: float) -> list[TextLogprobs]:
         # Two texts of 3 positions; position 0 has no log-probability. `shift` moves every reference token.
-        return [TextLogprobs(i, (5, 6, 7), (None, -1.0 - shift, -2.0 - shift), (None, (6, 9), (7, 9)),
-                             (None, (-1.0 - shift, -3.0), (-2.0 - shift, -3.0))) for i in range(2)]
+        return [
+            TextLogprobs(
+                i,
+                (5, 6, 7),
+                (None, -1.0 - shift, -2.0 - shift),
+                (None, (6, 9), (7, 9)),
+                (None, (-1.0 - shift, -3.0), (-2.0 - shift, -3.0)),
+            )
+            for i in range(2)
+        ]
 
     for run, shift in (("r1", 0.0), ("r2", 0.25)):
         _write_run(tmp_path, run, "Q-BF16-triton", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4)
         write_logprobs(tmp_path / run / "fam" / "Q-BF16-triton" / "logprobs.jsonl", texts(shift))
-    _write_run(tmp_path, "r3", "Q-BF16-triton", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4)  # scored nothing
+    _write_run(
+        tmp_path, "r3", "Q-BF16-triton", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4
+    )  # scored nothing
     table = markdown(group_runs([tmp_path / "r1", tmp_path / "r2", tmp_path / "r3"]))
     # No vLLM column: the first is the reference (the same kernel and layout thrice: told apart by run).
     row = _row(table, "Δ log p vs bundled:triton TP (TP1) [r1]")
-    assert row == ("|Δ log p vs bundled:triton TP (TP1) [r1]||mean, top-1 changed|reference|"
-                   "0.2500 mean, 0.00% top-1|-|")
+    assert row == (
+        "|Δ log p vs bundled:triton TP (TP1) [r1]||mean, top-1 changed|reference|0.2500 mean, 0.00% top-1|-|"
+    )
 
 
 def _texts(shift: float, first_token: int = 5):
@@ -145,8 +208,16 @@ def _texts(shift: float, first_token: int = 5):
 
     # Two texts of 3 positions; position 0 has no log-probability. `shift` moves every reference token, so a
     # run's mean |Δ log p| against the unshifted golden is |shift|.
-    return [TextLogprobs(i, (first_token, 6, 7), (None, -1.0 - shift, -2.0 - shift), (None, (6, 9), (7, 9)),
-                         (None, (-1.0 - shift, -3.0), (-2.0 - shift, -3.0))) for i in range(2)]
+    return [
+        TextLogprobs(
+            i,
+            (first_token, 6, 7),
+            (None, -1.0 - shift, -2.0 - shift),
+            (None, (6, 9), (7, 9)),
+            (None, (-1.0 - shift, -3.0), (-2.0 - shift, -3.0)),
+        )
+        for i in range(2)
+    ]
 
 
 def _golden(root: Path, digest: str, shift: float = 0.0) -> dict:
@@ -158,8 +229,9 @@ def _golden(root: Path, digest: str, shift: float = 0.0) -> dict:
     return {"digest": digest, "path": str(folder), "made_now": False}
 
 
-def _scored_run(root: Path, run: str, backend: str, layout: str, shift: float | None, correct=None,
-                **extra) -> None:
+def _scored_run(
+    root: Path, run: str, backend: str, layout: str, shift: float | None, correct=None, **extra
+) -> None:
     from moe_eval.logprobs import write_logprobs
 
     d = _write_run(root, run, "Q-BF16", "Qwen", backend, layout, correct or [True] * 4, **extra)
@@ -181,17 +253,22 @@ def test_compare_reference_defaults_to_the_vllm_column_wherever_it_stands(tmp_pa
     assert flips[0].startswith("1 right->wrong, 0 wrong->right") and flips[2].startswith("0 right->wrong, 1 ")
     assert _row(table, "Δ log p vs vllm:TRITON TP (TP1)") == (
         "|Δ log p vs vllm:TRITON TP (TP1)||mean, top-1 changed|0.0100 mean, 0.00% top-1|reference|"
-        "0.0100 mean, 0.00% top-1|")
+        "0.0100 mean, 0.00% top-1|"
+    )
     assert _row(table, "error vs golden") == (
-        "|error vs golden||mean \\|Δ log p\\|, x reference|0.0300 (x1.50)|0.0200 (reference)|0.0100 (x0.50)|")
+        "|error vs golden||mean \\|Δ log p\\|, x reference|0.0300 (x1.50)|0.0200 (reference)|0.0100 (x0.50)|"
+    )
 
 
-@pytest.mark.parametrize("reference, title, ref_column", [
-    ("first", "bundled:triton TP (TP1)", 0),
-    ("3", "bundled:torch TEP (TP2 EP2)", 2),
-    ("torch", "bundled:torch TEP (TP2 EP2)", 2),
-    ("vllm", "vllm:TRITON TP (TP1)", 1),
-])
+@pytest.mark.parametrize(
+    "reference, title, ref_column",
+    [
+        ("first", "bundled:triton TP (TP1)", 0),
+        ("3", "bundled:torch TEP (TP2 EP2)", 2),
+        ("torch", "bundled:torch TEP (TP2 EP2)", 2),
+        ("vllm", "vllm:TRITON TP (TP1)", 1),
+    ],
+)
 def test_compare_reference_can_be_first_a_number_or_part_of_a_label(tmp_path, reference, title, ref_column):
     golden = _golden(tmp_path, "a" * 24)
     _scored_run(tmp_path, "r1", "bundled:triton", "TP (TP1)", 0.04, golden=golden)
@@ -203,16 +280,21 @@ def test_compare_reference_can_be_first_a_number_or_part_of_a_label(tmp_path, re
     assert _cells(table, f"Δ log p vs {title}")[ref_column] == "reference"
     errors = _cells(table, "error vs golden")
     base = (0.04, 0.02, 0.01)[ref_column]
-    assert errors == [f"{e:.4f} (reference)" if i == ref_column else f"{e:.4f} (x{e / base:.2f})"
-                      for i, e in enumerate((0.04, 0.02, 0.01))]
+    assert errors == [
+        f"{e:.4f} (reference)" if i == ref_column else f"{e:.4f} (x{e / base:.2f})"
+        for i, e in enumerate((0.04, 0.02, 0.01))
+    ]
 
 
-@pytest.mark.parametrize("reference, message", [
-    ("cutlass", "--reference 'cutlass' matches no column of Qwen"),
-    ("bundled", "--reference 'bundled' matches 2 columns of Qwen"),
-    ("4", "--reference 4: Qwen has columns 1 to 3"),
-    ("0", "--reference 0: Qwen has columns 1 to 3"),
-])
+@pytest.mark.parametrize(
+    "reference, message",
+    [
+        ("cutlass", "--reference 'cutlass' matches no column of Qwen"),
+        ("bundled", "--reference 'bundled' matches 2 columns of Qwen"),
+        ("4", "--reference 4: Qwen has columns 1 to 3"),
+        ("0", "--reference 0: Qwen has columns 1 to 3"),
+    ],
+)
 def test_compare_refuses_a_reference_that_names_no_single_column(tmp_path, reference, message):
     for run, backend in (("r1", "bundled:triton"), ("r2", "vllm:TRITON"), ("r3", "bundled:torch")):
         _scored_run(tmp_path, run, backend, "TP (TP1)", None)
@@ -236,17 +318,21 @@ def test_compare_cli_takes_reference_and_exits_4_naming_a_bad_one(tmp_path):
 
 def test_compare_marks_mutated_runs_in_their_labels(tmp_path):
     _write_run(tmp_path, "r1", "Q", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4)
-    _write_run(tmp_path, "r2", "Q", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4,
-               mutation="scale_one_expert")
+    _write_run(
+        tmp_path, "r2", "Q", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4, mutation="scale_one_expert"
+    )
     _write_run(tmp_path, "r3", "Q", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4, mutation=None)
     table = markdown(group_runs([tmp_path / "r1", tmp_path / "r2"]))
     assert "|bundled:triton TP (TP1)|bundled:triton TP (TP1) [mutated: scale_one_expert]|" in table
     # The same kernel and layout twice still gets the run to tell the columns apart, after the mark.
-    _write_run(tmp_path, "r4", "Q", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4,
-               mutation="scale_one_expert")
+    _write_run(
+        tmp_path, "r4", "Q", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4, mutation="scale_one_expert"
+    )
     table = markdown(group_runs([tmp_path / "r2", tmp_path / "r4", tmp_path / "r3"]))
-    assert ("|bundled:triton TP (TP1) [mutated: scale_one_expert] [r2]|bundled:triton TP (TP1) [mutated: "
-            "scale_one_expert] [r4]|bundled:triton TP (TP1) [r3]|") in table
+    assert (
+        "|bundled:triton TP (TP1) [mutated: scale_one_expert] [r2]|bundled:triton TP (TP1) [mutated: "
+        "scale_one_expert] [r4]|bundled:triton TP (TP1) [r3]|"
+    ) in table
 
 
 def test_compare_golden_row_other_golden_missing_and_unscored(tmp_path):
@@ -291,12 +377,21 @@ def test_compare_rich_table_keeps_the_bracketed_marks(tmp_path, capsys, monkeypa
 def test_a_random_weights_row_reads_n_a_never_a_passing_zero(tmp_path):
     from moe_eval.report import markdown as run_table
 
-    config = parse_config(tmp_path / "twins" / "Twin-BF16-triton.yaml",
-                          "model_name: builtin:twin-qwen3-30b-a3b\nrandom_weights: true\nnum_questions: 8\n"
-                          "num_fewshot: 5\nmoe_backend: triton\n")
-    outcome = ConfigOutcome(config=config, run_dir=tmp_path, status="passed", moe_backend_used="bundled:triton",
-                            scores={"strict-match": {"accuracy": 0.0, "stderr": 0.0},
-                                    "flexible-extract": {"accuracy": 0.0, "stderr": 0.0}},
-                            checks=[Check("golden_gate", True, "ratio 0.99")])
+    config = parse_config(
+        tmp_path / "twins" / "Twin-BF16-triton.yaml",
+        "model_name: builtin:twin-qwen3-30b-a3b\nrandom_weights: true\nnum_questions: 8\n"
+        "num_fewshot: 5\nmoe_backend: triton\n",
+    )
+    outcome = ConfigOutcome(
+        config=config,
+        run_dir=tmp_path,
+        status="passed",
+        moe_backend_used="bundled:triton",
+        scores={
+            "strict-match": {"accuracy": 0.0, "stderr": 0.0},
+            "flexible-extract": {"accuracy": 0.0, "stderr": 0.0},
+        },
+        checks=[Check("golden_gate", True, "ratio 0.99")],
+    )
     strict = next(line for line in run_table([outcome]).splitlines() if "strict-match" in line).split("|")
     assert strict[7:10] == ["n/a", "±", "n/a"] and "0.0000" not in "|".join(strict) and strict[-2] == "PASS"

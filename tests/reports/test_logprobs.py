@@ -34,24 +34,32 @@ from moe_eval.logprobs import (
     write_logprobs,
 )
 
-TRAIN = [{"question": "Ann has 3 pens. She buys 2. How many?", "answer": "3 + 2 = <<3+2=5>>5\n#### 5"},
-         {"question": "Bo has 10 $ and spends 4.", "answer": "10 - 4 = 6\n#### 6"},
-         {"question": "unused", "answer": "#### 0"}]
-TEST = [{"question": "Cy has {{7}} eggs\u2019 worth.", "answer": "7 * 2 = 14\n#### 14"},
-        {"question": "Di reads 12 pages.  ", "answer": "12 / 3 = 4\n#### 4"}]
+TRAIN = [
+    {"question": "Ann has 3 pens. She buys 2. How many?", "answer": "3 + 2 = <<3+2=5>>5\n#### 5"},
+    {"question": "Bo has 10 $ and spends 4.", "answer": "10 - 4 = 6\n#### 6"},
+    {"question": "unused", "answer": "#### 0"},
+]
+TEST = [
+    {"question": "Cy has {{7}} eggs\u2019 worth.", "answer": "7 * 2 = 14\n#### 14"},
+    {"question": "Di reads 12 pages.  ", "answer": "12 / 3 = 4\n#### 4"},
+]
 
 
 # --- texts -------------------------------------------------------------------------------------
 
 
 def test_scoring_texts_hand_written():
-    shots = ("Question: Ann has 3 pens. She buys 2. How many?\nAnswer: 3 + 2 = <<3+2=5>>5\n#### 5\n\n"
-             "Question: Bo has 10 $ and spends 4.\nAnswer: 10 - 4 = 6\n#### 6\n\n")
+    shots = (
+        "Question: Ann has 3 pens. She buys 2. How many?\nAnswer: 3 + 2 = <<3+2=5>>5\n#### 5\n\n"
+        "Question: Bo has 10 $ and spends 4.\nAnswer: 10 - 4 = 6\n#### 6\n\n"
+    )
     assert scoring_texts(TRAIN, TEST, 2, 2) == [
         shots + "Question: Cy has {{7}} eggs\u2019 worth.\nAnswer: 7 * 2 = 14\n#### 14",
         shots + "Question: Di reads 12 pages.  \nAnswer: 12 / 3 = 4\n#### 4",
     ]
-    assert scoring_texts(TRAIN, TEST, 0, 1) == ["Question: Cy has {{7}} eggs\u2019 worth.\nAnswer: 7 * 2 = 14\n#### 14"]
+    assert scoring_texts(TRAIN, TEST, 0, 1) == [
+        "Question: Cy has {{7}} eggs\u2019 worth.\nAnswer: 7 * 2 = 14\n#### 14"
+    ]
 
 
 def test_scoring_texts_refuses_what_it_cannot_build():
@@ -95,9 +103,12 @@ def test_scoring_texts_match_lm_evals_gsm8k_rendering(tmp_path, monkeypatch, gsm
     spec["dataset_kwargs"]["cache_dir"] = str(tmp_path / "hf-cache")  # nothing lands in ~/.cache
     task_yaml.write_text(yaml.safe_dump(spec, sort_keys=False))
     task = TaskManager(include_path=str(task_yaml.parent), include_defaults=False).load(
-        ["gsm8k_scoring_probe"])["tasks"]["gsm8k_scoring_probe"]
-    rendered = [task.fewshot_context(doc, 5) + task.config.target_delimiter + task.doc_to_target(doc)
-                for doc in task.test_docs()]
+        ["gsm8k_scoring_probe"]
+    )["tasks"]["gsm8k_scoring_probe"]
+    rendered = [
+        task.fewshot_context(doc, 5) + task.config.target_delimiter + task.doc_to_target(doc)
+        for doc in task.test_docs()
+    ]
     assert rendered == scoring_texts(train, test, 5, len(test))
 
 
@@ -127,8 +138,12 @@ def _rec(index: int, ids, lps, tops) -> TextLogprobs:
     return TextLogprobs(index, tuple(ids), tuple(lps), tuple(top_ids), tuple(top_lps))
 
 
-REC0 = _rec(0, [7, 3, 9], [None, -0.1234567891, -2.0],
-            [None, [(3, -0.1234567891), (4, -2.5)], [(8, -0.5), (9, -2.0), (1, -3.0)]])
+REC0 = _rec(
+    0,
+    [7, 3, 9],
+    [None, -0.1234567891, -2.0],
+    [None, [(3, -0.1234567891), (4, -2.5)], [(8, -0.5), (9, -2.0), (1, -3.0)]],
+)
 REC1 = _rec(1, [7, 5], [None, -9999.0], [None, [(2, -0.01), (6, -4.6)]])
 
 
@@ -145,18 +160,36 @@ def test_logprobs_file_round_trip(tmp_path):
     assert not list(path.parent.glob(".*.tmp"))  # written through a temporary file, renamed
 
 
-@pytest.mark.parametrize("line, problem", [
-    ('{"index": 0, "token_ids": [1, 2]', "not JSON"),
-    ('{"index": 0, "token_ids": [1], "logprobs": [null], "top_ids": [null]}', "missing top_logprobs"),
-    ('{"index": 0, "token_ids": [1, 2], "logprobs": [null], "top_ids": [null, [2]], "top_logprobs": [null, [0]]}',
-     "differ in length"),
-    (('{"index": 0, "token_ids": [1, 2], "logprobs": [null, null], "top_ids": [null, null], '
-      '"top_logprobs": [null, null]}'), "position 1: null"),
-    ('{"index": "0", "token_ids": [1], "logprobs": [null], "top_ids": [null], "top_logprobs": [null]}',
-     "not an integer"),
-    (('{"index": 0, "token_ids": [1, 2], "logprobs": [null, -1], "top_ids": [null, [2, 3]], '
-      '"top_logprobs": [null, [-1]]}'), "position 1: top_ids"),
-])
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ('{"index": 0, "token_ids": [1, 2]', "not JSON"),
+        ('{"index": 0, "token_ids": [1], "logprobs": [null], "top_ids": [null]}', "missing top_logprobs"),
+        (
+            '{"index": 0, "token_ids": [1, 2], "logprobs": [null], "top_ids": [null, [2]], '
+            '"top_logprobs": [null, [0]]}',
+            "differ in length",
+        ),
+        (
+            (
+                '{"index": 0, "token_ids": [1, 2], "logprobs": [null, null], "top_ids": [null, null], '
+                '"top_logprobs": [null, null]}'
+            ),
+            "position 1: null",
+        ),
+        (
+            '{"index": "0", "token_ids": [1], "logprobs": [null], "top_ids": [null], "top_logprobs": [null]}',
+            "not an integer",
+        ),
+        (
+            (
+                '{"index": 0, "token_ids": [1, 2], "logprobs": [null, -1], "top_ids": [null, [2, 3]], '
+                '"top_logprobs": [null, [-1]]}'
+            ),
+            "position 1: top_ids",
+        ),
+    ],
+)
 def test_malformed_logprobs_file_names_file_and_line(tmp_path, line, problem):
     path = tmp_path / "lp.jsonl"
     write_logprobs(path, [REC0])
@@ -169,14 +202,28 @@ def test_malformed_logprobs_file_names_file_and_line(tmp_path, line, problem):
 
 
 def _shifted(rec: TextLogprobs, by: float) -> TextLogprobs:
-    return TextLogprobs(rec.index, rec.token_ids, tuple(None if v is None else v + by for v in rec.logprobs),
-                        rec.top_ids, tuple(None if t is None else tuple(v + by for v in t) for t in rec.top_logprobs))
+    return TextLogprobs(
+        rec.index,
+        rec.token_ids,
+        tuple(None if v is None else v + by for v in rec.logprobs),
+        rec.top_ids,
+        tuple(None if t is None else tuple(v + by for v in t) for t in rec.top_logprobs),
+    )
 
 
 def test_identical_captures_diverge_nowhere():
     div = divergence([REC0, REC1], [REC1, REC0])  # matched by index, not by order
-    assert div == Divergence(texts=2, positions=3, mean_abs_dlogp=0.0, p99_abs_dlogp=0.0, max_abs_dlogp=0.0,
-                             kl_topk=0.0, kl_positions_skipped=0, top1_flips=0, top1_flip_rate=0.0)
+    assert div == Divergence(
+        texts=2,
+        positions=3,
+        mean_abs_dlogp=0.0,
+        p99_abs_dlogp=0.0,
+        max_abs_dlogp=0.0,
+        kl_topk=0.0,
+        kl_positions_skipped=0,
+        top1_flips=0,
+        top1_flip_rate=0.0,
+    )
 
 
 def test_a_uniform_shift_moves_logprobs_but_not_the_renormalised_top_k():
@@ -199,10 +246,12 @@ def test_p99_is_numpys_linear_percentile():
 
 
 def test_top1_flip_and_tie_break():
-    base = _rec(0, [1, 2, 3], [None, -0.7, -0.69],
-                [None, [(2, -0.7), (5, -0.9)], [(3, -0.69), (5, -0.69)]])  # pos 2: tie, id 3 wins
-    flip = _rec(0, [1, 2, 3], [None, -0.9, -0.69],
-                [None, [(2, -0.9), (5, -0.7)], [(5, -0.69), (3, -0.69)]])  # pos 1 flips; pos 2 same tie
+    base = _rec(
+        0, [1, 2, 3], [None, -0.7, -0.69], [None, [(2, -0.7), (5, -0.9)], [(3, -0.69), (5, -0.69)]]
+    )  # pos 2: tie, id 3 wins
+    flip = _rec(
+        0, [1, 2, 3], [None, -0.9, -0.69], [None, [(2, -0.9), (5, -0.7)], [(5, -0.69), (3, -0.69)]]
+    )  # pos 1 flips; pos 2 same tie
     div = divergence([base], [flip])
     assert div.top1_flips == 1 and div.top1_flip_rate == 0.5 and div.positions == 2
 
@@ -212,10 +261,18 @@ def test_kl_on_the_shared_top_k_by_hand():
     p = (.625, .375), q = (.5, .5); KL = .625 ln(1.25) + .375 ln(.75). Second position: one shared
     token only, KL counted 0 and the position counted as skipped."""
     ln = math.log
-    base = _rec(0, [0, 1, 9], [None, ln(0.5), ln(0.1)],
-                [None, [(1, ln(0.5)), (2, ln(0.3)), (3, ln(0.2))], [(9, ln(0.1)), (5, ln(0.6)), (6, ln(0.3))]])
-    new = _rec(0, [0, 1, 9], [None, ln(0.4), ln(0.1)],
-               [None, [(1, ln(0.4)), (2, ln(0.4)), (4, ln(0.2))], [(9, ln(0.1)), (7, ln(0.6)), (8, ln(0.3))]])
+    base = _rec(
+        0,
+        [0, 1, 9],
+        [None, ln(0.5), ln(0.1)],
+        [None, [(1, ln(0.5)), (2, ln(0.3)), (3, ln(0.2))], [(9, ln(0.1)), (5, ln(0.6)), (6, ln(0.3))]],
+    )
+    new = _rec(
+        0,
+        [0, 1, 9],
+        [None, ln(0.4), ln(0.1)],
+        [None, [(1, ln(0.4)), (2, ln(0.4)), (4, ln(0.2))], [(9, ln(0.1)), (7, ln(0.6)), (8, ln(0.3))]],
+    )
     div = divergence([base], [new])
     kl = 0.625 * math.log(1.25) + 0.375 * math.log(0.75)
     assert kl == pytest.approx(0.0315839, abs=1e-7)
@@ -236,13 +293,30 @@ def test_different_tokens_or_texts_are_refused():
 
 
 def test_divergence_checks_one_per_limit():
-    div = Divergence(texts=64, positions=25352, mean_abs_dlogp=0.0123, p99_abs_dlogp=0.2, max_abs_dlogp=1.5,
-                     kl_topk=1e-4, kl_positions_skipped=3, top1_flips=30, top1_flip_rate=30 / 25352)
+    div = Divergence(
+        texts=64,
+        positions=25352,
+        mean_abs_dlogp=0.0123,
+        p99_abs_dlogp=0.2,
+        max_abs_dlogp=1.5,
+        kl_topk=1e-4,
+        kl_positions_skipped=3,
+        top1_flips=30,
+        top1_flip_rate=30 / 25352,
+    )
     assert divergence_checks(div, DivergenceLimits()) == []
-    checks = divergence_checks(div, DivergenceLimits(max_mean_abs_dlogp=0.05, max_p99_abs_dlogp=0.1,
-                                                     max_top1_flip_rate=0.002, max_kl_topk=1e-4))
-    assert [(c.name, c.passed) for c in checks] == [("logprob_mean_abs", True), ("logprob_p99_abs", False),
-                                                   ("logprob_top1_flips", True), ("logprob_kl", True)]
+    checks = divergence_checks(
+        div,
+        DivergenceLimits(
+            max_mean_abs_dlogp=0.05, max_p99_abs_dlogp=0.1, max_top1_flip_rate=0.002, max_kl_topk=1e-4
+        ),
+    )
+    assert [(c.name, c.passed) for c in checks] == [
+        ("logprob_mean_abs", True),
+        ("logprob_p99_abs", False),
+        ("logprob_top1_flips", True),
+        ("logprob_kl", True),
+    ]
     assert checks[0].detail == "mean |Δ log p| 0.0123 (limit 0.05) over 25352 positions of 64 texts"
     assert "30 positions" in checks[2].detail and "3 positions with < 2 shared" in checks[3].detail
 
@@ -256,7 +330,7 @@ def _brute_fail_probability(n: int, p: float, floor: float) -> float:
     pmf = np.zeros(n + 1)
     pmf[0] = 1.0
     for i in range(n):
-        pmf[1:i + 2] = pmf[1:i + 2] * (1 - p) + pmf[0:i + 1] * p
+        pmf[1 : i + 2] = pmf[1 : i + 2] * (1 - p) + pmf[0 : i + 1] * p
         pmf[0] *= 1 - p
     passing = np.array([round(k / n - floor, 12) >= 0 for k in range(n + 1)])
     return float(pmf[~passing].sum())
@@ -270,7 +344,9 @@ def test_detectable_drop_at_full_gsm8k():
     assert drop == pytest.approx(0.035116, abs=1e-6)
     p = 0.88 - drop
     assert _brute_fail_probability(1319, p, 0.853) == pytest.approx(0.8, abs=1e-6)
-    assert _brute_fail_probability(1319, p + 1e-4, 0.853) < 0.8 < _brute_fail_probability(1319, p - 1e-4, 0.853)
+    assert (
+        _brute_fail_probability(1319, p + 1e-4, 0.853) < 0.8 < _brute_fail_probability(1319, p - 1e-4, 0.853)
+    )
     assert gate_fail_probability(1319, p, 0.853) == pytest.approx(0.8, abs=1e-9)
 
 
@@ -280,18 +356,24 @@ def test_detectable_drop_shrinks_with_more_questions():
     assert detectable_drop(200, 0.88, 0.853, power=0.95) > detectable_drop(200, 0.88, 0.853, power=0.8)
 
 
-@pytest.mark.parametrize("n, floor, expected_pass", [
-    (200, 0.9, 180),  # exactly at the floor passes (GateResult's rule)
-    (3, 2 / 3, 2),  # 2/3 as a float: equal to the floor after GateResult's 12-digit rounding
-    (7, 0.5, 4),
-])
+@pytest.mark.parametrize(
+    "n, floor, expected_pass",
+    [
+        (200, 0.9, 180),  # exactly at the floor passes (GateResult's rule)
+        (3, 2 / 3, 2),  # 2/3 as a float: equal to the floor after GateResult's 12-digit rounding
+        (7, 0.5, 4),
+    ],
+)
 def test_fail_probability_uses_the_gates_rule(n, floor, expected_pass):
     # P(fail) at p -> 1 - 0: only the runs with < expected_pass right fail
     for p in (0.3, 0.7):
-        assert gate_fail_probability(n, p, floor) == pytest.approx(_brute_fail_probability(n, p, floor), abs=1e-12)
+        assert gate_fail_probability(n, p, floor) == pytest.approx(
+            _brute_fail_probability(n, p, floor), abs=1e-12
+        )
     assert gate_fail_probability(n, 1.0, floor) == 0.0
     assert _brute_fail_probability(n, 0.5, floor) == pytest.approx(
-        sum(math.comb(n, k) for k in range(expected_pass)) / 2**n)
+        sum(math.comb(n, k) for k in range(expected_pass)) / 2**n
+    )
 
 
 def test_detectable_drop_edges_and_description():
@@ -299,7 +381,8 @@ def test_detectable_drop_edges_and_description():
     assert detectable_drop(100, 0.5, 0.9) == 0.0  # the floor sits far above: fails without any drop
     assert describe_power(200, 0.88, 0.853) == (
         f"at n=200 the gate (floor 0.8530) catches a drop of >= {detectable_drop(200, 0.88, 0.853):.3f} "
-        "from 0.880 with 80% probability")
+        "from 0.880 with 80% probability"
+    )
     assert describe_power(10, 0.9, 0.0).endswith("cannot fail")
 
 
@@ -332,17 +415,44 @@ def _vllm_reply(prompt: str, top_k: int) -> dict:
         token_lps.append(actual_lp)
         tops.append({f"token_id:{t}": lp for t, lp, _ in ranked})
         if pos < len(ids) - 1:  # the raw prompt logprobs vLLM also returns, keyed by id, with ranks
-            prompt_logprobs.append({str(t): {"logprob": lp, "rank": r, "decoded_token": chr(t % 128)}
-                                    for t, lp, r in ranked})
-    return {"id": "cmpl-test", "object": "text_completion", "created": 0, "model": "m",
-            "choices": [{"index": 0, "text": prompt + "\n", "logprobs": {"text_offset": offsets,
-                         "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops},
-                         "finish_reason": "length", "stop_reason": None, "token_ids": None,
-                         "prompt_logprobs": prompt_logprobs, "prompt_token_ids": None, "routed_experts": None}],
-            "service_tier": None, "system_fingerprint": None,
-            "usage": {"prompt_tokens": len(ids) - 1, "total_tokens": len(ids), "completion_tokens": 1,
-                      "prompt_tokens_details": None},
-            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+            prompt_logprobs.append(
+                {str(t): {"logprob": lp, "rank": r, "decoded_token": chr(t % 128)} for t, lp, r in ranked}
+            )
+    return {
+        "id": "cmpl-test",
+        "object": "text_completion",
+        "created": 0,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "text": prompt + "\n",
+                "logprobs": {
+                    "text_offset": offsets,
+                    "token_logprobs": token_lps,
+                    "tokens": tokens,
+                    "top_logprobs": tops,
+                },
+                "finish_reason": "length",
+                "stop_reason": None,
+                "token_ids": None,
+                "prompt_logprobs": prompt_logprobs,
+                "prompt_token_ids": None,
+                "routed_experts": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": {
+            "prompt_tokens": len(ids) - 1,
+            "total_tokens": len(ids),
+            "completion_tokens": 1,
+            "prompt_tokens_details": None,
+        },
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
 
 
 class _FakeVllm:
@@ -378,8 +488,9 @@ class _FakeVllm:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         # A short poll: shutdown() waits for it (the default 0.5 s would make each test slow).
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
 
     def __enter__(self) -> Self:
         self.thread.start()
@@ -394,16 +505,27 @@ def test_capture_parses_vllms_echo_reply():
     texts = ["abc", "hello"]
     with _FakeVllm() as fake:
         got = capture(fake.url, "m", texts, top_k=3)
-    assert fake.requests[0] == {"model": "m", "prompt": "abc", "echo": True, "logprobs": 3, "max_tokens": 1,
-                                "temperature": 0.0, "return_tokens_as_token_ids": True}
+    assert fake.requests[0] == {
+        "model": "m",
+        "prompt": "abc",
+        "echo": True,
+        "logprobs": 3,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "return_tokens_as_token_ids": True,
+    }
     rec = got[1]
     assert rec.index == 1 and rec.token_ids == tuple(ord(c) for c in "hello")  # the generated token dropped
     assert rec.logprobs[0] is None and rec.top_ids[0] is None and rec.top_logprobs[0] is None
     assert rec.logprobs[1:] == (-5.01, -0.05, -5.03, -0.05)
     # odd position: the actual token (-5.01) came as a (k+1)-th entry and is cut; the true top-3 stay
-    assert rec.top_ids[1] == (2000, 2001, 2002) and rec.top_logprobs[1] == pytest.approx((-0.101, -0.201, -0.301))
+    assert rec.top_ids[1] == (2000, 2001, 2002) and rec.top_logprobs[1] == pytest.approx(
+        (-0.101, -0.201, -0.301)
+    )
     # even position: the actual token is the top-1; k entries
-    assert rec.top_ids[2] == (ord("l"), 2000, 2001) and rec.top_logprobs[2] == pytest.approx((-0.05, -0.102, -0.202))
+    assert rec.top_ids[2] == (ord("l"), 2000, 2001) and rec.top_logprobs[2] == pytest.approx(
+        (-0.05, -0.102, -0.202)
+    )
     assert [r.token_ids for r in got] == [tuple(map(ord, t)) for t in texts]
 
 
@@ -454,7 +576,9 @@ def test_capture_refuses_a_reply_of_the_wrong_shape():
         with pytest.raises(ValueError, match="usage says 2 prompt"):
             parse_completion(bad, 0, 2)
         bad = json.loads(json.dumps(good))
-        bad["choices"][0]["logprobs"]["tokens"][1] = "b"  # not an id: the server ignored return_tokens_as_token_ids
+        bad["choices"][0]["logprobs"]["tokens"][1] = (
+            "b"  # not an id: the server ignored return_tokens_as_token_ids
+        )
         with pytest.raises(ValueError, match="position 1 is 'b'"):
             parse_completion(bad, 0, 2)
         assert capture(fake.url, "m", ["abc"], top_k=2)[0] == parse_completion(good, 0, 2)

@@ -17,8 +17,11 @@ pytestmark = pytest.mark.server
 
 
 def _cases(junit) -> dict:
-    """Test cases by '<classname>/<name>' (the TP and TEP rows share a config name; the family tells them apart)."""
-    return {f"{case.classname}/{case.name}": case for suite in JUnitXml.fromfile(str(junit)) for case in suite}
+    """Test cases by '<classname>/<name>' (the TP and TEP rows share a config name; the family tells them
+    apart)."""
+    return {
+        f"{case.classname}/{case.name}": case for suite in JUnitXml.fromfile(str(junit)) for case in suite
+    }
 
 
 def test_junit_and_step_summary_of_a_passing_and_a_failing_run(embedded_default_run, subtle_mutation_run):
@@ -45,15 +48,26 @@ def test_results_files_follow_the_schema_and_carry_the_paired_gate(embedded_defa
             jsonschema.validate(record, schema)
             if record["moe_backend_requested"] is not None:  # compared with vLLM's row of the same run
                 paired = record["paired"]
-                assert paired["n"] == 200 and paired["baseline"].endswith("Canary-Qwen3-MoE-BF16-vllm/results.json")
+                assert paired["n"] == 200 and paired["baseline"].endswith(
+                    "Canary-Qwen3-MoE-BF16-vllm/results.json"
+                )
                 assert paired["passed"], paired  # a 5% expert bug flips no canary answer
 
 
-def test_compare_puts_the_runs_side_by_side_with_the_mutation_marked(embedded_default_run, subtle_mutation_run):
+def test_compare_puts_the_runs_side_by_side_with_the_mutation_marked(
+    embedded_default_run, subtle_mutation_run
+):
     tp = "canary-tp/Canary-Qwen3-MoE-BF16-torch/results.json"
-    compared = run_cli(["compare", "--format", "markdown", str(embedded_default_run.folder / tp),
-                        str(subtle_mutation_run.folder / tp),
-                        str(embedded_default_run.folder / "canary-tp/Canary-Qwen3-MoE-BF16-vllm/results.json")])
+    compared = run_cli(
+        [
+            "compare",
+            "--format",
+            "markdown",
+            str(embedded_default_run.folder / tp),
+            str(subtle_mutation_run.folder / tp),
+            str(embedded_default_run.folder / "canary-tp/Canary-Qwen3-MoE-BF16-vllm/results.json"),
+        ]
+    )
     assert compared.returncode == 0, compared.stderr
     out = compared.stdout
     assert "### builtin:canary-qwen3-moe" in out and "200 questions" in out

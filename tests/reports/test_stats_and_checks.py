@@ -13,13 +13,16 @@ from moe_eval.gate import GateResult
 from moe_eval.stats import accuracy_stderr, mcnemar_exact, paired_compare
 
 
-@pytest.mark.parametrize("b, c, p_worse, p_two", [
-    (5, 0, 1 / 32, 2 / 32),  # all 5 flips against the new run: P(X>=5 | n=5) = 1/32
-    (3, 1, 5 / 16, 10 / 16),  # P(X>=3 | n=4) = (C(4,3)+C(4,4))/16
-    (2, 8, 1013 / 1024, 112 / 1024),  # new run better: P(X>=2 | 10) = 1 - 11/1024; 2*P(X>=8) = 2*56/1024
-    (0, 0, 1.0, 1.0),  # no discordant pair: no evidence either way
-    (4, 4, 163 / 256, 1.0),  # balanced: P(X>=4 | 8) = 163/256; two-sided capped at 1
-])
+@pytest.mark.parametrize(
+    "b, c, p_worse, p_two",
+    [
+        (5, 0, 1 / 32, 2 / 32),  # all 5 flips against the new run: P(X>=5 | n=5) = 1/32
+        (3, 1, 5 / 16, 10 / 16),  # P(X>=3 | n=4) = (C(4,3)+C(4,4))/16
+        (2, 8, 1013 / 1024, 112 / 1024),  # new run better: P(X>=2 | 10) = 1 - 11/1024; 2*P(X>=8) = 2*56/1024
+        (0, 0, 1.0, 1.0),  # no discordant pair: no evidence either way
+        (4, 4, 163 / 256, 1.0),  # balanced: P(X>=4 | 8) = 163/256; two-sided capped at 1
+    ],
+)
 def test_mcnemar_exact_hand_computed(b, c, p_worse, p_two):
     got_worse, got_two = mcnemar_exact(b, c)
     assert got_worse == pytest.approx(p_worse, rel=1e-12) and got_two == pytest.approx(p_two, rel=1e-12)
@@ -55,7 +58,13 @@ def test_stderr_gate_is_the_stricter_floor():
 
 
 def _sample(qid: int, filt: str, text: str, filtered: str, right: bool) -> dict:
-    return {"doc_id": qid, "filter": filt, "resps": [[text]], "filtered_resps": [filtered], "exact_match": float(right)}
+    return {
+        "doc_id": qid,
+        "filter": filt,
+        "resps": [[text]],
+        "filtered_resps": [filtered],
+        "exact_match": float(right),
+    }
 
 
 def _samples(answers: list[tuple[str, str, str, bool]]) -> list[dict]:
@@ -70,11 +79,19 @@ CONFIG = "model_name: m\naccuracy_threshold: 0.5\nnum_questions: 4\nnum_fewshot:
 
 
 def test_garbage_checks_count_empty_truncated_and_invalid():
-    samples = _samples([("", "[invalid]", "[invalid]", False), ("It is 4. #### 4", "4", "4", True),
-                        ("blah blah", "[invalid]", "[invalid]", False), ("so 12", "[invalid]", "12", False)])
+    samples = _samples(
+        [
+            ("", "[invalid]", "[invalid]", False),
+            ("It is 4. #### 4", "4", "4", True),
+            ("blah blah", "[invalid]", "[invalid]", False),
+            ("so 12", "[invalid]", "12", False),
+        ]
+    )
     stats = answer_stats(samples, {0: 0, 1: 8, 2: 8, 3: 3}, max_tokens=8)
     assert (stats["empty"], stats["invalid"], stats["no_strict_answer"], stats["truncated"]) == (1, 2, 3, 2)
-    config = parse_config(Path("c.yaml"), CONFIG + "max_empty_rate: 0.3\nmax_truncated_rate: 0.4\nmax_invalid_rate: 0.5\n")
+    config = parse_config(
+        Path("c.yaml"), CONFIG + "max_empty_rate: 0.3\nmax_truncated_rate: 0.4\nmax_invalid_rate: 0.5\n"
+    )
     checks = {c.name: c for c in garbage_checks(config, stats)}
     assert checks["max_empty_rate"].passed  # 1/4 <= 0.3
     assert not checks["max_truncated_rate"].passed and "2/4 = 0.500" in checks["max_truncated_rate"].detail
@@ -87,11 +104,16 @@ def test_garbage_checks_count_empty_truncated_and_invalid():
 def _results_dir(root: Path, name: str, model: str, n: int, status: str = "passed", fewshot: int = 5) -> Path:
     run = root / name / "fam" / "cfg"
     run.mkdir(parents=True)
-    record = {"status": status, "config_name": "cfg", "num_questions_evaluated": n,
-              "config": {"model_name": model, "num_fewshot": fewshot}}
+    record = {
+        "status": status,
+        "config_name": "cfg",
+        "num_questions_evaluated": n,
+        "config": {"model_name": model, "num_fewshot": fewshot},
+    }
     (run / "results.json").write_text(json.dumps(record))
-    (run / "samples.jsonl").write_text("".join(
-        json.dumps(s) + "\n" for s in _samples([("x", "1", "1", i % 2 == 0) for i in range(n)])))
+    (run / "samples.jsonl").write_text(
+        "".join(json.dumps(s) + "\n" for s in _samples([("x", "1", "1", i % 2 == 0) for i in range(n)]))
+    )
     return root / name
 
 
