@@ -291,7 +291,7 @@ def run(
     if jobs != 1:
         check_fits(planned, pool)
     run_root = Path(resume_dir).resolve() if resume_dir else new_run_root(Path(output_dir).resolve())
-    kept = resumable_outcomes(run_root, selected, data, mutation) if resume_dir else {}
+    kept = resumable_outcomes(run_root, selected, data, mutation, dependencies) if resume_dir else {}
     append_text(run_root / "command.txt", " ".join(sys.argv) + "\n")
     for note in notes:
         progress(note)
@@ -373,11 +373,18 @@ def new_run_root(output_dir: Path) -> Path:
 
 
 def resumable_outcomes(
-    run_root: Path, selected: list[EvalConfig], data, mutation: str | None = None
+    run_root: Path,
+    selected: list[EvalConfig],
+    data,
+    mutation: str | None = None,
+    dependencies: dict[int, int] | None = None,
 ) -> dict[int, object]:
     """Configs of `selected` whose results.json in run_root holds a verdict for the same config file
     (sha256), the same versions, the same questions and the same mutation (vLLM's own kernel is never
-    mutated, so its rows carry over into a `--mutate` run); the others' old files move to attempts/."""
+    mutated, so its rows carry over into a `--mutate` run), and whose baseline_config (dependencies:
+    index -> its baseline's index, baselines first) is kept too: a row compared with a baseline that runs
+    again would keep a verdict against numbers that no longer exist. The others' old files move to
+    attempts/."""
     import json
 
     from moe_eval.results import versions
@@ -386,6 +393,7 @@ def resumable_outcomes(
 
     kept = {}
     for i, config in enumerate(selected):
+        baseline = (dependencies or {}).get(i)
         run_dir = config_run_dir(run_root, config)
         try:
             record = json.loads((run_dir / "results.json").read_text())
@@ -399,6 +407,7 @@ def resumable_outcomes(
             and record.get("num_questions_evaluated") == config.num_questions
             and record.get("gsm8k") == task_data(config, data).describe()
             and record.get("mutation") == (mutation if config.moe_backend is not None else None)
+            and (baseline is None or baseline in kept)
         )
         if same:
             outcome = ConfigOutcome.from_record(config, run_dir, record)

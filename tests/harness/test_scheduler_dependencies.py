@@ -34,3 +34,43 @@ def test_a_scheduled_dependency_is_still_waited_for():
     scheduler = _scheduler([Planned(0, None, 1), Planned(1, None, 1, depends_on=0)])
     scheduler._start_what_fits()
     assert scheduler.launched == [0]
+
+
+def test_resume_reruns_a_row_whose_baseline_runs_again(tmp_path):
+    """--resume keeps a finished row only when its baseline_config is kept too: a verdict against a baseline
+    that runs again would compare with numbers that no longer exist."""
+    import json
+
+    from moe_eval.cli import resumable_outcomes
+    from moe_eval.config import parse_config
+    from moe_eval.gsm8k import Gsm8kData
+    from moe_eval.results import versions
+    from moe_eval.runner import config_run_dir, task_data
+
+    family = tmp_path / "configs" / "fam"
+    text = "model_name: m\naccuracy_threshold: 0.5\nnum_questions: 4\nnum_fewshot: 5\n"
+    base = parse_config(family / "M-BF16-vllm.yaml", text)
+    user = parse_config(
+        family / "M-BF16-torch.yaml", text + "moe_backend: torch\nbaseline_config: M-BF16-vllm.yaml\n"
+    )
+    data, run_root = Gsm8kData(None), tmp_path / "run"
+
+    def finished(config, status):
+        run_dir = config_run_dir(run_root, config)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        record = {
+            "status": status,
+            "config_sha256": config.sha256,
+            "versions": versions(),
+            "num_questions_evaluated": 4,
+            "gsm8k": task_data(config, data).describe(),
+            "mutation": None,
+        }
+        (run_dir / "results.json").write_text(json.dumps(record))
+
+    finished(base, "passed")
+    finished(user, "passed")
+    assert sorted(resumable_outcomes(run_root, [base, user], data, None, {1: 0})) == [0, 1]
+    finished(base, "error")  # the baseline ended in an infrastructure error: it runs again, so does its user
+    assert sorted(resumable_outcomes(run_root, [base, user], data, None, {1: 0})) == []
+    assert (config_run_dir(run_root, user) / "attempts" / "1" / "results.json").is_file()  # kept, aside
