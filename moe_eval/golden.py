@@ -329,7 +329,25 @@ class GoldenStore:
 
     def load(self, key: GoldenKey) -> Golden | None:
         """The record for `key`; None when there is none. ConfigError naming the file when one is there
-        but corrupt or made for another key: never silently reused, never silently replaced."""
+        but corrupt or made for another key: never silently reused, never silently replaced. A record that
+        a `--refresh` swapped while it was being read is read again, not called corrupt."""
+        folder = self.folder(key)
+        try:
+            before = folder.stat().st_ino
+        except FileNotFoundError:
+            return None
+        try:
+            return self._load_once(key)
+        except ConfigError:
+            try:
+                swapped = folder.stat().st_ino != before
+            except FileNotFoundError:
+                return None  # gone mid-read (a refresh between its two renames): the caller makes it, locked
+            if not swapped:
+                raise
+            return self._load_once(key)
+
+    def _load_once(self, key: GoldenKey) -> Golden | None:
         folder = self.folder(key)
         meta_path = folder / "golden.json"
         if not folder.exists():
@@ -391,9 +409,13 @@ class GoldenStore:
             }
             atomic_write_json(tmp / "golden.json", meta)
             target = self.folder(key)
-            if target.exists():  # a refresh: the old record goes only once the new one is whole
-                shutil.rmtree(target)
+            old = None
+            if target.exists():  # a refresh: the old record moves aside only once the new one is whole
+                old = Path(tempfile.mkdtemp(dir=self.root, prefix=f".{key.digest}.old."))
+                os.replace(target, old / "record")
             os.replace(tmp, target)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -57,6 +57,28 @@ def test_round_trip_and_files_checked(tmp_path):
     )
 
 
+def test_a_refresh_swaps_the_record_whole_even_under_a_reader(tmp_path, monkeypatch):
+    store = GoldenStore(tmp_path)
+    store.save(KEY, PREFILL, DECODE, PREFILL, {})
+    store.save(KEY, PREFILL[:1], DECODE, PREFILL[:1], {})  # --refresh: the new record replaces the old
+    assert store.load(KEY).prefill == PREFILL[:1]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [KEY.digest]
+    # A reader whose read straddles a refresh (golden.json of one record, files of the other) reads again.
+    read_once = store._load_once
+
+    def straddled(key):
+        monkeypatch.setattr(store, "_load_once", read_once)
+        store.save(KEY, PREFILL, DECODE, PREFILL, {})  # the refresh lands mid-read
+        raise ConfigError("sha256 is not the one its golden.json records")
+
+    monkeypatch.setattr(store, "_load_once", straddled)
+    assert store.load(KEY).prefill == PREFILL
+    # Without a swap, a bad record stays an error (never silently reread into a pass).
+    monkeypatch.setattr(store, "_load_once", lambda key: (_ for _ in ()).throw(ConfigError("corrupt")))
+    with pytest.raises(ConfigError, match="corrupt"):
+        store.load(KEY)
+
+
 def test_a_key_with_env_reloads(tmp_path):
     key = dataclasses.replace(KEY, env=(("VLLM_ATTENTION_BACKEND", "FLASH_ATTN"),))
     store = GoldenStore(tmp_path)
