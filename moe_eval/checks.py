@@ -15,7 +15,7 @@ from typing import Any
 
 from moe_eval.config import EvalConfig
 from moe_eval.errors import ConfigError
-from moe_eval.results import result_files
+from moe_eval.results import RunRecord, UnreadableRecord, result_files
 from moe_eval.stats import PairedResult, paired_compare
 
 INVALID = "[invalid]"  # what lm-eval's regex filters leave when they find nothing
@@ -112,13 +112,12 @@ def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
     candidates = []
     paths = [baseline_root] if baseline_root.is_file() else result_files(baseline_root)
     for path in paths:
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
+        record = RunRecord.read_if_any(path)
+        if record is None:
             continue
-        cfg = record.get("config", {})
+        cfg = record.config
         if (
-            record.get("status") in ("passed", "failed")
+            record.has_verdict
             and cfg.get("model_name") == config.model_name
             and record.get("num_questions_evaluated") == config.num_questions
             and cfg.get("num_fewshot") == config.num_fewshot
@@ -154,16 +153,16 @@ def load_baseline(results_path: Path, what: str) -> Baseline:
         raise ConfigError(f"{what}: {samples_path}: cannot read per-question samples ({exc})") from None
     logprobs = results_path.parent / LOGPROBS_FILE
     try:
-        record = json.loads(results_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{what}: {results_path}: cannot read ({exc})") from None
+        record = RunRecord.read(results_path)
+    except UnreadableRecord as exc:
+        raise ConfigError(f"{what}: {exc}") from None
     decode = results_path.parent / DECODE_FILE
     return Baseline(
         results_path,
         correctness(samples),
         logprobs if logprobs.is_file() else None,
         record.get("moe_backend_used"),
-        (record.get("layout") or {}).get("describe"),
+        record.layout,
         decode if decode.is_file() else None,
     )
 

@@ -385,9 +385,7 @@ def resumable_outcomes(
     index -> its baseline's index, baselines first) is kept too: a row compared with a baseline that runs
     again would keep a verdict against numbers that no longer exist. The others' old files move to
     attempts/."""
-    import json
-
-    from moe_eval.results import versions
+    from moe_eval.results import RESULTS_FILE, RunRecord, versions
     from moe_eval.runner import ConfigOutcome, config_run_dir, task_data
     from moe_eval.scheduler import ATTEMPTS_DIR, move_run_files
 
@@ -395,13 +393,10 @@ def resumable_outcomes(
     for i, config in enumerate(selected):
         baseline = (dependencies or {}).get(i)
         run_dir = config_run_dir(run_root, config)
-        try:
-            record = json.loads((run_dir / "results.json").read_text())
-        except (OSError, ValueError):
-            record = None
+        record = RunRecord.read_if_any(run_dir / RESULTS_FILE)
         same = (
             record is not None
-            and record.get("status") in ("passed", "failed")
+            and record.has_verdict
             and record.get("config_sha256") == config.sha256
             and record.get("versions") == versions()
             and record.get("num_questions_evaluated") == config.num_questions
@@ -410,7 +405,7 @@ def resumable_outcomes(
             and (baseline is None or baseline in kept)
         )
         if same:
-            outcome = ConfigOutcome.from_record(config, run_dir, record)
+            outcome = ConfigOutcome.from_record(config, run_dir, record.data)
             outcome.resumed = True
             kept[i] = outcome
         elif run_dir.is_dir() and any(e.name != ATTEMPTS_DIR for e in run_dir.iterdir()):

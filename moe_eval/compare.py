@@ -33,7 +33,7 @@ from moe_eval.errors import ConfigError
 from moe_eval.gsm8k import FILTERS
 from moe_eval.logprobs import TextLogprobs, divergence, read_logprobs
 from moe_eval.report import divergence_cell, markdown_table, rich_table
-from moe_eval.results import result_files
+from moe_eval.results import RunRecord, UnreadableRecord, result_files
 from moe_eval.stats import paired_compare
 
 DEFAULT_REFERENCE = "vllm"
@@ -78,10 +78,10 @@ def _result_files(inputs: list[Path]) -> list[Path]:
 def load_run(path: Path) -> RunResult | None:
     """None for a config that errored (nothing to compare); ConfigError for an unreadable file."""
     try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"compare: {path}: not a moe-eval results.json ({exc})") from None
-    if record.get("status") not in ("passed", "failed"):
+        record = RunRecord.read(path)
+    except UnreadableRecord as exc:
+        raise ConfigError(f"compare: not a moe-eval results.json: {exc}") from None
+    if not record.has_verdict:
         return None
     samples_path = path.parent / record.get("samples", "samples.jsonl")
     try:
@@ -90,7 +90,7 @@ def load_run(path: Path) -> RunResult | None:
         raise ConfigError(f"compare: {samples_path}: per-question samples missing ({exc})") from None
     backend = record.get("moe_backend_used") or record.get("moe_backend_requested") or "vllm"
     mutation = record.get("mutation")
-    label = f"{backend} {record['layout']['describe']}"
+    label = f"{backend} {record.layout}"
     if mutation:  # a broken kernel on purpose: its column must never pass for a real one
         label += f" [mutated: {mutation}]"
     golden = record.get("golden") if isinstance(record.get("golden"), dict) else {}
@@ -98,11 +98,11 @@ def load_run(path: Path) -> RunResult | None:
     logprobs = path.parent / LOGPROBS_FILE
     return RunResult(
         path=path,
-        model=record["config"]["model_name"],
+        model=record.config["model_name"],
         label=label,
-        num_fewshot=record["config"]["num_fewshot"],
+        num_fewshot=record.config["num_fewshot"],
         scores=record["scores"],
-        verdict=record["status"].upper(),
+        verdict=record.status.upper(),
         correct=correct,
         logprobs=logprobs if logprobs.is_file() else None,
         backend=backend,

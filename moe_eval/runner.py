@@ -54,7 +54,15 @@ from moe_eval.logprobs import (
 )
 from moe_eval.models import resolve_model
 from moe_eval.plugin_protocol import STATS_INTERVAL_SECONDS
-from moe_eval.results import RESULTS_SCHEMA_VERSION, atomic_write_json, cpu_model, versions, write_samples
+from moe_eval.results import (
+    RESULTS_FILE,
+    RESULTS_SCHEMA_VERSION,
+    VERDICTS,
+    RunRecord,
+    cpu_model,
+    versions,
+    write_samples,
+)
 from moe_eval.server_log import (
     bundled_kernel_lines,
     jit_while_serving,
@@ -205,7 +213,7 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
         cancel.raise_if_cancelled()  # a signal that came during the teardown: the run stops here
     except KeyboardInterrupt as exc:  # SIGTERM (moe_eval.cancel) or Ctrl-C: what was done is kept
         signal_name = exc.signal_name if isinstance(exc, cancel.Cancelled) else "SIGINT"
-        if outcome.status not in ("passed", "failed"):  # a verdict reached before the signal stands
+        if outcome.status not in VERDICTS:  # a verdict reached before the signal stands
             outcome.status = "cancelled"
             outcome.error = f"cancelled by {signal_name}"
             record["error"] = {
@@ -250,7 +258,7 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
                 "strict_match_so_far": options.status.status.accuracy_so_far,
             }
             options.status.stage(outcome.status)
-        atomic_write_json(run_dir / "results.json", record)
+        RunRecord(record, run_dir / RESULTS_FILE).write()
     if raise_after is not None:
         raise raise_after
     return outcome

@@ -19,7 +19,6 @@ Usage:
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -33,7 +32,7 @@ from moe_eval.config import EvalConfig
 from moe_eval.devices import DevicePool
 from moe_eval.launch import free_port
 from moe_eval.plugin_protocol import RUN_DIR_ENV
-from moe_eval.results import atomic_write_json
+from moe_eval.results import RESULTS_FILE, RunRecord
 from moe_eval.runner import ConfigOutcome, config_run_dir
 from moe_eval.status import STATUS_FILE, Status, read_status
 from moe_eval.worker import JOB_FILE, LOG_FILE, Job
@@ -212,11 +211,8 @@ class Scheduler:
     def _outcome(self, run: _Running, code: int) -> ConfigOutcome:
         config = run.planned.config
         run_dir = config_run_dir(Path(self.options.job.run_root), config)
-        try:
-            record = json.loads((run_dir / "results.json").read_text())
-        except (OSError, ValueError):
-            record = None
-        if record is None or record.get("attempt", 1) != run.attempt:
+        record = RunRecord.read_if_any(run_dir / RESULTS_FILE)
+        if record is None or record.attempt != run.attempt:
             why = "cancelled before it wrote results" if self.signals else f"worker exited with code {code}"
             return ConfigOutcome(
                 config=config,
@@ -224,7 +220,7 @@ class Scheduler:
                 status="cancelled" if self.signals else "error",
                 error=f"{why}; see {run_dir / LOG_FILE}",
             )
-        return ConfigOutcome.from_record(config, run_dir, record)
+        return ConfigOutcome.from_record(config, run_dir, record.data)
 
     def _archive(self, outcome: ConfigOutcome, attempt: int) -> dict:
         """Move an attempt's files into attempts/<n>/, so the next attempt starts clean and this one is
@@ -239,13 +235,11 @@ class Scheduler:
         }
 
     def _record_attempts(self, outcome: ConfigOutcome) -> None:
-        path = outcome.run_dir / "results.json"
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
+        record = RunRecord.read_if_any(outcome.run_dir / RESULTS_FILE)
+        if record is None:
             return
-        record["attempts"] = outcome.attempts
-        atomic_write_json(path, record)
+        record.data["attempts"] = outcome.attempts
+        record.write()
 
 
 def move_run_files(run_dir: Path, target: Path) -> None:

@@ -109,17 +109,16 @@ def _baseline_config(config, job: Job, run_root: Path):
     """The Baseline that config's baseline_config left in this run's folder, or why there is none."""
     from moe_eval.checks import load_baseline
     from moe_eval.config import load_config
+    from moe_eval.results import RESULTS_FILE, RunRecord
     from moe_eval.runner import config_run_dir
 
     baseline = load_config(config.baseline_config_path)
-    results = config_run_dir(run_root, baseline) / "results.json"
-    try:
-        record = json.loads(results.read_text())
-    except (OSError, ValueError):
+    results = config_run_dir(run_root, baseline) / RESULTS_FILE
+    record = RunRecord.read_if_any(results)
+    if record is None:
         return f"baseline_config {baseline.path} left no results ({results}); nothing to compare against"
-    if record.get("status") not in ("passed", "failed"):
-        why = (record.get("error") or {}).get("message", "")
-        status = record.get("status")
+    if not record.has_verdict:
+        why, status = record.error_message, record.status
         return f"baseline_config {baseline.path} ended {status} ({why}); nothing to compare against"
     return load_baseline(results, f"{config.path}: baseline_config")
 
