@@ -16,7 +16,7 @@ import click
 
 from moe_eval import cancel
 from moe_eval.cancel import EXIT_CANCELLED
-from moe_eval.config import EvalConfig, load_config
+from moe_eval.config import EvalConfig, effective_config, load_config
 from moe_eval.errors import ConfigError, ExitCode, MoeEvalError
 from moe_eval.selection import (
     HARDWARE,
@@ -27,12 +27,13 @@ from moe_eval.selection import (
     shard,
     with_baselines,
 )
+from moe_eval.status import progress_line
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def progress(message: str) -> None:
-    click.echo(f"[moe-eval {time.strftime('%H:%M:%S')}] {message}", err=True)
+    click.echo(progress_line(message), err=True)
 
 
 def find_root(root_option: str | None, hw: str) -> Path:
@@ -267,10 +268,7 @@ def run(
     selected, source = select_configs(hw, configs, shard_from_environment(shard_text), root, list_path)
     # --baseline (an earlier run) replaces the configs' baseline_config: nothing more to run.
     selected, dependencies, notes = with_baselines(selected) if not baseline_path else (selected, {}, [])
-    if limit is not None:
-        import dataclasses
-
-        selected = [dataclasses.replace(c, num_questions=min(limit, c.num_questions)) for c in selected]
+    selected = [effective_config(c, limit, mutation)[0] for c in selected]
     data = gsm8k_data(gsm8k_dir)
     if mutation is not None and all(c.moe_backend is None for c in selected):
         raise ConfigError(
@@ -278,8 +276,7 @@ def run(
             "mutations apply to the bundled kernels only"
         )
     for config in selected:
-        # vLLM's own kernel is never mutated: such configs are the references of a mutation run.
-        preflight(config, hw, len(gpu_list), mutation if config.moe_backend is not None else None)
+        preflight(config, hw, len(gpu_list), effective_config(config, None, mutation)[1])
     if baseline_path:  # refused now, before anything launches, when a config has no baseline there
         for config in selected:
             find_baseline(Path(baseline_path).resolve(), config)
@@ -401,7 +398,7 @@ def resumable_outcomes(
             and record.get("versions") == versions()
             and record.get("num_questions_evaluated") == config.num_questions
             and record.get("gsm8k") == task_data(config, data).describe()
-            and record.get("mutation") == (mutation if config.moe_backend is not None else None)
+            and record.mutation == effective_config(config, None, mutation)[1]
             and (baseline is None or baseline in kept)
         )
         if same:

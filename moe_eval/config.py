@@ -8,6 +8,7 @@ type or an out-of-range value is a ConfigError naming the file, the key and the 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import shlex
 from collections.abc import Callable
@@ -391,3 +392,14 @@ def load_config(path: Path) -> EvalConfig:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
     return parse_config(path, text)
+
+
+def effective_config(
+    config: EvalConfig, limit: int | None, mutation: str | None
+) -> tuple[EvalConfig, str | None]:
+    """What one run does with a config: `--limit` caps its questions (results.json records the cap), and
+    `--mutate` reaches bundled kernels only: vLLM's own kernel is never mutated (such configs are a mutation
+    run's references, kept by --resume across mutations)."""
+    if limit is not None:
+        config = dataclasses.replace(config, num_questions=min(limit, config.num_questions))
+    return config, (mutation if config.moe_backend is not None else None)

@@ -44,8 +44,6 @@ from moe_eval.logprobs import (
     capture_decode,
     decode_prompts,
     default_limits,
-    describe_power,
-    detectable_drop,
     divergence,
     divergence_checks,
     read_logprobs,
@@ -72,6 +70,7 @@ from moe_eval.server_log import (
     verify_moe_backend,
     vllm_moe_backends,
 )
+from moe_eval.stats import describe_power, detectable_drop
 from moe_eval.status import StatusWriter
 
 Progress = Callable[[str], None]

@@ -1,4 +1,5 @@
-"""Statistics for the gates: the standard error of an accuracy and the exact McNemar test.
+"""Statistics for the gates: the standard error of an accuracy, the exact McNemar test, and the accuracy
+gate's power (the smallest drop it catches).
 
 The paired test asks "did this kernel change answers?": over the questions both runs answered,
 b = baseline right and new wrong, c = baseline wrong and new right. Under "no change" each
@@ -93,4 +94,77 @@ def paired_compare(baseline: dict[int, bool], new: dict[int, bool], alpha: float
         p_worse=p_worse,
         p_two_sided=p_two,
         alpha=alpha,
+    )
+
+
+# --- the accuracy gate's power -----------------------------------------------------------------
+
+
+def _binom_cdf(m: int, n: int, p: float) -> float:
+    """P(X <= m), X ~ Binomial(n, p), exact up to float rounding: log-space terms via lgamma."""
+    if m < 0:
+        return 0.0
+    if m >= n or p <= 0.0:
+        return 1.0
+    if p >= 1.0:
+        return 0.0
+    log_p, log_q, log_n_fact = math.log(p), math.log1p(-p), math.lgamma(n + 1)
+    terms = [
+        log_n_fact - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
+        for i in range(m + 1)
+    ]
+    top = max(terms)
+    return min(1.0, math.exp(top) * math.fsum(math.exp(t - top) for t in terms))
+
+
+def _min_passing_correct(n: int, floor: float) -> int:
+    """Smallest correct count k with k / n passing the gate, by gate.GateResult.passed's own rule."""
+    k = max(0, min(n, math.ceil(floor * n)))
+    while k > 0 and round((k - 1) / n - floor, 12) >= 0:
+        k -= 1
+    while k <= n and round(k / n - floor, 12) < 0:
+        k += 1
+    return k  # n + 1 when not even a perfect run passes
+
+
+def gate_fail_probability(n: int, true_accuracy: float, floor: float) -> float:
+    """P(a run of n independent questions, each right with probability true_accuracy, fails the gate)."""
+    return _binom_cdf(_min_passing_correct(n, floor) - 1, n, true_accuracy)
+
+
+def detectable_drop(n: int, accuracy: float, floor: float, power: float = 0.8) -> float:
+    """The smallest drop Δ of true accuracy below `accuracy` that the gate catches with probability
+    >= `power`: a run of n questions at true accuracy accuracy - Δ ends below `floor` that often.
+
+    Model: the n questions are independent, each answered right with the same probability (the true
+    accuracy); the run passes when its observed accuracy is >= floor (GateResult's rule). The
+    failure probability falls as the true accuracy rises, so bisection on it finds the boundary.
+    Returns 0.0 when even a run at `accuracy` fails that often, inf when no run can fail (floor <= 0).
+    """
+    if n < 1 or not 0.0 < power < 1.0 or not 0.0 <= accuracy <= 1.0:
+        raise ValueError(
+            f"need n >= 1, 0 < power < 1, 0 <= accuracy <= 1 (n={n}, power={power}, accuracy={accuracy})"
+        )
+    k_pass = _min_passing_correct(n, floor)
+    if k_pass == 0:
+        return math.inf
+    if _binom_cdf(k_pass - 1, n, accuracy) >= power:
+        return 0.0
+    lo, hi = 0.0, accuracy  # fail probability >= power at lo (1 at p = 0), < power at hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if _binom_cdf(k_pass - 1, n, mid) >= power:
+            lo = mid
+        else:
+            hi = mid
+    return accuracy - lo
+
+
+def describe_power(n: int, accuracy: float, floor: float, power: float = 0.8) -> str:
+    drop = detectable_drop(n, accuracy, floor, power)
+    if math.isinf(drop):
+        return f"at n={n} the gate (floor {floor:.4f}) cannot fail"
+    return (
+        f"at n={n} the gate (floor {floor:.4f}) catches a drop of >= {drop:.3f} from {accuracy:.3f} "
+        f"with {power:.0%} probability"
     )

@@ -23,6 +23,12 @@ from pathlib import Path
 
 from moe_eval.results import atomic_write_text
 
+
+def progress_line(message: str) -> str:
+    """One progress line on stderr, the same from the CLI and from a config's worker process."""
+    return f"[moe-eval {time.strftime('%H:%M:%S')}] {message}"
+
+
 STATUS_FILE = "status.json"
 WRITE_INTERVAL_SECONDS = 0.5
 # lm-eval's gsm8k strict-match: the number after "#### ", then its exact_match ignores "," "$" and a final

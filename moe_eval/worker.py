@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,14 +57,12 @@ class Job:
 
 def run_job(job: Job) -> int:
     from moe_eval.checks import find_baseline
-    from moe_eval.config import load_config
+    from moe_eval.config import effective_config, load_config
     from moe_eval.gsm8k import gsm8k_data
     from moe_eval.runner import config_run_dir, run_config, task_data
     from moe_eval.status import STATUS_FILE, StatusWriter, reference_answers
 
-    config = load_config(Path(job.config_path))
-    if job.limit is not None:
-        config = dataclasses.replace(config, num_questions=min(job.limit, config.num_questions))
+    config, mutation = effective_config(load_config(Path(job.config_path)), job.limit, job.mutation)
     data = gsm8k_data(job.gsm8k_dir)
     run_root = Path(job.run_root)
     run_dir = config_run_dir(run_root, config)
@@ -92,8 +89,7 @@ def run_job(job: Job) -> int:
         baselines=baselines,
         status=status,
         baseline_error=baseline_error,
-        # vLLM's own kernel is never mutated: such configs are a mutation run's references
-        mutation=job.mutation if config.moe_backend is not None else None,
+        mutation=mutation,
     )
     try:
         run_config(config, options)
@@ -125,9 +121,10 @@ def _baseline_config(config, job: Job, run_root: Path):
 
 def _options(job: Job, run_root: Path, data: object):
     from moe_eval.runner import RunOptions
+    from moe_eval.status import progress_line
 
     def progress(message: str) -> None:
-        print(f"[moe-eval {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+        print(progress_line(message), file=sys.stderr, flush=True)
 
     return RunOptions(
         hw=job.hw,

@@ -26,10 +26,8 @@ from pathlib import Path
 import torch
 
 from moe_eval.canary.task import SPLIT_SEED, canary_splits, make_problem
+from moe_eval.logprobs import FEWSHOT_DELIMITER, TARGET_DELIMITER  # lm-eval's gsm8k layout, kept in one place
 from moe_eval.models import bpe_tokenizer, qwen3_moe_config
-
-FEWSHOT_DELIMITER = "\n\n"  # lm-eval's default between few-shot documents
-TARGET_DELIMITER = " "  # lm-eval's default between "Answer:" and the answer
 
 
 @dataclass(frozen=True)

@@ -23,16 +23,14 @@ from moe_eval.logprobs import (
     DivergenceLimits,
     TextLogprobs,
     capture,
-    describe_power,
-    detectable_drop,
     divergence,
     divergence_checks,
-    gate_fail_probability,
     read_logprobs,
     read_rows,
     scoring_texts,
     write_logprobs,
 )
+from moe_eval.stats import describe_power, detectable_drop, gate_fail_probability
 
 TRAIN = [
     {"question": "Ann has 3 pens. She buys 2. How many?", "answer": "3 + 2 = <<3+2=5>>5\n#### 5"},
