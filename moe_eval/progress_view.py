@@ -16,13 +16,9 @@ import time
 from collections.abc import Callable
 
 from moe_eval.runner import STATUSES
-from moe_eval.status import Status
+from moe_eval.status import Status, progress_line
 
 PLAIN_INTERVAL_SECONDS = 30.0
-
-
-def _clock() -> str:
-    return time.strftime("%H:%M:%S")
 
 
 def describe(name: str, devices: list[int] | None, kind: str, status: Status | None, now: float) -> str:
@@ -69,7 +65,7 @@ class ProgressView:
             self._live.start()
 
     def _print(self, text: str) -> None:
-        line = f"[moe-eval {_clock()}] {text}"
+        line = progress_line(text)
         if self._live is not None:
             self._console.print(line, highlight=False, markup=False)
         else:

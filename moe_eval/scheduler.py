@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from moe_eval.config import EvalConfig
 from moe_eval.devices import DevicePool
@@ -58,6 +59,19 @@ class SchedulerOptions:
     port_base: int | None = None
 
 
+class SchedulerView(Protocol):
+    """What the scheduler tells whoever shows progress (progress_view.ProgressView; tests record it)."""
+
+    def note(self, text: str) -> None: ...
+
+    def started(self, planned: Planned, devices: list[int] | None, attempt: int) -> None: ...
+
+    def tick(self, running: list[tuple[Planned, list[int] | None, Status | None]]) -> None:
+        """Every poll: each running config with its devices and its worker's last status (None: none yet)."""
+
+    def finished(self, planned: Planned, outcome: ConfigOutcome) -> None: ...
+
+
 @dataclass
 class _Running:
     planned: Planned
@@ -69,7 +83,7 @@ class _Running:
 
 
 class Scheduler:
-    def __init__(self, planned: list[Planned], options: SchedulerOptions, view: object) -> None:
+    def __init__(self, planned: list[Planned], options: SchedulerOptions, view: SchedulerView) -> None:
         self.options = options
         self.view = view
         self.pending = sorted(planned, key=lambda p: (-p.units, p.index))
