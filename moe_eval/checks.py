@@ -15,7 +15,7 @@ from typing import Any
 
 from moe_eval.config import EvalConfig
 from moe_eval.errors import ConfigError
-from moe_eval.results import RunRecord, UnreadableRecord, result_files
+from moe_eval.results import VERDICTS, RunRecord, UnreadableRecord, result_files
 from moe_eval.stats import PairedResult, paired_compare
 
 INVALID = "[invalid]"  # what lm-eval's regex filters leave when they find nothing
@@ -172,3 +172,8 @@ def paired_check(baseline: Baseline, samples: list[dict], alpha: float) -> tuple
     return Check(
         "paired_gate", result.passed, result.describe() + f" [baseline {baseline.results_path}]"
     ), result
+
+
+def verdict(checks: list[Check]) -> str:
+    """A finished config's verdict from its checks, and nothing else: passed when every check passed."""
+    return VERDICTS[0] if all(c.passed for c in checks) else VERDICTS[1]

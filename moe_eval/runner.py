@@ -31,6 +31,7 @@ from moe_eval.checks import (
     garbage_checks,
     paired_check,
     per_question,
+    verdict,
 )
 from moe_eval.config import EvalConfig
 from moe_eval.errors import ConfigError, InfraError, MoeEvalError
@@ -377,7 +378,7 @@ def _serve_and_evaluate(
             config, options, data, model, run_dir, logprobs, decode, baseline, record, outcome.timings
         )
         outcome.golden_gate = record.get("golden_gate")
-    outcome.status = "passed" if not outcome.failed_checks else "failed"
+    outcome.status = verdict(outcome.checks)
 
 
 def _answer_checks(

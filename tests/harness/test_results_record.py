@@ -51,3 +51,11 @@ def test_a_bad_file_is_refused_naming_it(tmp_path, text, message):
         RunRecord.read(path)
     assert str(path) in str(caught.value)
     assert RunRecord.read_if_any(path) is None and RunRecord.read_if_any(tmp_path / "missing.json") is None
+
+
+def test_the_verdict_is_a_function_of_the_checks_alone():
+    from moe_eval.checks import Check, verdict
+
+    assert verdict([Check("a", True, ""), Check("b", True, "")]) == "passed"
+    assert verdict([Check("a", True, ""), Check("golden_gate", False, "ratio 1.6")]) == "failed"
+    assert verdict([]) == "passed"  # nothing gated it (a random-weights incumbent row that served)
