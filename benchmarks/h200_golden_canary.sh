@@ -15,7 +15,7 @@ MUTATIONS="${MUTATIONS:-scale_one_expert}"
 out="${OUT:-/tmp/golden-out}"; work="/tmp/golden-$layout"
 export MOE_EVAL_GOLDEN_CACHE=/tmp/goldens
 mkdir -p "$out" "$work" "$MOE_EVAL_GOLDEN_CACHE"
-[ -d .goldens ] && cp -rn .goldens/. "$MOE_EVAL_GOLDEN_CACHE"/
+[ -d .goldens ] && cp -r --update=none .goldens/. "$MOE_EVAL_GOLDEN_CACHE"/
 moe_eval() { bash .vgpu/device_env.sh python3 -m moe_eval "$@"; }
 pack() {  # after every stage: a call cut short by its time limit still brings back what finished
   tar -C "$work" -cJf "$out/$layout.tar.xz" --exclude='*.safetensors' .
