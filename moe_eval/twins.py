@@ -281,8 +281,9 @@ def build_twin(spec: TwinSpec, out_dir: Path, threads: int | None = None) -> Non
     workers = threads or max(1, min(8, os.cpu_count() or 1))
     weight_map: dict[str, str] = {}
     # One file per layer (plus one for embeddings and head): memory stays at one layer's tensors.
+    plans = weight_plan(spec, vocab)
     groups: dict[str, list[TensorPlan]] = {}
-    for plan in weight_plan(spec, vocab):
+    for plan in plans:
         layer = plan.name.split(".")[2] if plan.name.startswith("model.layers.") else "rest"
         groups.setdefault(layer, []).append(plan)
     names = sorted(groups, key=lambda g: (g == "rest", int(g) if g != "rest" else 0))
@@ -299,7 +300,7 @@ def build_twin(spec: TwinSpec, out_dir: Path, threads: int | None = None) -> Non
         save_file(tensors, str(out_dir / filename), metadata={"format": "pt"})
         weight_map.update({name: filename for name in tensors})
         del tensors
-    total = sum(2 * _numel(p.shape) for p in weight_plan(spec, vocab))
+    total = sum(2 * _numel(p.shape) for p in plans)
     (out_dir / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
     )
