@@ -18,8 +18,10 @@ mkdir -p "$out" "$work" "$MOE_EVAL_GOLDEN_CACHE"
 [ -d .goldens ] && cp -r --update=none .goldens/. "$MOE_EVAL_GOLDEN_CACHE"/
 moe_eval() { bash .vgpu/device_env.sh python3 -m moe_eval "$@"; }
 pack() {  # after every stage: a call cut short by its time limit still brings back what finished
-  tar -C "$work" -cJf "$out/$layout.tar.xz" --exclude='*.safetensors' .
-  tar -C "$MOE_EVAL_GOLDEN_CACHE" -cJf "$out/goldens.tar.xz" .
+  # Written under a temporary name, then renamed: a kill mid-pack leaves the last whole archive (seen: a
+  # timeout during a re-pack truncated it and lost every results.json).
+  tar -C "$work" -cJf "$out/$layout.tar.xz.part" --exclude='*.safetensors' . && mv -f "$out/$layout.tar.xz.part" "$out/$layout.tar.xz"
+  tar -C "$MOE_EVAL_GOLDEN_CACHE" -cJf "$out/goldens.tar.xz.part" . && mv -f "$out/goldens.tar.xz.part" "$out/goldens.tar.xz"
 }
 pair=("configs/canary-gpu-$layout/Canary-Qwen3-MoE-BF16-vllm-triton.yaml"
       "configs/canary-gpu-$layout/Canary-Qwen3-MoE-BF16-triton.yaml")

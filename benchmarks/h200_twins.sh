@@ -31,5 +31,6 @@ echo "exit $? in $(( $(date +%s) - t0 )) s"
 sleep 5  # the cancelled run's teardown
 tail -40 "$work/run.log"
 cp "$work/run.log" "$out/$name-run.log"
-tar -C "$work" -cJf "$out/$name.tar.xz" --exclude='*.safetensors' run
-tar -C "$MOE_EVAL_GOLDEN_CACHE" -cJf "$out/goldens.tar.xz" .
+# Temporary name, then rename: a call killed mid-pack keeps the last whole archive.
+tar -C "$work" -cJf "$out/$name.tar.xz.part" --exclude='*.safetensors' run && mv -f "$out/$name.tar.xz.part" "$out/$name.tar.xz"
+tar -C "$MOE_EVAL_GOLDEN_CACHE" -cJf "$out/goldens.tar.xz.part" . && mv -f "$out/goldens.tar.xz.part" "$out/goldens.tar.xz"

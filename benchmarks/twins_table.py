@@ -64,7 +64,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         )
         verdict = r["status"].upper() + (f" ({', '.join(r['failed_checks'])})" if r["failed_checks"] else "")
         lines.append(
-            f"| {r['config']} | {r['layout']} | {r['kernel'] or '-'} | "
+            f"| {r['config']}{' --mutate ' + r['mutation'] if r['mutation'] else ''} | {r['layout']} | {r['kernel'] or '-'} | "
             f"{_num(r['divergence_mean_abs'], '.4f')}, {_num(r['divergence_top1_flip_rate'], '.2%')} | "
             f"{_num(r['golden_error'], '.4f')} ({_num(r['golden_ratio'], '.3f')}) | "
             f"{_num(r['startup_seconds'], '.0f')} | {_num(r['eval_seconds'], '.0f')} | {gib} | "
