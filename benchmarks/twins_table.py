@@ -63,8 +63,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             _num((mem.get(k) or [None])[0], ".2f") for k in ("weights_gib", "kv_cache_gib", "cuda_graphs_gib")
         )
         verdict = r["status"].upper() + (f" ({', '.join(r['failed_checks'])})" if r["failed_checks"] else "")
+        config = r["config"] + (f" --mutate {r['mutation']}" if r["mutation"] else "")
         lines.append(
-            f"| {r['config']}{' --mutate ' + r['mutation'] if r['mutation'] else ''} | {r['layout']} | {r['kernel'] or '-'} | "
+            f"| {config} | {r['layout']} | {r['kernel'] or '-'} | "
             f"{_num(r['divergence_mean_abs'], '.4f')}, {_num(r['divergence_top1_flip_rate'], '.2%')} | "
             f"{_num(r['golden_error'], '.4f')} ({_num(r['golden_ratio'], '.3f')}) | "
             f"{_num(r['startup_seconds'], '.0f')} | {_num(r['eval_seconds'], '.0f')} | {gib} | "
