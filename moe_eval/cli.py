@@ -268,15 +268,16 @@ def run(
     selected, source = select_configs(hw, configs, shard_from_environment(shard_text), root, list_path)
     # --baseline (an earlier run) replaces the configs' baseline_config: nothing more to run.
     selected, dependencies, notes = with_baselines(selected) if not baseline_path else (selected, {}, [])
-    selected = [effective_config(c, limit, mutation)[0] for c in selected]
+    effective = [effective_config(c, limit, mutation) for c in selected]  # (config, its mutation)
+    selected = [config for config, _ in effective]
     data = gsm8k_data(gsm8k_dir)
-    if mutation is not None and all(c.moe_backend is None for c in selected):
+    if mutation is not None and all(config_mutation is None for _, config_mutation in effective):
         raise ConfigError(
             f"--mutate {mutation}: no selected config runs a bundled kernel (moe_backend); "
             "mutations apply to the bundled kernels only"
         )
-    for config in selected:
-        preflight(config, hw, len(gpu_list), effective_config(config, None, mutation)[1])
+    for config, config_mutation in effective:
+        preflight(config, hw, len(gpu_list), config_mutation)
     if baseline_path:  # refused now, before anything launches, when a config has no baseline there
         for config in selected:
             find_baseline(Path(baseline_path).resolve(), config)
