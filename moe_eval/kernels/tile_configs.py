@@ -6,6 +6,10 @@ shape the kernel sees): Qwen3-30B-A3B at EP2 is `E=64`. A call with T tokens tak
 whose M is nearest to T on a log scale (the grid is geometric, 1 ... 16384), logged once per file;
 with no file the default heuristic is used, with a warning once per shape.
 
+MOE_EVAL_TUNED_DIR (a folder of such files) is searched first: a kernel engineer serves a fresh tuning,
+or another valid tile set (a different accumulation order), without editing the package. Set it in a
+config's `env:` or the environment of `moe-eval run` (servers inherit it; results.json records it).
+
 Usage: `cfg = get_tile_config(num_tokens=T, num_experts=e, F=F, D=D, top_k=K, device_name=name)`.
 """
 
@@ -15,12 +19,14 @@ import functools
 import json
 import logging
 import math
+import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 TUNED_DIR = Path(__file__).parent / "tuned_configs"
+TUNED_DIR_ENV = "MOE_EVAL_TUNED_DIR"
 
 
 # Hopper allows 227 KiB (232448 bytes) of shared memory per block, and Triton 3.6 allocates
@@ -152,9 +158,21 @@ def read_tuned_file(path: Path) -> dict[int, MoeTileConfig]:
     return configs
 
 
+def tuned_file_path(num_experts: int, F: int, D: int, device_name: str) -> Path:
+    """The tuned file a shape reads: MOE_EVAL_TUNED_DIR's when that folder has one, else the package's."""
+    name = config_file_name(num_experts, F, D, device_name)
+    override = os.environ.get(TUNED_DIR_ENV)
+    if override:
+        if not Path(override).is_dir():
+            raise FileNotFoundError(f"{TUNED_DIR_ENV}={override}: not a folder")
+        if (Path(override) / name).is_file():
+            return Path(override) / name
+    return TUNED_DIR / name
+
+
 @functools.cache
 def _tuned(num_experts: int, F: int, D: int, device_name: str) -> dict[int, MoeTileConfig] | None:
-    path = TUNED_DIR / config_file_name(num_experts, F, D, device_name)
+    path = tuned_file_path(num_experts, F, D, device_name)
     if not path.is_file():
         log.warning(
             "fused_moe: no tuned tile configs for e=%d F=%d D=%d on %s (%s); using the default heuristic",
@@ -166,7 +184,7 @@ def _tuned(num_experts: int, F: int, D: int, device_name: str) -> dict[int, MoeT
         )
         return None
     configs = read_tuned_file(path)
-    log.info("fused_moe: tile configs from %s (M = %s)", path.name, sorted(configs))
+    log.info("fused_moe: tile configs from %s (M = %s)", path, sorted(configs))
     return configs
 
 

@@ -129,3 +129,31 @@ def test_shipped_file_covers_the_grid(shape):
                 f"M={M}: tl.dot needs powers of two >= 16"
             )
         assert max(cfg.shared_memory()) <= SMEM_LIMIT, f"M={M}: {cfg.shared_memory()} bytes of shared memory"
+
+
+def test_tuned_dir_env_wins_and_falls_back(tmp_path, monkeypatch):
+    """MOE_EVAL_TUNED_DIR: its file for a shape is used; a shape it has no file for reads the package's."""
+    shape = SHIPPED_SHAPES[0]
+    variant = MoeTileConfig(
+        block_m=32, gemm1=GemmTile(block_n=32, block_k=32), gemm2=GemmTile(block_n=32, block_k=32)
+    )
+    write_tuned_file(tmp_path / shape.tuned_file, {1: variant, 16384: variant}, {"why": "test"})
+    monkeypatch.setenv(tile_configs.TUNED_DIR_ENV, str(tmp_path))
+    tile_configs._tuned.cache_clear()
+    try:
+        for M in (1, 4096):
+            got = get_tile_config(num_tokens=M, num_experts=shape.local_experts, F=shape.F, D=shape.D,
+                                  top_k=shape.top_k, device_name="NVIDIA H200")  # fmt: skip
+            assert got == variant
+        other = SHIPPED_SHAPES[3]
+        assert tile_configs.tuned_file_path(other.local_experts, other.F, other.D, "NVIDIA H200") == (
+            TUNED_DIR / other.tuned_file
+        )
+    finally:
+        tile_configs._tuned.cache_clear()
+
+
+def test_tuned_dir_env_that_is_no_folder_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv(tile_configs.TUNED_DIR_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="MOE_EVAL_TUNED_DIR=.*nowhere: not a folder"):
+        tile_configs.tuned_file_path(8, 128, 256, "NVIDIA H200")

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 20's calibration on ONE GPU (docs/logprob-gate.md): repeated runs of the GPU canary's TP1 pair as
+# shipped (vLLM's own Triton kernel, the incumbent; the bundled Triton kernel, golden-gated), and the bundled
+# row with another valid tile set. The canary's servers ask 0.3 of the GPU's memory: PARALLEL (<= 3) runs
+# share the GPU, each one moe-eval process with --jobs 1.
+#   cold: runs 1..PARALLEL, each from empty caches of its own (HOME: vLLM's torch.compile cache, Triton's,
+#         moe-eval's models; TORCHINDUCTOR_CACHE_DIR; its own golden cache, so each makes the golden: the
+#         goldens' cold-start noise).
+#   warm: runs PARALLEL+1..REPEATS on run 1's caches and golden, beside the tile variant: a copy of run 1
+#         whose bundled row reruns (`--resume`) with MOE_EVAL_TUNED_DIR = benchmarks/tile_variant.py's file.
+# WORK (/tmp/repeats) is laid out as benchmarks/calibrate_golden.sh's (correct-i/, goldens-i/, tile-variant/):
+# benchmarks/golden_calibration_table.py reads it. Packed into $OUT/repeats.tar.xz after each phase (under a
+# temporary name, then renamed: a kill mid-pack keeps the last whole archive).
+#
+#   bash .vgpu/device_env.sh bash benchmarks/h200_golden_repeats.sh cold|warm
+set -u
+phase="${1:?usage: h200_golden_repeats.sh cold|warm}"
+REPEATS="${REPEATS:-5}"; PARALLEL="${PARALLEL:-3}"
+work=/tmp/repeats; out="${OUT:-/tmp/repeats-out}"
+mkdir -p "$work" "$out"
+pair=(configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-vllm-triton.yaml configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-triton.yaml)
+pack() {
+  tar -C "$work" -cJf "$out/repeats.tar.xz.part" --exclude='*.safetensors' --exclude='home-*' . \
+    && mv -f "$out/repeats.tar.xz.part" "$out/repeats.tar.xz"
+}
+run() {  # run NAME HOME GOLDENS [moe-eval run options...]
+  local name=$1 home=$2 goldens=$3 t; shift 3; t=$(date +%s)
+  mkdir -p "$home"
+  HOME="$home" TORCHINDUCTOR_CACHE_DIR="$home/inductor" MOE_EVAL_GOLDEN_CACHE="$goldens" \
+    python3 -m moe_eval run --hw h200 --jobs 1 "$@" > "$work/$name.log" 2>&1
+  echo "$name: exit $? in $(( $(date +%s) - t )) s"
+}
+t0=$(date +%s)
+case "$phase" in
+  cold)
+    for i in $(seq 1 "$PARALLEL"); do
+      run "correct-$i" "$work/home-$i" "$work/goldens-$i" --output-dir "$work/correct-$i" "${pair[@]}" &
+      sleep 20  # staggered: three torch.compile warm-ups at once share 16 cores
+    done
+    wait ;;
+  warm)
+    first=$(ls -d "$work"/correct-1/*/ 2>/dev/null | head -1)
+    [ -n "$first" ] || { echo "warm: no $work/correct-1 (run the cold phase first, on this machine)"; exit 2; }
+    for i in $(seq $((PARALLEL + 1)) "$REPEATS"); do
+      run "correct-$i" "$work/home-1" "$work/goldens-1" --output-dir "$work/correct-$i" "${pair[@]}" &
+    done
+    python3 benchmarks/tile_variant.py "$work/tiles" --experts 8 --F 128 --D 256 --top-k 2
+    mkdir -p "$work/tile-variant" && cp -r "$first" "$work/tile-variant/"
+    resumed=$(ls -d "$work"/tile-variant/*/ | head -1)
+    rm -f "$resumed"/canary-gpu-tp/Canary-Qwen3-MoE-BF16-triton/results.json  # the bundled row reruns; vLLM's row stays
+    ls "$resumed"/canary-gpu-tp
+    MOE_EVAL_TUNED_DIR="$work/tiles" run tile-variant "$work/home-1" "$work/goldens-1" --resume "$resumed" "${pair[@]}" &
+    wait ;;
+esac
+grep -h "golden_gate\|accuracy" "$work"/*.log | cut -c1-300 | tail -40
+pack
+echo "$phase total $(( $(date +%s) - t0 )) s"
