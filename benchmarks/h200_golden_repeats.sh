@@ -9,8 +9,9 @@
 #   warm: runs PARALLEL+1..REPEATS on run 1's caches and golden, beside the tile variant: a copy of run 1
 #         whose bundled row reruns (`--resume`) with MOE_EVAL_TUNED_DIR = benchmarks/tile_variant.py's file.
 # WORK (/tmp/repeats) is laid out as benchmarks/calibrate_golden.sh's (correct-i/, goldens-i/, tile-variant/):
-# benchmarks/golden_calibration_table.py reads it. Packed into $OUT/repeats.tar.xz after each phase (under a
-# temporary name, then renamed: a kill mid-pack keeps the last whole archive).
+# benchmarks/golden_calibration_table.py reads it. Each run, when it ends, is packed with its log and golden
+# cache into $OUT/<run>.tar.xz (under a temporary name, then renamed: a kill mid-pack loses no archive), so a
+# call cut short by its time limit still brings back every run that finished.
 #
 #   bash .vgpu/device_env.sh bash benchmarks/h200_golden_repeats.sh cold|warm
 set -u
@@ -19,16 +20,15 @@ REPEATS="${REPEATS:-5}"; PARALLEL="${PARALLEL:-3}"
 work=/tmp/repeats; out="${OUT:-/tmp/repeats-out}"
 mkdir -p "$work" "$out"
 pair=(configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-vllm-triton.yaml configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-triton.yaml)
-pack() {
-  tar -C "$work" -cJf "$out/repeats.tar.xz.part" --exclude='*.safetensors' --exclude='home-*' . \
-    && mv -f "$out/repeats.tar.xz.part" "$out/repeats.tar.xz"
-}
 run() {  # run NAME HOME GOLDENS [moe-eval run options...]
-  local name=$1 home=$2 goldens=$3 t; shift 3; t=$(date +%s)
+  local name=$1 home=$2 goldens=$3 t rc; shift 3; t=$(date +%s)
   mkdir -p "$home"
   HOME="$home" TORCHINDUCTOR_CACHE_DIR="$home/inductor" MOE_EVAL_GOLDEN_CACHE="$goldens" \
     python3 -m moe_eval run --hw h200 --jobs 1 "$@" > "$work/$name.log" 2>&1
-  echo "$name: exit $? in $(( $(date +%s) - t )) s"
+  rc=$?
+  echo "$name: exit $rc in $(( $(date +%s) - t )) s" | tee -a "$work/$name.log"
+  tar -C "$work" -cJf "$out/$name.tar.xz.part" --exclude='*.safetensors' "$name" "$name.log" "${goldens#"$work"/}" \
+    && mv -f "$out/$name.tar.xz.part" "$out/$name.tar.xz"
 }
 t0=$(date +%s)
 case "$phase" in
@@ -45,13 +45,12 @@ case "$phase" in
       run "correct-$i" "$work/home-1" "$work/goldens-1" --output-dir "$work/correct-$i" "${pair[@]}" &
     done
     python3 benchmarks/tile_variant.py "$work/tiles" --experts 8 --F 128 --D 256 --top-k 2
-    mkdir -p "$work/tile-variant" && cp -r "$first" "$work/tile-variant/"
+    mkdir -p "$work/tile-variant" && cp -r "$first" "$work/tile-variant/" && cp -r "$work/tiles" "$work/tile-variant/"
     resumed=$(ls -d "$work"/tile-variant/*/ | head -1)
     rm -f "$resumed"/canary-gpu-tp/Canary-Qwen3-MoE-BF16-triton/results.json  # the bundled row reruns; vLLM's row stays
     ls "$resumed"/canary-gpu-tp
     MOE_EVAL_TUNED_DIR="$work/tiles" run tile-variant "$work/home-1" "$work/goldens-1" --resume "$resumed" "${pair[@]}" &
     wait ;;
 esac
-grep -h "golden_gate\|accuracy" "$work"/*.log | cut -c1-300 | tail -40
-pack
+grep -h "golden_gate\|exit" "$work"/*.log | cut -c1-300 | tail -40
 echo "$phase total $(( $(date +%s) - t0 )) s"
