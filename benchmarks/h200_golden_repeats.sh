@@ -13,9 +13,15 @@
 # cache into $OUT/<run>.tar.xz (under a temporary name, then renamed: a kill mid-pack loses no archive), so a
 # call cut short by its time limit still brings back every run that finished.
 #
-#   bash .vgpu/device_env.sh bash benchmarks/h200_golden_repeats.sh cold|warm
+#   serial: the tile variant, then the runs numbered in RERUN, one at a time, on run 1's golden (extract an
+#         earlier call's correct-1.tar.xz into /tmp/repeats on a fresh machine).
+# Sharing the GPU is this script's, not moe-eval's: two vLLM servers starting at once on one GPU can break
+# each other's memory profiling ("Error in memory profiling", "No available memory for the cache blocks";
+# seen once in each of cold and warm): such a run exits 3 and says so; rerun it serially.
+#
+#   bash .vgpu/device_env.sh bash benchmarks/h200_golden_repeats.sh cold|warm|serial
 set -u
-phase="${1:?usage: h200_golden_repeats.sh cold|warm}"
+phase="${1:?usage: h200_golden_repeats.sh cold|warm|serial}"
 REPEATS="${REPEATS:-5}"; PARALLEL="${PARALLEL:-3}"
 work=/tmp/repeats; out="${OUT:-/tmp/repeats-out}"
 mkdir -p "$work" "$out"
@@ -38,18 +44,24 @@ case "$phase" in
       sleep 20  # staggered: three torch.compile warm-ups at once share 16 cores
     done
     wait ;;
-  warm)
+  warm|serial)
     first=$(ls -d "$work"/correct-1/*/ 2>/dev/null | head -1)
-    [ -n "$first" ] || { echo "warm: no $work/correct-1 (run the cold phase first, on this machine)"; exit 2; }
-    for i in $(seq $((PARALLEL + 1)) "$REPEATS"); do
-      run "correct-$i" "$work/home-1" "$work/goldens-1" --output-dir "$work/correct-$i" "${pair[@]}" &
-    done
+    [ -n "$first" ] || { echo "$phase: no $work/correct-1 (run the cold phase first, or extract it there)"; exit 2; }
+    if [ "$phase" = warm ]; then
+      for i in $(seq $((PARALLEL + 1)) "$REPEATS"); do
+        run "correct-$i" "$work/home-1" "$work/goldens-1" --output-dir "$work/correct-$i" "${pair[@]}" &
+      done
+    fi
     python3 benchmarks/tile_variant.py "$work/tiles" --experts 8 --F 128 --D 256 --top-k 2
     mkdir -p "$work/tile-variant" && cp -r "$first" "$work/tile-variant/" && cp -r "$work/tiles" "$work/tile-variant/"
     resumed=$(ls -d "$work"/tile-variant/*/ | head -1)
     rm -f "$resumed"/canary-gpu-tp/Canary-Qwen3-MoE-BF16-triton/results.json  # the bundled row reruns; vLLM's row stays
-    ls "$resumed"/canary-gpu-tp
-    MOE_EVAL_TUNED_DIR="$work/tiles" run tile-variant "$work/home-1" "$work/goldens-1" --resume "$resumed" "${pair[@]}" &
+    MOE_EVAL_TUNED_DIR="$work/tiles" run tile-variant "$work/home-1" "$work/goldens-1" --resume "$resumed" "${pair[@]}"
+    # serial: one server on the GPU at a time (two starting at once broke vLLM's memory profiling: seen in warm
+    # and cold), then the runs of RERUN (run numbers) on run 1's golden.
+    for i in ${RERUN:-}; do
+      run "correct-$i" "$work/home-1" "$work/goldens-1" --output-dir "$work/correct-$i" "${pair[@]}"
+    done
     wait ;;
 esac
 grep -h "golden_gate\|exit" "$work"/*.log | cut -c1-300 | tail -40
