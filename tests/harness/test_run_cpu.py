@@ -228,9 +228,17 @@ def test_ctrl_c_tears_down_and_keeps_partial_results(tmp_path, gsm8k_dir):
 @pytest.mark.parametrize(
     "mode, message",
     [
-        ("hang", "lm-eval failed"),  # a request that never returns: the request timeout fires
-        ("error500", "lm-eval failed"),  # HTTP errors are infrastructure, never wrong answers
-        ("garbage", "lm-eval failed"),  # a 200 whose body is not JSON
+        # Each mode's own error, after "lm-eval failed against <url>": an assertion on "lm-eval failed" alone
+        # also passed when the run failed for another reason (seen: offline without the GSM8K copy).
+        ("hang", r"TimeoutError"),  # a request that never returns: the request timeout fires
+        (
+            "error500",
+            r"ClientResponseError: 500, message='Internal Server Error'",
+        ),  # infrastructure, not answers
+        (
+            "garbage",
+            r"ContentTypeError: 200, .*unexpected mimetype: text/html",
+        ),  # a 200 whose body is not JSON
     ],
 )
 def test_misbehaving_server_is_exit_3(tmp_path, gsm8k_dir, mode, message):
@@ -238,7 +246,11 @@ def test_misbehaving_server_is_exit_3(tmp_path, gsm8k_dir, mode, message):
     env = {"MOE_EVAL_SERVER_MODULE": "tests.fakes.misbehaving_server", "FAKE_SERVER_MODE": mode}
     result = run_cli(run_args(tmp_path, gsm8k_dir, path), env=env, timeout=300)
     assert result.returncode == 3, result.stderr[-3000:]
-    assert message in result.stderr
+    assert re.search(r"lm-eval failed against http://127\.0\.0\.1:\d+: " + message, result.stderr), (
+        result.stderr[-3000:]
+    )
+    record = next(iter(_results(tmp_path).values()))
+    assert record["status"] == "error" and re.search(message, record["error"]["message"]), record["error"]
     _assert_nothing_left(tmp_path)
 
 
