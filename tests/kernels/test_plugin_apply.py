@@ -155,3 +155,45 @@ def test_mutations_are_refused_where_they_cannot_apply(tmp_path):
     with pytest.raises(ConfigError, match="no\\s+expert map"):
         check_mutation("ignore_expert_map", tp)
     check_mutation("swap_gate_up", tp)
+
+
+def test_golden_probe_switch_is_scale_one_expert_in_place_and_goes_back_bit_for_bit(monkeypatch):
+    """The golden server's probe (kernels/golden_probe.py): switched on, the reference layer's weights are
+    exactly what `--mutate scale_one_expert` loads; switched off, exactly the originals again."""
+    from moe_eval.kernels import plugin
+    from moe_eval.kernels.golden_probe import GoldenProbeSwitch
+    from moe_eval.kernels.mutations import mutate_weights
+
+    monkeypatch.setattr(plugin, "_REFERENCE_EXPERTS", [])
+    torch.manual_seed(2)
+    E, K, D, F, T = 8, 2, 64, 32, 16
+    x = torch.randn(T, D, dtype=torch.bfloat16)
+    topk_weights, topk_ids = _routing(T, E, K, "cpu")
+    layer = _vllm_like_layer(E, F, D, torch.bfloat16, "cpu")
+    original = layer.w13_weight.data.clone()
+    experts = BundledExperts("reference", Layout(LayoutKind.TP), CPU)
+    experts.process_weights(layer, E, K)
+    # An EP rank without global expert 0 (it holds 4..7): nothing to switch there.
+    emap = torch.full((E,), -1, dtype=torch.int32)
+    emap[4:] = torch.arange(4, dtype=torch.int32)
+    other_rank = BundledExperts("reference", Layout(LayoutKind.TEP, tensor_parallel=2), CPU)
+    other_layer = _vllm_like_layer(4, F, D, torch.bfloat16, "cpu", emap)
+    other_before = other_layer.w13_weight.data.clone()
+    other_rank.process_weights(other_layer, E, K)
+    before = experts.apply(layer, x, topk_weights, topk_ids)
+
+    switch = GoldenProbeSwitch()
+    answer = switch.moe_eval_golden_probe("on")
+    assert answer["layers"] == 2 and answer["target_layers"] == 1 and answer["probe"] == "scale_one_expert"
+    assert torch.equal(experts.weights.w13_eFD, mutate_weights("scale_one_expert", original))
+    assert torch.equal(other_rank.weights.w13_eFD, other_before)
+    probed = experts.apply(layer, x, topk_weights, topk_ids)
+    assert not torch.equal(probed, before)
+    switch.moe_eval_golden_probe("on")  # twice on: scaled once, not twice
+    assert torch.equal(experts.weights.w13_eFD, mutate_weights("scale_one_expert", original))
+
+    assert switch.moe_eval_golden_probe("off")["probe"] is None
+    assert torch.equal(experts.weights.w13_eFD, original)
+    assert torch.equal(experts.apply(layer, x, topk_weights, topk_ids), before)
+    with pytest.raises(ValueError, match="'sideways' must be 'on' or 'off'"):
+        switch.moe_eval_golden_probe("sideways")
