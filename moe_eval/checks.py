@@ -143,9 +143,9 @@ def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
     return load_baseline(pool[0], "--baseline")
 
 
-def load_baseline(results_path: Path, what: str) -> Baseline:
+def load_baseline(results_path: Path, what: str, record: RunRecord | None = None) -> Baseline:
     """The baseline a finished results.json holds (ConfigError, naming `what`, when its samples are
-    unreadable)."""
+    unreadable); `record`: that file, when the caller has read it already."""
     samples_path = results_path.parent / "samples.jsonl"
     try:
         samples = [json.loads(line) for line in samples_path.read_text().splitlines() if line.strip()]
@@ -153,7 +153,7 @@ def load_baseline(results_path: Path, what: str) -> Baseline:
         raise ConfigError(f"{what}: {samples_path}: cannot read per-question samples ({exc})") from None
     logprobs = results_path.parent / LOGPROBS_FILE
     try:
-        record = RunRecord.read(results_path)
+        record = record or RunRecord.read(results_path)
     except UnreadableRecord as exc:
         raise ConfigError(f"{what}: {exc}") from None
     decode = results_path.parent / DECODE_FILE

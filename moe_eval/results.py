@@ -185,9 +185,3 @@ class RunRecord:
     @property
     def error_message(self) -> str:
         return (self.data.get("error") or {}).get("message", "")
-
-    @property
-    def folder(self) -> Path:
-        if self.path is None:
-            raise ValueError("RunRecord.folder: a record built in memory has no folder")
-        return self.path.parent

@@ -20,9 +20,21 @@ def accuracy_stderr(correct: int, n: int) -> float:
     return math.sqrt(p * (1 - p) * n / (n - 1) / n)
 
 
-def _binom_tail_at_least(k: int, n: int) -> float:
-    """P(X >= k) for X ~ Binomial(n, 1/2), exact."""
-    return sum(math.comb(n, i) for i in range(k, n + 1)) / 2**n
+def _binom_cdf(m: int, n: int, p: float) -> float:
+    """P(X <= m), X ~ Binomial(n, p), exact up to float rounding: log-space terms via lgamma."""
+    if m < 0:
+        return 0.0
+    if m >= n or p <= 0.0:
+        return 1.0
+    if p >= 1.0:
+        return 0.0
+    log_p, log_q, log_n_fact = math.log(p), math.log1p(-p), math.lgamma(n + 1)
+    terms = [
+        log_n_fact - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
+        for i in range(m + 1)
+    ]
+    top = max(terms)
+    return min(1.0, math.exp(top) * math.fsum(math.exp(t - top) for t in terms))
 
 
 def mcnemar_exact(b: int, c: int) -> tuple[float, float]:
@@ -30,8 +42,9 @@ def mcnemar_exact(b: int, c: int) -> tuple[float, float]:
     n = b + c
     if n == 0:
         return 1.0, 1.0
-    p_worse = _binom_tail_at_least(b, n)
-    p_two = min(1.0, 2 * _binom_tail_at_least(max(b, c), n))
+    # P(X >= k) for X ~ Binomial(n, 1/2) is P(X <= n - k) by symmetry: the lower tail, no 1 - x rounding.
+    p_worse = _binom_cdf(n - b, n, 0.5)
+    p_two = min(1.0, 2 * _binom_cdf(n - max(b, c), n, 0.5))
     return p_worse, p_two
 
 
@@ -98,23 +111,6 @@ def paired_compare(baseline: dict[int, bool], new: dict[int, bool], alpha: float
 
 
 # --- the accuracy gate's power -----------------------------------------------------------------
-
-
-def _binom_cdf(m: int, n: int, p: float) -> float:
-    """P(X <= m), X ~ Binomial(n, p), exact up to float rounding: log-space terms via lgamma."""
-    if m < 0:
-        return 0.0
-    if m >= n or p <= 0.0:
-        return 1.0
-    if p >= 1.0:
-        return 0.0
-    log_p, log_q, log_n_fact = math.log(p), math.log1p(-p), math.lgamma(n + 1)
-    terms = [
-        log_n_fact - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
-        for i in range(m + 1)
-    ]
-    top = max(terms)
-    return min(1.0, math.exp(top) * math.fsum(math.exp(t - top) for t in terms))
 
 
 def _min_passing_correct(n: int, floor: float) -> int:

@@ -116,7 +116,7 @@ def _baseline_config(config, job: Job, run_root: Path):
     if not record.has_verdict:
         why, status = record.error_message, record.status
         return f"baseline_config {baseline.path} ended {status} ({why}); nothing to compare against"
-    return load_baseline(results, f"{config.path}: baseline_config")
+    return load_baseline(results, f"{config.path}: baseline_config", record)
 
 
 def _options(job: Job, run_root: Path, data: object):

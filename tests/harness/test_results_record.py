@@ -25,11 +25,11 @@ def test_round_trip_and_the_questions_readers_ask(tmp_path):
     ).write()
     record = RunRecord.read(path)
     assert record.has_verdict and record.status == "failed" and record.layout == "TP (TP1)"
-    assert (record.mutation, record.attempt, record.config["model_name"], record.folder) == (
+    assert (record.mutation, record.attempt, record.config["model_name"], record.path) == (
         "swap_gate_up",
         2,
         "m",
-        tmp_path,
+        path,
     )
     assert not [p for p in tmp_path.iterdir() if p.name != "results.json"], "no temporary file left"
     errored = RunRecord({"status": "error", "error": {"message": "server died"}})
