@@ -383,6 +383,7 @@ def resumable_outcomes(
     index -> its baseline's index, baselines first) is kept too: a row compared with a baseline that runs
     again would keep a verdict against numbers that no longer exist. The others' old files move to
     attempts/."""
+    from moe_eval.gsm8k import same_questions
     from moe_eval.results import RESULTS_FILE, RunRecord, versions
     from moe_eval.runner import ConfigOutcome, config_run_dir, task_data
     from moe_eval.scheduler import ATTEMPTS_DIR, move_run_files
@@ -398,7 +399,7 @@ def resumable_outcomes(
             and record.get("config_sha256") == config.sha256
             and record.get("versions") == versions()
             and record.get("num_questions_evaluated") == config.num_questions
-            and record.get("gsm8k") == task_data(config, data).describe()
+            and same_questions(record.get("gsm8k"), task_data(config, data).describe())
             and record.mutation == effective_config(config, None, mutation)[1]
             and (baseline is None or baseline in kept)
         )

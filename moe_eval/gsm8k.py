@@ -84,6 +84,17 @@ class Gsm8kData:
         }
 
 
+def same_questions(recorded: dict[str, Any] | None, current: dict[str, Any]) -> bool:
+    """Whether a results file's `gsm8k` description names the questions `current` names: the same
+    source and file hashes; where the files lie is not part of it (a resumed run may read the same files
+    from another folder: seen on a GPU machine whose generated canary task sat under another HOME)."""
+
+    def identity(described: dict[str, Any]) -> dict[str, Any]:
+        return {key: value for key, value in described.items() if key != "dir"}
+
+    return recorded is not None and identity(recorded) == identity(current)
+
+
 def canary_data() -> Gsm8kData:
     """The canary task's splits, generated once into the cache (deterministic: seed SPLIT_SEED)."""
     from moe_eval.models import cache_root

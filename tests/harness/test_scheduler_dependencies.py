@@ -74,3 +74,44 @@ def test_resume_reruns_a_row_whose_baseline_runs_again(tmp_path):
     finished(base, "error")  # the baseline ended in an infrastructure error: it runs again, so does its user
     assert sorted(resumable_outcomes(run_root, [base, user], data, None, {1: 0})) == []
     assert (config_run_dir(run_root, user) / "attempts" / "1" / "results.json").is_file()  # kept, aside
+
+
+def test_resume_keeps_a_row_whose_questions_were_read_from_another_folder(tmp_path):
+    """The questions are their files' hashes, not where the files lie: a run resumed on a machine whose
+    generated canary task (or --gsm8k-dir) sits in another folder keeps its finished rows (seen on the H200:
+    another HOME made vLLM's row run again)."""
+    import json
+
+    from moe_eval.cli import resumable_outcomes
+    from moe_eval.config import parse_config
+    from moe_eval.gsm8k import Gsm8kData, same_questions
+    from moe_eval.results import versions
+    from moe_eval.runner import config_run_dir
+
+    for name in ("train.jsonl", "test.jsonl"):
+        for folder in ("a", "b"):
+            (tmp_path / folder).mkdir(exist_ok=True)
+            (tmp_path / folder / name).write_text('{"question": "1+1", "answer": "#### 2"}\n')
+    here, there = Gsm8kData(tmp_path / "a"), Gsm8kData(tmp_path / "b")
+    assert same_questions(there.describe(), here.describe())
+    assert not same_questions(None, here.describe())
+    (tmp_path / "b" / "test.jsonl").write_text('{"question": "1+2", "answer": "#### 3"}\n')
+    assert not same_questions(there.describe(), here.describe())
+    (tmp_path / "b" / "test.jsonl").write_text('{"question": "1+1", "answer": "#### 2"}\n')
+
+    config = parse_config(
+        tmp_path / "configs" / "fam" / "M-BF16-vllm.yaml",
+        "model_name: m\naccuracy_threshold: 0.5\nnum_questions: 4\nnum_fewshot: 5\n",
+    )
+    run_dir = config_run_dir(tmp_path / "run", config)
+    run_dir.mkdir(parents=True)
+    record = {
+        "status": "passed",
+        "config_sha256": config.sha256,
+        "versions": versions(),
+        "num_questions_evaluated": 4,
+        "gsm8k": there.describe(),
+        "mutation": None,
+    }
+    (run_dir / "results.json").write_text(json.dumps(record))
+    assert list(resumable_outcomes(tmp_path / "run", [config], here, None, {})) == [0]
