@@ -3,8 +3,9 @@ and the real runs that several tests read (each started once per session).
 
 Tiers (pytest's own `--runslow` pattern): `pytest` runs the unit tests and a few shared real runs (the
 README's embedded default, a subtle and a gross kernel mutation; reports, JUnit, compare and step summary are
-read from them). `pytest --runslow -m slow` adds the rest: signals at each stage, SIGKILL, retry, resume,
-packing, the plugin's multi-rank CPU tests. `.ci/run` runs both."""
+read from them). `pytest --runslow` adds the rest: signals at each stage, SIGKILL, retry, resume, packing,
+fault injection (a server that hangs or answers garbage), the plugin's multi-rank CPU tests. `.ci/run` runs
+both."""
 
 from __future__ import annotations
 

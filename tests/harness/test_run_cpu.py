@@ -225,6 +225,7 @@ def test_ctrl_c_tears_down_and_keeps_partial_results(tmp_path, gsm8k_dir):
     _assert_nothing_left(tmp_path)
 
 
+@pytest.mark.slow  # fault injection (bad replies), as the signal and crash tests above
 @pytest.mark.parametrize(
     "mode, message",
     [
