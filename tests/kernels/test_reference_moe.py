@@ -84,14 +84,27 @@ def test_through_the_oracle_entry_point():
 
 
 def test_the_plugin_never_mutates_the_reference(monkeypatch):
-    from moe_eval.kernels.plugin import BundledExperts
+    """`--mutate` is refused with the reference backend; the golden's probe switch (kernels/golden_probe.py)
+    reaches reference layers only, never a kernel under test."""
+    from types import SimpleNamespace
+
+    from moe_eval.kernels import plugin
+    from moe_eval.kernels.plugin import BundledExperts, switch_golden_probe
     from moe_eval.layout import Layout, LayoutKind
 
+    monkeypatch.setattr(plugin, "_REFERENCE_EXPERTS", [])
     tp1 = Layout(kind=LayoutKind.TP, tensor_parallel=1, data_parallel=1)
     with pytest.raises(ValueError, match="never mutated"):
         BundledExperts("reference", tp1, mutation="scale_one_expert")
-    monkeypatch.setenv("MOE_EVAL_GOLDEN_PROBE", "scale_one_expert")
-    with pytest.raises(ValueError, match="reference backend only"):
-        BundledExperts("torch", tp1)
-    probe = BundledExperts("reference", tp1)  # the probe: recorded as such by moe_eval.golden, never a golden
-    assert probe.mutation == "scale_one_expert" and probe.choice.backend is MoeBackend.REFERENCE
+    w13 = torch.randn(4, 16, 8, dtype=torch.bfloat16)
+    layer = SimpleNamespace(
+        w13_weight=torch.nn.Parameter(w13.clone(), requires_grad=False),
+        w2_weight=torch.nn.Parameter(torch.randn(4, 8, 8, dtype=torch.bfloat16), requires_grad=False),
+        expert_map=None,
+        apply_router_weight_on_input=False,
+    )
+    under_test = BundledExperts("torch", tp1)
+    under_test.process_weights(layer, 4, 2)
+    assert under_test.mutation is None and under_test.choice.backend is MoeBackend.TORCH
+    assert switch_golden_probe(True)["layers"] == 0  # only reference layers register for the probe
+    assert torch.equal(layer.w13_weight.data, w13)
