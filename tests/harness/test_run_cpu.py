@@ -286,3 +286,40 @@ def test_a_kernel_mutation_fails_the_canary_gate_with_exit_1(tmp_path, repo_root
     assert record["gate"]["passed"] is False and record["gate"]["floor"] == pytest.approx(0.98)
     assert "FAIL" in result.stdout and "FAIL: accuracy" in result.stderr
     _assert_nothing_left(tmp_path)
+
+
+@pytest.mark.slow
+def test_golden_command_makes_the_runs_golden_bit_for_bit_then_reuses_it(
+    embedded_default_run, tmp_path, gsm8k_dir
+):
+    """`moe-eval golden` (ahead of a run, e.g. a CI cache step): one server makes the golden and its power
+    probe (switched on in place through vLLM's /collective_rpc, kernels/golden_probe.py); from another empty
+    cache it makes the very record the embedded default's run made (the golden's own noise is 0 on the CPU);
+    a second call finds it cached and starts no server."""
+    from moe_eval.logprobs import divergence, read_logprobs
+
+    cache = tmp_path / "goldens"
+    args = ["golden", "--hw", "cpu", "--golden-cache", str(cache), "--output-dir", str(tmp_path / "out")]
+    args += ["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else []
+    first = run_cli(args, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    [meta_path] = cache.glob("*/golden.json")
+    folder, meta = meta_path.parent, json.loads(meta_path.read_text())
+    ran = embedded_default_run.goldens / folder.name  # the same key as the run's
+    assert ran.is_dir(), (
+        f"the command's key {folder.name} is not the run's: {list(embedded_default_run.goldens.iterdir())}"
+    )
+    for name in ("prefill.jsonl", "decode.jsonl", "probe.jsonl"):
+        assert (folder / name).read_bytes() == (ran / name).read_bytes(), name
+    assert meta["probe"]["mutation"] == "scale_one_expert" and len(meta["probe_switch"]) == 1
+    assert meta["probe_switch"][0]["layers"] == meta["probe_switch"][0]["target_layers"] > 0
+    log = (folder / "golden-server.log").read_text()
+    assert "GoldenProbeSwitch" in log and log.count('"POST /collective_rpc HTTP/1.1" 200') == 2  # on, off
+    shift = divergence(read_logprobs(folder / "prefill.jsonl"), read_logprobs(folder / "probe.jsonl"))
+    assert shift.mean_abs_dlogp > 0.005, (
+        "the probe (expert 0 five percent short) must move the log-probabilities"
+    )
+    again = run_cli(args, timeout=600)
+    assert again.returncode == 0 and "\tcached\t" in again.stdout, again.stdout
+    assert "making the golden" not in again.stderr
+    assert not processes_with_env("MOE_EVAL_RUN_DIR", str(tmp_path)), "golden server processes survived"

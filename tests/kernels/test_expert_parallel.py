@@ -93,6 +93,7 @@ def _rank_main(rank: int, backend: str, store: str, out_dir: str, combine: str |
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
 
 
+@pytest.mark.slow  # multi-rank (two gloo processes): the slow tier, with the plugin's other multi-rank tests
 @pytest.mark.parametrize(
     ("backend", "combine"),
     [("torch", None), ("triton", None), ("torch", "reduce_scatter")],
@@ -131,6 +132,7 @@ def _run_bench_ep(out_dir: Path, *args: str) -> dict:
     return json.loads((out_dir / "ep.json").read_text())
 
 
+@pytest.mark.slow  # two gloo ranks, as above
 def test_ep_benchmark_script_runs_on_cpus(tmp_path):
     """The NCCL benchmark's own code path (placement, both combines' bookkeeping, report) on 2 gloo
     ranks, so the GPU-only script cannot rot between lent 2-GPU machines."""
