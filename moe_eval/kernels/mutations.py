@@ -144,14 +144,12 @@ def mutate_weights(name: str | None, w13_eFD: Any, expert_map_E: Any = None) -> 
     return w13_eFD
 
 
-def scale_one_expert_(name: str, w13_eFD: Any, slot: int) -> Any:
-    """In place: local expert `slot`'s up rows scaled as `name` (scale_one_expert or _small) scales them;
-    returns a copy of the rows as they were (the golden server's probe switch puts them back)."""
+def scale_one_expert_(name: str, w13_eFD: Any, slot: int) -> None:
+    """In place: local expert `slot`'s up rows scaled as `name` (scale_one_expert or _small) scales them
+    (also the golden server's probe switch, kernels/plugin.py)."""
     scale = {"scale_one_expert": ONE_EXPERT_SCALE, "scale_one_expert_small": SMALL_EXPERT_SCALE}[name]
     F = w13_eFD.shape[1] // 2
-    before = w13_eFD[slot, F:].clone()
     w13_eFD[slot, F:] *= scale  # the up rows: silu(gate) * up, so the expert's whole output
-    return before
 
 
 def routing_temperature_slip(topk_weights_TK: Any) -> Any:

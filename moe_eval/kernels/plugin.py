@@ -252,11 +252,12 @@ class BundledExperts:
         slot = target_slot(self.expert_map)
         if slot is None:
             return False
+        w13, F = self.weights.w13_eFD, self.weights.w13_eFD.shape[1] // 2
         if on and self.probe_rows is None:
-            self.probe_rows = scale_one_expert_(GOLDEN_PROBE_MUTATION, self.weights.w13_eFD, slot)
+            self.probe_rows = w13[slot, F:].clone()
+            scale_one_expert_(GOLDEN_PROBE_MUTATION, w13, slot)
         elif not on and self.probe_rows is not None:
-            F = self.weights.w13_eFD.shape[1] // 2
-            self.weights.w13_eFD[slot, F:].copy_(self.probe_rows)
+            w13[slot, F:].copy_(self.probe_rows)
             self.probe_rows = None
         return True
 
