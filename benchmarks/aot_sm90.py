@@ -75,24 +75,37 @@ def _signature(fn, dtype: str, ints: dict[str, int]) -> tuple[dict, dict]:
     return sig, attrs
 
 
-def _tma_signature(fn, dtype: str, block_m: int, tile, ints: dict[str, int]) -> tuple[dict, dict]:
-    """_gemm2_tma_kernel: descriptors are typed by their block shape ("tensordesc<bf16[128,64]>")."""
+def _desc_signature(fn, dtype: str, blocks: dict[str, list[int]], ints: dict[str, int]) -> tuple[dict, dict]:
+    """TMA kernels: descriptors are typed by their block shape ("tensordesc<bf16[128,64]>"); x_ptr
+    and y_ptr are the dtype's, the routing weights fp32, the rest int32."""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if i in fn.constexprs:
             sig[name] = "constexpr"
-        elif name == "h_desc":
-            sig[name] = f"tensordesc<{dtype}[{block_m},{tile.block_k}]>"
-        elif name == "w2_desc":
-            sig[name] = f"tensordesc<{dtype}[1,{tile.block_n},{tile.block_k}]>"
+        elif name in blocks:
+            sig[name] = f"tensordesc<{dtype}[{','.join(map(str, blocks[name]))}]>"
         elif name.endswith("_ptr"):
-            sig[name] = "*" + dtype if name == "y_ptr" else "*fp32" if name == "topk_weights_ptr" else "*i32"
+            sig[name] = (
+                "*" + dtype
+                if name in ("x_ptr", "y_ptr")
+                else "*fp32"
+                if name == "topk_weights_ptr"
+                else "*i32"
+            )
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "i32"
             if name not in fn.do_not_specialize and ints.get(name, 17) % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
+
+
+def _tma_blocks(kind: int, block_m: int, tile) -> dict[str, list[int]]:
+    """The descriptor block shapes fused_moe's TMA launchers build (`_launch_gemm*_persistent`, `_tma`)."""
+    if kind == 2:
+        return {"h_desc": [block_m, tile.block_k], "w2_desc": [1, tile.block_n, tile.block_k]}
+    w13 = [1, tile.block_n, 2, tile.block_k] if tile.interleave else [1, tile.block_n, tile.block_k]
+    return {"w13_desc": w13, "h_desc": [block_m, tile.block_n]}
 
 
 def _ptxas_report(ptx: str) -> dict:
@@ -133,23 +146,27 @@ def compile_gemm(
     precision: str = "tf32",
 ) -> dict:
     """Compile GEMM `kind` (1 or 2) for sm_90; report shared bytes, registers, spills, MMA kind."""
-    tma = kind == 2 and getattr(tile, "tma", False)
-    fn = (
-        kernels._gemm1_silu_kernel
-        if kind == 1
-        else kernels._gemm2_tma_kernel
-        if tma
-        else kernels._gemm2_kernel
-    )
+    persistent = getattr(tile, "persistent", False)
+    tma = persistent or (kind == 2 and getattr(tile, "tma", False))
+    if persistent:
+        fn = kernels._gemm1_persistent_kernel if kind == 1 else kernels._gemm2_persistent_kernel
+    elif kind == 1:
+        fn = kernels._gemm1_silu_kernel
+    else:
+        fn = kernels._gemm2_tma_kernel if tma else kernels._gemm2_kernel
     if mul_routed is None:
         mul_routed = kind == 2
     reduce_dim = D if kind == 1 else F
     ints = {"F": F, "D": D, "stride_xm": D, "stride_we": 2 * F * D if kind == 1 else D * F,
             "stride_wn": D if kind == 1 else F, "stride_hm": F, "stride_ym": D}  # fmt: skip
     if tma:
-        sig, attrs = _tma_signature(fn, dtype, block_m, tile, ints)
+        sig, attrs = _desc_signature(fn, dtype, _tma_blocks(kind, block_m, tile), ints)
         constexprs = {"MUL_ROUTED_WEIGHT": mul_routed, "DOT_PRECISION": precision, "BLOCK_M": block_m,
                       "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k}  # fmt: skip
+        if persistent:
+            constexprs |= {"FLATTEN": not tile.warp_specialize, "WARP_SPECIALIZE": tile.warp_specialize}
+            if kind == 1:
+                constexprs |= {"EVEN_K": D % tile.block_k == 0, "INTERLEAVE": tile.interleave}
     else:
         sig, attrs = _signature(fn, dtype, ints)
         constexprs = {
@@ -171,8 +188,11 @@ def compile_gemm(
     except Exception as exc:  # noqa: BLE001 - reported as the row's error
         return {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "seconds": time.perf_counter() - t0}
     ptx = compiled.asm["ptx"]
+    ttgir = compiled.asm.get("ttgir", "")
     return {
         "shared": compiled.metadata.shared,
+        "warp_specialized": "ttg.warp_specialize" in ttgir,
+        "tma_stores": "cp.async.bulk.tensor.2d.global.shared" in ptx,
         "mma": "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none",
         "cp_async": "cp.async" in ptx,
         "tma_loads": "cp.async.bulk.tensor" in ptx,
@@ -196,6 +216,14 @@ def default_matrix(quick: bool) -> list[tuple[int, int, object, dict]]:
         (2, 128, T(256, 64, 8, 8, 4, tma=True), {}),
         (2, 256, T(128, 64, 8, 8, 4), {}),
         (2, 256, T(128, 64, 8, 8, 3, tma=True), {}),
+        # The prefill path: persistent, weights by TMA, pipelined across work items or warp-specialized.
+        (1, 128, T(128, 64, 8, 8, 4, interleave=True, persistent=True), {}),
+        (1, 128, T(128, 64, 8, 8, 3, interleave=True, persistent=True), {}),
+        (1, 128, T(128, 64, 8, 8, 3, interleave=True, persistent=True, warp_specialize=True), {}),
+        (1, 128, T(128, 64, 8, 8, 3, persistent=True), {}),
+        (2, 128, T(256, 64, 8, 8, 4, tma=True, persistent=True), {}),
+        (2, 128, T(256, 64, 8, 8, 3, tma=True, persistent=True, warp_specialize=True), {}),
+        (2, 128, T(128, 64, 8, 8, 4, tma=True, persistent=True), {}),
         # M = 1: naive GEMM1 and the folded GEMM2.
         (1, 16, T(64, 128, 8, 4, 4), {"naive": True}),
         (2, 16, T(32, 128, 1, 4, 4), {"naive": True, "fold_k": True}),

@@ -475,13 +475,16 @@ def bench_shape(
     gemms_alone: bool = False,
     check: bool = True,
     base: MoeCase | None = None,
+    repeats: int = 1,
 ) -> list[dict]:
     """Rows for every (M, impl). Stops before an M once time.perf_counter() passes `deadline`;
     `on_rows` sees each M's rows as soon as they exist (for callers that save as they go).
 
     gemms_alone: also a `<peer>:gemms` timer for each peer that has one (GEMM_PEERS), in the same
     interleaved replays. check: each timer's output for the first input set against fused_moe_ref.
-    base: the case holding the weights (default: this shape's, random, on the GPU)."""
+    base: the case holding the weights (default: this shape's, random, on the GPU).
+    repeats: interleaved runs of `replays` each; a row's median_us is the median of the runs'
+    medians (`repeat_medians_us`), so one disturbed run cannot decide a cell."""
     rows = []
     base = base if base is not None else shape_case(shape, 1, seed=7)  # holds the weights every set shares
     for M in Ms:
@@ -511,7 +514,9 @@ def bench_shape(
                         f"  {shape.name} M={M} {name}:gemms: not timed "
                         f"({type(exc).__name__}: {str(exc)[:300]})"
                     )
-        samples = time_interleaved(timers, replays)
+        runs = [time_interleaved(timers, replays) for _ in range(repeats)]
+        samples = {name: [us for run in runs for us in run[name]] for name in timers}
+        repeat_medians = {name: [statistics.median(run[name]) for run in runs] for name in timers}
         del timers
         errors = _check_outputs(cases[0], outputs) if check else {}
         del outputs
@@ -529,7 +534,7 @@ def bench_shape(
         )
         m_rows = []
         for impl, us in samples.items():
-            med = statistics.median(us)
+            med = statistics.median(repeat_medians[impl]) if impl in repeat_medians else statistics.median(us)
             m_rows.append({
                 "model": shape.model, "layout": shape.layout, "M": M, "impl": impl,
                 "median_us": med, "min_us": min(us), "max_us": max(us), "samples": len(us),
@@ -537,6 +542,7 @@ def bench_shape(
                 "roofline_us": roof_us, "frac_roofline": roof_us / med,
                 "experts_hit": counts["experts_hit"], "slots": counts["slots"], **notes.get(impl, {}),
                 **({"rel_err": errors[impl]} if impl in errors else {}),
+                **({"repeat_medians_us": repeat_medians[impl]} if impl in repeat_medians else {}),
             })  # fmt: skip
         rows += m_rows
         if on_rows is not None:
@@ -741,6 +747,86 @@ def ratio_tables(rows: list[dict]) -> tuple[str, bool]:
     return "\n".join(lines), all_ok
 
 
+# --- issue 23: the prefill targets against both peers ------------------------------------------------
+
+# Issue 23's targets, on one interleaved H200 run (median of the repeats): peer time / bundled time
+# >= 1.00 at every cell of these shapes for FlashInfer CUTLASS and vLLM's Triton, >= 75 % of the
+# roofline at M >= 1024, and Qwen3-30B-A3B TP1 M = 1 within 22 us (bundled whole call).
+PREFILL_SHAPES = (
+    "Qwen3-30B-A3B TP1", "Qwen3-30B-A3B TP2", "Qwen3-30B-A3B TEP2", "Mixtral-8x7B TP2", "Mixtral-8x7B TEP2",
+    "Llama-4-Scout TP2", "Llama-4-Scout TEP2",
+)  # fmt: skip
+PREFILL_PEERS = ("flashinfer_cutlass", "vllm_triton")
+ROOFLINE_TARGET = 0.75
+ROOFLINE_FROM_M = 1024
+PREFILL_LATENCY_US = {("Qwen3-30B-A3B TP1", 1): 22.0}
+
+
+def prefill_tables(rows: list[dict]) -> tuple[str, bool]:
+    """Markdown: peer / bundled per cell for each peer, the bundled kernel's fraction of the roofline,
+    and the decode latency, each against issue 23's targets; and whether every target with numbers
+    was met. Only shapes of PREFILL_SHAPES count; a cell with a wrong output counts as missed."""
+    by = {(f"{r['model']} {r['layout']}", r["M"], r["impl"]): r for r in rows}
+    shapes = [s for s in dict.fromkeys(f"{r['model']} {r['layout']}" for r in rows) if s in PREFILL_SHAPES]
+    Ms = sorted({r["M"] for r in rows})
+    lines, all_ok = [], True
+
+    def ok_output(r: dict) -> bool:
+        return r.get("rel_err", 0) <= CHECK_TOLERANCE
+
+    for peer in PREFILL_PEERS:
+        if not any(k[2] == peer for k in by):
+            continue
+        won = total = 0
+        lines += [f"#### {peer} / bundled, whole call (>= {CELL_TARGET:.2f}: bundled at least as fast)", "",
+                  "| shape | " + " | ".join(f"M={m}" for m in Ms) + " | geomean |",
+                  "|---|" + "---:|" * (len(Ms) + 1)]  # fmt: skip
+        for shape in shapes:
+            cells, ratios = [], []
+            for M in Ms:
+                ours, theirs = by.get((shape, M, "triton")), by.get((shape, M, peer))
+                if not ours or not theirs:
+                    cells.append("-")
+                    continue
+                ratio = theirs["median_us"] / ours["median_us"]
+                ratios.append(ratio)
+                wrong = not ok_output(ours) or not ok_output(theirs)
+                miss = ratio < CELL_TARGET or not ok_output(ours)
+                total += 1
+                won += not miss
+                all_ok &= not miss
+                cells.append((f"**{ratio:.2f}**" if miss else f"{ratio:.2f}") + (" WRONG" if wrong else ""))
+            geo = f"{statistics.geometric_mean(ratios):.3f}" if ratios else "-"
+            lines.append(f"| {shape} | " + " | ".join(cells) + f" | {geo} |")
+        lines += ["", f"{won} of {total} cells at >= {CELL_TARGET:.2f}.", ""]
+    roof_Ms = [m for m in Ms if m >= ROOFLINE_FROM_M]
+    if roof_Ms:
+        lines += [f"#### bundled fraction of the roofline (target >= {ROOFLINE_TARGET:.0%} "
+                  f"at M >= {ROOFLINE_FROM_M})",
+                  "", "| shape | " + " | ".join(f"M={m}" for m in roof_Ms) + " |",
+                  "|---|" + "---:|" * len(roof_Ms)]  # fmt: skip
+        for shape in shapes:
+            cells = []
+            for M in roof_Ms:
+                r = by.get((shape, M, "triton"))
+                if not r:
+                    cells.append("-")
+                    continue
+                miss = r["frac_roofline"] < ROOFLINE_TARGET
+                all_ok &= not miss
+                cells.append(f"**{r['frac_roofline']:.0%}**" if miss else f"{r['frac_roofline']:.0%}")
+            lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+        lines.append("")
+    for (shape, M), limit in PREFILL_LATENCY_US.items():
+        r = by.get((shape, M, "triton"))
+        if r:
+            met = r["median_us"] <= limit
+            all_ok &= met
+            lines.append(f"Decode: {shape} M={M} bundled whole call {r['median_us']:.1f} us "
+                         f"(target <= {limit:.0f} us): {'PASS' if met else 'FAIL'}")  # fmt: skip
+    return "\n".join(lines), all_ok
+
+
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -857,6 +943,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, required=True)
     add_shape_args(parser)
     parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="interleaved runs per (shape, M); a row's time is the median of their "
+                             "medians")  # fmt: skip
+    parser.add_argument("--prefill-targets", action="store_true",
+                        help="end with issue 23's tables (peers / bundled, roofline, decode) in "
+                             "prefill.md")  # fmt: skip
     parser.add_argument("--skip-alignment", action="store_true", help="skip the alignment-path comparison")
     parser.add_argument("--peers", nargs="*", default=list(DEFAULT_PEERS), choices=list(GRAPH_PEERS))
     parser.add_argument(
@@ -879,7 +971,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.report_only is not None:
         rows = [json.loads(line) for line in args.report_only.read_text().splitlines() if line.strip()]
-        table, ok = ratio_tables(rows)
+        table, ok = prefill_tables(rows) if args.prefill_targets else ratio_tables(rows)
         print(table)
         return 0 if ok else 1
     started = time.perf_counter()
@@ -922,7 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
             base = shape_case(shape, 1, seed=7, device="cpu", dtype=torch.float32)
         rows += bench_shape(
             shape, Ms, ceilings, args.replays, peers, eager=not args.skip_eager, deadline=deadline,
-            on_rows=save, gemms_alone=gemms_alone, check=not args.no_check, base=base,
+            on_rows=save, gemms_alone=gemms_alone, check=not args.no_check, base=base, repeats=args.repeats,
         )  # fmt: skip
     align_rows = []
     if not args.skip_alignment and not args.cpu_smoke:
@@ -957,7 +1049,12 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(meta))
     print(table)
     ok = True
-    if VLLM_PEERS:
+    if args.prefill_targets:
+        tables, ok = prefill_tables(rows)
+        (args.out_dir / "prefill.md").write_text(tables + "\n")
+        print()
+        print(tables)
+    elif VLLM_PEERS:
         ratios, ok = ratio_tables(rows)
         (args.out_dir / "ratios.md").write_text(ratios + "\n")
         print()

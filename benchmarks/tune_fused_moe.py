@@ -100,8 +100,24 @@ def block_m_candidates(rows: float) -> list[int]:
 
 
 def _fits(block_m: int, tile: GemmTile, b_tiles: int) -> bool:
-    acc = block_m * tile.block_n * b_tiles / (32 * tile.num_warps)
-    return tile.num_stages * tile.stage_bytes(block_m, b_tiles) <= SMEM_LIMIT and acc <= MAX_ACC_PER_THREAD
+    # Warp-specialized: two consumer warp groups of num_warps each share the accumulator (triton 3.6).
+    warps = tile.num_warps * (2 if tile.warp_specialize else 1)
+    acc = block_m * tile.block_n * b_tiles / (32 * warps)
+    return tile.shared_bytes(block_m, b_tiles) <= SMEM_LIMIT and acc <= MAX_ACC_PER_THREAD
+
+
+def prefill_variants(kind: int, block_m: int, tile: GemmTile) -> list[GemmTile]:
+    """The persistent (prefill-path) versions of a compute-bound tile. Warp specialization only where
+    triton 3.6 compiles it for sm_90 (benchmarks/aot_sm90.py): GEMM2 at BLOCK_M 128 with 4 warps a
+    group; GEMM1's gathered x loads, and BLOCK_M 64, fail in its pass pipeline."""
+    if block_m < 64:
+        return []
+    if kind == 1:
+        return [replace(tile, persistent=True)]
+    variants = [replace(tile, tma=True, persistent=True)]
+    if block_m == 128 and tile.num_warps == 4:
+        variants.append(replace(tile, tma=True, persistent=True, warp_specialize=True))
+    return variants
 
 
 def gemm_candidates(kind: int, block_m: int) -> list[GemmTile]:
@@ -137,6 +153,12 @@ def gemm_candidates(kind: int, block_m: int) -> list[GemmTile]:
                             interleave=variant and kind == 1, tma=variant and kind == 2)  # fmt: skip
             if _fits(block_m, tile, b_tiles) and tile not in tiles:
                 tiles.append(tile)
+    if block_m >= 64:  # the prefill path: every compute-bound tile also as a persistent grouped GEMM
+        compute = [t for t in tiles if t.block_n >= 64 and t.block_k <= 128 and not t.tma]
+        for tile in compute:
+            for persistent in prefill_variants(kind, block_m, tile):
+                if _fits(block_m, persistent, b_tiles) and persistent not in tiles:
+                    tiles.append(persistent)
     return tiles
 
 
@@ -320,9 +342,10 @@ def _time_tiles(label: str, tiles: list[GemmTile], run, bufs, replays: int) -> l
 
 
 def _family(kind: int, plan: Plan, tile: GemmTile, fold: bool = False) -> str:
+    path = (" persistent" if tile.persistent else "") + (" ws" if tile.warp_specialize else "")
     if kind == 1:
-        return f"gemm1 {plan.name()} {'interleaved' if tile.interleave else 'two-dot'}"
-    return f"gemm2 {plan.name()}" + (" fold_k" if fold else "") + (" tma" if tile.tma else "")
+        return f"gemm1 {plan.name()} {'interleaved' if tile.interleave else 'two-dot'}{path}"
+    return f"gemm2 {plan.name()}" + (" fold_k" if fold else "") + (" tma" if tile.tma else "") + path
 
 
 def tune_cell(shape: MoeShape, M: int, base) -> tuple[MoeTileConfig, dict, dict]:

@@ -553,6 +553,155 @@ def _gemm2_tma_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < D))
 
 
+# ---------------------------------------------------------------------------------------------
+# The prefill path: persistent grouped GEMMs over (M-block, N-tile) work items, weights by TMA
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _work_item(tile, num_pid_m, num_pid_n, group_m):
+    """(pid_m, pid_n) of work item `tile`: the GROUP_M swizzle of `_block_coords`, for a loop index."""
+    num_pid_in_group = group_m * num_pid_n
+    first_pid_m = (tile // num_pid_in_group) * group_m
+    group_size_m = min(num_pid_m - first_pid_m, group_m)
+    pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
+    pid_n = (tile % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["num_slots", "top_k", "group_m", "num_programs"])
+def _gemm1_persistent_kernel(
+    x_ptr,  # (T, D) activations
+    w13_desc,  # TMA over w13: INTERLEAVE (e, F, 2, D) box [1, BN, 2, BK], else (e, 2F, D) box [1, BN, BK]
+    h_desc,  # TensorDescriptor over h (P, F), block [BLOCK_M, BLOCK_N]
+    topk_weights_ptr,  # (T*K,) routing weights (read only when MUL_ROUTED_WEIGHT)
+    sorted_ids_ptr,  # (P,) int32
+    expert_ids_ptr,  # (max_blocks,) int32
+    num_post_pad_ptr,  # (1,) int32
+    num_slots,
+    top_k,
+    group_m,
+    num_programs,  # the grid (one program per SM, at most one per work item): the loop's step
+    F,
+    D,
+    stride_xm,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    EVEN_K: tl.constexpr,  # D % BLOCK_K == 0: the gathered x loads need no K mask
+    INTERLEAVE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FLATTEN: tl.constexpr,  # pipeline across work items (the next item's loads under this one's epilogue)
+    WARP_SPECIALIZE: tl.constexpr,  # producer / consumer warp groups (Triton's automatic warp specialization)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """GEMM1 + SiLU-and-mul of an aligned plan as a persistent grouped GEMM (tile field `gemm1.persistent`).
+
+    The work items are the (M-block, N-tile) pairs of the blocks in use (the padded count, read on
+    the device), so no program is launched for the worst case's empty blocks. The weight tiles come
+    by TMA: with INTERLEAVE through a 4-D view of w13 whose box [1, BLOCK_N, 2, BLOCK_K] lands in
+    shared memory as gate row n, up row n, gate row n + 1, ... (the interleave of the pointer
+    kernel, built by the copy engine); x rows are a gather (sorted slots -> tokens), which a Hopper
+    TMA cannot do, so they stay pointer loads. h rows are contiguous: TMA stores, clipped at F.
+    """
+    num_pid_m = tl.load(num_post_pad_ptr) // BLOCK_M
+    num_pid_n = tl.cdiv(F, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile in tl.range(
+        tl.program_id(0),
+        num_pid_m * num_pid_n,
+        num_programs,
+        flatten=FLATTEN,
+        warp_specialize=WARP_SPECIALIZE,
+    ):
+        pid_m, pid_n = _work_item(tile, num_pid_m, num_pid_n, group_m)
+        slot = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        expert = tl.load(expert_ids_ptr + pid_m)
+        row_ok = slot < num_slots
+        token = (slot // top_k).to(tl.int64)
+        x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
+        n = pid_n * BLOCK_N
+        if INTERLEAVE:
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        else:
+            acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(tl.cdiv(D, BLOCK_K)):
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < D - k * BLOCK_K), other=0.0)
+            if INTERLEAVE:
+                w = w13_desc.load([expert, n, 0, k * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
+                acc = tl.dot(x, w.T, acc, input_precision=DOT_PRECISION)
+            else:
+                # Rows past F of the gate box are up rows: their columns of h are past F and clipped.
+                wg = w13_desc.load([expert, n, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K)
+                wu = w13_desc.load([expert, F + n, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K)
+                acc_gate = tl.dot(x, wg.T, acc_gate, input_precision=DOT_PRECISION)
+                acc_up = tl.dot(x, wu.T, acc_up, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K
+        if INTERLEAVE:
+            acc_gate, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        if MUL_ROUTED_WEIGHT:
+            rw = tl.load(topk_weights_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
+            acc_gate = acc_gate * rw[:, None]
+            acc_up = acc_up * rw[:, None]
+        h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+        # Padding rows are stored too (0: their x rows loaded as 0), as in the pointer kernel.
+        h_desc.store([pid_m * BLOCK_M, n], h.to(h_desc.dtype))
+
+
+@triton.jit(do_not_specialize=["num_slots", "group_m", "num_programs"])
+def _gemm2_persistent_kernel(
+    h_desc,  # TensorDescriptor over h (P, F), block [BLOCK_M, BLOCK_K]
+    w2_desc,  # TensorDescriptor over w2 (e, D, F), block [1, BLOCK_N, BLOCK_K]
+    y_ptr,  # (T*K, D) per-slot output, or (T, D) the final output when K == 1
+    topk_weights_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_post_pad_ptr,
+    num_slots,
+    group_m,
+    num_programs,
+    D,
+    F,
+    stride_ym,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """`_gemm2_tma_kernel` as a persistent grouped GEMM (the `gemm2.persistent` tile field): see GEMM1's."""
+    num_pid_m = tl.load(num_post_pad_ptr) // BLOCK_M
+    num_pid_n = tl.cdiv(D, BLOCK_N)
+    for tile in tl.range(
+        tl.program_id(0),
+        num_pid_m * num_pid_n,
+        num_programs,
+        flatten=FLATTEN,
+        warp_specialize=WARP_SPECIALIZE,
+    ):
+        pid_m, pid_n = _work_item(tile, num_pid_m, num_pid_n, group_m)
+        expert = tl.load(expert_ids_ptr + pid_m)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(tl.cdiv(F, BLOCK_K)):
+            h = h_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            w = w2_desc.load([expert, pid_n * BLOCK_N, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K)
+            acc = tl.dot(h, w.T, acc, input_precision=DOT_PRECISION)
+        slot = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = slot < num_slots
+        if MUL_ROUTED_WEIGHT:
+            rw = tl.load(topk_weights_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
+            acc = acc * rw[:, None]
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        y_ptrs = y_ptr + slot[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < D))
+
+
 @triton.jit
 def _moe_sum_kernel(
     y_ptr,  # (T*K, D) per-slot outputs, already weighted

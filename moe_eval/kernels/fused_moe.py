@@ -473,6 +473,10 @@ def launch_gemm1(
 ) -> None:
     D = hidden_TD.shape[1]
     F = h_PF.shape[1]
+    if tile.persistent:
+        _launch_gemm1_persistent(hidden_TD, w13_eFD, h_PF, topk_weights_TK, align, top_k, tile,
+                                 mul_routed_weight, precision)  # fmt: skip
+        return
     num_pid_m = align.max_blocks
     kernels._gemm1_silu_kernel[(num_pid_m * triton.cdiv(F, tile.block_n),)](
         hidden_TD, w13_eFD, h_PF, topk_weights_TK, *_naive_args(align),
@@ -499,6 +503,11 @@ def launch_gemm2(
     D = y_SD.shape[1]
     F = h_PF.shape[1]
     assert not fold_k or align.naive, "the sum over K folds into GEMM2 on naive plans only"
+    if tile.persistent:
+        _launch_gemm2_persistent(
+            h_PF, w2_eDF, y_SD, topk_weights_TK, align, tile, mul_routed_weight, precision
+        )
+        return
     if tile.tma:
         _launch_gemm2_tma(h_PF, w2_eDF, y_SD, topk_weights_TK, align, tile, mul_routed_weight, precision)
         return
@@ -541,6 +550,100 @@ def _launch_gemm2_tma(
         h_desc, w2_desc, y_SD, topk_weights_TK, align.sorted_ids_P, align.expert_ids_B, align.num_post_pad_1,
         align.num_slots, num_pid_m, tile.group_m, D, F, y_SD.stride(0),
         MUL_ROUTED_WEIGHT=mul_routed_weight, DOT_PRECISION=precision,
+        BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+
+
+# The prefill path (`persistent` tiles): one program per SM walks the work items of the blocks in use.
+
+
+def persistent_programs(device: torch.device) -> int:
+    """Programs of a persistent GEMM: one per SM (the large tiles hold one CTA per SM); 4 in the
+    interpreter, so the tests walk several work items per program."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _persistent_grid(align: MoeAlignment, n_tiles: int) -> int:
+    # At most the worst case's work items (known without a sync); the loop bound is the real count.
+    return max(1, min(persistent_programs(align.sorted_ids_P.device), align.max_blocks * n_tiles))
+
+
+def _check_tma_operands(what: str, *tensors: torch.Tensor) -> None:
+    # Contract: TMA boxes need a contiguous inner dimension and 16-byte strides.
+    for t in tensors:
+        assert t.is_contiguous(), f"{what}: operands must be contiguous"
+        assert (t.shape[-1] * t.element_size()) % 16 == 0, (
+            f"{what}: rows of {t.shape[-1] * t.element_size()} bytes, not a multiple of 16 (TMA)"
+        )
+
+
+def _launch_gemm1_persistent(
+    hidden_TD: torch.Tensor,
+    w13_eFD: torch.Tensor,
+    h_PF: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    align: MoeAlignment,
+    top_k: int,
+    tile: GemmTile,
+    mul_routed_weight: bool,
+    precision: str,
+) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    e, F2, D = w13_eFD.shape
+    F = F2 // 2
+    assert not align.naive, (
+        "gemm1.persistent runs aligned plans only (MoeTileConfig rejects naive + persistent)"
+    )
+    _check_tma_operands("gemm1.persistent", w13_eFD, h_PF)
+    if tile.interleave:
+        # w13 as (e, F, 2, D): the box [1, BLOCK_N, 2, BLOCK_K] is gate row n, up row n, gate row n + 1, ...
+        w13_desc = TensorDescriptor(
+            w13_eFD, [e, F, 2, D], [F2 * D, D, F * D, 1], [1, tile.block_n, 2, tile.block_k]
+        )
+    else:
+        w13_desc = TensorDescriptor(w13_eFD, [e, F2, D], [F2 * D, D, 1], [1, tile.block_n, tile.block_k])
+    h_desc = TensorDescriptor(h_PF, list(h_PF.shape), [F, 1], [align.block_m, tile.block_n])
+    programs = _persistent_grid(align, triton.cdiv(F, tile.block_n))
+    kernels._gemm1_persistent_kernel[(programs,)](
+        hidden_TD, w13_desc, h_desc, topk_weights_TK,
+        align.sorted_ids_P, align.expert_ids_B, align.num_post_pad_1,
+        align.num_slots, top_k, tile.group_m, programs, F, D, hidden_TD.stride(0),
+        MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=D % tile.block_k == 0, INTERLEAVE=tile.interleave,
+        DOT_PRECISION=precision, FLATTEN=not tile.warp_specialize, WARP_SPECIALIZE=tile.warp_specialize,
+        BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+
+
+def _launch_gemm2_persistent(
+    h_PF: torch.Tensor,
+    w2_eDF: torch.Tensor,
+    y_SD: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    align: MoeAlignment,
+    tile: GemmTile,
+    mul_routed_weight: bool,
+    precision: str,
+) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    e, D, F = w2_eDF.shape
+    assert not align.naive, (
+        "gemm2.persistent runs aligned plans only (MoeTileConfig rejects naive + persistent)"
+    )
+    _check_tma_operands("gemm2.persistent", w2_eDF, h_PF)
+    h_desc = TensorDescriptor(h_PF, list(h_PF.shape), [F, 1], [align.block_m, tile.block_k])
+    w2_desc = TensorDescriptor(w2_eDF, [e, D, F], [D * F, F, 1], [1, tile.block_n, tile.block_k])
+    programs = _persistent_grid(align, triton.cdiv(D, tile.block_n))
+    kernels._gemm2_persistent_kernel[(programs,)](
+        h_desc, w2_desc, y_SD, topk_weights_TK, align.sorted_ids_P, align.expert_ids_B, align.num_post_pad_1,
+        align.num_slots, tile.group_m, programs, D, F, y_SD.stride(0),
+        MUL_ROUTED_WEIGHT=mul_routed_weight, DOT_PRECISION=precision,
+        FLATTEN=not tile.warp_specialize, WARP_SPECIALIZE=tile.warp_specialize,
         BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip

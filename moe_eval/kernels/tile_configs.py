@@ -44,6 +44,10 @@ class GemmTile:
     tile and one tl.dot of width 2*BLOCK_N, instead of two tl.dots of width BLOCK_N.
     tma (GEMM2 only, aligned plans): both operands loaded through TMA descriptors instead of
     pointer loads (cp.async); needs F * itemsize and D * F * itemsize to be multiples of 16 bytes.
+    persistent (aligned plans; the prefill path): one program per SM walks the (M-block, N-tile)
+    work items of the blocks in use, the weight tiles come by TMA (GEMM2: needs tma, both operands),
+    and the loop is software-pipelined across work items. warp_specialize (needs persistent):
+    Triton's producer / consumer warp groups instead of that cross-item pipelining.
     """
 
     block_n: int
@@ -53,15 +57,35 @@ class GemmTile:
     num_stages: int = 3
     interleave: bool = False
     tma: bool = False
+    persistent: bool = False
+    warp_specialize: bool = False
+
+    FLAGS = ("interleave", "tma", "persistent", "warp_specialize")
+
+    def __post_init__(self) -> None:
+        if self.warp_specialize and not self.persistent:
+            raise ValueError("warp_specialize needs persistent (it specialises the persistent loop's warps)")
 
     @classmethod
     def from_json(cls, data: dict) -> GemmTile:
         _check_keys(data, {f for f in cls.__dataclass_fields__}, "GemmTile")
-        return cls(**{k: (bool(v) if k in ("interleave", "tma") else int(v)) for k, v in data.items()})
+        return cls(**{k: (bool(v) if k in cls.FLAGS else int(v)) for k, v in data.items()})
 
     def stage_bytes(self, block_m: int, b_tiles: int, itemsize: int = 2) -> int:
         """Shared memory of one pipeline stage: the A tile and `b_tiles` weight tiles of BLOCK_N columns."""
         return (block_m * self.block_k + b_tiles * self.block_k * self.block_n) * itemsize
+
+    def shared_bytes(self, block_m: int, b_tiles: int, itemsize: int = 2, stages: int | None = None) -> int:
+        """Shared memory of the GEMM: its pipeline stages, and for a persistent tile the epilogue's
+        buffer (GEMM1: the h tile staged for its TMA store; GEMM2: half that, the output's layout
+        change) and barriers. Measured with triton 3.6 for sm_90 (benchmarks/aot_sm90.py): GEMM1
+        128 x (2 x 128) x 64, 4 stages: 229408 bytes = 196608 + 32800; GEMM2 128 x 256 x 64, 4
+        stages: 229408, warp-specialized 229608."""
+        stages = self.num_stages if stages is None else stages
+        total = stages * self.stage_bytes(block_m, b_tiles, itemsize)
+        if self.persistent:
+            total += block_m * self.block_n * itemsize // (1 if b_tiles == 2 else 2) + 1024
+        return total
 
 
 @dataclass(frozen=True)
@@ -91,12 +115,15 @@ class MoeTileConfig:
             raise ValueError("tma is GEMM2's: GEMM1 gathers token rows, which a Hopper TMA cannot load")
         if self.gemm2.tma and self.naive:
             raise ValueError("tma needs aligned plans (a naive block's rows are one slot and padding)")
+        if self.naive and (self.gemm1.persistent or self.gemm2.persistent):
+            raise ValueError("persistent needs aligned plans (its work items are the aligned M-blocks)")
+        if self.gemm2.persistent and not self.gemm2.tma:
+            raise ValueError("gemm2.persistent loads both operands by TMA: set gemm2.tma too")
 
     def shared_memory(self, itemsize: int = 2) -> tuple[int, int]:
         """Bytes of shared memory (GEMM1, GEMM2) as Triton 3.6 allocates them (num_stages stages)."""
-        return (
-            self.gemm1.num_stages * self.gemm1.stage_bytes(self.block_m, 2, itemsize),
-            self.gemm2.num_stages * self.gemm2.stage_bytes(self.block_m, 1, itemsize),
+        return self.gemm1.shared_bytes(self.block_m, 2, itemsize), self.gemm2.shared_bytes(
+            self.block_m, 1, itemsize
         )
 
     def to_json(self) -> dict:
@@ -121,7 +148,7 @@ def fit_shared_memory(config: MoeTileConfig, itemsize: int) -> MoeTileConfig:
     tiles = []
     for tile, b_tiles in ((config.gemm1, 2), (config.gemm2, 1)):
         stages = tile.num_stages
-        while stages > 1 and stages * tile.stage_bytes(config.block_m, b_tiles, itemsize) > SMEM_LIMIT:
+        while stages > 1 and tile.shared_bytes(config.block_m, b_tiles, itemsize, stages) > SMEM_LIMIT:
             stages -= 1
         tiles.append(tile if stages == tile.num_stages else replace(tile, num_stages=stages))
     if tiles == [config.gemm1, config.gemm2]:
@@ -257,9 +284,11 @@ SHIPPED_SHAPES = (
     MoeShape("Qwen3-30B-A3B", "TEP2", 128, 64, 8, 2048, 768),
     MoeShape("Mixtral-8x7B", "TP1", 8, 8, 2, 4096, 14336),
     MoeShape("Mixtral-8x7B", "TP2", 8, 8, 2, 4096, 7168),
+    MoeShape("Mixtral-8x7B", "TEP2", 8, 4, 2, 4096, 14336),
     # Llama-4 routes top-1 and scales the expert's input by the router weight.
     MoeShape("Llama-4-Scout", "TP1", 16, 16, 1, 5120, 8192, apply_router_weight_on_input=True),
     MoeShape("Llama-4-Scout", "TP2", 16, 16, 1, 5120, 4096, apply_router_weight_on_input=True),
+    MoeShape("Llama-4-Scout", "TEP2", 16, 8, 1, 5120, 8192, apply_router_weight_on_input=True),
 )
 
 M_GRID = (1, 16, 64, 256, 1024, 4096, 16384)

@@ -10,6 +10,7 @@ T tokens, D hidden, F intermediate per rank, E experts (global), e local experts
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -304,6 +305,71 @@ def test_gemm2_tma(K, dtype, device):
     _check(make_case(70, 6, K, 48, 40, dtype=dtype, device=device, seed=150 + K), config)
 
 
+def _prefill(interleave: bool, block_m: int = 32, ws: bool = False) -> MoeTileConfig:
+    """The persistent prefill path at test sizes (GROUP_M 3: a swizzle width that divides nothing)."""
+    return MoeTileConfig(
+        block_m,
+        GemmTile(16, 32, group_m=3, interleave=interleave, persistent=True),
+        GemmTile(32, 32, group_m=3, tma=True, persistent=True, warp_specialize=ws),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "interleave,K,local,on_input",
+    [
+        pytest.param(True, 2, None, False, id="interleaved-K2"),
+        pytest.param(False, 3, None, False, id="two-dot-K3"),
+        pytest.param(True, 1, None, True, id="interleaved-K1-weight-on-input"),
+        pytest.param(True, 2, [1, 4, 5], False, id="interleaved-expert-map"),
+    ],
+)
+def test_persistent_prefill_path(interleave, K, local, on_input, dtype, device):
+    # D = 48 is not a multiple of BLOCK_K (the gathered x loads are masked), F = 40 not of BLOCK_N
+    # (TMA zero-fills the weight boxes and clips the h store), several blocks per expert, and more
+    # work items than the interpreter's 4 programs, so each program walks several.
+    case = make_case(
+        70, 6, K, 48, 40, dtype=dtype, device=device, seed=160 + K, local_experts=local,
+        apply_router_weight_on_input=on_input,
+    )  # fmt: skip
+    _check(case, _prefill(interleave))
+
+
+def test_persistent_prefill_path_is_deterministic(device):
+    # No atomics in the GEMMs or the sum: the same call gives the same bits, whatever the order in
+    # which the programs take their work items.
+    dtype = DTYPES[0]
+    case = make_case(90, 8, 2, 32, 32, dtype=dtype, device=device, seed=170)
+    config = _prefill(True)
+    assert torch.equal(fused_moe(*case.args(), **case.kwargs(), config=config),
+                       fused_moe(*case.args(), **case.kwargs(), config=config))  # fmt: skip
+
+
+def test_persistent_config_rules():
+    tile = GemmTile(32, 32)
+    with pytest.raises(ValueError, match="persistent needs aligned"):
+        MoeTileConfig(16, GemmTile(32, 32, persistent=True), tile, naive=True)
+    with pytest.raises(ValueError, match="set gemm2.tma too"):
+        MoeTileConfig(16, tile, GemmTile(32, 32, persistent=True))
+    with pytest.raises(ValueError, match="warp_specialize needs persistent"):
+        GemmTile(32, 32, warp_specialize=True)
+    # JSON round trip keeps the new fields; files without them read as the pointer path.
+    config = _prefill(True, ws=True)
+    assert MoeTileConfig.from_json(config.to_json()) == config
+    old = {"block_m": 16, "gemm1": {"block_n": 32, "block_k": 32}, "gemm2": {"block_n": 32, "block_k": 32}}
+    assert not MoeTileConfig.from_json(old).gemm1.persistent
+
+
+def test_persistent_shared_memory_counts_the_epilogue():
+    # triton 3.6, sm_90 (benchmarks/aot_sm90.py): GEMM1 128 x (2 x 128) x 64 in 4 stages takes
+    # 229408 bytes persistent (196608 for its stages); GEMM2 128 x 256 x 64 in 4 stages 229408.
+    gemm1 = GemmTile(128, 64, num_warps=8, num_stages=4, interleave=True)
+    gemm2 = GemmTile(256, 64, num_warps=8, num_stages=4, tma=True)
+    assert gemm1.shared_bytes(128, 2) == 196608
+    for tile, b_tiles in ((gemm1, 2), (gemm2, 1)):
+        assert 229408 <= dataclasses.replace(tile, persistent=True).shared_bytes(128, b_tiles) <= SMEM_LIMIT
+
+
 def test_fp32_stages_fit_shared_memory():
     # A bf16 tile at the limit: fp32 operands double every stage, so the plan drops stages.
     big = MoeTileConfig(
@@ -446,3 +512,37 @@ def test_real_shape_bf16(shape, M):
             f.write(json.dumps({"shape": shape.name, "M": M, "rel_err": err, "nan": nan}) + "\n")
     assert not nan
     assert err <= TOLERANCE[torch.bfloat16], f"{shape.name} M={M}: relative error {err:.2e}"
+
+
+# The prefill path forced at the real shapes (whatever the tuned files pick there): the large tiles
+# the tuner offers it with, GEMM2 warp-specialized or pipelined across work items.
+PREFILL_FORCED = {
+    "pipelined": MoeTileConfig(
+        128,
+        GemmTile(128, 64, group_m=8, num_warps=8, num_stages=3, interleave=True, persistent=True),
+        GemmTile(256, 64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=True),
+    ),
+    "two-dot-ws": MoeTileConfig(
+        128,
+        GemmTile(64, 64, group_m=8, num_warps=4, num_stages=4, persistent=True),
+        GemmTile(
+            128, 64, group_m=8, num_warps=4, num_stages=4, tma=True, persistent=True, warp_specialize=True
+        ),
+    ),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant", list(PREFILL_FORCED))
+@pytest.mark.parametrize("M", [1, 256, 4096])
+@pytest.mark.parametrize("shape", SHIPPED_SHAPES, ids=lambda s: s.name.replace(" ", "-"))
+def test_real_shape_prefill_path_forced(shape, M, variant):
+    case = shape_case(shape, M, seed=M + 1)
+    out_TD = torch.full_like(case.hidden_TD, float("nan"))
+    fused_moe(*case.args(), **case.kwargs(), out=out_TD, config=PREFILL_FORCED[variant])
+    assert not torch.isnan(out_TD).any()
+    err = rel_err(out_TD, case.reference_fp32())
+    assert err <= TOLERANCE[torch.bfloat16], f"{shape.name} M={M} {variant}: relative error {err:.2e}"
+    again = fused_moe(*case.args(), **case.kwargs(), config=PREFILL_FORCED[variant])
+    assert torch.equal(out_TD, again), "the prefill path must be bitwise repeatable"
