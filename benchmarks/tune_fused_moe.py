@@ -107,17 +107,15 @@ def _fits(block_m: int, tile: GemmTile, b_tiles: int) -> bool:
 
 
 def prefill_variants(kind: int, block_m: int, tile: GemmTile) -> list[GemmTile]:
-    """The persistent (prefill-path) versions of a compute-bound tile. Warp specialization only where
-    triton 3.6 compiles it for sm_90 (benchmarks/aot_sm90.py): GEMM2 at BLOCK_M 128 with 4 warps a
-    group; GEMM1's gathered x loads, and BLOCK_M 64, fail in its pass pipeline."""
+    """The persistent (prefill-path) version of a compute-bound tile. Never warp-specialized: triton
+    3.6 compiles that for sm_90 only for GEMM2 at BLOCK_M 128 with 4 warps a group (GEMM1's gathered
+    x loads and BLOCK_M 64 fail in its pass pipeline, benchmarks/aot_sm90.py), and those kernels hang
+    on the H200 (benchmarks/prefill_probe.py, 2026-12-01: no result in 100 s, where the others took 5)."""
     if block_m < 64:
         return []
     if kind == 1:
         return [replace(tile, persistent=True)]
-    variants = [replace(tile, tma=True, persistent=True)]
-    if block_m == 128 and tile.num_warps == 4:
-        variants.append(replace(tile, tma=True, persistent=True, warp_specialize=True))
-    return variants
+    return [replace(tile, tma=True, persistent=True)]
 
 
 def gemm_candidates(kind: int, block_m: int) -> list[GemmTile]:
