@@ -17,6 +17,7 @@ P padded slot count. w13_eFD is [e, 2F, D], gate rows first, then up rows; w2_eD
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -563,7 +564,13 @@ def persistent_programs(device: torch.device) -> int:
     interpreter, so the tests walk several work items per program."""
     if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    # Asked once per device: the launcher runs on every layer of every step.
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _persistent_grid(align: MoeAlignment, n_tiles: int) -> int:
