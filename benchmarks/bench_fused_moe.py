@@ -737,14 +737,21 @@ def ratio_tables(rows: list[dict]) -> tuple[str, bool]:
             ]
             lines += [f"- {s}: " + " ".join(f"{v:.2f}" for v in ISSUE_BASELINE[s]) for s in base]
             lines.append("")
-    for (shape, M), limit in LATENCY_TARGETS_US.items():
+    latency, met = latency_lines(by, LATENCY_TARGETS_US, "Latency")
+    return "\n".join(lines + latency), all_ok and met
+
+
+def latency_lines(by: dict, targets: dict, label: str) -> tuple[list[str], bool]:
+    """One line per (shape, M) latency target the rows have (bundled whole call), and whether all were met."""
+    lines, ok = [], True
+    for (shape, M), limit in targets.items():
         r = by.get((shape, M, "triton"))
         if r:
             met = r["median_us"] <= limit
-            all_ok &= met
-            lines.append(f"Latency: {shape} M={M} bundled whole call {r['median_us']:.1f} us "
+            ok &= met
+            lines.append(f"{label}: {shape} M={M} bundled whole call {r['median_us']:.1f} us "
                          f"(target <= {limit:.0f} us): {'PASS' if met else 'FAIL'}")  # fmt: skip
-    return "\n".join(lines), all_ok
+    return lines, ok
 
 
 # --- issue 23: the prefill targets against both peers ------------------------------------------------
@@ -817,14 +824,8 @@ def prefill_tables(rows: list[dict]) -> tuple[str, bool]:
                 cells.append(f"**{r['frac_roofline']:.0%}**" if miss else f"{r['frac_roofline']:.0%}")
             lines.append(f"| {shape} | " + " | ".join(cells) + " |")
         lines.append("")
-    for (shape, M), limit in PREFILL_LATENCY_US.items():
-        r = by.get((shape, M, "triton"))
-        if r:
-            met = r["median_us"] <= limit
-            all_ok &= met
-            lines.append(f"Decode: {shape} M={M} bundled whole call {r['median_us']:.1f} us "
-                         f"(target <= {limit:.0f} us): {'PASS' if met else 'FAIL'}")  # fmt: skip
-    return "\n".join(lines), all_ok
+    latency, met = latency_lines(by, PREFILL_LATENCY_US, "Decode")
+    return "\n".join(lines + latency), all_ok and met
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:

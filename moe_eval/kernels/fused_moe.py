@@ -525,6 +525,20 @@ def launch_gemm2(
     )  # fmt: skip
 
 
+def _gemm2_descriptors(
+    h_PF: torch.Tensor, w2_eDF: torch.Tensor, align: MoeAlignment, tile: GemmTile, what: str
+):
+    """TMA descriptors of GEMM2's operands: h rows (contiguous sorted positions) and w2's per-expert tiles."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    e, D, F = w2_eDF.shape
+    assert not align.naive, f"{what} runs aligned plans only (MoeTileConfig rejects it with naive)"
+    _check_tma_operands(what, w2_eDF, h_PF)
+    h_desc = TensorDescriptor(h_PF, list(h_PF.shape), [F, 1], [align.block_m, tile.block_k])
+    w2_desc = TensorDescriptor(w2_eDF, [e, D, F], [D * F, F, 1], [1, tile.block_n, tile.block_k])
+    return h_desc, w2_desc
+
+
 def _launch_gemm2_tma(
     h_PF: torch.Tensor,
     w2_eDF: torch.Tensor,
@@ -535,17 +549,8 @@ def _launch_gemm2_tma(
     mul_routed_weight: bool,
     precision: str,
 ) -> None:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     e, D, F = w2_eDF.shape
-    # Contract: TMA boxes need 16-byte strides and a contiguous inner dimension.
-    assert not align.naive, "gemm2.tma runs aligned plans only (MoeTileConfig rejects naive + tma)"
-    assert h_PF.is_contiguous() and w2_eDF.is_contiguous(), "tma: h and w2 contiguous"
-    assert (F * h_PF.element_size()) % 16 == 0, (
-        f"tma: F * itemsize = {F * h_PF.element_size()} bytes, not a multiple of 16"
-    )
-    h_desc = TensorDescriptor(h_PF, list(h_PF.shape), [F, 1], [align.block_m, tile.block_k])
-    w2_desc = TensorDescriptor(w2_eDF, [e, D, F], [D * F, F, 1], [1, tile.block_n, tile.block_k])
+    h_desc, w2_desc = _gemm2_descriptors(h_PF, w2_eDF, align, tile, "gemm2.tma")
     num_pid_m = align.max_blocks
     kernels._gemm2_tma_kernel[(num_pid_m * triton.cdiv(D, tile.block_n),)](
         h_desc, w2_desc, y_SD, topk_weights_TK, align.sorted_ids_P, align.expert_ids_B, align.num_post_pad_1,
@@ -636,15 +641,8 @@ def _launch_gemm2_persistent(
     mul_routed_weight: bool,
     precision: str,
 ) -> None:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     e, D, F = w2_eDF.shape
-    assert not align.naive, (
-        "gemm2.persistent runs aligned plans only (MoeTileConfig rejects naive + persistent)"
-    )
-    _check_tma_operands("gemm2.persistent", w2_eDF, h_PF)
-    h_desc = TensorDescriptor(h_PF, list(h_PF.shape), [F, 1], [align.block_m, tile.block_k])
-    w2_desc = TensorDescriptor(w2_eDF, [e, D, F], [D * F, F, 1], [1, tile.block_n, tile.block_k])
+    h_desc, w2_desc = _gemm2_descriptors(h_PF, w2_eDF, align, tile, "gemm2.persistent")
     programs = _persistent_grid(align, triton.cdiv(D, tile.block_n))
     kernels._gemm2_persistent_kernel[(programs,)](
         h_desc, w2_desc, y_SD, topk_weights_TK, align.sorted_ids_P, align.expert_ids_B, align.num_post_pad_1,

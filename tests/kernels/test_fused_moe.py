@@ -322,6 +322,8 @@ def _prefill(interleave: bool, block_m: int = 32, ws: bool = False) -> MoeTileCo
         pytest.param(False, 3, None, False, id="two-dot-K3"),
         pytest.param(True, 1, None, True, id="interleaved-K1-weight-on-input"),
         pytest.param(True, 2, [1, 4, 5], False, id="interleaved-expert-map"),
+        # K = 1 under a map: GEMM2 writes the output itself, and tokens it never visits stay 0.
+        pytest.param(True, 1, [0, 2, 3], True, id="interleaved-K1-expert-map"),
     ],
 )
 def test_persistent_prefill_path(interleave, K, local, on_input, dtype, device):

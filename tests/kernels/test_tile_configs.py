@@ -84,6 +84,16 @@ def test_tuner_space_fits_and_holds_vllms_large_tiles():
     assert 128 in [p.block_m for p in tune.plans_for(mixtral_tp2, 256)]
     qwen3_tp1 = next(s for s in SHIPPED_SHAPES if s.name == "Qwen3-30B-A3B TP1")
     assert any(p.naive for p in tune.plans_for(qwen3_tp1, 1))
+    # The prefill path: every large-M block size offers persistent tiles (the interleaved GEMM1 that
+    # won on the H200 among them); GEMM2's always load by TMA; never warp-specialized (it hangs).
+    for block_m in (64, 128, 256):
+        for kind in (1, 2):
+            persistent = [t for t in tune.gemm_candidates(kind, block_m) if t.persistent]
+            assert persistent, (block_m, kind)
+            assert all(t.tma for t in persistent) if kind == 2 else any(t.interleave for t in persistent)
+    every = [t for bm in (16, 32, 64, 128, 256) for k in (1, 2) for t in tune.gemm_candidates(k, bm)]
+    assert not any(t.warp_specialize for t in every)
+    assert not any(t.persistent for bm in (16, 32) for k in (1, 2) for t in tune.gemm_candidates(k, bm))
 
 
 def test_unknown_key_is_an_error(tmp_path):

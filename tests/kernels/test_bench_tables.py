@@ -1,0 +1,54 @@
+"""The benchmark's issue-23 verdict (`bench_fused_moe.prefill_tables`) on hand-made rows: which
+cells miss, how a miss is marked, and that one miss fails the whole run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_fused_moe as bench  # noqa: E402
+
+
+def _row(shape: str, M: int, impl: str, us: float, frac: float = 0.9, err: float = 3e-3) -> dict:
+    model, layout = shape.rsplit(" ", 1)
+    return {"model": model, "layout": layout, "M": M, "impl": impl, "median_us": us, "frac_roofline": frac,
+            "rel_err": err}  # fmt: skip
+
+
+def _rows(
+    fi_4096: float = 110.0, frac_4096: float = 0.8, m1_us: float = 20.0, err: float = 3e-3
+) -> list[dict]:
+    shape = "Qwen3-30B-A3B TP1"
+    return [
+        _row(shape, 1, "triton", m1_us), _row(shape, 1, "flashinfer_cutlass", 40.0),
+        _row(shape, 1, "vllm_triton", 30.0),
+        _row(shape, 4096, "triton", 100.0, frac_4096, err), _row(shape, 4096, "flashinfer_cutlass", fi_4096),
+        _row(shape, 4096, "vllm_triton", 120.0),
+        # A shape outside the issue's list counts for nothing.
+        _row("Mixtral-8x7B TP1", 4096, "triton", 100.0, 0.1),
+        _row("Mixtral-8x7B TP1", 4096, "vllm_triton", 50.0),
+    ]  # fmt: skip
+
+
+def test_every_target_met():
+    text, ok = bench.prefill_tables(_rows())
+    assert ok, text
+    assert "2 of 2 cells at >= 1.00" in text and "Mixtral-8x7B TP1" not in text
+    assert "Decode: Qwen3-30B-A3B TP1 M=1 bundled whole call 20.0 us (target <= 22 us): PASS" in text
+
+
+def test_a_peer_ahead_fails_and_is_marked():
+    text, ok = bench.prefill_tables(_rows(fi_4096=95.0))
+    assert not ok
+    assert "| Qwen3-30B-A3B TP1 | 2.00 | **0.95** |" in text and "1 of 2 cells at >= 1.00" in text
+
+
+def test_roofline_decode_and_a_wrong_output_each_fail():
+    for rows, mark in (
+        (_rows(frac_4096=0.7), "**70%**"),
+        (_rows(m1_us=23.0), "(target <= 22 us): FAIL"),
+        (_rows(err=2e-2), "WRONG"),
+    ):
+        text, ok = bench.prefill_tables(rows)
+        assert not ok and mark in text, text
