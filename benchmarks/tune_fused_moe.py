@@ -30,7 +30,6 @@ Usage: PYTHONPATH=. python benchmarks/tune_fused_moe.py [--out-dir moe_eval/kern
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import datetime
 import itertools
 import json
@@ -259,9 +258,31 @@ def _precompile(shape_index: int, jobs: list[tuple[int, int, GemmTile, bool, boo
     return errors
 
 
-def precompile(cells: dict[MoeShape, list[int]], workers: int, per_task: int = 4) -> None:
+# Variants whose precompile task never came back (a kernel that hangs the GPU, or a compile past the
+# time limit): (block_m, kind, tile with group_m 1, naive, fold_k). They are not timed: timing one in
+# this process would hang the tuner itself (2026-12-01: warp-specialized GEMM2s stalled two calls).
+UNFINISHED: set[tuple] = set()
+
+
+def _variant(bm: int, kind: int, tile: GemmTile, naive: bool, fold: bool) -> tuple:
+    return (bm, kind, replace(tile, group_m=1), naive, fold)
+
+
+def runnable(
+    block_m: int, kind: int, tiles: list[GemmTile], naive: bool, fold: bool = False
+) -> list[GemmTile]:
+    """The candidates whose precompile finished (all of them when nothing was left unfinished)."""
+    return [t for t in tiles if _variant(block_m, kind, t, naive, fold) not in UNFINISHED]
+
+
+def precompile(
+    cells: dict[MoeShape, list[int]], workers: int, per_task: int = 4, timeout_s: float = 180.0, worker=None
+) -> None:
     """Compile every candidate once. Shapes share compiled kernels when their constexprs agree
-    (F and D are specialised only on divisibility by 16), so each variant is compiled once."""
+    (F and D are specialised only on divisibility by 16), so each variant is compiled once. Each
+    worker also runs what it compiled once, so this is the hang detector too: the variants of a task
+    still out after `timeout_s` go to UNFINISHED and the workers are killed. `worker` replaces
+    `_precompile` (tests: a module-level function, as spawn pickles it by name)."""
     t0 = time.perf_counter()
     owner: dict[tuple, tuple[int, tuple]] = {}
     for shape, Ms in cells.items():
@@ -280,13 +301,25 @@ def precompile(cells: dict[MoeShape, list[int]], workers: int, per_task: int = 4
     ]
     log(f"precompiling {len(owner)} variants in {len(tasks)} tasks on {workers} workers")
     ctx = multiprocessing.get_context("spawn")
-    try:
-        with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            for errors in pool.map(_precompile, *zip(*tasks)):
-                for err in errors:
-                    log(f"  compile failed: {err}")
-    except Exception as exc:  # noqa: BLE001 - what is left compiles inline while tuning: slower, not wrong
-        log(f"precompile stopped: {type(exc).__name__}: {str(exc)[:300]}")
+    deadline = time.monotonic() + timeout_s
+    # multiprocessing.Pool, not ProcessPoolExecutor: its terminate() kills a worker stuck in a kernel.
+    with ctx.Pool(workers) as pool:
+        pending = [(jobs, pool.apply_async(worker or _precompile, (si, jobs))) for si, jobs in tasks]
+        for jobs, result in pending:
+            try:
+                errors = result.get(timeout=max(0.0, deadline - time.monotonic()))
+            except multiprocessing.TimeoutError:
+                UNFINISHED.update(_variant(*job) for job in jobs)
+                continue
+            except Exception as exc:  # noqa: BLE001 - the task's variants compile inline while tuning
+                log(f"  precompile task failed: {type(exc).__name__}: {str(exc)[:300]}")
+                continue
+            for err in errors:
+                log(f"  compile failed: {err}")
+        pool.terminate()
+    if UNFINISHED:
+        log(f"  {len(UNFINISHED)} variants not back within {timeout_s:.0f} s (not timed): "
+            + "; ".join(f"bm={v[0]} gemm{v[1]} {v[2]}" for v in sorted(UNFINISHED, key=str)[:8]))  # fmt: skip
     log(f"precompiled in {time.perf_counter() - t0:.0f} s")
 
 
@@ -372,7 +405,8 @@ def tune_cell(shape: MoeShape, M: int, base) -> tuple[MoeTileConfig, dict, dict]
                                                                     c.expert_map_E) for c in cases],
                 replays,
             )  # fmt: skip
-        g1 = _time_tiles(f"{shape.name} M={M} {plan.name()} gemm1", gemm_candidates(1, plan.block_m),
+        g1 = _time_tiles(f"{shape.name} M={M} {plan.name()} gemm1",
+                         runnable(plan.block_m, 1, gemm_candidates(1, plan.block_m), plan.naive),
                          lambda b, t: b.gemm1(shape, t), bufs, replays)  # fmt: skip
         if not g1:
             log(f"  {shape.name} M={M} {plan.name()}: no GEMM1 candidate ran")
@@ -383,8 +417,8 @@ def tune_cell(shape: MoeShape, M: int, base) -> tuple[MoeTileConfig, dict, dict]
             b.gemm1(shape, g1[0][1])
         for fold in gemm2_folds(shape, plan):
             g2 = _time_tiles(f"{shape.name} M={M} {plan.name()} gemm2{' fold' if fold else ''}",
-                             gemm_candidates(2, plan.block_m), lambda b, t, f=fold: b.gemm2(shape, t, f),
-                             bufs, replays)  # fmt: skip
+                             runnable(plan.block_m, 2, gemm_candidates(2, plan.block_m), plan.naive, fold),
+                             lambda b, t, f=fold: b.gemm2(shape, t, f), bufs, replays)  # fmt: skip
             if not g2:
                 continue
             for us, tile in g2:
@@ -461,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     add_shape_args(parser)
     parser.add_argument("--cells", nargs="*", help='"<shape name>:M,M,..." (overrides --shapes / --m)')
     parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--precompile-timeout-s", type=float, default=180.0,
+                        help="variants whose precompile task is not back by then are not timed "
+                             "(a hang)")  # fmt: skip
     parser.add_argument(
         "--merge", action="store_true", help="keep the entries of an existing file for M not tuned now"
     )
@@ -479,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.workers > 0:
-        precompile(by_shape, args.workers)
+        precompile(by_shape, args.workers, timeout_s=args.precompile_timeout_s)
     device = torch.cuda.get_device_name()
     bases: dict[MoeShape, object] = {}
     done: dict[MoeShape, tuple[dict, dict, dict]] = {s: ({}, {}, {}) for s in by_shape}

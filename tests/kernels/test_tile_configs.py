@@ -167,3 +167,28 @@ def test_tuned_dir_env_that_is_no_folder_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setenv(tile_configs.TUNED_DIR_ENV, str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError, match="MOE_EVAL_TUNED_DIR=.*nowhere: not a folder"):
         tile_configs.tuned_file_path(8, 128, 256, "NVIDIA H200")
+
+
+def test_tuner_precompile_survives_a_hanging_variant():
+    """A candidate that hangs its worker (as the warp-specialized GEMM2s did on the H200) costs its own
+    variants, not the run: they are left out of timing, and the call returns at the time limit."""
+    import sys
+    import time
+
+    sys.path.insert(0, str(TUNED_DIR.parents[2] / "benchmarks"))
+    import tune_fused_moe as tune
+
+    from tests.kernels._tuner_workers import hangs_on_narrow_tiles
+
+    shape = next(s for s in SHIPPED_SHAPES if s.name == "Qwen3-30B-A3B TP1")
+    tune.UNFINISHED.clear()
+    try:
+        started = time.monotonic()
+        tune.precompile({shape: [1]}, workers=2, timeout_s=3.0, worker=hangs_on_narrow_tiles)
+        assert time.monotonic() - started < 30
+        narrow = [t for t in tune.gemm_candidates(1, 16) if t.block_n == 16]
+        assert narrow and tune.UNFINISHED
+        assert not tune.runnable(16, 1, narrow, naive=False)
+        assert not tune.runnable(16, 1, narrow, naive=True)
+    finally:
+        tune.UNFINISHED.clear()
