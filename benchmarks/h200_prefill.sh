@@ -79,7 +79,8 @@ if has tune; then
   # Start from the package's files: a shape's file in MOE_EVAL_TUNED_DIR replaces the package's whole.
   for f in moe_eval/kernels/tuned_configs/*.json; do [[ -f "$RUN/tuned/$(basename "$f")" ]] || cp "$f" "$RUN/tuned/"; done
   timeout "${TUNE_TIMEOUT:-500}" python3 benchmarks/tune_fused_moe.py --merge --out-dir "$RUN/tuned" \
-    --workers "${TUNE_WORKERS:-8}" --deadline-s "${TUNE_DEADLINE:-440}" --cells "${PREFILL_CELLS[@]}" \
+    --workers "${TUNE_WORKERS:-16}" --precompile-timeout-s 150 --deadline-s "${TUNE_DEADLINE:-440}" \
+    --cells "${PREFILL_CELLS[@]}" \
     > "$RUN/logs/tune.txt" 2>&1
   echo "tune rc=$?" | tee -a "$RUN/logs/stages.txt"
   grep -E "^[A-Z].* M=[0-9]+:|precompil|compile failed|REJECTED|deadline|Error" "$RUN/logs/tune.txt" | cut -c1-330 | tail -45
