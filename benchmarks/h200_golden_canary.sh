@@ -9,6 +9,9 @@
 # SHIPPED=<carried run folder> skips the shipped pair (an earlier call's) and runs the mutations only.
 #
 #   bash benchmarks/h200_golden_canary.sh tp|tep|dep      (from the checkout; the kit in .vgpu/)
+# WITH_FI=1 (tp only) adds the FlashInfer CUTLASS row to the pair, shipped and mutated; it needs FlashInfer
+# with its BF16 module in .fi-site/ on this machine (benchmarks/h200_prefill.sh STAGES="fi-build", an
+# earlier call on the same warm machine), which the servers then import (EXTRA_PYTHONPATH of the kit).
 set -u
 layout="${1:?usage: h200_golden_canary.sh tp|tep|dep}"
 MUTATIONS="${MUTATIONS:-scale_one_expert}"
@@ -25,6 +28,13 @@ pack() {  # after every stage: a call cut short by its time limit still brings b
 }
 pair=("configs/canary-gpu-$layout/Canary-Qwen3-MoE-BF16-vllm-triton.yaml"
       "configs/canary-gpu-$layout/Canary-Qwen3-MoE-BF16-triton.yaml")
+if [ "${WITH_FI:-0}" = 1 ]; then
+  [ "$layout" = tp ] || { echo "WITH_FI=1: the FlashInfer canary config is TP1 only (configs/canary-gpu-tp)"; exit 2; }
+  [ -f .fi-site/flashinfer/data/aot/fused_moe_90/fused_moe_90.so ] || {
+    echo "WITH_FI=1: no .fi-site/ with fused_moe_90.so here: run benchmarks/h200_prefill.sh STAGES=fi-build first"; exit 2; }
+  export EXTRA_PYTHONPATH="$PWD/.fi-site"
+  pair+=("configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-fi-cutlass.yaml")
+fi
 t0=$(date +%s)
 if [ -n "${SHIPPED:-}" ]; then  # the shipped pair's run folder from an earlier call (carried): mutations only
   mkdir -p "$work/shipped" && cp -r "$SHIPPED" "$work/shipped/"
