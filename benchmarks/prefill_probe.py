@@ -7,7 +7,8 @@ back right are then timed in this process beside the tuned config, replays inter
 graphs (bench_fused_moe.time_interleaved), at each (shape, M). One JSON row per (shape, M, variant).
 
 Usage: PYTHONPATH=. python benchmarks/prefill_probe.py --out rows.jsonl [--shapes ...] [--m 1024 4096]
-       [--smoke-timeout-s 60] [--variants pipelined ...]
+       [--smoke-timeout-s 60] [--variants g1-interleaved-s3 ...]
+       PYTHONPATH=. python benchmarks/prefill_probe.py --report rows.jsonl    # the ratio table, no GPU
 """
 
 from __future__ import annotations
@@ -104,6 +105,22 @@ def smoke_all(shape_name: str, names: list[str], timeout_s: float) -> dict[str, 
     return results
 
 
+def ratio_table(rows: list[dict]) -> str:
+    """Markdown: per (shape, M) the tuned config's time and each variant's time over it (< 1: faster)."""
+    timed = [r for r in rows if "median_us" in r]
+    names = [n for n in dict.fromkeys(r["variant"] for r in timed) if n != "tuned"]
+    by = {(r["shape"], r["M"], r["variant"]): r["median_us"] for r in timed}
+    lines = [
+        "| shape | M | tuned, us | " + " | ".join(names) + " |",
+        "|---|---:|---:|" + "---:|" * len(names),
+    ]
+    for shape, M in dict.fromkeys((r["shape"], r["M"]) for r in timed):
+        tuned = by[(shape, M, "tuned")]
+        cells = [f"{by[(shape, M, n)] / tuned:.3f}" if (shape, M, n) in by else "-" for n in names]
+        lines.append(f"| {shape} | {M} | {tuned:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -116,7 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--deadline-s", type=float, default=1e9)
     parser.add_argument("--smoke-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--report", type=Path, help="print the ratio table of a rows file (no GPU) and exit")
     args = parser.parse_args(argv)
+    if args.report:
+        print(
+            ratio_table([json.loads(line) for line in args.report.read_text().splitlines() if line.strip()])
+        )
+        return 0
     if args.smoke_child:
         return smoke_child(*args.smoke_child)
     started = time.perf_counter()
@@ -145,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = [time_interleaved(timers, args.replays) for _ in range(3)]
             counts = layer_counts(shape, cases)
             ref = cases[0].reference_fp32()
+            tuned_us = statistics.median(statistics.median(r["tuned"]) for r in runs)
             for n, cfg in configs.items():
                 med = statistics.median(statistics.median(r[n]) for r in runs)
                 err = rel_err(fused_moe(*cases[0].args(), **cases[0].kwargs(), config=cfg), ref)
@@ -152,7 +176,6 @@ def main(argv: list[str] | None = None) -> int:
                        "tflops": counts["flops"] / med / 1e6, "rel_err": err,
                        "config": dataclasses.asdict(cfg)}  # fmt: skip
                 rows.append(row)
-                tuned_us = statistics.median(statistics.median(r["tuned"]) for r in runs)
                 log(f"{shape.name} M={M} {n:20s} {med:9.1f} us {row['tflops']:6.1f} TFLOP/s "
                     f"x tuned {med / tuned_us:.3f} err {err:.1e}")  # fmt: skip
             del timers, cases

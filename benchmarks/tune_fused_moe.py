@@ -439,9 +439,7 @@ def tune_cell(shape: MoeShape, M: int, base) -> tuple[MoeTileConfig, dict, dict]
     reference = cases[0].reference_fp32()
     for total, config, stages in results:
         out = fused_moe(*cases[0].args(), **cases[0].kwargs(), config=config)
-        # A token whose experts all live on another rank (EP, few tokens) has a zero reference: then
-        # the output must be exactly zero (the relative error would be 0 / 0).
-        err = rel_err(out, reference) if reference.any() else float(out.abs().max())
+        err = rel_err(out, reference)  # a zero reference (EP, the token's experts elsewhere) wants zero
         if err <= BF16_TOLERANCE and not torch.isnan(out).any():
             stages["rel_err"] = round(err, 6)
             return config, stages, families

@@ -203,20 +203,25 @@ def _align_scatter_kernel(
 
 
 @triton.jit
+def _work_item(tile, num_pid_m, num_pid_n, group_m):
+    """(pid_m, pid_n) of work item `tile` in GROUP_M swizzle order: a program's own index
+    (`_block_coords`) or a persistent program's loop index."""
+    num_pid_in_group = group_m * num_pid_n
+    first_pid_m = (tile // num_pid_in_group) * group_m
+    group_size_m = min(num_pid_m - first_pid_m, group_m)
+    pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
+    pid_n = (tile % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
 def _block_coords(num_pid_m, num_pid_n, group_m):
     """GROUP_M swizzle: consecutive programs share a weight tile (pid_n) across group_m blocks,
     so an expert split over several M-blocks reads its weights from L2 after the first.
 
     group_m is a runtime value: it only reorders programs, and as a constexpr every value the
     tuner tries (1, 8, 16, 32) would be another compile of an otherwise identical kernel."""
-    pid = tl.program_id(0)
-    num_pid_in_group = group_m * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * group_m
-    group_size_m = min(num_pid_m - first_pid_m, group_m)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
+    return _work_item(tl.program_id(0), num_pid_m, num_pid_n, group_m)
 
 
 @triton.jit
@@ -556,17 +561,6 @@ def _gemm2_tma_kernel(
 # ---------------------------------------------------------------------------------------------
 # The prefill path: persistent grouped GEMMs over (M-block, N-tile) work items, weights by TMA
 # ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _work_item(tile, num_pid_m, num_pid_n, group_m):
-    """(pid_m, pid_n) of work item `tile`: the GROUP_M swizzle of `_block_coords`, for a loop index."""
-    num_pid_in_group = group_m * num_pid_n
-    first_pid_m = (tile // num_pid_in_group) * group_m
-    group_size_m = min(num_pid_m - first_pid_m, group_m)
-    pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
-    pid_n = (tile % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
 
 
 @triton.jit(do_not_specialize=["num_slots", "top_k", "group_m", "num_programs"])

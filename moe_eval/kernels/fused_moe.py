@@ -532,11 +532,9 @@ def _gemm2_descriptors(
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     e, D, F = w2_eDF.shape
-    assert not align.naive, f"{what} runs aligned plans only (MoeTileConfig rejects it with naive)"
-    _check_tma_operands(what, w2_eDF, h_PF)
-    h_desc = TensorDescriptor(h_PF, list(h_PF.shape), [F, 1], [align.block_m, tile.block_k])
+    _check_tma_operands(what, align, w2_eDF, h_PF)
     w2_desc = TensorDescriptor(w2_eDF, [e, D, F], [D * F, F, 1], [1, tile.block_n, tile.block_k])
-    return h_desc, w2_desc
+    return _h_descriptor(h_PF, align.block_m, tile.block_k), w2_desc
 
 
 def _launch_gemm2_tma(
@@ -583,13 +581,22 @@ def _persistent_grid(align: MoeAlignment, n_tiles: int) -> int:
     return max(1, min(persistent_programs(align.sorted_ids_P.device), align.max_blocks * n_tiles))
 
 
-def _check_tma_operands(what: str, *tensors: torch.Tensor) -> None:
-    # Contract: TMA boxes need a contiguous inner dimension and 16-byte strides.
+def _check_tma_operands(what: str, align: MoeAlignment, *tensors: torch.Tensor) -> None:
+    # Contract: aligned plans (MoeTileConfig rejects naive ones with tma or persistent tiles); TMA boxes
+    # need a contiguous inner dimension and 16-byte strides.
+    assert not align.naive, f"{what} runs aligned plans only"
     for t in tensors:
         assert t.is_contiguous(), f"{what}: operands must be contiguous"
         assert (t.shape[-1] * t.element_size()) % 16 == 0, (
             f"{what}: rows of {t.shape[-1] * t.element_size()} bytes, not a multiple of 16 (TMA)"
         )
+
+
+def _h_descriptor(h_PF: torch.Tensor, block_rows: int, block_cols: int):
+    """TMA descriptor over h (P, F): GEMM1 stores its tiles through it, GEMM2 loads them."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(h_PF, list(h_PF.shape), [h_PF.shape[1], 1], [block_rows, block_cols])
 
 
 def _launch_gemm1_persistent(
@@ -607,10 +614,7 @@ def _launch_gemm1_persistent(
 
     e, F2, D = w13_eFD.shape
     F = F2 // 2
-    assert not align.naive, (
-        "gemm1.persistent runs aligned plans only (MoeTileConfig rejects naive + persistent)"
-    )
-    _check_tma_operands("gemm1.persistent", w13_eFD, h_PF)
+    _check_tma_operands("gemm1.persistent", align, w13_eFD, h_PF)
     if tile.interleave:
         # w13 as (e, F, 2, D): the box [1, BLOCK_N, 2, BLOCK_K] is gate row n, up row n, gate row n + 1, ...
         w13_desc = TensorDescriptor(
@@ -618,7 +622,7 @@ def _launch_gemm1_persistent(
         )
     else:
         w13_desc = TensorDescriptor(w13_eFD, [e, F2, D], [F2 * D, D, 1], [1, tile.block_n, tile.block_k])
-    h_desc = TensorDescriptor(h_PF, list(h_PF.shape), [F, 1], [align.block_m, tile.block_n])
+    h_desc = _h_descriptor(h_PF, align.block_m, tile.block_n)
     programs = _persistent_grid(align, triton.cdiv(F, tile.block_n))
     kernels._gemm1_persistent_kernel[(programs,)](
         hidden_TD, w13_desc, h_desc, topk_weights_TK,

@@ -3,6 +3,7 @@ cells miss, how a miss is marked, and that one miss fails the whole run."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -52,3 +53,21 @@ def test_roofline_decode_and_a_wrong_output_each_fail():
     ):
         text, ok = bench.prefill_tables(rows)
         assert not ok and mark in text, text
+
+
+def test_probe_report_is_the_docs_table():
+    # docs/perf.md's probe table is `prefill_probe.py --report` of the committed rows.
+    import prefill_probe
+
+    rows_path = Path(__file__).resolve().parents[2] / "docs/data/prefill_probe_h200.jsonl"
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
+    table = prefill_probe.ratio_table(rows)
+    assert (
+        "| Mixtral-8x7B TP2 | 16384 | 10397.8 | 0.853 | 0.855 | 1.140 | 0.982 | 0.967 | 0.991 | 0.827 |"
+        in table
+    )
+    docs = (rows_path.parents[1] / "perf.md").read_text()
+    assert (
+        "| Mixtral-8x7B TP2 | 16384 | 10397.8 | 0.853 | 0.855 | 1.140 | 0.982 | 0.967 | 0.991 | **0.827** |"
+        in docs
+    )
