@@ -26,6 +26,10 @@ mkdir -p "$RUN/logs" "$RUN/tuned" "$OUT"
 export PYTHONPATH="$PWD/.fi-site:$PWD" PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR="$RUN/triton-cache" FLASHINFER_WORKSPACE_BASE="$RUN/fi-ws"
 export MOE_EVAL_TUNED_DIR="$RUN/tuned"
+# Seeded from the package's files whatever the stages (a shape's file there replaces the package's whole):
+# a "tests bench" call on a machine that never ran "tune" read an empty folder and every test of the tuned
+# files failed on that, not on the kernel (2026-12-01).
+for f in moe_eval/kernels/tuned_configs/*.json; do [[ -f "$RUN/tuned/$(basename "$f")" ]] || cp "$f" "$RUN/tuned/"; done
 T0=$(date +%s)
 stage() { echo "== $1 at +$(( $(date +%s) - T0 )) s ($(date -u +%T))" | tee -a "$RUN/logs/stages.txt" >&2; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -76,8 +80,6 @@ fi
 
 if has tune; then
   stage tune
-  # Start from the package's files: a shape's file in MOE_EVAL_TUNED_DIR replaces the package's whole.
-  for f in moe_eval/kernels/tuned_configs/*.json; do [[ -f "$RUN/tuned/$(basename "$f")" ]] || cp "$f" "$RUN/tuned/"; done
   timeout "${TUNE_TIMEOUT:-500}" python3 benchmarks/tune_fused_moe.py --merge --out-dir "$RUN/tuned" \
     --workers "${TUNE_WORKERS:-16}" --precompile-timeout-s 150 --deadline-s "${TUNE_DEADLINE:-440}" \
     --cells "${PREFILL_CELLS[@]}" \

@@ -141,6 +141,33 @@ def test_shipped_file_covers_the_grid(shape):
         assert max(cfg.shared_memory()) <= SMEM_LIMIT, f"M={M}: {cfg.shared_memory()} bytes of shared memory"
 
 
+# The per-rank shapes of issue 23 (the shipped configs' layouts plus Qwen3 TP1): their files were retuned
+# with the prefill path in the tuner's space, and it won every cell at M >= 1024 (docs/perf.md).
+PREFILL_SEED_SHAPES = [
+    s for s in SHIPPED_SHAPES
+    if s.name in ("Qwen3-30B-A3B TP1", "Qwen3-30B-A3B TP2", "Qwen3-30B-A3B TEP2", "Mixtral-8x7B TP2",
+                  "Mixtral-8x7B TEP2", "Llama-4-Scout TP2", "Llama-4-Scout TEP2")
+]  # fmt: skip
+
+
+def test_prefill_seed_shapes_are_all_shipped():
+    assert len(PREFILL_SEED_SHAPES) == 7
+
+
+@pytest.mark.parametrize("shape", PREFILL_SEED_SHAPES, ids=lambda s: s.name.replace(" ", "-"))
+def test_launch_plan_takes_the_prefill_path_where_it_won(shape):
+    """The plan a server builds at warm-up (get_tile_config, as fused_moe calls it) selects the persistent
+    GEMM1 at prefill sizes and the pipelined one at decode sizes (BLOCK_M < 64 has no persistent tile)."""
+    for M in M_GRID:
+        for T in (M, M + M // 3):  # the grid point and a token count that rounds to it
+            cfg = get_tile_config(num_tokens=T, num_experts=shape.local_experts, F=shape.F, D=shape.D,
+                                  top_k=shape.top_k, device_name="NVIDIA H200")  # fmt: skip
+            if M >= 1024:
+                assert cfg.gemm1.persistent, f"{shape.name} T={T}: GEMM1 not on the prefill path"
+            if M <= 64:
+                assert not (cfg.gemm1.persistent or cfg.gemm2.persistent), f"{shape.name} T={T}"
+
+
 def test_tuned_dir_env_wins_and_falls_back(tmp_path, monkeypatch):
     """MOE_EVAL_TUNED_DIR: its file for a shape is used; a shape it has no file for reads the package's."""
     shape = SHIPPED_SHAPES[0]
