@@ -19,12 +19,25 @@ out="${OUT:-/tmp/golden-out}"; work="/tmp/golden-$layout"
 export MOE_EVAL_GOLDEN_CACHE=/tmp/goldens
 mkdir -p "$out" "$work" "$MOE_EVAL_GOLDEN_CACHE"
 [ -d .goldens ] && cp -r --update=none .goldens/. "$MOE_EVAL_GOLDEN_CACHE"/
-moe_eval() { bash .vgpu/device_env.sh python3 -m moe_eval "$@"; }
 pack() {  # after every stage: a call cut short by its time limit still brings back what finished
   # Written under a temporary name, then renamed: a kill mid-pack leaves the last whole archive (seen: a
   # timeout during a re-pack truncated it and lost every results.json).
   tar -C "$work" -cJf "$out/$layout.tar.xz.part" --exclude='*.safetensors' . && mv -f "$out/$layout.tar.xz.part" "$out/$layout.tar.xz"
   tar -C "$MOE_EVAL_GOLDEN_CACHE" -cJf "$out/goldens.tar.xz.part" . && mv -f "$out/goldens.tar.xz.part" "$out/goldens.tar.xz"
+}
+# A TERM or INT (a `timeout` around this script, a cancelled CI job) goes on to the running moe-eval, which
+# tears its servers down and keeps what finished (exit 130); then the archives are packed. Without this,
+# bash dies alone and moe-eval runs on unobserved (on the device tool, only the end of the call stops it).
+child=0
+on_signal() {
+  echo "signal: stopping moe-eval (pid $child) and packing what finished" >&2
+  if [ "$child" -gt 0 ]; then kill -TERM "$child" 2> /dev/null; wait "$child"; fi
+  pack; exit 143
+}
+trap on_signal TERM INT
+moe_eval() {  # device_env.sh execs python, so $child is moe-eval itself
+  bash .vgpu/device_env.sh python3 -m moe_eval "$@" & child=$!
+  wait "$child"; local rc=$?; child=0; return "$rc"
 }
 pair=("configs/canary-gpu-$layout/Canary-Qwen3-MoE-BF16-vllm-triton.yaml"
       "configs/canary-gpu-$layout/Canary-Qwen3-MoE-BF16-triton.yaml")

@@ -84,7 +84,7 @@ mkdir -p "$OUT"
 tar -C "$WORK" -czf "$OUT/results.tgz" .
 cp "$WORK/summary.txt" "$OUT/summary.txt"
 [[ -s "$WORK/bench/ratios.md" ]] && cp "$WORK/bench/ratios.md" "$OUT/ratios.md"
-stage done
+stage "done"
 echo
 grep -E "^\| (Qwen3|Mixtral|Llama)" "$WORK/bench/bench.md" 2>/dev/null | grep -E "\| (triton|vllm_[a-z]+)(:gemms)? \|" | tail -90 | cut -c1-110
 echo

@@ -120,6 +120,7 @@ cp "$RUN/logs/stages.txt" "$OUT/stages_${STAGES// /_}.txt"
 [[ -f "$AOT/fused_moe_90.so" ]] && cp "$AOT/fused_moe_90.so" "$OUT/" && md5sum "$OUT/fused_moe_90.so"
 [[ -s "$RUN/bench/prefill.md" ]] && cp "$RUN/bench/prefill.md" "$OUT/"
 [[ -s "$RUN/bench/rows.jsonl" ]] && cp "$RUN/bench/rows.jsonl" "$OUT/bench_rows.jsonl"
-tar -C "$RUN" --exclude triton-cache --exclude fi-ws --exclude tuned -czf "$OUT/results.tgz" logs $(ls -d "$RUN"/bench "$RUN"/fi 2>/dev/null | xargs -n1 basename)
-stage done
+kept=(logs); for d in bench "fi"; do [[ -d "$RUN/$d" ]] && kept+=("$d"); done
+tar -C "$RUN" --exclude triton-cache --exclude fi-ws --exclude tuned -czf "$OUT/results.tgz" "${kept[@]}"
+stage "done"
 cat "$RUN/bench/prefill.md" 2>/dev/null

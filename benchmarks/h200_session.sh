@@ -35,6 +35,6 @@ if [[ " $STAGES " == *" correct "* ]]; then
   MOE_EVAL_CORRECTNESS_LOG="$OUT/correctness.jsonl" timeout "${CORRECT_TIMEOUT:-120}" \
     python3 -m pytest tests/kernels/test_fused_moe.py -q -m gpu -k real_shape -p no:cacheprovider 2>&1 | tee "$OUT/logs/correct.txt" | tail -4
 fi
-stage_time done
+stage_time "done"
 # At most 8 files come back: pack everything into one archive beside the console log.
 tar -C "$OUT" -czf /tmp/results.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT/results.tgz"

@@ -23,7 +23,7 @@ mkdir -p "$WORK"
 
 run_step() {  # step, then its moe-eval run options
   local step="$1"; shift
-  local n; n=$(( $(ls "$WORK" | grep -c "^$step-[0-9]*\.log$") + 1 ))
+  local n=1 log; for log in "$WORK/$step"-[0-9]*.log; do [[ -e "$log" ]] && n=$((n + 1)); done
   local started; started=$(date +%s.%N)
   # shellcheck disable=SC2086  # CONFIGS is a list of paths
   "${MOE_EVAL_CMD[@]}" run "${RUN_OPTIONS[@]}" --output-dir "$WORK/$step-$n" "$@" $CONFIGS > "$WORK/$step-$n.log" 2>&1
