@@ -20,12 +20,21 @@
 # seen once in each of cold and warm): such a run exits 3 and says so; rerun it serially.
 #
 #   bash .vgpu/device_env.sh bash benchmarks/h200_golden_repeats.sh cold|warm|serial
+#   WITH_FI=1 adds the FlashInfer CUTLASS row to every run (see below).
 set -u
 phase="${1:?usage: h200_golden_repeats.sh cold|warm|serial}"
 REPEATS="${REPEATS:-5}"; PARALLEL="${PARALLEL:-3}"
 work=/tmp/repeats; out="${OUT:-/tmp/repeats-out}"
 mkdir -p "$work" "$out"
 pair=(configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-vllm-triton.yaml configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-triton.yaml)
+if [ "${WITH_FI:-0}" = 1 ]; then  # the FlashInfer CUTLASS row in every run too (issue 20 asks 5 runs of it)
+  # FlashInfer and its BF16 module come from an earlier call on this warm machine (benchmarks/h200_prefill.sh
+  # STAGES=fi-build, .fi-site/); device_env.sh has set PYTHONPATH already, so .fi-site/ joins it here.
+  [ -f .fi-site/flashinfer/data/aot/fused_moe_90/fused_moe_90.so ] || {
+    echo "WITH_FI=1: no .fi-site/ with fused_moe_90.so here: run benchmarks/h200_prefill.sh STAGES=fi-build first"; exit 2; }
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/.fi-site"
+  pair+=(configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-fi-cutlass.yaml)
+fi
 run() {  # run NAME HOME GOLDENS [moe-eval run options...]
   local name=$1 home=$2 goldens=$3 t rc; shift 3; t=$(date +%s)
   mkdir -p "$home"
