@@ -71,7 +71,7 @@ from moe_eval.kernels.fused_moe import (
     launch_sum,
 )
 from moe_eval.kernels.testing import MoeCase, rel_err, shape_case
-from moe_eval.kernels.tile_configs import M_GRID, SHIPPED_SHAPES, MoeShape
+from moe_eval.kernels.tile_configs import M_GRID, PREFILL_SHAPES, SHIPPED_SHAPES, MoeShape
 from moe_eval.kernels.torch_moe import grouped_mm_moe, torch_moe
 
 
@@ -757,12 +757,8 @@ def latency_lines(by: dict, targets: dict, label: str) -> tuple[list[str], bool]
 # --- issue 23: the prefill targets against both peers ------------------------------------------------
 
 # Issue 23's targets, on one interleaved H200 run (median of the repeats): peer time / bundled time
-# >= 1.00 at every cell of these shapes for FlashInfer CUTLASS and vLLM's Triton, >= 75 % of the
-# roofline at M >= 1024, and Qwen3-30B-A3B TP1 M = 1 within 22 us (bundled whole call).
-PREFILL_SHAPES = (
-    "Qwen3-30B-A3B TP1", "Qwen3-30B-A3B TP2", "Qwen3-30B-A3B TEP2", "Mixtral-8x7B TP2", "Mixtral-8x7B TEP2",
-    "Llama-4-Scout TP2", "Llama-4-Scout TEP2",
-)  # fmt: skip
+# >= 1.00 at every cell of tile_configs.PREFILL_SHAPES for FlashInfer CUTLASS and vLLM's Triton, >= 75 %
+# of the roofline at M >= 1024, and Qwen3-30B-A3B TP1 M = 1 within 22 us (bundled whole call).
 PREFILL_PEERS = ("flashinfer_cutlass", "vllm_triton")
 ROOFLINE_TARGET = 0.75
 ROOFLINE_FROM_M = 1024

@@ -43,9 +43,8 @@ pair=("configs/canary-gpu-$layout/Canary-Qwen3-MoE-BF16-vllm-triton.yaml"
       "configs/canary-gpu-$layout/Canary-Qwen3-MoE-BF16-triton.yaml")
 if [ "${WITH_FI:-0}" = 1 ]; then
   [ "$layout" = tp ] || { echo "WITH_FI=1: the FlashInfer canary config is TP1 only (configs/canary-gpu-tp)"; exit 2; }
-  [ -f .fi-site/flashinfer/data/aot/fused_moe_90/fused_moe_90.so ] || {
-    echo "WITH_FI=1: no .fi-site/ with fused_moe_90.so here: run benchmarks/h200_prefill.sh STAGES=fi-build first"; exit 2; }
-  export EXTRA_PYTHONPATH="$PWD/.fi-site"
+  source benchmarks/fi_site.sh && require_fi_site
+  export EXTRA_PYTHONPATH="$PWD/$FI_SITE"
   pair+=("configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-fi-cutlass.yaml")
 fi
 t0=$(date +%s)

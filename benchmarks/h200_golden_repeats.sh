@@ -30,9 +30,8 @@ pair=(configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-vllm-triton.yaml configs/canar
 if [ "${WITH_FI:-0}" = 1 ]; then  # the FlashInfer CUTLASS row in every run too (issue 20 asks 5 runs of it)
   # FlashInfer and its BF16 module come from an earlier call on this warm machine (benchmarks/h200_prefill.sh
   # STAGES=fi-build, .fi-site/); device_env.sh has set PYTHONPATH already, so .fi-site/ joins it here.
-  [ -f .fi-site/flashinfer/data/aot/fused_moe_90/fused_moe_90.so ] || {
-    echo "WITH_FI=1: no .fi-site/ with fused_moe_90.so here: run benchmarks/h200_prefill.sh STAGES=fi-build first"; exit 2; }
-  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/.fi-site"
+  source benchmarks/fi_site.sh && require_fi_site
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/$FI_SITE"
   pair+=(configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-fi-cutlass.yaml)
 fi
 run() {  # run NAME HOME GOLDENS [moe-eval run options...]

@@ -23,7 +23,8 @@ OUT="${OUT:?set OUT}"
 STAGES="${STAGES:?set STAGES}"
 RUN="$PWD/.prefill-run"
 mkdir -p "$RUN/logs" "$RUN/tuned" "$OUT"
-export PYTHONPATH="$PWD/.fi-site:$PWD" PYTHONUNBUFFERED=1
+source benchmarks/fi_site.sh
+export PYTHONPATH="$PWD/$FI_SITE:$PWD" PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR="$RUN/triton-cache" FLASHINFER_WORKSPACE_BASE="$RUN/fi-ws"
 export MOE_EVAL_TUNED_DIR="$RUN/tuned"
 # Seeded from the package's files whatever the stages (a shape's file there replaces the package's whole):
@@ -57,10 +58,10 @@ stage "env ($STAGES)"
 if ! python3 -c 'import flashinfer.jit, tvm_ffi.libinfo' 2> /dev/null; then
   # --upgrade: a folder left half-written by an earlier call is replaced whole (a stale tvm_ffi without
   # `libinfo` broke the build on 2026-12-01).
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target .fi-site .whl/*.whl \
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target "$FI_SITE" .whl/*.whl \
     || echo "FlashInfer wheels not installed" >&2
 fi
-AOT=.fi-site/flashinfer/data/aot/fused_moe_90
+AOT="$FI_AOT_DIR"
 if [[ -f .whl/fused_moe_90.so && ! -f "$AOT/fused_moe_90.so" ]]; then
   mkdir -p "$AOT" && cp .whl/fused_moe_90.so "$AOT/"
 fi

@@ -291,4 +291,11 @@ SHIPPED_SHAPES = (
     MoeShape("Llama-4-Scout", "TEP2", 16, 8, 1, 5120, 8192, apply_router_weight_on_input=True),
 )
 
+# The per-rank shapes of the shipped configs, plus Qwen3-30B-A3B TP1 (the shape of the earlier tables):
+# tuned with the prefill path in the space and benchmarked against both peers (issue 23, docs/perf.md).
+PREFILL_SHAPES = (
+    "Qwen3-30B-A3B TP1", "Qwen3-30B-A3B TP2", "Qwen3-30B-A3B TEP2", "Mixtral-8x7B TP2", "Mixtral-8x7B TEP2",
+    "Llama-4-Scout TP2", "Llama-4-Scout TEP2",
+)  # fmt: skip
+
 M_GRID = (1, 16, 64, 256, 1024, 4096, 16384)

@@ -82,3 +82,17 @@ def test_three_peer_report_is_the_docs_table():
     assert not ok  # the roofline and decode targets are missed (docs/perf.md says where and why)
     assert "49 of 49 cells at >= 1.00" in table
     assert table in (rows_path.parents[1] / "perf.md").read_text()
+
+
+def test_miss_causes_are_the_docs_table():
+    # docs/perf.md's table of the misses' causes is `prefill_misses.py` of the committed rows and meta
+    # with the shipped tuned files (their tiles and stage timings).
+    import prefill_misses
+
+    data = Path(__file__).resolve().parents[2] / "docs/data"
+    rows = [json.loads(line) for line in (data / "bench_prefill_h200.jsonl").read_text().splitlines() if line]
+    misses = prefill_misses.miss_rows(rows, json.loads((data / "bench_prefill_h200_meta.json").read_text()))
+    assert len(misses) == 21  # seven shapes x M = 1024, 4096, 16384
+    table = prefill_misses.markdown(misses)
+    assert "| Qwen3-30B-A3B TP1 | 4096 | 715.6 | 422.7 / 291.6 | 1.69 |" in table
+    assert table in (data.parent / "perf.md").read_text()

@@ -12,6 +12,7 @@ import pytest
 from moe_eval.kernels import tile_configs
 from moe_eval.kernels.tile_configs import (
     M_GRID,
+    PREFILL_SHAPES,
     SHIPPED_SHAPES,
     SMEM_LIMIT,
     TUNED_DIR,
@@ -141,13 +142,9 @@ def test_shipped_file_covers_the_grid(shape):
         assert max(cfg.shared_memory()) <= SMEM_LIMIT, f"M={M}: {cfg.shared_memory()} bytes of shared memory"
 
 
-# The per-rank shapes of issue 23 (the shipped configs' layouts plus Qwen3 TP1): their files were retuned
-# with the prefill path in the tuner's space, and it won every cell at M >= 1024 (docs/perf.md).
-PREFILL_SEED_SHAPES = [
-    s for s in SHIPPED_SHAPES
-    if s.name in ("Qwen3-30B-A3B TP1", "Qwen3-30B-A3B TP2", "Qwen3-30B-A3B TEP2", "Mixtral-8x7B TP2",
-                  "Mixtral-8x7B TEP2", "Llama-4-Scout TP2", "Llama-4-Scout TEP2")
-]  # fmt: skip
+# Issue 23's shapes: their files were retuned with the prefill path in the tuner's space, and it won every
+# cell at M >= 1024 (docs/perf.md).
+PREFILL_SEED_SHAPES = [s for s in SHIPPED_SHAPES if s.name in PREFILL_SHAPES]
 
 
 def test_prefill_seed_shapes_are_all_shipped():
