@@ -7,17 +7,22 @@
 #
 #   bash benchmarks/calibrate_golden.sh WORK [moe-eval run options, e.g. --hw cpu --gsm8k-dir DIR]
 # MOE_EVAL ("moe-eval" by default) is the command; on the H200: MOE_EVAL="bash .vgpu/device_env.sh python3 -m moe_eval".
+# More repeats later into the same WORK: FIRST=3 REPEATS=5 MUTATIONS="" (runs 3..5). COLD=1 gives each run a
+# HOME of its own (WORK/home-i: vLLM's torch.compile cache, Triton's, moe-eval's built models start empty),
+# so the run starts from cold caches throughout, not only from an empty golden cache.
 set -u
 work="${1:?usage: calibrate_golden.sh WORK [moe-eval run options]}"; shift
 REPEATS="${REPEATS:-2}"
-MUTATIONS="${MUTATIONS:-scale_one_expert scale_one_expert_small stale_gate_rows routing_temperature_slip scale_routing_weights bf16_down_accumulation}"
+MUTATIONS="${MUTATIONS-scale_one_expert scale_one_expert_small stale_gate_rows routing_temperature_slip scale_routing_weights bf16_down_accumulation}"
 read -r -a cmd <<< "${MOE_EVAL:-moe-eval}"
 mkdir -p "$work"
-for i in $(seq 1 "$REPEATS"); do
-  t=$(date +%s)
-  MOE_EVAL_GOLDEN_CACHE="$work/goldens-$i" "${cmd[@]}" run "$@" --output-dir "$work/correct-$i" > "$work/correct-$i.log" 2>&1
+for i in $(seq "${FIRST:-1}" "$REPEATS"); do
+  t=$(date +%s); home="$HOME"
+  if [ "${COLD:-0}" = 1 ]; then home="$work/home-$i"; mkdir -p "$home"; fi
+  HOME="$home" MOE_EVAL_GOLDEN_CACHE="$work/goldens-$i" "${cmd[@]}" run "$@" --output-dir "$work/correct-$i" > "$work/correct-$i.log" 2>&1
   echo "correct-$i: exit $? in $(( $(date +%s) - t )) s"
 done
+[ -n "$MUTATIONS" ] || exit 0
 first=$(ls -d "$work"/correct-1/*/ | head -1)
 for m in $MUTATIONS; do
   t=$(date +%s)

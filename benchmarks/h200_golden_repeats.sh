@@ -20,19 +20,29 @@
 # seen once in each of cold and warm): such a run exits 3 and says so; rerun it serially.
 #
 #   bash .vgpu/device_env.sh bash benchmarks/h200_golden_repeats.sh cold|warm|serial
-#   WITH_FI=1 adds the FlashInfer CUTLASS row to every run (see below).
+#   WITH_FI=1 adds the FlashInfer CUTLASS row to every run (see below); ROWS picks the rows; TILE_VARIANT=0
+#   leaves the tile variant out of warm and serial.
 set -u
 phase="${1:?usage: h200_golden_repeats.sh cold|warm|serial}"
 REPEATS="${REPEATS:-5}"; PARALLEL="${PARALLEL:-3}"
 work=/tmp/repeats; out="${OUT:-/tmp/repeats-out}"
 mkdir -p "$work" "$out"
-pair=(configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-vllm-triton.yaml configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-triton.yaml)
-if [ "${WITH_FI:-0}" = 1 ]; then  # the FlashInfer CUTLASS row in every run too (issue 20 asks 5 runs of it)
+# ROWS: the canary TP1 configs each run serves (their names less "Canary-Qwen3-MoE-BF16-"); the incumbent
+# (vllm-triton) first. ROWS="vllm-triton fi-cutlass" repeats FlashInfer's row alone beside it (its golden then
+# made by that row): the bundled Triton row already has its repeated runs.
+ROWS="${ROWS:-vllm-triton triton}"
+[ "${WITH_FI:-0}" = 1 ] && [[ " $ROWS " != *" fi-cutlass "* ]] && ROWS="$ROWS fi-cutlass"
+pair=()
+for row in $ROWS; do
+  config="configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-$row.yaml"
+  [ -f "$config" ] || { echo "ROWS: no $config"; exit 2; }
+  pair+=("$config")
+done
+if [[ " $ROWS " == *" fi-cutlass "* ]]; then  # the FlashInfer CUTLASS row (issue 20 asks 5 runs of it)
   # FlashInfer and its BF16 module come from an earlier call on this warm machine (benchmarks/h200_prefill.sh
   # STAGES=fi-build, .fi-site/); device_env.sh has set PYTHONPATH already, so .fi-site/ joins it here.
   source benchmarks/fi_site.sh && require_fi_site
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/$FI_SITE"
-  pair+=(configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-fi-cutlass.yaml)
 fi
 run() {  # run NAME HOME GOLDENS [moe-eval run options...]
   local name=$1 home=$2 goldens=$3 t rc; shift 3; t=$(date +%s)
@@ -60,11 +70,13 @@ case "$phase" in
         run "correct-$i" "$work/home-1" "$work/goldens-1" --output-dir "$work/correct-$i" "${pair[@]}" &
       done
     fi
-    python3 benchmarks/tile_variant.py "$work/tiles" --experts 8 --F 128 --D 256 --top-k 2
-    mkdir -p "$work/tile-variant" && cp -r "$first" "$work/tile-variant/" && cp -r "$work/tiles" "$work/tile-variant/"
-    resumed=$(ls -d "$work"/tile-variant/*/ | head -1)
-    rm -f "$resumed"/canary-gpu-tp/Canary-Qwen3-MoE-BF16-triton/results.json  # the bundled row reruns; vLLM's row stays
-    MOE_EVAL_TUNED_DIR="$work/tiles" run tile-variant "$work/home-1" "$work/goldens-1" --resume "$resumed" "${pair[@]}"
+    if [ "${TILE_VARIANT:-1}" = 1 ]; then  # TILE_VARIANT=0: the repeats alone
+      python3 benchmarks/tile_variant.py "$work/tiles" --experts 8 --F 128 --D 256 --top-k 2
+      mkdir -p "$work/tile-variant" && cp -r "$first" "$work/tile-variant/" && cp -r "$work/tiles" "$work/tile-variant/"
+      resumed=$(ls -d "$work"/tile-variant/*/ | head -1)
+      rm -f "$resumed"/canary-gpu-tp/Canary-Qwen3-MoE-BF16-triton/results.json  # the bundled row reruns; vLLM's row stays
+      MOE_EVAL_TUNED_DIR="$work/tiles" run tile-variant "$work/home-1" "$work/goldens-1" --resume "$resumed" "${pair[@]}"
+    fi
     # serial: one server on the GPU at a time (two starting at once broke vLLM's memory profiling: seen in warm
     # and cold), then the runs of RERUN (run numbers) on run 1's golden.
     for i in ${RERUN:-}; do
