@@ -30,6 +30,8 @@ def _power(path: Path, record: dict) -> float | None:
     incumbent = Path(record["golden_gate"]["incumbent"]["results"]).parent / "logprobs.jsonl"
     if not golden.is_dir():  # moved with its run folder: the copy beside it
         golden = next(path.parents[3].glob(f"*/{golden.name}"), golden)
+    if not incumbent.is_file():  # moved with its run folder: the same config folder in this run
+        incumbent = path.parents[2].joinpath(*incumbent.parent.parts[-2:], incumbent.name)
     if not golden.is_dir() or not incumbent.is_file():
         return (record["golden_gate"].get("power") or {}).get("scale_error")
     gold = read_logprobs(golden / "prefill.jsonl")
@@ -44,12 +46,32 @@ def _power(path: Path, record: dict) -> float | None:
     )
 
 
+def _ran_in_its_run(path: Path, work: Path) -> bool:
+    """False for a results.json its run folder's summary.json does not list as run there: a row carried
+    over by --resume (counted in the run it came from), or a copied row of a config the run did not
+    select. A folder without summary.json (an earlier version's) counts whole."""
+    for folder in path.parents:
+        if (folder / "summary.json").is_file():
+            summary = json.loads((folder / "summary.json").read_text())
+            here = path.parent.relative_to(folder).parts
+            return any(
+                Path(c["run_dir"]).parts[-len(here) :] == here and not c.get("resumed")
+                for c in summary.get("configs", [])
+                if c.get("run_dir")
+            )
+        if folder == work:
+            break
+    return True
+
+
 def rows(work: Path) -> list[dict]:
     found = []
     for path in result_files(work):
         record = json.loads(path.read_text())
         gate = record.get("golden_gate") or {}
         if record.get("config", {}).get("moe_backend") is None or "ratio" not in gate:
+            continue
+        if not _ran_in_its_run(path, work):
             continue
         checks = _checks(record)
         old = [v for k, v in checks.items() if k.startswith("logprob_")]
@@ -73,6 +95,7 @@ def rows(work: Path) -> list[dict]:
                 "decode_gate": checks.get("golden_gate_decode"),
                 "power_scale_error": _power(path, record),
                 "status": record["status"],
+                "seconds": (record.get("timings") or {}).get("total_seconds"),
             }
         )
     return found

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# What the golden gate costs a run whose golden is cached (issue 20: within 15 % of the run without it), as
+# an A/B pair on one machine: A = the embedded default's list as shipped (golden gate and decode
+# continuations on), B = the same three configs with `golden: false` and `decode_texts: 0` (the run as it
+# was before the gate: accuracy, McNemar, the divergence gate's 16 scored texts). Interleaved A B A B ...
+# (PAIRS pairs, 2 by default) so a drift of the machine's speed falls on both; the golden is made first
+# (`moe-eval golden`) into WORK/goldens, so no A run makes it. Prints each run's seconds and the ratio of
+# the medians; each run's folder stays in WORK.
+#
+#   bash benchmarks/golden_cost_ab.sh WORK [moe-eval run options, e.g. --gsm8k-dir DIR]
+# MOE_EVAL (".venv/bin/moe-eval" by default) is the command.
+set -u
+work="${1:?usage: golden_cost_ab.sh WORK [moe-eval run options]}"; shift
+PAIRS="${PAIRS:-2}"
+read -r -a cmd <<< "${MOE_EVAL:-.venv/bin/moe-eval}"
+mkdir -p "$work/configs"
+export MOE_EVAL_GOLDEN_CACHE="$work/goldens"
+shipped=()
+while read -r line; do
+  [[ -z "$line" || "$line" == \#* ]] || shipped+=("$line")
+done < config-cpu.txt
+without=()
+for config in "${shipped[@]}"; do  # the gate-less copies, beside each other as in configs/ (baseline paths hold)
+  copy="$work/$config"
+  mkdir -p "$(dirname "$copy")" && cp "$config" "$copy"
+  printf '\ndecode_texts: 0\n' >> "$copy"
+  grep -q '^moe_backend:' "$copy" && printf 'golden: false\n' >> "$copy"
+  without+=("$copy")
+done
+"${cmd[@]}" golden --output-dir "$work/golden-logs" "${shipped[@]}" "$@" > "$work/golden.log" 2>&1 || { echo "moe-eval golden failed: $work/golden.log"; exit 2; }
+timed() {  # timed NAME CONFIG... : one run, its seconds on a line of its own
+  local name=$1 t rc; shift; t=$(date +%s.%N)
+  "${cmd[@]}" run --hw cpu --output-dir "$work/$name" "$@" > "$work/$name.log" 2>&1
+  rc=$?
+  echo "$name exit $rc seconds $(python3 -c "import sys; print(round(float(sys.argv[1]) - float(sys.argv[2]), 1))" "$(date +%s.%N)" "$t")"
+}
+for i in $(seq 1 "$PAIRS"); do
+  timed "with-gate-$i" "${shipped[@]}" "$@"
+  timed "without-gate-$i" "${without[@]}" "$@"
+done | tee "$work/times.txt"
+python3 - "$work/times.txt" << 'EOF'
+import statistics, sys
+runs = [line.split() for line in open(sys.argv[1])]
+with_gate = [float(r[4]) for r in runs if r[0].startswith("with-")]
+without = [float(r[4]) for r in runs if r[0].startswith("without-")]
+print(f"median with the gate {statistics.median(with_gate):.1f} s, without {statistics.median(without):.1f} s: "
+      f"x{statistics.median(with_gate) / statistics.median(without):.3f}")
+EOF
