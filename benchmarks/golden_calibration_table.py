@@ -23,13 +23,13 @@ def _checks(record: dict) -> dict[str, bool]:
     return {c["name"]: c["passed"] for c in record.get("checks", [])}
 
 
-def _power(path: Path, record: dict) -> float | None:
+def _power(path: Path, record: dict, work: Path) -> float | None:
     """The gate's power recomputed by the committed code (moe_eval.golden_gate) from the files the run left:
     a run folder made by an earlier version keeps its own number in results.json."""
     golden = Path(record["golden"]["path"])
     incumbent = Path(record["golden_gate"]["incumbent"]["results"]).parent / "logprobs.jsonl"
-    if not golden.is_dir():  # moved with its run folder: the copy beside it
-        golden = next(path.parents[3].glob(f"*/{golden.name}"), golden)
+    if not golden.is_dir():  # moved with the run folders: a copy of its cache in WORK (goldens-*/<digest>)
+        golden = next(work.glob(f"*/{golden.name}"), golden)
     if not incumbent.is_file():  # moved with its run folder: the same config folder in this run
         incumbent = path.parents[2].joinpath(*incumbent.parent.parts[-2:], incumbent.name)
     if not golden.is_dir() or not incumbent.is_file():
@@ -93,7 +93,7 @@ def rows(work: Path) -> list[dict]:
                 "margin": gate["margin"],
                 "golden_gate": gate["passed"],
                 "decode_gate": checks.get("golden_gate_decode"),
-                "power_scale_error": _power(path, record),
+                "power_scale_error": _power(path, record, work),
                 "status": record["status"],
                 "seconds": (record.get("timings") or {}).get("total_seconds"),
             }

@@ -59,6 +59,7 @@ shipped=$(ls -d "$work"/shipped/*/ | head -1)
 mutate() {
   local m=$1 t; t=$(date +%s)
   cp -r "$shipped" "$work/mut-$m"
+  rm -f "$work/mut-$m/summary.json"  # the shipped run's: the resumed run writes its own
   moe_eval run --hw h200 --jobs auto --resume "$work/mut-$m" --mutate "$m" "${pair[@]}" > "$work/mut-$m.log" 2>&1
   echo "--mutate $m: exit $? in $(( $(date +%s) - t )) s"
   pack

@@ -38,6 +38,13 @@ for row in $ROWS; do
   [ -f "$config" ] || { echo "ROWS: no $config"; exit 2; }
   pair+=("$config")
 done
+# Without configs moe-eval would run the whole h200 list.
+[ "${#pair[@]}" -gt 0 ] || { echo "ROWS is empty"; exit 2; }
+# The tile variant reruns the bundled Triton row: with no such row it would test nothing.
+TILE_VARIANT="${TILE_VARIANT:-1}"
+if [ "$TILE_VARIANT" = 1 ] && [[ " $ROWS " != *" triton "* ]]; then
+  echo "TILE_VARIANT=1 reruns the bundled Triton row: add triton to ROWS, or set TILE_VARIANT=0"; exit 2
+fi
 if [[ " $ROWS " == *" fi-cutlass "* ]]; then  # the FlashInfer CUTLASS row (issue 20 asks 5 runs of it)
   # FlashInfer and its BF16 module come from an earlier call on this warm machine (benchmarks/h200_prefill.sh
   # STAGES=fi-build, .fi-site/); device_env.sh has set PYTHONPATH already, so .fi-site/ joins it here.
@@ -70,10 +77,11 @@ case "$phase" in
         run "correct-$i" "$work/home-1" "$work/goldens-1" --output-dir "$work/correct-$i" "${pair[@]}" &
       done
     fi
-    if [ "${TILE_VARIANT:-1}" = 1 ]; then  # TILE_VARIANT=0: the repeats alone
+    if [ "$TILE_VARIANT" = 1 ]; then  # TILE_VARIANT=0: the repeats alone
       python3 benchmarks/tile_variant.py "$work/tiles" --experts 8 --F 128 --D 256 --top-k 2
       mkdir -p "$work/tile-variant" && cp -r "$first" "$work/tile-variant/" && cp -r "$work/tiles" "$work/tile-variant/"
       resumed=$(ls -d "$work"/tile-variant/*/ | head -1)
+      rm -f "$resumed/summary.json"  # run 1's: the resumed run writes its own
       rm -f "$resumed"/canary-gpu-tp/Canary-Qwen3-MoE-BF16-triton/results.json  # the bundled row reruns; vLLM's row stays
       MOE_EVAL_TUNED_DIR="$work/tiles" run tile-variant "$work/home-1" "$work/goldens-1" --resume "$resumed" "${pair[@]}"
     fi

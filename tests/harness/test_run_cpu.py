@@ -171,8 +171,10 @@ def test_the_subtle_mutation_fails_the_tep_row_too(subtle_mutation_run, tmp_path
 # The other subtle mutations that the CPU canary's TP1 row catches in the list as shipped
 # (docs/logprob-gate.md, the CPU calibration table), pinned so that a change which blunts the golden gate
 # fails a test.
-# scale_one_expert_small (2%) and bf16_down_accumulation stay under the CPU row's power (3.9-4.0%) and pass
-# there: documented, not asserted (the H200 row catches both).
+# scale_one_expert_small (2%) and bf16_down_accumulation failed on one machine and passed on another, where
+# vLLM's CPU kernel (the incumbent) was less exact than the bundled one (docs/logprob-gate.md, both CPU
+# tables; the likely cause is the kernel vLLM picks by the CPU): documented, not asserted (the H200 row
+# catches both).
 @pytest.mark.slow
 @pytest.mark.parametrize("mutation", ["scale_routing_weights", "routing_temperature_slip", "stale_gate_rows"])
 def test_the_other_subtle_mutations_fail_the_tp1_row_by_the_golden_gate(
