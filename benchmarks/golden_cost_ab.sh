@@ -7,18 +7,21 @@
 # (`moe-eval golden`) into WORK/goldens, so no A run makes it. Prints each run's seconds and the ratio of
 # the medians; each run's folder stays in WORK.
 #
-#   bash benchmarks/golden_cost_ab.sh WORK [moe-eval run options, e.g. --gsm8k-dir DIR]
-# MOE_EVAL (".venv/bin/moe-eval" by default) is the command.
+#   bash benchmarks/golden_cost_ab.sh WORK [options for both moe-eval golden and run, e.g. --gsm8k-dir DIR]
+# MOE_EVAL (the checkout's .venv/bin/moe-eval by default) is the command.
 set -u
-work="${1:?usage: golden_cost_ab.sh WORK [moe-eval run options]}"; shift
+work="${1:?usage: golden_cost_ab.sh WORK [moe-eval options]}"; shift
+mkdir -p "$work" && work=$(cd "$work" && pwd)
+cd "$(dirname "$0")/.." || exit 2  # the checkout: config-cpu.txt and its configs
 PAIRS="${PAIRS:-2}"
 read -r -a cmd <<< "${MOE_EVAL:-.venv/bin/moe-eval}"
-mkdir -p "$work/configs"
 export MOE_EVAL_GOLDEN_CACHE="$work/goldens"
 shipped=()
 while read -r line; do
   [[ -z "$line" || "$line" == \#* ]] || shipped+=("$line")
 done < config-cpu.txt
+# No configs would make both sides the default list, and the ratio a comparison of A with A.
+[ "${#shipped[@]}" -gt 0 ] || { echo "no configs in config-cpu.txt"; exit 2; }
 without=()
 for config in "${shipped[@]}"; do  # the gate-less copies, beside each other as in configs/ (baseline paths hold)
   copy="$work/$config"
@@ -27,7 +30,7 @@ for config in "${shipped[@]}"; do  # the gate-less copies, beside each other as 
   grep -q '^moe_backend:' "$copy" && printf 'golden: false\n' >> "$copy"
   without+=("$copy")
 done
-"${cmd[@]}" golden --output-dir "$work/golden-logs" "${shipped[@]}" "$@" > "$work/golden.log" 2>&1 || { echo "moe-eval golden failed: $work/golden.log"; exit 2; }
+"${cmd[@]}" golden --hw cpu --output-dir "$work/golden-logs" "${shipped[@]}" "$@" > "$work/golden.log" 2>&1 || { echo "moe-eval golden failed: $work/golden.log"; exit 2; }
 timed() {  # timed NAME CONFIG... : one run, its seconds on a line of its own
   local name=$1 t rc; shift; t=$(date +%s.%N)
   "${cmd[@]}" run --hw cpu --output-dir "$work/$name" "$@" > "$work/$name.log" 2>&1
@@ -41,6 +44,9 @@ done | tee "$work/times.txt"
 python3 - "$work/times.txt" << 'EOF'
 import statistics, sys
 runs = [line.split() for line in open(sys.argv[1])]
+failed = [r[0] for r in runs if r[2] != "0"]
+if failed:  # a failed run's time measures something else
+    sys.exit(f"runs that did not pass: {failed}; no ratio")
 with_gate = [float(r[4]) for r in runs if r[0].startswith("with-")]
 without = [float(r[4]) for r in runs if r[0].startswith("without-")]
 print(f"median with the gate {statistics.median(with_gate):.1f} s, without {statistics.median(without):.1f} s: "
