@@ -10,6 +10,7 @@ own noise: two golden records of one key made from empty caches (goldens-*/), co
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -34,16 +35,29 @@ def _power(path: Path, record: dict, work: Path) -> float | None:
         incumbent = path.parents[2].joinpath(*incumbent.parent.parts[-2:], incumbent.name)
     if not golden.is_dir() or not incumbent.is_file():
         return (record["golden_gate"].get("power") or {}).get("scale_error")
-    gold = read_logprobs(golden / "prefill.jsonl")
+    gold = _logprobs(golden / "prefill.jsonl")
     return scale_error_power(
         gold,
-        read_logprobs(golden / "probe.jsonl"),
+        _logprobs(golden / "probe.jsonl"),
         PROBE_SCALE_ERROR,
         read_logprobs(path.parent / "logprobs.jsonl"),
-        errors_vs_golden(gold, read_logprobs(incumbent)),
+        errors_vs_golden(gold, _logprobs(incumbent)),
         record["golden_gate"]["margin"],
         record["golden_gate"]["alpha"],
     )
+
+
+@functools.cache
+def _logprobs(path: Path) -> list:
+    """A golden's or an incumbent's records, read once: every row of a run shares them (read-only)."""
+    return read_logprobs(path)
+
+
+@functools.cache
+def _summary(folder: Path) -> dict | None:
+    """A run folder's summary.json, read once for all its rows; None where the folder has none."""
+    path = folder / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _ran_in_its_run(path: Path, work: Path) -> bool:
@@ -51,8 +65,8 @@ def _ran_in_its_run(path: Path, work: Path) -> bool:
     over by --resume (counted in the run it came from), or a copied row of a config the run did not
     select. A folder without summary.json (an earlier version's) counts whole."""
     for folder in path.parents:
-        if (folder / "summary.json").is_file():
-            summary = json.loads((folder / "summary.json").read_text())
+        summary = _summary(folder)
+        if summary is not None:
             here = path.parent.relative_to(folder).parts
             return any(
                 Path(c["run_dir"]).parts[-len(here) :] == here and not c.get("resumed")

@@ -5,7 +5,8 @@
 # was before the gate: accuracy, McNemar, the divergence gate's 16 scored texts). Interleaved A B A B ...
 # (PAIRS pairs, 2 by default) so a drift of the machine's speed falls on both; the golden is made first
 # (`moe-eval golden`) into WORK/goldens, so no A run makes it. Prints each run's seconds and the ratio of
-# the medians; each run's folder stays in WORK.
+# the medians (benchmarks/golden_cost_report.py, which also takes several WORK folders); each run's folder
+# stays in WORK.
 #
 #   bash benchmarks/golden_cost_ab.sh WORK [options for both moe-eval golden and run, e.g. --gsm8k-dir DIR]
 # MOE_EVAL (the checkout's .venv/bin/moe-eval by default) is the command.
@@ -15,11 +16,12 @@ mkdir -p "$work" && work=$(cd "$work" && pwd)
 cd "$(dirname "$0")/.." || exit 2  # the checkout: config-cpu.txt and its configs
 PAIRS="${PAIRS:-2}"
 read -r -a cmd <<< "${MOE_EVAL:-.venv/bin/moe-eval}"
+python="${PYTHON:-.venv/bin/python}"
 export MOE_EVAL_GOLDEN_CACHE="$work/goldens"
-shipped=()
-while read -r line; do
-  [[ -z "$line" || "$line" == \#* ]] || shipped+=("$line")
-done < config-cpu.txt
+# The list as moe-eval reads it (moe_eval.selection.read_list: comments, blank lines, missing files refused),
+# as paths relative to the checkout.
+mapfile -t shipped < <("$python" -c 'import os; from pathlib import Path; from moe_eval.selection import read_list
+print(*(os.path.relpath(p) for p in read_list(Path("config-cpu.txt"))), sep="\n")')
 # No configs would make both sides the default list, and the ratio a comparison of A with A.
 [ "${#shipped[@]}" -gt 0 ] || { echo "no configs in config-cpu.txt"; exit 2; }
 without=()
@@ -41,14 +43,5 @@ for i in $(seq 1 "$PAIRS"); do
   timed "with-gate-$i" "${shipped[@]}" "$@"
   timed "without-gate-$i" "${without[@]}" "$@"
 done | tee "$work/times.txt"
-python3 - "$work/times.txt" << 'EOF'
-import statistics, sys
-runs = [line.split() for line in open(sys.argv[1])]
-failed = [r[0] for r in runs if r[2] != "0"]
-if failed:  # a failed run's time measures something else
-    sys.exit(f"runs that did not pass: {failed}; no ratio")
-with_gate = [float(r[4]) for r in runs if r[0].startswith("with-")]
-without = [float(r[4]) for r in runs if r[0].startswith("without-")]
-print(f"median with the gate {statistics.median(with_gate):.1f} s, without {statistics.median(without):.1f} s: "
-      f"x{statistics.median(with_gate) / statistics.median(without):.3f}")
-EOF
+# Medians, ratio, and the gate's own seconds in each run with it; refuses a run that did not pass.
+"$python" benchmarks/golden_cost_report.py "$work"
