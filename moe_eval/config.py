@@ -233,6 +233,29 @@ CONFIG_KEYS: dict[str, KeySpec] = {
         "the model's weights are random (a shape twin, models.py): its answers mean nothing, so "
         "no accuracy, paired or garbage gate; accuracy is reported as n/a",
     ),
+    # --- the layer check (moe_eval.kernels.layer_check, moe_eval.layer_gate; docs/logprob-gate.md) ---
+    "layer_check": KeySpec(
+        (bool,),
+        True,
+        None,
+        "a bundled-kernel config: compare the MoE calls the server makes (every dispatch range, every rank) "
+        "with the exact MoE of the same inputs, after a sweep that reaches each range; false: off",
+    ),
+    "layer_check_margin": KeySpec(
+        NUMBER,
+        0.25,
+        _between(0.0, 10.0),
+        "layer check: fail a dispatch range whose error against the exact MoE / the incumbent's > 1 + this",
+    ),
+    "layer_check_scale_bound": KeySpec(
+        NUMBER,
+        0.005,
+        _between(0.0, 1.0),
+        "layer check: fail an expert whose output scale in one range is off by more than this (z agreeing)",
+    ),
+    "layer_check_z": KeySpec(
+        NUMBER, 5.0, _positive, "layer check: an expert's scale error must be this many standard errors"
+    ),
     "max_jit_while_serving": KeySpec(
         (int,),
         None,
@@ -289,6 +312,15 @@ class EvalConfig:
     decode_texts: int = 8
     decode_tokens: int = 32
     random_weights: bool = False
+    layer_check: bool = True
+    layer_check_margin: float = 0.25
+    layer_check_scale_bound: float = 0.005
+    layer_check_z: float = 5.0
+
+    @property
+    def layer_checked(self) -> bool:
+        """The layer check applies: a bundled kernel (the plugin runs it inside the server), and on."""
+        return self.layer_check and self.moe_backend is not None
 
     @property
     def answers_gated(self) -> bool:

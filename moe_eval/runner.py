@@ -37,6 +37,8 @@ from moe_eval.config import EvalConfig
 from moe_eval.errors import ConfigError, InfraError, MoeEvalError
 from moe_eval.gate import GateResult
 from moe_eval.gsm8k import Gsm8kData, Gsm8kOutcome, canary_data, run_gsm8k
+from moe_eval.layer_gate import LayerCheckLimits, layer_checks, read_layer_files, summarize, summary_record
+from moe_eval.layer_sweep import max_model_len, sweep, token_pool
 from moe_eval.layout import LayoutKind
 from moe_eval.logprobs import (
     DivergenceLimits,
@@ -76,6 +78,8 @@ from moe_eval.status import StatusWriter
 
 Progress = Callable[[str], None]
 LOGPROB_TOP_K = 5  # top log-probabilities kept per position (the KL estimate's support)
+# The sweep's batched-token limit when no process wrote its own (kernels/plugin.py DEFAULT_MAX_TOKENS).
+DEFAULT_MAX_TOKENS_PER_CALL = 8192
 
 
 @dataclass(frozen=True)
@@ -340,9 +344,13 @@ def _serve_and_evaluate(
         logprobs, decode = _score_logprobs(
             config, options, data, server.base_url, model, run_dir, outcome, record
         )
+        if config.layer_checked:
+            _stage(options, "layer check: reaching every dispatch range")
+            record["layer_sweep"] = _layer_sweep(config, data, server.base_url, model, run_dir, outcome)
         # Read while the server still runs: the counters' flusher thread wrote them within its interval.
         time.sleep(2 * STATS_INTERVAL_SECONDS)
         record["bundled_kernel_calls"] = kernel_call_counts(run_dir)
+        layer_summary = summarize(read_layer_files(run_dir)) if config.layer_checked else None
         _stage(options, "stopping the server")
     write_samples(run_dir / "samples.jsonl", result.samples)
     outcome.scores = result.scores
@@ -350,6 +358,12 @@ def _serve_and_evaluate(
     outcome.checks = _answer_checks(config, result, stats, outcome, record)
     outcome.checks += jit_checks(config, jit_while_serving(read_log(log_path)))
     outcome.checks += kernel_call_checks(config, record["bundled_kernel_calls"])
+    if layer_summary is not None:
+        limits = LayerCheckLimits(
+            config.layer_check_margin, config.layer_check_scale_bound, config.layer_check_z
+        )
+        outcome.checks += layer_checks(layer_summary, limits)
+        record["layer_check"] = summary_record(layer_summary, limits)
     baseline = options.baselines.get(config.path)
     if baseline is not None:
         if config.answers_gated:
@@ -473,6 +487,29 @@ def _score_logprobs(
             "tokens": sum(len(r) for r in decode),
         }
     return records, decode
+
+
+def _layer_sweep(
+    config: EvalConfig, data: Gsm8kData, base_url: str, model: str, run_dir: Path, outcome: ConfigOutcome
+) -> dict[str, Any]:
+    """The requests that take the server's MoE calls through every dispatch range (moe_eval.layer_sweep)."""
+    started = time.monotonic()
+    train, test = data.train_rows(), data.test_rows()
+    texts = scoring_texts(train, test, config.num_fewshot, min(16, len(test))) if test else []
+    timeout = config.request_timeout_seconds
+    pool = token_pool(base_url, model, texts, timeout)
+    per_call = [int(r.get("max_tokens", 0)) for r in read_layer_files(run_dir)]
+    sent = sweep(
+        base_url,
+        model,
+        pool,
+        max_tokens_per_call=max(per_call, default=0) or DEFAULT_MAX_TOKENS_PER_CALL,
+        model_len=max_model_len(base_url, timeout),
+        timeout=timeout,
+        retries=max(config.max_retries, 1),
+    )
+    outcome.timings["layer_sweep_seconds"] = time.monotonic() - started
+    return sent
 
 
 def _divergence_checks(

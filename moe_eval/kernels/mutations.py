@@ -55,7 +55,22 @@ MUTATIONS = {
     "scale_one_expert_small": "global expert 0's output 2% short (scale_one_expert with a scale of 0.98)",
     "stale_gate_rows": "global expert 0's first F/8 gate rows are its local neighbour's (a stale tile)",
     "routing_temperature_slip": "top-k weights renormalised as w**1.05 (same sum per token, sharper ratio)",
+    "scale_expert_decode": "global expert 0's output 1% short in calls of <= 64 tokens only (decode batches)",
+    "scale_expert_mid": "global expert 0's output 1% short in calls of 65-256 tokens only (one mid bucket)",
+    "scale_expert_large": "global expert 0's output 1% short in calls of >= 1024 tokens only (large prefill)",
+    "scale_expert_last_rank": "the last global expert's output 1% short on the last rank only (one EP rank)",
 }
+# Bugs confined to one dispatch range or one rank, 1% in one expert: the layer check's target
+# (docs/logprob-gate.md, "Coverage"). name -> (lowest, highest) token count of the calls it hits (None: no
+# bound). They scale the target slots' routing weights, so the served output of the expert is scaled
+# (exactly so unless apply_router_weight_on_input, where the scaled input goes through the SiLU).
+RANGE_MUTATIONS: dict[str, tuple[int, int | None]] = {
+    "scale_expert_decode": (1, 64),
+    "scale_expert_mid": (65, 256),
+    "scale_expert_large": (1024, None),
+    "scale_expert_last_rank": (1, None),
+}
+RANGE_EXPERT_SCALE = 0.99  # the range-confined mutations: one expert's output 1% short
 # The mutations that leave the canary's answers right (accuracy >= 0.98 through vLLM) but move its
 # numbers: what only the log-probability gate sees (docs/logprob-gate.md has the measurements of the
 # first three; the last three are measured in-process only, see the module docstring).
@@ -271,13 +286,39 @@ def tail_block_slots(topk_ids_TK: Any, expert_map_E: Any, num_local_experts: int
     return skip_S.reshape(topk_ids_TK.shape)
 
 
+def range_target(name: str, tokens: int, num_experts: int, last_rank: bool) -> int | None:
+    """The global expert a RANGE_MUTATIONS bug hits in a call of `tokens` tokens on this rank (None: the
+    call is outside its range or on another rank). A host-side decision on the call's shape: a CUDA graph
+    captured at one batch size replays the same decision."""
+    low, high = RANGE_MUTATIONS[name]
+    if tokens < low or (high is not None and tokens > high):
+        return None
+    if name == "scale_expert_last_rank":
+        # The last global expert, on the last rank only: under EP that rank holds it, under TP1 the one rank
+        # is the last, under TP2 without EP the last rank holds half of its F.
+        return num_experts - 1 if last_rank else None
+    return TARGET_EXPERT
+
+
 def mutate_call(
-    name: str | None, topk_weights_TK: Any, topk_ids_TK: Any, expert_map_E: Any, num_local_experts: int
+    name: str | None,
+    topk_weights_TK: Any,
+    topk_ids_TK: Any,
+    expert_map_E: Any,
+    num_local_experts: int,
+    last_rank: bool = True,
 ) -> tuple[Any, Any, Any]:
-    """Applied on every call, to the routing vLLM hands apply()."""
+    """Applied on every call, to the routing vLLM hands apply(). `last_rank`: this process is the last rank
+    of the experts' split (plugin.is_last_rank)."""
     import torch
 
-    if name == "ignore_routing_weights":
+    if name in RANGE_MUTATIONS:
+        num_experts = expert_map_E.numel() if expert_map_E is not None else num_local_experts
+        target = range_target(name, topk_ids_TK.shape[0], num_experts, last_rank)
+        if target is not None:
+            scale_TK = torch.where(topk_ids_TK == target, RANGE_EXPERT_SCALE, 1.0)
+            topk_weights_TK = (topk_weights_TK.float() * scale_TK).to(topk_weights_TK.dtype)
+    elif name == "ignore_routing_weights":
         topk_weights_TK = torch.ones_like(topk_weights_TK)
     elif name == "scale_routing_weights":
         topk_weights_TK = topk_weights_TK * ROUTING_SCALE

@@ -33,6 +33,8 @@ from typing import Any
 from moe_eval.plugin_protocol import (
     BACKEND_ENV,
     GOLDEN_PROBE_MUTATION,
+    LAYER_CHECK_DIR,
+    LAYER_CHECK_ENV,
     LOG_PREFIX,
     MUTATION_ENV,
     RUN_DIR_ENV,
@@ -100,7 +102,28 @@ def _layout_from_moe_config(moe: Any):
     return Layout(kind=kind, tensor_parallel=max(tp, 1), data_parallel=pc.dp_size)
 
 
+def _rank_from_moe_config(moe: Any) -> dict[str, Any]:
+    """This process's place in the layout (the layer check's files and the one-rank mutation use it)."""
+    pc = moe.moe_parallel_config
+    rank = {
+        name: int(getattr(pc, name, 0))
+        for name in ("tp_rank", "tp_size", "ep_rank", "ep_size", "dp_rank", "dp_size")
+    }
+    rank["use_ep"] = bool(getattr(pc, "use_ep", False))
+    return rank
+
+
+def is_last_rank(rank: dict[str, Any] | None) -> bool:
+    """The last rank of the experts' split: EP rank ep_size - 1 under EP, else TP rank tp_size - 1."""
+    if not rank:
+        return True
+    if rank.get("use_ep"):
+        return rank.get("ep_rank", 0) == max(rank.get("ep_size", 1), 1) - 1
+    return rank.get("tp_rank", 0) == max(rank.get("tp_size", 1), 1) - 1
+
+
 _COUNTERS: dict[str, Any] = {}  # backend -> CallCounter (one per process)
+_LAYER_CHECKS: dict[str, Any] = {}  # backend -> LayerCheck (one per process)
 _REFERENCE_EXPERTS: list[Any] = []  # BundledExperts of the reference backend (golden servers), every layer
 _LOGGED_SHAPES: set[tuple] = set()
 _WARMED_UP: dict[tuple, Any] = {}  # layer shape -> WarmupReport: every layer of one shape shares the kernels
@@ -114,6 +137,16 @@ def _counter(backend: str) -> Any:
         path = Path(run_dir) / STATS_DIR / f"{os.getpid()}.json" if run_dir else None
         _COUNTERS[backend] = CallCounter(backend, path)
     return _COUNTERS[backend]
+
+
+def _layer_check(backend: str, num_experts: int, rank: dict[str, Any] | None, max_tokens: int) -> Any:
+    from moe_eval.kernels.layer_check import LayerCheck
+
+    if backend not in _LAYER_CHECKS:
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        path = Path(run_dir) / LAYER_CHECK_DIR / f"{os.getpid()}.json" if run_dir else None
+        _LAYER_CHECKS[backend] = LayerCheck(backend, num_experts, path, rank or {}, max_tokens)
+    return _LAYER_CHECKS[backend]
 
 
 class BundledExperts:
@@ -133,6 +166,7 @@ class BundledExperts:
         hardware: Any = None,
         mutation: str | None = None,
         max_tokens: int = DEFAULT_MAX_TOKENS,
+        rank: dict[str, Any] | None = None,
     ) -> None:
         from moe_eval.kernels.mutations import mutate_kernel
         from moe_eval.kernels.oracle import MoeBackend, detect_hardware, make_moe_kernel, select_moe_backend
@@ -157,12 +191,21 @@ class BundledExperts:
         self.counter = _counter(self.choice.backend.value)
         self.expert_map = None
         self.probe_rows: Any = None  # the target expert's up rows before the probe, while it is on
+        self.rank = rank
+        # The layer check (kernels/layer_check.py): on for every kernel under test, never for the golden's
+        # exact reference backend (it is what the check computes) or with MOE_EVAL_LAYER_CHECK=0.
+        self.check_enabled = (
+            MoeBackend(requested) is not MoeBackend.REFERENCE and os.environ.get(LAYER_CHECK_ENV, "1") != "0"
+        )
+        self.check: Any = None
+        self.check_weights: tuple[Any, Any] | None = None  # (w13, w2) as vLLM loaded them
 
     def process_weights(self, layer: Any, global_experts: int, top_k: int) -> None:
         from moe_eval.kernels.mutations import mutate_weights
         from moe_eval.kernels.oracle import MoeBackend, convert_to_kernel_format
 
         self.expert_map = getattr(layer, "expert_map", None)
+        loaded = (layer.w13_weight.data, layer.w2_weight.data)  # the layer check's reference weights
         w13 = mutate_weights(self.mutation, layer.w13_weight.data, self.expert_map)
         self.weights = convert_to_kernel_format(self.choice.backend, w13, layer.w2_weight.data)
         # Keep one copy: the converted tensors replace the checkpoint-layout ones.
@@ -170,9 +213,20 @@ class BundledExperts:
         layer.w2_weight.data = self.weights.w2_eDF
         if self.choice.backend is MoeBackend.REFERENCE:
             _REFERENCE_EXPERTS.append(self)  # the golden server's probe switch reaches every layer
+        if self.check_enabled:
+            # The loaded tensors, not the converted ones: when conversion or a mutation made new tensors the
+            # originals stay alive for the check (FlashInfer's layout: one more copy of w13).
+            self.check_weights = loaded
+            self.check = _layer_check(self.choice.backend.value, global_experts, self.rank, self.max_tokens)
         warmup = None
         if self.weights.w13_eFD.device.type == "cuda":
             self.counter.attach_device()  # compiled and checked now, not in the first (maybe captured) call
+            if self.check is not None:
+                if self.check.device is None:
+                    self.check.attach_device(self.weights.w13_eFD.device)
+                self.check.prepare(
+                    loaded[0], loaded[1], top_k, self.expert_map, bool(layer.apply_router_weight_on_input)
+                )
             warmup = self._precompile(layer, global_experts, top_k)
         self._log_choice(layer, global_experts, top_k, warmup)
 
@@ -268,16 +322,25 @@ class BundledExperts:
                 f"moe-eval bundled kernels implement SiLU-and-mul only; layer activation is {activation}"
             )
         self.counter.count(x)
-        expert_map = getattr(layer, "expert_map", None)
+        loaded_map = expert_map = getattr(layer, "expert_map", None)
+        served_weights, served_ids = topk_weights, topk_ids
         if self.mutation is not None:
             from moe_eval.kernels.mutations import mutate_call
 
-            topk_weights, topk_ids, expert_map = mutate_call(
-                self.mutation, topk_weights, topk_ids, expert_map, self.weights.w13_eFD.shape[0]
+            served_weights, served_ids, expert_map = mutate_call(
+                self.mutation,
+                topk_weights,
+                topk_ids,
+                expert_map,
+                self.weights.w13_eFD.shape[0],
+                last_rank=is_last_rank(self.rank),
             )
-        return self.kernel(
-            x, self.weights, topk_weights, topk_ids, expert_map, bool(layer.apply_router_weight_on_input)
-        )
+        on_input = bool(layer.apply_router_weight_on_input)
+        out = self.kernel(x, self.weights, served_weights, served_ids, expert_map, on_input)
+        if self.check is not None:
+            # What vLLM handed apply() and what apply() returns: a bug anywhere in between counts.
+            self.check.observe(x, out, topk_weights, topk_ids, loaded_map, *self.check_weights, on_input)
+        return out
 
 
 def switch_golden_probe(on: bool) -> dict[str, Any]:
@@ -339,6 +402,7 @@ def _bundled_method_class() -> type:
                 _layout_from_moe_config(moe),
                 mutation=os.environ.get(MUTATION_ENV) or None,
                 max_tokens=_max_tokens_per_call(moe),
+                rank=_rank_from_moe_config(moe),
             )
 
         @property
