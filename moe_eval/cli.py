@@ -585,6 +585,8 @@ def gate_names(config: EvalConfig, has_baseline: bool) -> list[str]:
         gates.append("jit")
     if config.moe_backend is not None:
         gates.append("kernel_calls")
+    if config.layer_checked:
+        gates.append("layer_check")
     return gates or ["none (it serves: an incumbent)"]
 
 

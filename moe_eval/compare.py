@@ -32,6 +32,7 @@ from moe_eval.checks import LOGPROBS_FILE, correctness
 from moe_eval.errors import ConfigError
 from moe_eval.gsm8k import FILTERS
 from moe_eval.logprobs import TextLogprobs, divergence, read_logprobs
+from moe_eval.plugin_protocol import layer_range_names
 from moe_eval.report import divergence_cell, markdown_table, rich_table
 from moe_eval.results import RunRecord, UnreadableRecord, result_files
 from moe_eval.stats import paired_compare
@@ -54,6 +55,7 @@ class RunResult:
     mutation: str | None = None  # the deliberate kernel bug the run was made with, if any
     golden_digest: str | None = None  # the golden record the run was gated against (results.json "golden")
     golden_path: Path | None = None
+    layer_check: dict | None = None  # results.json "layer_check" (moe_eval.layer_gate), bundled kernels only
 
     @property
     def questions(self) -> frozenset[int]:
@@ -109,6 +111,7 @@ def load_run(path: Path) -> RunResult | None:
         mutation=mutation or None,
         golden_digest=golden.get("digest"),
         golden_path=Path(golden["path"]) if golden.get("path") else None,
+        layer_check=record.get("layer_check") if isinstance(record.get("layer_check"), dict) else None,
     )
 
 
@@ -205,8 +208,41 @@ def table_rows(members: list[RunResult], ref: int = 0) -> tuple[list[str], list[
     ]
     rows.append([f"Δ log p vs {base.label}", "", "mean, top-1 changed", *divergences])
     rows.append(["error vs golden", "", "mean |Δ log p|, x reference", *_golden_cells(members, records, ref)])
+    rows += _layer_rows(members)
     rows.append(["verdict", "", "", *[m.verdict for m in members]])
     return header, rows
+
+
+def _layer_rows(members: list[RunResult]) -> list[list[str]]:
+    """The layer check side by side: per dispatch range, each run's RMS error of the served MoE output
+    against the exact MoE (and x its incumbent arithmetic's on the same rows); then each run's largest
+    per-expert scale error. Kernels whose GSM8K numbers agree differ here (vLLM's kernel runs no check)."""
+    checked = [m.layer_check for m in members]
+    if not any(checked):
+        return []
+    by_range: dict[str, dict[int, dict]] = {}
+    for i, check in enumerate(checked):
+        for row in (check or {}).get("ranges", []):
+            if row.get("rank") == "all" and row.get("error") is not None:
+                by_range.setdefault(row["range"], {})[i] = row
+    rows = []
+    for name in layer_range_names():
+        if name not in by_range:
+            continue
+        cells = []
+        for i in range(len(members)):
+            row = by_range[name].get(i)
+            cells.append("-" if row is None else f"{row['error']:.2e} (x{row['ratio']:.2f})")
+        rows.append([f"layer error {name}", "", "RMS vs exact (x incumbent)", *cells])
+    largest = []
+    for check in checked:
+        cells = [c for c in (check or {}).get("expert_cells", []) if c.get("rank") == "all"]
+        worst = max(cells, key=lambda c: abs(c["scale"]), default=None)
+        largest.append(
+            "-" if worst is None else f"{worst['scale']:+.4f} (expert {worst['expert']}, {worst['range']})"
+        )
+    rows.append(["layer expert scale", "", "largest |s|", *largest])
+    return rows
 
 
 def _divergence(base: list[TextLogprobs] | None, other: list[TextLogprobs] | None) -> str:

@@ -27,6 +27,7 @@ COLUMNS = (
     "Catches a drop of (80%)",
     "Δ log p vs baseline",
     "Error vs golden (incumbent)",
+    "Layer check vs exact",
     "Verdict",
 )
 
@@ -66,6 +67,21 @@ def golden_cell(gate: dict | None) -> str:
     return f"{run:.4f} ({incumbent:.4f}) x{gate['ratio']:.2f} p={gate['p']:.2g}{caught}"
 
 
+def layer_cell(check: dict | None) -> str:
+    """'x0.85 worst (M=1); |s| <= 0.0005': the served MoE calls against the exact MoE (moe_eval.layer_gate),
+    the worst range's error ratio to the incumbent's arithmetic and the largest per-expert scale error."""
+    if not check:
+        return "-"
+    ranges = [r for r in check.get("ranges", []) if r.get("ratio") is not None and r.get("rank") == "all"]
+    worst = max(ranges, key=lambda r: r["ratio"], default=None)
+    cells = check.get("expert_cells", [])
+    largest = max((abs(c["scale"]) for c in cells), default=None)
+    parts = [f"x{worst['ratio']:.2f} worst ({worst['range']})" if worst else "no range"]
+    if largest is not None:
+        parts.append(f"|s| <= {largest:.4f}")
+    return "; ".join(parts)
+
+
 def _floor(config: EvalConfig) -> str:
     return (
         _fmt(config.accuracy_threshold - config.tolerance) if config.accuracy_threshold is not None else "n/a"
@@ -91,6 +107,7 @@ def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
                     "",
                     "-",
                     _floor(cfg),
+                    "-",
                     "-",
                     "-",
                     "-",
@@ -122,6 +139,7 @@ def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
                     _fmt(o.detectable_drop, 3) if gated and o.detectable_drop is not None else "",
                     divergence_cell(o.divergence) if gated else "",
                     golden_cell(o.golden_gate) if gated else "",
+                    layer_cell(o.layer_check) if gated else "",
                     _verdict(o) if gated else "",
                 ]
             )

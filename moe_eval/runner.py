@@ -122,6 +122,7 @@ class ConfigOutcome:
     golden_gate: dict | None = (
         None  # the error against the golden reference, with the incumbent's (results.json)
     )
+    layer_check: dict | None = None  # the served MoE calls against the exact MoE (results.json "layer_check")
 
     @property
     def failed_checks(self) -> list[Check]:
@@ -151,6 +152,7 @@ class ConfigOutcome:
             detectable_drop=(gate or {}).get("detectable_drop"),
             divergence=record.get("divergence"),
             golden_gate=record.get("golden_gate"),
+            layer_check=record.get("layer_check"),
         )
 
 
@@ -363,7 +365,7 @@ def _serve_and_evaluate(
             config.layer_check_margin, config.layer_check_scale_bound, config.layer_check_z
         )
         outcome.checks += layer_checks(layer_summary, limits)
-        record["layer_check"] = summary_record(layer_summary, limits)
+        record["layer_check"] = outcome.layer_check = summary_record(layer_summary, limits)
     baseline = options.baselines.get(config.path)
     if baseline is not None:
         if config.answers_gated:

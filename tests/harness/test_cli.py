@@ -42,9 +42,7 @@ def test_list_b200_shows_exactly_the_b200_configs_with_layouts(repo_root):
     assert result.returncode == 0, result.stderr
     rows = [line.split("\t") for line in result.stdout.splitlines()[2:]]
     listed = {(r[0], r[2], r[3], r[-1]) for r in rows}
-    golden = (
-        "accuracy,paired,divergence,golden,kernel_calls"  # every bundled row: golden gate vs its incumbent
-    )
+    golden = "accuracy,paired,divergence,golden,kernel_calls,layer_check"  # every bundled row
     assert listed == {
         ("moe-refactor/Llama-4-Scout-BF16-vllm-tp2.yaml", "TP (TP2)", "2", "accuracy"),
         ("moe-refactor/Llama-4-Scout-BF16-triton.yaml", "TP (TP2)", "2", golden),
@@ -86,7 +84,8 @@ def test_list_shows_a_builtin_twin_for_each_shipped_gpu_config(repo_root):
         if "vllm" in path.stem:
             assert twin[4] == "vllm-default" and twin[7] == "-"
         else:
-            assert {"golden", "divergence", "jit", "kernel_calls"} <= set(gates) and "accuracy" not in gates
+            assert {"golden", "divergence", "jit", "kernel_calls", "layer_check"} <= set(gates)
+            assert "accuracy" not in gates
             assert twin[7].startswith(f"twins-{path.parent.name}/")
     # Left: one CUDA-graph pair per model (TP1, no --enforce-eager).
     assert sorted(rows) == sorted(
