@@ -6,7 +6,8 @@
 #   the bundled row runs mutated.
 # Results (every config's results.json, logprobs, logs) are packed into $OUT/<layout>.tar.xz, the golden
 # cache into $OUT/goldens.tar.xz; a .goldens/ folder in the checkout (carried) seeds the cache, and
-# SHIPPED=<carried run folder> skips the shipped pair (an earlier call's) and runs the mutations only.
+# SHIPPED=<carried run folder> takes the shipped pair from an earlier call (rows deleted from it run again,
+# unmutated) before the mutations.
 #
 #   bash benchmarks/h200_golden_canary.sh tp|tep|dep      (from the checkout; the kit in .vgpu/)
 # WITH_FI=1 (tp only) adds the FlashInfer CUTLASS row to the pair, shipped and mutated; it needs FlashInfer
@@ -48,8 +49,14 @@ if [ "${WITH_FI:-0}" = 1 ]; then
   pair+=("configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-fi-cutlass.yaml")
 fi
 t0=$(date +%s)
-if [ -n "${SHIPPED:-}" ]; then  # the shipped pair's run folder from an earlier call (carried): mutations only
+if [ -n "${SHIPPED:-}" ]; then  # the shipped pair's run folder from an earlier call (carried)
   mkdir -p "$work/shipped" && cp -r "$SHIPPED" "$work/shipped/"
+  # Rows removed from the carried folder (a row to run again with changed code) run now, unmutated; the
+  # rest are kept as they are. A complete folder starts no server.
+  moe_eval run --hw h200 --jobs auto --resume "$(ls -d "$work"/shipped/*/ | head -1)" "${pair[@]}" \
+    > "$work/shipped.log" 2>&1
+  echo "shipped (resumed): exit $? in $(( $(date +%s) - t0 )) s"
+  pack
 else
   moe_eval run --hw h200 --jobs auto --output-dir "$work/shipped" "${pair[@]}" > "$work/shipped.log" 2>&1
   echo "shipped: exit $? in $(( $(date +%s) - t0 )) s"

@@ -9,8 +9,13 @@ and judges them with three checks:
   than the incumbent's arithmetic on the same rows (layer_check.py says what stands in for vLLM's kernel)
   by more than the margin: error / incumbent's error <= 1 + layer_check_margin.
 - `layer_check_experts`: per range, rank and expert, the scale estimate s = sum a / sum b (a kernel whose
-  expert e is off by a factor 1 + s gives s) within +-layer_check_scale_bound, unless its interval says the
-  difference is noise (|s| / se < layer_check_z). The same cells pooled over ranks are judged too.
+  expert e is off by a factor 1 + s gives s). It fails when |s| > layer_check_scale_bound, |s| is above the
+  incumbent arithmetic's own estimate on the same slots, and their difference is at least layer_check_z
+  standard errors (the variance the rows' own served - incumbent residuals imply). Against the incumbent,
+  not against zero: an expert that carries a tiny share of its rows is estimated from rounding alone, and a
+  kernel rounding like the incumbent then has the incumbent's estimate (seen on the H200: a correct
+  kernel's s = -0.32 +- 0.07 over 4 slots, judged against zero, was 0.5 standard errors from failing).
+  The same cells pooled over ranks are judged too.
 
 No torch: plain arithmetic on the JSON sums.
 """
@@ -51,6 +56,7 @@ class RangeRow:
     error: float | None  # RMS |served - exact| / RMS |exact|
     incumbent_error: float | None  # the same for the incumbent's arithmetic
     ratio: float | None  # error / incumbent_error
+    nonfinite: int = 0  # served output elements that were NaN or inf where the exact MoE was finite
 
 
 @dataclass
@@ -60,11 +66,24 @@ class ExpertCell:
     expert: int
     slots: int
     scale: float  # s: the expert's output is (1 + s) times the exact one
-    stderr: float
+    stderr: float  # of s, from the served residuals
+    incumbent_scale: float  # the incumbent arithmetic's s on the same slots
+    diff_stderr: float  # of scale - incumbent_scale
 
     @property
     def z(self) -> float:
-        return abs(self.scale) / self.stderr if self.stderr > 0 else math.inf if self.scale else 0.0
+        """|s - s_incumbent| in standard errors of the difference (0 when they agree exactly)."""
+        diff = abs(self.scale - self.incumbent_scale)
+        if diff == 0:
+            return 0.0
+        return diff / self.diff_stderr if self.diff_stderr > 0 else math.inf
+
+    def off(self, limits: LayerCheckLimits) -> bool:
+        return (
+            abs(self.scale) > limits.scale_bound
+            and abs(self.scale) > abs(self.incumbent_scale)
+            and self.z >= limits.z
+        )
 
 
 @dataclass
@@ -96,18 +115,22 @@ def _rank_name(record: dict[str, Any]) -> str:
     )
 
 
-def _scale(n: float, a: float, b: float, vb: float) -> tuple[float, float]:
-    """s = sum a / sum b and its standard error sqrt(sum vb) / sum b, vb being each slot's variance of a
-    implied by its own row's residual (layer_check.py). Not the spread of a / b over slots: where one slot
-    carries most of sum b, that spread is near zero while the estimate is one slot's noise (measured: a
-    correct kernel's -0.021 +- 0.002 over 10 slots, CPU canary, before this)."""
+def _cell(name: str, rank: str, expert: int, sums: list[float]) -> ExpertCell:
+    """s = sum a / sum b with its standard error sqrt(sum vb) / sum b, the incumbent's s, and the standard
+    error of the difference, sqrt(sum vd) / sum b: each slot's variance implied by its own row's residual
+    (layer_check.py). Not the spread of a / b over slots: where one slot carries most of sum b, that spread
+    is near zero while the estimate is one slot's noise (a correct kernel's -0.021 +- 0.002 over 10 slots on
+    the CPU canary, when it was used)."""
+    n, a, b, vb, a_inc, vd = sums
     if b <= 0:
-        return 0.0, math.inf
-    return a / b, math.sqrt(max(vb, 0.0)) / b
+        return ExpertCell(name, rank, expert, int(n), 0.0, math.inf, 0.0, math.inf)
+    return ExpertCell(
+        name, rank, expert, int(n), a / b, math.sqrt(max(vb, 0.0)) / b, a_inc / b, math.sqrt(max(vd, 0.0)) / b
+    )
 
 
 def _range_row(name: str, rank: str, seen: int, sums: list[float]) -> RangeRow:
-    calls, rows, sq_res, sq_exact, sq_ref = sums
+    calls, rows, sq_res, sq_exact, sq_ref, nonfinite = sums
     error = math.sqrt(sq_res / sq_exact) if sq_exact > 0 else None
     incumbent = math.sqrt(sq_ref / sq_exact) if sq_exact > 0 else None
     if error is None or incumbent is None:
@@ -116,7 +139,7 @@ def _range_row(name: str, rank: str, seen: int, sums: list[float]) -> RangeRow:
         ratio = error / incumbent
     else:
         ratio = 1.0 if error == 0 else math.inf
-    return RangeRow(name, rank, seen, int(calls), int(rows), error, incumbent, ratio)
+    return RangeRow(name, rank, seen, int(calls), int(rows), error, incumbent, ratio, int(nonfinite))
 
 
 def summarize(records: list[dict[str, Any]]) -> LayerSummary:
@@ -126,7 +149,7 @@ def summarize(records: list[dict[str, Any]]) -> LayerSummary:
         counted_on=sorted({r.get("counted_on", "?") for r in records}),
         max_tokens=max((int(r.get("max_tokens", 0)) for r in records), default=0),
     )
-    pooled_range = [[0.0] * 5 for _ in names]
+    pooled_range = [[0.0] * 6 for _ in names]
     pooled_seen = [0] * len(names)
     pooled_expert: dict[tuple[int, int], list[float]] = {}
     for record in sorted(records, key=_rank_name):
@@ -141,17 +164,15 @@ def summarize(records: list[dict[str, Any]]) -> LayerSummary:
             for expert, cell in record["expert_sums"][i].items():
                 key = (i, int(expert))
                 pooled_expert[key] = [
-                    x + y for x, y in zip(pooled_expert.get(key, [0.0] * 4), cell, strict=True)
+                    x + y for x, y in zip(pooled_expert.get(key, [0.0] * 6), cell, strict=True)
                 ]
                 if len(records) > 1:
-                    s, se = _scale(*cell)
-                    summary.experts.append(ExpertCell(name, rank, int(expert), int(cell[0]), s, se))
+                    summary.experts.append(_cell(name, rank, int(expert), cell))
     for i, name in enumerate(names):
         if pooled_range[i][0] > 0 or pooled_seen[i] > 0:
             summary.ranges.append(_range_row(name, "all", pooled_seen[i], pooled_range[i]))
     for (i, expert), cell in sorted(pooled_expert.items()):
-        s, se = _scale(*cell)
-        summary.experts.append(ExpertCell(names[i], "all", expert, int(cell[0]), s, se))
+        summary.experts.append(_cell(names[i], "all", expert, cell))
     return summary
 
 
@@ -184,7 +205,7 @@ def layer_checks(summary: LayerSummary, limits: LayerCheckLimits) -> list[Check]
         + (f"; NOT SAMPLED (< {MIN_ROWS} rows): {', '.join(missing)}" if missing else ""),
     )
     judged = [row for row in summary.ranges if row.rows >= MIN_ROWS and row.ratio is not None]
-    worse = [row for row in judged if row.ratio > 1 + limits.margin]
+    worse = [row for row in judged if row.ratio > 1 + limits.margin or row.nonfinite]
     worst = max(judged, key=lambda row: row.ratio, default=None)
     ranges = Check(
         "layer_check_ranges",
@@ -201,14 +222,14 @@ def layer_checks(summary: LayerSummary, limits: LayerCheckLimits) -> list[Check]
         ),
     )
     cells = [cell for cell in summary.experts if cell.slots >= MIN_SLOTS]
-    off = [c for c in cells if abs(c.scale) > limits.scale_bound and c.z >= limits.z]
+    off = [c for c in cells if c.off(limits)]
     biggest = max(cells, key=lambda c: abs(c.scale), default=None)
     experts = Check(
         "layer_check_experts",
         not off,
         (
             f"per-expert scale of the served output against the exact MoE, limit +-{limits.scale_bound:g} "
-            f"(z >= {limits.z:g}) over {len(cells)} cells: "
+            f"and beyond the incumbent's by z >= {limits.z:g}, over {len(cells)} cells: "
             + (
                 "; ".join(_describe_cell(c) for c in sorted(off, key=lambda c: -abs(c.scale))[:6])
                 + (f" (+{len(off) - 6} more)" if len(off) > 6 else "")
@@ -222,15 +243,20 @@ def layer_checks(summary: LayerSummary, limits: LayerCheckLimits) -> list[Check]
     return [coverage, ranges, experts]
 
 
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
 def _describe_range(row: RangeRow) -> str:
     errors = f"{row.error:.2e} vs {row.incumbent_error:.2e}"
-    return f"{row.range} ({row.rank}) {row.ratio:.3f} ({errors}, {row.rows} rows)"
+    bad = f"; {row.nonfinite} served values NaN/inf where the exact MoE is finite" if row.nonfinite else ""
+    return f"{row.range} ({row.rank}) {row.ratio:.3f} ({errors}, {row.rows} rows{bad})"
 
 
 def _describe_cell(cell: ExpertCell) -> str:
     return (
         f"expert {cell.expert} {cell.range} ({cell.rank}) s = {cell.scale:+.4f} +- {cell.stderr:.4f} "
-        f"({cell.slots} slots)"
+        f"(incumbent {cell.incumbent_scale:+.4f}, z = {cell.z:.1f}, {cell.slots} slots)"
     )
 
 

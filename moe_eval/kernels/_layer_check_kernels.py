@@ -163,6 +163,11 @@ def _exact_y_kernel(
     tl.store(q_ptr + (r * K + k) * D + offs_d, acc_q, mask=mask_d)
 
 
+@triton.jit
+def _finite(x):
+    return (x - x) == 0.0  # NaN - NaN and inf - inf are NaN, which equals nothing
+
+
 @triton.jit(do_not_specialize=["T", "range_index"])
 def _stats_kernel(
     flag_ptr,  # (1,) int32
@@ -171,10 +176,10 @@ def _stats_kernel(
     expert_map_ptr,  # (E,) int32
     y_ptr,  # (R, K, D) fp32
     q_ptr,  # (R, K, D) fp32
-    range_sums_ptr,  # (NR, 5) fp64: sampled calls, rows, sum res^2, sum exact^2, sum (bf16 ref - exact)^2
-    expert_sums_ptr,  # (NR, E, 4) fp64: n, sum a, sum b, sum vb
+    range_sums_ptr,  # (NR, 6) fp64: sampled calls, rows, sum res^2, sum exact^2, sum inc^2, non-finite served
+    expert_sums_ptr,  # (NR, E, 6) fp64: n, sum a, sum b, sum vb, sum a_inc, sum vd
     seen_ptr,  # (NR,) int64
-    mirror_ptr,  # (NR*5 + NR*E*4 + NR,) fp64 in pinned host memory: a copy the flusher thread reads
+    mirror_ptr,  # (NR*6 + NR*E*6 + NR,) fp64 in pinned host memory: a copy the flusher thread reads
     T,
     D,
     E,
@@ -187,8 +192,10 @@ def _stats_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_COPY: tl.constexpr,
 ):
-    """One program: a = <served - exact, y_k>, b = <y_k, y_k> and vb = sum_d y_kd^2 (served - exact)_d^2 per
-    sampled slot, summed per range and expert; then the whole table is copied to the host mirror."""
+    """One program: per sampled slot a = <res, y>, b = <y, y>, vb = sum y^2 res^2, a_inc = <inc, y> and
+    vd = sum y^2 (served - incumbent)^2 (res = served - exact, inc = incumbent - exact; layer_check.call_sums
+    is the definition, elements whose exact value is not finite left out), summed per range and expert; then
+    the whole table is copied to the host mirror."""
     if tl.load(flag_ptr) == 0:
         return
     offs_k = tl.arange(0, BLOCK_K)
@@ -197,7 +204,8 @@ def _stats_kernel(
     # fp64 vectors over D, summed once at the end (loop-carried values keep one type in Triton loops).
     sq_res_D = tl.zeros((BLOCK_D,), dtype=tl.float64)
     sq_exact_D = tl.zeros((BLOCK_D,), dtype=tl.float64)
-    sq_ref_D = tl.zeros((BLOCK_D,), dtype=tl.float64)
+    sq_inc_D = tl.zeros((BLOCK_D,), dtype=tl.float64)
+    bad_D = tl.zeros((BLOCK_D,), dtype=tl.float64)
     for r in tl.static_range(R):
         row = _sample_row(r, T, R)
         fresh = row >= 0  # the first sampled row always counts
@@ -213,6 +221,8 @@ def _stats_kernel(
         a_K = tl.zeros((BLOCK_K,), dtype=tl.float64)
         b_K = tl.zeros((BLOCK_K,), dtype=tl.float64)
         vb_K = tl.zeros((BLOCK_K,), dtype=tl.float64)
+        a_inc_K = tl.zeros((BLOCK_K,), dtype=tl.float64)
+        vd_K = tl.zeros((BLOCK_K,), dtype=tl.float64)
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             mask_d = offs_d < D
@@ -222,31 +232,46 @@ def _stats_kernel(
             exact = tl.sum(y, axis=0)
             ref = tl.sum(q, axis=0).to(tl.bfloat16).to(tl.float32)
             served = tl.load(out_ptr + row.to(tl.int64) * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-            res = tl.where(mask_d, served - exact, 0.0)
+            exact_ok = mask_d & _finite(exact)
+            served_ok = _finite(served)
+            keep = exact_ok & served_ok
+            res = tl.where(keep, served - exact, 0.0)
+            inc = tl.where(exact_ok, ref - exact, 0.0)
+            diff = tl.where(keep, served - ref, 0.0)
+            exact = tl.where(exact_ok, exact, 0.0)
+            y = tl.where(exact_ok[None, :], y, 0.0).to(tl.float64)
+            bad_D += tl.where(exact_ok & (served_ok == 0), 1.0, 0.0).to(tl.float64) * fresh_f
             sq_res_D += (res * res).to(tl.float64) * fresh_f
             sq_exact_D += (exact * exact).to(tl.float64) * fresh_f
-            sq_ref_D += ((ref - exact) * (ref - exact)).to(tl.float64) * fresh_f
-            a_K += tl.sum((y * res[None, :]).to(tl.float64), axis=1)
-            b_K += tl.sum((y * y).to(tl.float64), axis=1)
-            vb_K += tl.sum((y * y * res[None, :] * res[None, :]).to(tl.float64), axis=1)
-        cell = expert_sums_ptr + (range_index * E + experts) * 4
+            sq_inc_D += (inc * inc).to(tl.float64) * fresh_f
+            res64 = res.to(tl.float64)[None, :]
+            diff64 = diff.to(tl.float64)[None, :]
+            a_K += tl.sum(y * res64, axis=1)
+            b_K += tl.sum(y * y, axis=1)
+            vb_K += tl.sum(y * y * res64 * res64, axis=1)
+            a_inc_K += tl.sum(y * inc.to(tl.float64)[None, :], axis=1)
+            vd_K += tl.sum(y * y * diff64 * diff64, axis=1)
+        cell = expert_sums_ptr + (range_index * E + experts) * 6
         write = valid_k & ((offs_k * 0 + fresh.to(tl.int32)) > 0)  # the row's flag, as a (BLOCK_K,) mask
         tl.atomic_add(cell + 0, tl.full((BLOCK_K,), 1.0, dtype=tl.float64), mask=write)
         tl.atomic_add(cell + 1, a_K, mask=write)
         tl.atomic_add(cell + 2, b_K, mask=write)
         tl.atomic_add(cell + 3, vb_K, mask=write)
-    # The range's five sums in one masked vector add: calls, rows, res^2, exact^2, incumbent^2.
+        tl.atomic_add(cell + 4, a_inc_K, mask=write)
+        tl.atomic_add(cell + 5, vd_K, mask=write)
+    # The range's six sums in one masked vector add.
     offs_f = tl.arange(0, 8)
     sums = tl.where(offs_f == 0, 1.0, 0.0).to(tl.float64)
     sums = tl.where(offs_f == 1, rows_used, sums)
     sums = tl.where(offs_f == 2, tl.sum(sq_res_D, axis=0), sums)
     sums = tl.where(offs_f == 3, tl.sum(sq_exact_D, axis=0), sums)
-    sums = tl.where(offs_f == 4, tl.sum(sq_ref_D, axis=0), sums)
-    tl.atomic_add(range_sums_ptr + range_index * 5 + offs_f, sums, mask=offs_f < 5)
+    sums = tl.where(offs_f == 4, tl.sum(sq_inc_D, axis=0), sums)
+    sums = tl.where(offs_f == 5, tl.sum(bad_D, axis=0), sums)
+    tl.atomic_add(range_sums_ptr + range_index * 6 + offs_f, sums, mask=offs_f < 6)
     tl.debug_barrier()
     # The host mirror: range sums, then expert sums, then the calls seen (as fp64), one plain copy.
-    n_range = NR * 5
-    n_expert = NR * E * 4
+    n_range = NR * 6
+    n_expert = NR * E * 6
     for start in range(0, n_range + n_expert + NR, BLOCK_COPY):
         offs = start + tl.arange(0, BLOCK_COPY)
         from_range = tl.load(range_sums_ptr + offs, mask=offs < n_range, other=0.0, volatile=True)

@@ -13,11 +13,13 @@ dispatch range (the call's token count M, plugin_protocol.LAYER_RANGE_EDGES) and
   sums, h rounded to bf16, each slot's weighted output rounded to bf16, the K slots summed in fp32 and
   rounded once. vLLM's kernel itself cannot run here (inside a CUDA graph it would run at every replay; on
   the CPU its packed weights belong to its own method), so its rounding model stands in for it;
-- per (range, expert): n slots, sum a, sum b and sum vb with a = <served - exact, y>, b = <y, y> and
-  vb = sum_d y_d^2 (served - exact)_d^2. A kernel whose expert e is off by a factor (1 + s) leaves
-  served - exact = s y_e + rounding, so sum a / sum b estimates s, and vb is the variance of a that the
-  row's own residual implies (each element's rounding independent): the interval holds even when one slot
-  carries most of the weight (moe_eval.layer_gate turns the sums into the estimate and its interval).
+- per (range, expert): n slots and the sums of a = <served - exact, y>, b = <y, y>,
+  vb = sum_d y_d^2 (served - exact)_d^2, a_inc = <incumbent - exact, y> and
+  vd = sum_d y_d^2 (served - incumbent)_d^2. A kernel whose expert e is off by a factor (1 + s) leaves
+  served - exact = s y_e + rounding, so sum a / sum b estimates s; a_inc gives the same estimate for the
+  incumbent's arithmetic on the same slots (its rounding alone), and vd the variance of their difference
+  that the rows' own residuals imply (moe_eval.layer_gate: an expert fails when it is off beyond a bound,
+  further off than the incumbent, and the difference is not noise).
 
 Sampling: the first `burst` calls of each range, then every `period`-th (period 7 is prime to any layer
 count a model has, so the sampled layer rotates). On a CUDA device the decision, the exact MoE and the sums
@@ -56,8 +58,8 @@ from moe_eval.plugin_protocol import (
 ROWS_SMALL_CALL, ROWS_LARGE_CALL, LARGE_CALL = 4, 16, 64
 SAMPLE_BURST = 28  # every call of a range is sampled until it has seen this many (7 steps of a 4-layer model)
 SAMPLE_PERIOD = 7  # then every 7th: prime to the layer count, so the sampled layer rotates
-RANGE_FIELDS = ("calls", "rows", "sq_res", "sq_exact", "sq_ref")
-EXPERT_FIELDS = ("n", "a", "b", "vb")
+RANGE_FIELDS = ("calls", "rows", "sq_res", "sq_exact", "sq_ref", "nonfinite")
+EXPERT_FIELDS = ("n", "a", "b", "vb", "a_inc", "vd")
 NUM_RANGES = len(LAYER_RANGE_EDGES)
 
 
@@ -123,16 +125,31 @@ def call_sums(
             y_RKD[r, k], q_RKD[r, k] = y_D, q_D.to(hidden_TD.dtype).float()  # each slot's output rounded
     exact_RD = y_RKD.sum(1)
     ref_RD = q_RKD.sum(1).to(hidden_TD.dtype).float()
-    res_RD = out_TD[index_R].float() - exact_RD
-    a_RK = (y_RKD * res_RD[:, None, :]).double().sum(-1)
-    b_RK = (y_RKD * y_RKD).double().sum(-1)
-    vb_RK = (y_RKD.double() ** 2 * res_RD.double()[:, None, :] ** 2).sum(-1)
+    served_RD = out_TD[index_R].float()
+    # Elements whose exact value is not finite come from rows of garbage input (a CUDA graph's padding rows
+    # can hold NaN hidden states): left out. A served value that is not finite where the exact one is, is a
+    # kernel bug: counted ("nonfinite"), and the range fails on it.
+    exact_ok = torch.isfinite(exact_RD)
+    served_ok = torch.isfinite(served_RD)
+    keep = exact_ok & served_ok
+    zero = torch.zeros((), dtype=torch.float32)
+    res_RD = torch.where(keep, served_RD - exact_RD, zero)
+    inc_RD = torch.where(exact_ok, ref_RD - exact_RD, zero)
+    diff_RD = torch.where(keep, served_RD - ref_RD, zero)
+    exact_RD = torch.where(exact_ok, exact_RD, zero)
+    y_RKD = torch.where(exact_ok[:, None, :], y_RKD, zero).double()
+    a_RK = (y_RKD * res_RD.double()[:, None, :]).sum(-1)
+    b_RK = (y_RKD * y_RKD).sum(-1)
+    vb_RK = (y_RKD**2 * res_RD.double()[:, None, :] ** 2).sum(-1)
+    a_inc_RK = (y_RKD * inc_RD.double()[:, None, :]).sum(-1)
+    vd_RK = (y_RKD**2 * diff_RD.double()[:, None, :] ** 2).sum(-1)
     range_sums = [
         1.0,
         float(R),
         float(res_RD.double().pow(2).sum()),
         float(exact_RD.double().pow(2).sum()),
-        float((ref_RD - exact_RD).double().pow(2).sum()),
+        float(inc_RD.double().pow(2).sum()),
+        float((exact_ok & ~served_ok).sum()),
     ]
     expert_sums: dict[int, list[float]] = {}
     for r in range(R):
@@ -140,7 +157,8 @@ def call_sums(
             if int(local_RK[r, k]) < 0:
                 continue
             cell = expert_sums.setdefault(int(ids_RK[r, k]), [0.0] * len(EXPERT_FIELDS))
-            for i, value in enumerate((1.0, float(a_RK[r, k]), float(b_RK[r, k]), float(vb_RK[r, k]))):
+            values = (a_RK[r, k], b_RK[r, k], vb_RK[r, k], a_inc_RK[r, k], vd_RK[r, k])
+            for i, value in enumerate((1.0, *map(float, values))):
                 cell[i] += value
     return CallSums(range_sums, expert_sums)
 

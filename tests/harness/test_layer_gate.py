@@ -22,23 +22,25 @@ LIMITS = LayerCheckLimits(margin=0.25, scale_bound=0.005, z=5.0)
 NR = len(LAYER_RANGE_EDGES)
 
 
-def _record(rank=None, max_tokens=2048, rows=40, ratio=0.85, experts=None, skip=()):
+def _record(rank=None, max_tokens=2048, rows=40, ratio=0.85, experts=None, skip=(), nonfinite=0):
     """One process's file: every range up to max_tokens sampled with `rows` rows, errors in `ratio`; experts
-    {(range index, expert): (slots, scale, stderr)} as the sums that give them."""
+    {(range index, expert): (slots, scale, stderr[, incumbent's scale])} as the sums that give them (the
+    difference's standard error taken equal to the scale's)."""
     range_sums, seen = [], []
     for i, low in enumerate(LAYER_RANGE_EDGES):
         if low > max_tokens or i in skip:
-            range_sums.append([0.0] * 5)
+            range_sums.append([0.0] * 6)
             seen.append(0)
             continue
         sq_exact = 100.0
         sq_ref = sq_exact * 1e-5
-        range_sums.append([rows / 4, rows, sq_ref * ratio**2, sq_exact, sq_ref])
+        range_sums.append([rows / 4, rows, sq_ref * ratio**2, sq_exact, sq_ref, nonfinite])
         seen.append(rows)
     expert_sums = [{} for _ in range(NR)]
-    for (i, expert), (slots, scale, stderr) in (experts or {}).items():
+    for (i, expert), (slots, scale, stderr, *incumbent) in (experts or {}).items():
         b = 10.0
-        expert_sums[i][str(expert)] = [slots, scale * b, b, (stderr * b) ** 2]
+        inc = incumbent[0] if incumbent else 0.0
+        expert_sums[i][str(expert)] = [slots, scale * b, b, (stderr * b) ** 2, inc * b, (stderr * b) ** 2]
     return {
         "rank": rank or {"tp_rank": 0, "tp_size": 1},
         "max_tokens": max_tokens,
@@ -75,6 +77,15 @@ ALL_PASS = {"layer_check_coverage": True, "layer_check_ranges": True, "layer_che
         ([_record(experts={(1, 0): (12, -0.0100, 0.0030)})], ALL_PASS),  # 3.3 standard errors: noise
         ([_record(experts={(1, 0): (12, -0.0040, 0.0001)})], ALL_PASS),  # significant but within the bound
         ([_record(experts={(1, 0): (2, -0.0500, 0.0001)})], ALL_PASS),  # 2 slots: not judged
+        # Off by 32% but so is the incumbent's arithmetic on the same slots (rounding of a tiny share): pass.
+        ([_record(experts={(0, 5): (4, -0.3175, 0.0709, -0.3175)})], ALL_PASS),
+        # Off by 1% where the incumbent is off by 0.1%: the difference is 18 standard errors.
+        (
+            [_record(experts={(0, 5): (40, -0.0100, 0.0005, -0.0010)})],
+            ALL_PASS | {"layer_check_experts": False},
+        ),
+        # Served values NaN where the exact MoE is finite: the range fails whatever its error ratio.
+        ([_record(nonfinite=3)], ALL_PASS | {"layer_check_ranges": False}),
         ([], {"layer_check_coverage": False}),  # no process wrote sums: never a pass
     ],
 )
@@ -111,7 +122,7 @@ def test_the_record_and_the_report_cell_say_the_worst_range_and_the_largest_scal
 
 def test_infinite_stderr_is_written_as_null():
     record = _record()
-    record["expert_sums"][0]["3"] = [4, 0.0, 0.0, 0.0]  # b = 0: an expert whose slots all had weight 0
+    record["expert_sums"][0]["3"] = [4, 0.0, 0.0, 0.0, 0.0, 0.0]  # b = 0: its slots all had weight 0
     out = summary_record(summarize([record]), LIMITS)
     cell = next(c for c in out["expert_cells"] if c["expert"] == 3)
     assert cell["stderr"] is None and not math.isnan(cell["scale"])
