@@ -17,16 +17,13 @@ kernel could not be launched, with the reason in `device_problem`).
 
 from __future__ import annotations
 
-import atexit
-import json
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from moe_eval.plugin_protocol import STATS_INTERVAL_SECONDS
+from moe_eval.kernels.stats_file import StatsFile
 
 
 def _count_call_kernel_factory():
@@ -59,9 +56,7 @@ class CallCounter:
         self.cells: torch.Tensor | None = None  # pinned int64 [2], written by the device
         self.device_problem: str | None = None
         self._kernel = None
-        self._last_written: dict | None = None
-        self._lock = threading.Lock()
-        self._flusher: threading.Thread | None = None
+        self.file = StatsFile(path, self.snapshot, "moe-eval-call-counter")
 
     # --- counting (hot path) ---
 
@@ -73,8 +68,7 @@ class CallCounter:
                 self._attach_device()
             if self.cells is not None:
                 self._kernel[(1,)](self.cells, hidden_TD.shape[0], num_warps=1)
-        if self._flusher is None and self.path is not None:
-            self._start_flusher()
+        self.file.start()
 
     def attach_device(self) -> None:
         """Compile and check the counting kernel now (before vLLM's warm-up ends), not on first use."""
@@ -111,26 +105,4 @@ class CallCounter:
         return record
 
     def flush(self) -> None:
-        if self.path is None:
-            return
-        with self._lock:
-            record = self.snapshot()
-            if record == self._last_written:
-                return
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, self.path)
-            self._last_written = record
-
-    def _start_flusher(self) -> None:
-        stop = threading.Event()
-
-        def loop() -> None:
-            while not stop.wait(STATS_INTERVAL_SECONDS):
-                self.flush()
-
-        self._flusher = threading.Thread(target=loop, name="moe-eval-call-counter", daemon=True)
-        self._flusher.start()
-        atexit.register(lambda: (stop.set(), self.flush()))
-        self.flush()
+        self.file.flush()

@@ -26,8 +26,7 @@ count a model has, so the sampled layer rotates). On a CUDA device the decision,
 all run on the device (moe_eval.kernels._layer_check_kernels): a captured call is checked when its graph is
 replayed, with no host work per call, and a call not sampled costs four near-empty launches. On the CPU
 (eager servers) the same arithmetic runs in torch (`call_sums`, also the definition the GPU kernels are
-tested against). A flusher thread writes <run dir>/layer-check/<pid>.json at most every
-STATS_INTERVAL_SECONDS.
+tested against). A flusher thread (kernels/stats_file.py) writes <run dir>/layer-check/<pid>.json.
 
 T tokens, D hidden, F intermediate per rank, E experts (global), e local experts, K top-k, R sampled rows,
 NR dispatch ranges, V slots of this rank among the sampled ones.
@@ -35,8 +34,6 @@ NR dispatch ranges, V slots of this rank among the sampled ones.
 
 from __future__ import annotations
 
-import atexit
-import json
 import os
 import threading
 from dataclasses import dataclass
@@ -46,12 +43,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F_nn
 
-from moe_eval.plugin_protocol import (
-    LAYER_RANGE_EDGES,
-    STATS_INTERVAL_SECONDS,
-    layer_range_index,
-    layer_range_names,
-)
+from moe_eval.kernels.stats_file import StatsFile
+from moe_eval.plugin_protocol import LAYER_RANGE_EDGES, layer_range_index, layer_range_names
 
 # Rows compared per sampled call: the first, the last and some between; more in large calls, which are few
 # (a sweep makes a handful of >= 1024-token calls) and where one expert needs enough slots to be judged.
@@ -190,8 +183,7 @@ class LayerCheck:
             [[0.0] * len(EXPERT_FIELDS) for _ in range(num_experts)] for _ in range(NUM_RANGES)
         ]
         self._lock = threading.Lock()
-        self._flusher: threading.Thread | None = None
-        self._last_written: dict | None = None
+        self.file = StatsFile(path, self.snapshot, "moe-eval-layer-check")
         self._scratch: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
     # --- observing (hot path) ---
@@ -239,8 +231,7 @@ class LayerCheck:
                 )
                 with self._lock:
                     self._add(range_index, sums)
-        if self._flusher is None and self.path is not None:
-            self._start_flusher()
+        self.file.start()
 
     def _add(self, range_index: int, sums: CallSums) -> None:
         for i, value in enumerate(sums.range_sums):
@@ -448,25 +439,4 @@ class LayerCheck:
         }
 
     def flush(self) -> None:
-        if self.path is None:
-            return
-        record = self.snapshot()
-        if record == self._last_written:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.path)
-        self._last_written = record
-
-    def _start_flusher(self) -> None:
-        stop = threading.Event()
-
-        def loop() -> None:
-            while not stop.wait(STATS_INTERVAL_SECONDS):
-                self.flush()
-
-        self._flusher = threading.Thread(target=loop, name="moe-eval-layer-check", daemon=True)
-        self._flusher.start()
-        atexit.register(lambda: (stop.set(), self.flush()))
-        self.flush()
+        self.file.flush()

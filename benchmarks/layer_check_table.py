@@ -1,0 +1,114 @@
+"""The layer check's calibration table from run folders (docs/logprob-gate.md, "The layer check").
+
+    python benchmarks/layer_check_table.py RUN_FOLDER... [--json OUT.json]
+
+One row per bundled-kernel config of each run (a run folder holds summary.json; the rows it ran are those
+whose results.json it lists): the mutation, strict-match accuracy, the golden gate's ratio and verdict, the
+layer check's worst range (error / the incumbent arithmetic's), the experts it flags (range: scale, the
+incumbent's, z), the ranges covered and the failed checks. --json writes the same rows as data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moe_eval.layer_gate import ExpertCell, LayerCheckLimits  # noqa: E402
+from moe_eval.results import RunRecord, result_files  # noqa: E402
+
+
+def _flagged(check: dict) -> list[dict]:
+    limits = LayerCheckLimits(**check["limits"])
+    flagged = []
+    for cell in check.get("expert_cells", []):
+        expert = ExpertCell(
+            cell["range"],
+            cell["rank"],
+            cell["expert"],
+            cell["slots"],
+            cell["scale"],
+            cell["stderr"] if cell["stderr"] is not None else float("inf"),
+            cell["incumbent_scale"],
+            cell["diff_stderr"] if cell["diff_stderr"] is not None else float("inf"),
+        )
+        if expert.slots >= check["min_slots"] and expert.off(limits):
+            flagged.append(cell)
+    return flagged
+
+
+def rows(folder: Path) -> list[dict]:
+    out = []
+    for path in result_files(folder):
+        record = RunRecord.read(path)
+        check = record.get("layer_check")
+        if not isinstance(check, dict):
+            continue  # vLLM's own kernel: no layer check
+        ranges = [r for r in check["ranges"] if r["rank"] == "all" and r["ratio"] is not None]
+        worst = max(ranges, key=lambda r: r["ratio"], default=None)
+        golden = record.get("golden_gate") or {}
+        strict = (record.get("scores") or {}).get("strict-match", {})
+        out.append(
+            {
+                "run": folder.name,
+                "config": f"{path.parent.parent.name}/{path.parent.name}",
+                "mutation": record.get("mutation"),
+                "status": record.status,
+                "accuracy": strict.get("accuracy"),
+                "golden_ratio": golden.get("ratio"),
+                "golden_failed": (golden.get("rule") or {}).get("failed"),
+                "worst_range": worst and {k: worst[k] for k in ("range", "ratio", "rows")},
+                "ranges_covered": [r["range"] for r in check["ranges"] if r["rank"] == "all"],
+                "flagged": [
+                    {k: c[k] for k in ("range", "rank", "expert", "slots", "scale", "incumbent_scale", "z")}
+                    for c in _flagged(check)
+                ],
+                "failed_checks": [c["name"] for c in record.get("checks", []) if not c["passed"]],
+            }
+        )
+    return out
+
+
+def markdown(all_rows: list[dict]) -> str:
+    lines = [
+        "| run | config | mutation | strict-match | golden ratio | worst range (x incumbent) | experts flagged "
+        "(range: s, incumbent's, z) | failed checks |",
+        "|---|---|---|---:|---:|---|---|---|",
+    ]
+    for r in all_rows:
+        worst = r["worst_range"]
+        flagged = "; ".join(
+            f"{c['expert']} {c['range']}{'' if c['rank'] == 'all' else ' ' + c['rank']}: {c['scale']:+.4f}, "
+            f"{c['incumbent_scale']:+.4f}, {c['z']:.0f}"
+            for c in sorted(r["flagged"], key=lambda c: -abs(c["scale"]))
+            if c["rank"] == "all"
+        )
+        golden = "-" if r["golden_ratio"] is None else f"{r['golden_ratio']:.3f}" + (
+            " FAIL" if r["golden_failed"] else ""
+        )
+        accuracy = "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}"
+        lines.append(
+            f"| {r['run']} | {r['config']} | {r['mutation'] or 'none'} | {accuracy} | {golden} | "
+            f"{worst['ratio']:.3f} ({worst['range']}) | {flagged or 'none'} | "
+            f"{', '.join(r['failed_checks']) or 'none'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    all_rows = [row for folder in args.runs for row in rows(folder)]
+    print(markdown(all_rows))
+    if args.json:
+        args.json.write_text(json.dumps(all_rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""A per-process statistics file that a background thread rewrites while vLLM serves.
+
+The plugin's call counter and layer check keep their numbers in memory (host memory the device writes
+into, on a GPU); `StatsFile` writes `snapshot()` to its path atomically at most every STATS_INTERVAL_SECONDS
+and once more at exit, so the harness can read them while the server still runs and after it stops.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from moe_eval.plugin_protocol import STATS_INTERVAL_SECONDS
+
+
+class StatsFile:
+    def __init__(self, path: Path | None, snapshot: Callable[[], dict[str, Any]], name: str) -> None:
+        self.path = path
+        self.snapshot = snapshot
+        self.name = name  # the flusher thread's name
+        self._lock = threading.Lock()
+        self._last_written: dict | None = None
+        self._flusher: threading.Thread | None = None
+
+    def flush(self) -> None:
+        if self.path is None:
+            return
+        with self._lock:
+            record = self.snapshot()
+            if record == self._last_written:
+                return
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.path)
+            self._last_written = record
+
+    def start(self) -> None:
+        """Start the flusher once (a no-op after the first call, or without a path)."""
+        if self._flusher is not None or self.path is None:
+            return
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(STATS_INTERVAL_SECONDS):
+                self.flush()
+
+        self._flusher = threading.Thread(target=loop, name=self.name, daemon=True)
+        self._flusher.start()
+        atexit.register(lambda: (stop.set(), self.flush()))
+        self.flush()
