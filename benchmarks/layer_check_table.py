@@ -74,8 +74,8 @@ def rows(folder: Path) -> list[dict]:
 
 def markdown(all_rows: list[dict]) -> str:
     lines = [
-        "| run | config | mutation | strict-match | golden ratio | worst range (x incumbent) | experts flagged "
-        "(range: s, incumbent's, z) | failed checks |",
+        "| run | config | mutation | strict-match | golden ratio | worst range (x incumbent) "
+        "| experts flagged (range: s, incumbent's, z) | failed checks |",
         "|---|---|---|---:|---:|---|---|---|",
     ]
     for r in all_rows:
@@ -86,8 +86,10 @@ def markdown(all_rows: list[dict]) -> str:
             for c in sorted(r["flagged"], key=lambda c: -abs(c["scale"]))
             if c["rank"] == "all"
         )
-        golden = "-" if r["golden_ratio"] is None else f"{r['golden_ratio']:.3f}" + (
-            " FAIL" if r["golden_failed"] else ""
+        golden = (
+            "-"
+            if r["golden_ratio"] is None
+            else f"{r['golden_ratio']:.3f}" + (" FAIL" if r["golden_failed"] else "")
         )
         accuracy = "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}"
         lines.append(
