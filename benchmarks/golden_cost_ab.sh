@@ -9,7 +9,10 @@
 # stays in WORK.
 #
 #   bash benchmarks/golden_cost_ab.sh WORK [options for both moe-eval golden and run, e.g. --gsm8k-dir DIR]
-# MOE_EVAL (the checkout's .venv/bin/moe-eval by default) is the command.
+# MOE_EVAL (the checkout's .venv/bin/moe-eval by default) is the command. Another gate's cost, the same way:
+# OFF_ALL (lines added to every config of B; default "decode_texts: 0") and OFF_BUNDLED (added to the
+# bundled-kernel configs of B; default "golden: false"), e.g. OFF_ALL= OFF_BUNDLED="layer_check: false" for
+# the layer check; then GATE_TIMINGS (the report's timings keys: "layer_sweep_seconds").
 set -u
 work="${1:?usage: golden_cost_ab.sh WORK [moe-eval options]}"; shift
 mkdir -p "$work" && work=$(cd "$work" && pwd)
@@ -28,8 +31,8 @@ without=()
 for config in "${shipped[@]}"; do  # the gate-less copies, beside each other as in configs/ (baseline paths hold)
   copy="$work/$config"
   mkdir -p "$(dirname "$copy")" && cp "$config" "$copy"
-  printf '\ndecode_texts: 0\n' >> "$copy"
-  grep -q '^moe_backend:' "$copy" && printf 'golden: false\n' >> "$copy"
+  printf '\n%s\n' "${OFF_ALL-decode_texts: 0}" >> "$copy"
+  grep -q '^moe_backend:' "$copy" && printf '%s\n' "${OFF_BUNDLED-golden: false}" >> "$copy"
   without+=("$copy")
 done
 "${cmd[@]}" golden --hw cpu --output-dir "$work/golden-logs" "${shipped[@]}" "$@" > "$work/golden.log" 2>&1 || { echo "moe-eval golden failed: $work/golden.log"; exit 2; }
@@ -44,4 +47,5 @@ for i in $(seq 1 "$PAIRS"); do
   timed "without-gate-$i" "${without[@]}" "$@"
 done | tee "$work/times.txt"
 # Medians, ratio, and the gate's own seconds in each run with it; refuses a run that did not pass.
-"$python" benchmarks/golden_cost_report.py "$work"
+# shellcheck disable=SC2086  # GATE_TIMINGS: a list of keys
+"$python" benchmarks/golden_cost_report.py "$work" ${GATE_TIMINGS:+--gate-timings $GATE_TIMINGS}

@@ -30,11 +30,9 @@ def read_times(work: Path) -> dict[str, float]:
     return times
 
 
-def gate_seconds(run: Path) -> float:
+def gate_seconds(run: Path, keys: tuple[str, ...] = GATE_TIMINGS) -> float:
     return sum(
-        json.loads(p.read_text()).get("timings", {}).get(k, 0.0)
-        for p in result_files(run)
-        for k in GATE_TIMINGS
+        json.loads(p.read_text()).get("timings", {}).get(k, 0.0) for p in result_files(run) for k in keys
     )
 
 
@@ -50,12 +48,23 @@ def ratio_line(label: str, times: dict[str, float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("works", type=Path, nargs="+")
+    parser.add_argument(
+        "--gate-timings",
+        nargs="+",
+        default=list(GATE_TIMINGS),
+        help="the results.json timings keys that are the gate's own part (another gate: layer_sweep_seconds)",
+    )
     args = parser.parse_args(argv)
+    keys = tuple(args.gate_timings)
     every: dict[str, float] = {}
     for work in args.works:
         times = read_times(work)
         for name, seconds in times.items():
-            part = f", the gate's own {gate_seconds(work / name):.1f} s" if name.startswith("with-") else ""
+            part = (
+                f", the gate's own {gate_seconds(work / name, keys):.1f} s"
+                if name.startswith("with-")
+                else ""
+            )
             print(f"{work.name}/{name}: {seconds:.1f} s{part}")
         print(ratio_line(str(work), times))
         every.update({f"{name}@{work}": seconds for name, seconds in times.items()})  # names kept apart

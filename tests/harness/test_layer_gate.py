@@ -126,3 +126,22 @@ def test_infinite_stderr_is_written_as_null():
     out = summary_record(summarize([record]), LIMITS)
     cell = next(c for c in out["expert_cells"] if c["expert"] == 3)
     assert cell["stderr"] is None and not math.isnan(cell["scale"])
+
+
+def test_compare_shows_each_backend_per_range_side_by_side(tmp_path):
+    """`moe-eval compare`: a row per dispatch range with each run's error against the exact MoE (x its
+    incumbent arithmetic's), then each run's largest expert scale; vLLM's own kernel runs no check ("-")."""
+    from moe_eval.compare import RunResult, _layer_rows
+
+    def run(label, check):
+        return RunResult(tmp_path, "m", label, 5, {}, "PASSED", {}, layer_check=check)
+
+    triton = summary_record(summarize([_record(ratio=1.0)]), LIMITS)
+    mutated = summary_record(summarize([_record(ratio=1.7, experts={(5, 0): (40, -0.0101, 0.0005)})]), LIMITS)
+    rows = {r[0]: r[3:] for r in _layer_rows([run("vllm", None), run("triton", triton), run("bug", mutated)])}
+    assert rows["layer error M=1024-4095"][0] == "-"
+    assert rows["layer error M=1024-4095"][1].endswith("(x1.00)") and rows["layer error M=1024-4095"][
+        2
+    ].endswith("(x1.70)")
+    assert rows["layer expert scale"] == ["-", "-", "-0.0101 (expert 0, M=1024-4095)"]
+    assert _layer_rows([run("vllm", None)]) == []

@@ -60,8 +60,10 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         assert record["versions"]["vllm"] == "0.32.0" and record["versions"]["lm-eval"] == "0.4.13"
         run_dir = Path(record["server"]["log"]).parent
         log = (run_dir / "server.log").read_text()
-        # Every question, scored text and decode prompt reached the server (plus the launcher's warm-up).
-        assert log.count("POST /v1/completions") == 200 + 16 + 8 + 1
+        # Every question, scored text and decode prompt reached the server (plus the launcher's warm-up), and
+        # for a bundled kernel the layer check's sweep.
+        sweep = record.get("layer_sweep", {}).get("requests", 0)
+        assert log.count("POST /v1/completions") == 200 + 16 + 8 + 1 + sweep
         assert record["decode"]["prompts"] == 8 and (run_dir / "decode.jsonl").is_file()
         samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
         assert {s["doc_id"] for s in samples} == set(range(200))
@@ -100,12 +102,25 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         assert 0 < gate["run"]["mean_abs"] and gate["ratio"] <= 1 + gate["margin"]
         assert 0 < gate["power"]["scale_error"] < 0.05, "a 5% expert bug must be within the gate's reach"
         assert Path(record["golden"]["path"]).parent == goldens
+        # The layer check: every rank compared its served MoE calls with the exact MoE in every dispatch
+        # range the server can produce, and passed.
+        layer = record["layer_check"]
+        assert (
+            checks["layer_check_coverage"] and checks["layer_check_ranges"] and checks["layer_check_experts"]
+        )
+        assert layer["processes"] == ranks and layer["counted_on"] == ["host"]
+        covered = {
+            r["range"] for r in layer["ranges"] if r["rank"] == "all" and r["rows"] >= layer["min_rows"]
+        }
+        assert {"M=1", "M=2-16", "M=17-64", "M=65-256", "M=257-1023", "M=1024-4095"} <= covered
+        assert record["layer_sweep"]["decode_batches"] == [1, 8, 40, 100]
+        assert len(list((run_dir / "layer-check").glob("*.json"))) == ranks
     made = [r["golden"]["made_now"] for r in records.values()]
     assert sorted(made) == [False, True], "one row makes the golden, the other finds it in the cache"
     assert len(list(goldens.glob("*/golden.json"))) == 1, "TP and TEP rows share one golden (TP1, eager)"
     assert "|Config|" in result.stdout and "PASS" in result.stdout and "bundled:torch" in result.stdout
     assert "Δ log p vs baseline" in result.stdout and "Catches a drop of" in result.stdout
-    assert "Error vs golden (incumbent)" in result.stdout
+    assert "Error vs golden (incumbent)" in result.stdout and "Layer check vs exact" in result.stdout
     assert not processes_with_env("MOE_EVAL_RUN_DIR", str(out)), "processes of the run survived it"
 
 
@@ -166,6 +181,38 @@ def test_the_subtle_mutation_fails_the_tep_row_too(subtle_mutation_run, tmp_path
     _assert_failed_by_the_golden_gate_alone(
         json.loads((copy / "canary-tep" / "Canary-Qwen3-MoE-BF16-torch" / "results.json").read_text())
     )
+
+
+# Bugs confined to one dispatch range or one rank (1% in one expert): every gate but the layer check passes
+# them (docs/logprob-gate.md, "The layer check"), so the list as shipped must fail by it, at TP1 and at TEP.
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mutation", ["scale_expert_decode", "scale_expert_mid", "scale_expert_large", "scale_expert_last_rank"]
+)
+def test_range_confined_mutations_fail_every_bundled_row_by_the_layer_check(
+    mutation, embedded_default_run, tmp_path, repo_root, gsm8k_dir
+):
+    copy = tmp_path / "run"
+    shutil.copytree(embedded_default_run.folder, copy)
+    configs = [
+        repo_root / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml",
+        repo_root / "configs" / "canary-tep" / "Canary-Qwen3-MoE-BF16-torch.yaml",
+    ]
+    args = ["run", "--hw", "cpu", "--resume", str(copy), "--golden-cache", str(embedded_default_run.goldens)]
+    args += ["--mutate", mutation, *map(str, configs)] + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else [])
+    result = run_cli(args, timeout=1500)
+    assert result.returncode == 1, result.stderr[-3000:]
+    for layout in ("canary-tp", "canary-tep"):
+        record = json.loads((copy / layout / "Canary-Qwen3-MoE-BF16-torch" / "results.json").read_text())
+        checks = {c["name"]: c["passed"] for c in record["checks"]}
+        assert record["mutation"] == mutation and record["status"] == "failed"
+        assert checks["accuracy_gate"] and checks["paired_gate"], checks  # no answer-level gate sees it
+        assert checks["layer_check_coverage"] and not checks["layer_check_experts"], checks
+        # The expert it names is the one the bug hits: global expert 0, or the last one for the one-rank bug.
+        target = 7 if mutation == "scale_expert_last_rank" else 0
+        off = [c for c in record["layer_check"]["expert_cells"] if c["expert"] == target]
+        assert any(c["scale"] == pytest.approx(-0.01, abs=2e-3) and c["z"] >= 5 for c in off), off
+    assert "layer_check_experts" in result.stdout and "FAIL" in result.stdout
 
 
 # The other subtle mutations that the CPU canary's TP1 row catches in the list as shipped
