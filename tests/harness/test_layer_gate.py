@@ -73,12 +73,12 @@ ALL_PASS = {"layer_check_coverage": True, "layer_check_ranges": True, "layer_che
             [_record(rows=MIN_ROWS - 1, ratio=3.0)],
             ALL_PASS | {"layer_check_coverage": False},
         ),  # too few to judge
-        ([_record(experts={(1, 0): (12, -0.0100, 0.0005)})], ALL_PASS | {"layer_check_experts": False}),
-        ([_record(experts={(1, 0): (12, -0.0100, 0.0030)})], ALL_PASS),  # 3.3 standard errors: noise
-        ([_record(experts={(1, 0): (12, -0.0040, 0.0001)})], ALL_PASS),  # significant but within the bound
-        ([_record(experts={(1, 0): (2, -0.0500, 0.0001)})], ALL_PASS),  # 2 slots: not judged
+        ([_record(experts={(1, 0): (40, -0.0100, 0.0005)})], ALL_PASS | {"layer_check_experts": False}),
+        ([_record(experts={(1, 0): (40, -0.0100, 0.0030)})], ALL_PASS),  # 3.3 standard errors: noise
+        ([_record(experts={(1, 0): (40, -0.0040, 0.0001)})], ALL_PASS),  # significant but within the bound
+        ([_record(experts={(1, 0): (19, -0.0500, 0.0001)})], ALL_PASS),  # 19 slots: not judged
         # Off by 32% but so is the incumbent's arithmetic on the same slots (rounding of a tiny share): pass.
-        ([_record(experts={(0, 5): (4, -0.3175, 0.0709, -0.3175)})], ALL_PASS),
+        ([_record(experts={(0, 5): (40, -0.3175, 0.0709, -0.3175)})], ALL_PASS),
         # Off by 1% where the incumbent is off by 0.1%: the difference is 18 standard errors.
         (
             [_record(experts={(0, 5): (40, -0.0100, 0.0005, -0.0010)})],
@@ -122,7 +122,7 @@ def test_the_record_and_the_report_cell_say_the_worst_range_and_the_largest_scal
 
 def test_infinite_stderr_is_written_as_null():
     record = _record()
-    record["expert_sums"][0]["3"] = [4, 0.0, 0.0, 0.0, 0.0, 0.0]  # b = 0: its slots all had weight 0
+    record["expert_sums"][0]["3"] = [40, 0.0, 0.0, 0.0, 0.0, 0.0]  # b = 0: its slots all had weight 0
     out = summary_record(summarize([record]), LIMITS)
     cell = next(c for c in out["expert_cells"] if c["expert"] == 3)
     assert cell["stderr"] is None and not math.isnan(cell["scale"])
