@@ -2,10 +2,11 @@
 
     python benchmarks/layer_check_table.py RUN_FOLDER... [--json OUT.json]
 
-One row per bundled-kernel config of each run (a run folder holds summary.json; the rows it ran are those
-whose results.json it lists): the mutation, strict-match accuracy, the golden gate's ratio and verdict, the
-layer check's worst range (error / the incumbent arithmetic's), the experts it flags (range: scale, the
-incumbent's, z), the ranges covered and the failed checks. --json writes the same rows as data.
+One row per bundled-kernel config of each run: the mutation, strict-match accuracy, the golden gate's ratio
+and verdict, the layer check's worst range (error / the incumbent arithmetic's), the experts it flags (range:
+scale, the incumbent's, z), the checks that failed when it ran, and the layer check judged again now from the
+processes' sums (<config>/layer-check/*.json) with this checkout's moe_eval.layer_gate and the record's limits
+(so a change of the rule is seen on the same measurements). --json writes the same rows as data.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_eval.layer_gate import ExpertCell, LayerCheckLimits  # noqa: E402
+from moe_eval.layer_gate import (  # noqa: E402
+    ExpertCell,
+    LayerCheckLimits,
+    layer_checks,
+    read_layer_files,
+    summarize,
+)
 from moe_eval.results import RunRecord, result_files  # noqa: E402
 
 
@@ -47,6 +54,9 @@ def rows(folder: Path) -> list[dict]:
         check = record.get("layer_check")
         if not isinstance(check, dict):
             continue  # vLLM's own kernel: no layer check
+        judged_now = layer_checks(
+            summarize(read_layer_files(path.parent)), LayerCheckLimits(**check["limits"])
+        )
         ranges = [r for r in check["ranges"] if r["rank"] == "all" and r["ratio"] is not None]
         worst = max(ranges, key=lambda r: r["ratio"], default=None)
         golden = record.get("golden_gate") or {}
@@ -67,6 +77,7 @@ def rows(folder: Path) -> list[dict]:
                     for c in _flagged(check)
                 ],
                 "failed_checks": [c["name"] for c in record.get("checks", []) if not c["passed"]],
+                "layer_checks_failed_now": [c.name for c in judged_now if not c.passed],
             }
         )
     return out
@@ -75,8 +86,8 @@ def rows(folder: Path) -> list[dict]:
 def markdown(all_rows: list[dict]) -> str:
     lines = [
         "| run | config | mutation | strict-match | golden ratio | worst range (x incumbent) "
-        "| experts flagged (range: s, incumbent's, z) | failed checks |",
-        "|---|---|---|---:|---:|---|---|---|",
+        "| experts flagged (range: s, incumbent's, z) | failed checks | layer checks failed, judged now |",
+        "|---|---|---|---:|---:|---|---|---|---|",
     ]
     for r in all_rows:
         worst = r["worst_range"]
@@ -95,7 +106,8 @@ def markdown(all_rows: list[dict]) -> str:
         lines.append(
             f"| {r['run']} | {r['config']} | {r['mutation'] or 'none'} | {accuracy} | {golden} | "
             f"{worst['ratio']:.3f} ({worst['range']}) | {flagged or 'none'} | "
-            f"{', '.join(r['failed_checks']) or 'none'} |"
+            f"{', '.join(r['failed_checks']) or 'none'} | "
+            f"{', '.join(r['layer_checks_failed_now']) or 'none'} |"
         )
     return "\n".join(lines)
 
