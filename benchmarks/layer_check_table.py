@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_eval.layer_gate import (  # noqa: E402
-    ExpertCell,
+    MIN_SLOTS,
     LayerCheckLimits,
     layer_checks,
     read_layer_files,
@@ -28,37 +28,19 @@ from moe_eval.layer_gate import (  # noqa: E402
 from moe_eval.results import RunRecord, result_files  # noqa: E402
 
 
-def _flagged(check: dict) -> list[dict]:
-    limits = LayerCheckLimits(**check["limits"])
-    flagged = []
-    for cell in check.get("expert_cells", []):
-        expert = ExpertCell(
-            cell["range"],
-            cell["rank"],
-            cell["expert"],
-            cell["slots"],
-            cell["scale"],
-            cell["stderr"] if cell["stderr"] is not None else float("inf"),
-            cell["incumbent_scale"],
-            cell["diff_stderr"] if cell["diff_stderr"] is not None else float("inf"),
-        )
-        if expert.slots >= check["min_slots"] and expert.off(limits):
-            flagged.append(cell)
-    return flagged
-
-
 def rows(folder: Path) -> list[dict]:
     out = []
     for path in result_files(folder):
         record = RunRecord.read(path)
         check = record.get("layer_check")
-        if not isinstance(check, dict):
+        if not isinstance(check, dict) or not (path.parent / "layer-check").is_dir():
             continue  # vLLM's own kernel: no layer check
-        judged_now = layer_checks(
-            summarize(read_layer_files(path.parent)), LayerCheckLimits(**check["limits"])
-        )
-        ranges = [r for r in check["ranges"] if r["rank"] == "all" and r["ratio"] is not None]
-        worst = max(ranges, key=lambda r: r["ratio"], default=None)
+        limits = LayerCheckLimits(**check["limits"])
+        summary = summarize(read_layer_files(path.parent))
+        judged_now = layer_checks(summary, limits)
+        ranges = [r for r in summary.ranges if r.rank == "all" and r.ratio is not None]
+        worst = max(ranges, key=lambda r: r.ratio, default=None)
+        flagged = [c for c in summary.experts if c.slots >= MIN_SLOTS and c.off(limits)]
         golden = record.get("golden_gate") or {}
         strict = (record.get("scores") or {}).get("strict-match", {})
         out.append(
@@ -70,11 +52,19 @@ def rows(folder: Path) -> list[dict]:
                 "accuracy": strict.get("accuracy"),
                 "golden_ratio": golden.get("ratio"),
                 "golden_failed": (golden.get("rule") or {}).get("failed"),
-                "worst_range": worst and {k: worst[k] for k in ("range", "ratio", "rows")},
-                "ranges_covered": [r["range"] for r in check["ranges"] if r["rank"] == "all"],
+                "worst_range": worst and {"range": worst.range, "ratio": worst.ratio, "rows": worst.rows},
+                "ranges_covered": [r.range for r in summary.ranges if r.rank == "all"],
                 "flagged": [
-                    {k: c[k] for k in ("range", "rank", "expert", "slots", "scale", "incumbent_scale", "z")}
-                    for c in _flagged(check)
+                    {
+                        "range": c.range,
+                        "rank": c.rank,
+                        "expert": c.expert,
+                        "slots": c.slots,
+                        "scale": c.scale,
+                        "incumbent_scale": c.incumbent_scale,
+                        "z": c.z,
+                    }
+                    for c in flagged
                 ],
                 "failed_checks": [c["name"] for c in record.get("checks", []) if not c["passed"]],
                 "layer_checks_failed_now": [c.name for c in judged_now if not c.passed],
