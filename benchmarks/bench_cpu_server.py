@@ -69,8 +69,15 @@ def serve_and_drive(kernel: str, model: str, args: argparse.Namespace, work: Pat
         port=launch.free_port(),
         startup_max_wait_seconds=600,
     )
+    # The layer check off: this measures the kernels' serving throughput, not the check's sampling.
     env = launch.server_environment(
-        dict(os.environ), {}, on_cpu=True, world_size=1, run_dir=run_dir, moe_backend=KERNELS[kernel]
+        dict(os.environ),
+        {},
+        on_cpu=True,
+        world_size=1,
+        run_dir=run_dir,
+        moe_backend=KERNELS[kernel],
+        layer_check=False,
     )
     with launch.VllmServer(spec, env) as server:
         result = drive(server.base_url, model, args.concurrency, args.requests, args.max_tokens)

@@ -307,6 +307,7 @@ def _serve_and_evaluate(
         moe_backend=config.moe_backend,
         mutation=options.mutation,
         devices=options.devices,
+        layer_check=config.layer_checked,
     )
     record["server"] = {
         "argv": spec.argv,

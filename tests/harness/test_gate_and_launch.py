@@ -68,6 +68,16 @@ def test_server_environment_defaults_and_config_wins(tmp_path: Path):
     assert base == {"PATH": "/bin"}  # the caller's environment is not modified
 
 
+def test_the_layer_check_follows_the_config_not_the_caller(tmp_path: Path):
+    """Only the config's `layer_check` decides: an inherited MOE_EVAL_LAYER_CHECK=0 never switches it off."""
+    base = {"PATH": "/bin", "MOE_EVAL_LAYER_CHECK": "0"}
+    on = server_environment(base, {}, on_cpu=True, world_size=1, run_dir=tmp_path, moe_backend="torch")
+    off = server_environment(
+        base, {}, on_cpu=True, world_size=1, run_dir=tmp_path, moe_backend="torch", layer_check=False
+    )
+    assert "MOE_EVAL_LAYER_CHECK" not in on and off["MOE_EVAL_LAYER_CHECK"] == "0"
+
+
 def test_allowlisted_env_never_records_secrets():
     env = {
         "VLLM_X": "1",
