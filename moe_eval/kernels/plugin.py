@@ -13,7 +13,9 @@ apply_router_weight_on_input honoured. Each process logs one structured line per
 which the harness reads from server.log to prove which kernel served, and keeps a call counter
 in <run dir>/kernel-stats/<pid>.json (MOE_EVAL_RUN_DIR; moe_eval.kernels.call_counter counts CUDA-graph
 replays too). On a GPU it compiles every variant of the Triton kernels a layer can run before vLLM's
-warm-up ends (moe_eval.kernels.warmup), so nothing compiles while the server serves.
+warm-up ends (moe_eval.kernels.warmup), so nothing compiles while the server serves. Every call is also
+handed to the layer check (moe_eval.kernels.layer_check: sampled calls against the exact MoE of the same
+inputs and the weights as loaded, sums in <run dir>/layer-check/<pid>.json), unless MOE_EVAL_LAYER_CHECK=0.
 
 Supported vLLM releases: SUPPORTED_VLLM in moe_eval.plugin_protocol (0.26 through 0.32: 0.26.0 is the
 newest release the lent H200s' torch 2.11 runs, 0.32.0 is the install pin). A server on any other
