@@ -114,7 +114,8 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         }
         assert {"M=1", "M=2-16", "M=17-64", "M=65-256", "M=257-1023", "M=1024-4095"} <= covered
         assert record["layer_sweep"]["decode_batches"] == [1, 8, 40, 100]
-        assert len(list((run_dir / "layer-check").glob("*.json"))) == ranks
+        config_dir = Path(record["server"]["log"]).parent
+        assert len(list((config_dir / "layer-check").glob("*.json"))) == ranks
     made = [r["golden"]["made_now"] for r in records.values()]
     assert sorted(made) == [False, True], "one row makes the golden, the other finds it in the cache"
     assert len(list(goldens.glob("*/golden.json"))) == 1, "TP and TEP rows share one golden (TP1, eager)"
