@@ -125,7 +125,9 @@ def is_last_rank(rank: dict[str, Any] | None) -> bool:
 
 
 _COUNTERS: dict[str, Any] = {}  # backend -> CallCounter (one per process)
-_LAYER_CHECKS: dict[str, Any] = {}  # backend -> LayerCheck (one per process)
+# (backend, global experts) -> LayerCheck: one per process in a server (one model); tests build layers of
+# several expert counts in one process, and each gets a table of its own size.
+_LAYER_CHECKS: dict[tuple[str, int], Any] = {}
 _REFERENCE_EXPERTS: list[Any] = []  # BundledExperts of the reference backend (golden servers), every layer
 _LOGGED_SHAPES: set[tuple] = set()
 _WARMED_UP: dict[tuple, Any] = {}  # layer shape -> WarmupReport: every layer of one shape shares the kernels
@@ -144,11 +146,13 @@ def _counter(backend: str) -> Any:
 def _layer_check(backend: str, num_experts: int, rank: dict[str, Any] | None, max_tokens: int) -> Any:
     from moe_eval.kernels.layer_check import LayerCheck
 
-    if backend not in _LAYER_CHECKS:
+    key = (backend, num_experts)
+    if key not in _LAYER_CHECKS:
         run_dir = os.environ.get(RUN_DIR_ENV)
-        path = Path(run_dir) / LAYER_CHECK_DIR / f"{os.getpid()}.json" if run_dir else None
-        _LAYER_CHECKS[backend] = LayerCheck(backend, num_experts, path, rank or {}, max_tokens)
-    return _LAYER_CHECKS[backend]
+        name = f"{os.getpid()}.json" if not _LAYER_CHECKS else f"{os.getpid()}-{len(_LAYER_CHECKS)}.json"
+        path = Path(run_dir) / LAYER_CHECK_DIR / name if run_dir else None
+        _LAYER_CHECKS[key] = LayerCheck(backend, num_experts, path, rank or {}, max_tokens)
+    return _LAYER_CHECKS[key]
 
 
 class BundledExperts:

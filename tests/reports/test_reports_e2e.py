@@ -34,8 +34,10 @@ def test_junit_and_step_summary_of_a_passing_and_a_failing_run(embedded_default_
     assert failing["moe-eval.canary-tp/Canary-Qwen3-MoE-BF16-vllm"].is_passed  # resumed: its verdict stands
     failure = failing["moe-eval.canary-tp/Canary-Qwen3-MoE-BF16-torch"].result[0]
     assert isinstance(failure, Failure) and "golden_gate" in failure.type, failure.type
-    assert "FAIL (golden_gate)" in subtle_mutation_run.step_summary.read_text()
-    assert "FAIL (golden_gate)" in (subtle_mutation_run.folder / "summary.md").read_text()
+    # scale_one_expert (5% in one expert, every call): the golden gate and the layer check both fail it.
+    failed = "FAIL (layer_check_ranges, layer_check_experts, golden_gate)"
+    assert failed in subtle_mutation_run.step_summary.read_text()
+    assert failed in (subtle_mutation_run.folder / "summary.md").read_text()
 
 
 def test_results_files_follow_the_schema_and_carry_the_paired_gate(embedded_default_run, subtle_mutation_run):
