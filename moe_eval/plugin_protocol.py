@@ -20,6 +20,9 @@ PLUGIN_NAME = "moe_eval_kernels"  # the vllm.general_plugins entry point in pypr
 # lent H200s' torch 2.11 runs (the GPU path is proven there), 0.32 the install pin (the CPU path).
 SUPPORTED_VLLM = ((0, 26), (0, 32))
 
+# The most tokens one MoE call carries when vLLM's max_num_batched_tokens cannot be read: the plugin's warm-up
+# bound, and the layer check's sweep target when no process wrote its own.
+DEFAULT_MAX_TOKENS = 8192
 LOG_PREFIX = "moe-eval bundled MoE kernel: "  # one JSON line per process and layer shape
 STATS_DIR = "kernel-stats"  # <run dir>/kernel-stats/<pid>.json: the plugin's call counters
 STATS_INTERVAL_SECONDS = 0.5  # a flusher thread rewrites the counters at most this often

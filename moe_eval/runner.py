@@ -54,7 +54,7 @@ from moe_eval.logprobs import (
     write_logprobs,
 )
 from moe_eval.models import resolve_model
-from moe_eval.plugin_protocol import STATS_INTERVAL_SECONDS
+from moe_eval.plugin_protocol import DEFAULT_MAX_TOKENS, STATS_INTERVAL_SECONDS
 from moe_eval.results import (
     RESULTS_FILE,
     RESULTS_SCHEMA_VERSION,
@@ -78,8 +78,6 @@ from moe_eval.status import StatusWriter
 
 Progress = Callable[[str], None]
 LOGPROB_TOP_K = 5  # top log-probabilities kept per position (the KL estimate's support)
-# The sweep's batched-token limit when no process wrote its own (kernels/plugin.py DEFAULT_MAX_TOKENS).
-DEFAULT_MAX_TOKENS_PER_CALL = 8192
 
 
 @dataclass(frozen=True)
@@ -506,7 +504,7 @@ def _layer_sweep(
         base_url,
         model,
         pool,
-        max_tokens_per_call=max(per_call, default=0) or DEFAULT_MAX_TOKENS_PER_CALL,
+        max_tokens_per_call=max(per_call, default=0) or DEFAULT_MAX_TOKENS,
         model_len=max_model_len(base_url, timeout),
         timeout=timeout,
         retries=max(config.max_retries, 1),

@@ -171,7 +171,6 @@ class LayerCheck:
     ) -> None:
         self.backend = backend
         self.num_experts = num_experts
-        self.path = path
         self.rank = rank
         self.max_tokens = max_tokens
         self.period = period

@@ -34,6 +34,7 @@ from typing import Any
 
 from moe_eval.plugin_protocol import (
     BACKEND_ENV,
+    DEFAULT_MAX_TOKENS,
     GOLDEN_PROBE_MUTATION,
     LAYER_CHECK_DIR,
     LAYER_CHECK_ENV,
@@ -46,9 +47,6 @@ from moe_eval.plugin_protocol import (
 
 logger = logging.getLogger("moe_eval.kernels.plugin")
 _OOT_NAME = "UnquantizedFusedMoEMethod"  # vLLM's registry key is the class name, not the op name
-
-
-DEFAULT_MAX_TOKENS = 8192  # warm-up bound when vLLM's scheduler limit cannot be read
 
 
 class UnsupportedVllmVersion(RuntimeError):

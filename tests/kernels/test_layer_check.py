@@ -150,12 +150,10 @@ def test_a_range_confined_one_percent_bug_fails_its_range_and_only_there(mutatio
     low, high = RANGE_MUTATIONS[mutation]
     off = [c for c in summary.experts if abs(c.scale) > LIMITS.scale_bound and c.z >= LIMITS.z]
     assert {c.expert for c in off} == {TARGET_EXPERT}
-    hit = {name for name, size in zip(layer_range_names(), (1, 2, 17, 65, 257, 1024, 4096), strict=True)}
     for cell in off:
         sizes_in_range = [t for t in SIZES if layer_range_names()[layer_range_index(t)] == cell.range]
         assert all(low <= t and (high is None or t <= high) for t in sizes_in_range), cell
         assert cell.scale == pytest.approx(RANGE_EXPERT_SCALE - 1, abs=1.5e-3)
-    assert hit  # every range name is known
 
 
 def test_the_one_rank_bug_hits_the_last_rank_only_and_the_last_expert():
