@@ -13,6 +13,7 @@
 # WITH_FI=1 (tp only) adds the FlashInfer CUTLASS row to the pair, shipped and mutated; it needs FlashInfer
 # with its BF16 module in .fi-site/ on this machine (benchmarks/h200_prefill.sh STAGES="fi-build", an
 # earlier call on the same warm machine), which the servers then import (EXTRA_PYTHONPATH of the kit).
+# ROWS (words of config file names) narrows the list to those rows and vLLM's.
 set -u
 layout="${1:?usage: h200_golden_canary.sh tp|tep|dep}"
 MUTATIONS="${MUTATIONS:-scale_one_expert}"
@@ -47,6 +48,13 @@ if [ "${WITH_FI:-0}" = 1 ]; then
   source benchmarks/fi_site.sh && require_fi_site
   export EXTRA_PYTHONPATH="$PWD/$FI_SITE"
   pair+=("configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-fi-cutlass.yaml")
+fi
+# ROWS="fi-cutlass": only configs whose file name holds one of these words (vLLM's incumbent always) run,
+# shipped and mutated: a row already measured in the carried SHIPPED folder is not run mutated again.
+if [ -n "${ROWS:-}" ]; then
+  chosen=("${pair[0]}")
+  for c in "${pair[@]:1}"; do for w in $ROWS; do [[ "$(basename "$c")" == *"$w"* ]] && chosen+=("$c") && break; done; done
+  pair=("${chosen[@]}")
 fi
 t0=$(date +%s)
 if [ -n "${SHIPPED:-}" ]; then  # the shipped pair's run folder from an earlier call (carried)

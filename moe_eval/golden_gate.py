@@ -20,7 +20,8 @@ Stages:
   3. `scale_error_power(...)`: the smallest per-expert scale error the rule catches with 80% probability
      on this model and these texts (how: `scale_error_power`'s docstring).
   4. `decode_errors(golden, capture)`: greedy continuations compared position by position up to the
-     first token where they part (the decode path: one token per step, CUDA graphs on a GPU).
+     first token where they part (the decode path: one token per step, CUDA graphs on a GPU), over the
+     top-k tokens both list at a position, not the generated token alone (why: `decode_errors`).
 """
 
 from __future__ import annotations
@@ -281,7 +282,7 @@ class DecodeErrors:
     texts: int
     tokens_generated: int  # by the golden, all texts
     positions: int  # compared: the positions before the first token where the two part
-    mean_abs: float | None  # pooled mean |Δ log p| of the shared tokens (None: nothing shared)
+    mean_abs: float | None  # pooled; a position's: mean |Δ log p| over the top-k both list (None: none shared)
     per_text: tuple[float | None, ...]
     per_text_positions: tuple[int, ...]
     identical_texts: int  # continuations identical to the golden's to the end
@@ -291,7 +292,28 @@ class DecodeErrors:
         return asdict(self)
 
 
+def _top_k_abs_delta(gold: TextLogprobs, other: TextLogprobs, position: int) -> float:
+    """Mean |Δ log p| over the tokens both top-k lists hold at `position` (while the continuations agree
+    the generated token is the top-1 of both, so there is at least one)."""
+    theirs = dict(zip(other.top_ids[position] or (), other.top_logprobs[position] or ()))
+    deltas = [
+        abs(lp - theirs[token])
+        for token, lp in zip(gold.top_ids[position] or (), gold.top_logprobs[position] or ())
+        if token in theirs
+    ]
+    if not deltas:  # no top-k recorded: the generated token's own log p
+        return abs(float(other.logprobs[position]) - float(gold.logprobs[position]))
+    return float(np.mean(deltas))
+
+
 def decode_errors(golden: Sequence[TextLogprobs], capture: Sequence[TextLogprobs]) -> DecodeErrors:
+    """Per position, the mean |Δ log p| over the top-k tokens both list. Not the generated token's own
+    log p, as prefill scoring uses: a greedy token is the model's most likely one, its log p sits near 0
+    where log-softmax is flat, and vLLM returns 6 decimals, so that error read 0.00000 for a correct
+    incumbent and 43x that for a correct bundled row (CPU, 2026-12-01), and a 5% one-expert scale error
+    passed (p = 0.14-0.17). The runner-up tokens' log p move with the hidden state at full size: on the
+    same captures correct rows read 1.03-1.10x the incumbent, that bug 2.2-3.0x with 8 of 8 texts worse
+    (docs/logprob-gate.md, "The decode comparison")."""
     gold, other = _by_index(golden, "golden decode"), _by_index(capture, "decode capture")
     if set(gold) != set(other):
         raise ValueError("the decode captures continued different prompts")
@@ -305,9 +327,7 @@ def decode_errors(golden: Sequence[TextLogprobs], capture: Sequence[TextLogprobs
         same_to_end = shared == len(g) == len(c)
         identical += same_to_end
         firsts.append(None if same_to_end else shared)
-        d = np.abs(
-            np.array(c.logprobs[:shared], dtype=np.float64) - np.array(g.logprobs[:shared], dtype=np.float64)
-        )
+        d = np.array([_top_k_abs_delta(g, c, p) for p in range(shared)], dtype=np.float64)
         counts.append(int(d.size))
         per_text.append(float(d.mean()) if d.size else None)
         total_abs += float(d.sum())

@@ -117,6 +117,16 @@ def test_decode_compares_up_to_the_first_different_token():
     assert decode_rule(errs, decode_errors(gold, parted_at_once)) is None  # one text left to compare
 
 
+def test_decode_error_reads_the_runner_up_tokens_not_only_the_saturated_greedy_one():
+    # The greedy token's log p sits at 0 in both (6 decimals, as vLLM returns it); the runner-ups moved.
+    gold = [TextLogprobs(0, (7, 7), (0.0, 0.0), ((7, 3, 4),) * 2, ((0.0, -9.0, -11.0),) * 2)]
+    run = [TextLogprobs(0, (7, 7), (0.0, 0.0), ((7, 4, 3),) * 2, ((0.0, -10.8, -9.3),) * 2)]
+    errs = decode_errors(gold, run)
+    assert errs.mean_abs == pytest.approx((0.0 + 0.3 + 0.2) / 3)  # matched by token id, not by rank
+    dropped = [TextLogprobs(0, (7, 7), (0.0, 0.0), ((7, 5, 6),) * 2, ((0.0, -9.0, -11.0),) * 2)]
+    assert decode_errors(gold, dropped).mean_abs == 0.0  # only the tokens both list count
+
+
 @pytest.mark.parametrize("df", [1, 3, 15, 63, 400])
 @pytest.mark.parametrize("t", [-8.0, -1.3, 0.0, 0.4, 2.1, 9.5, 40.0])
 def test_student_t_tail_matches_scipy(t, df):
