@@ -33,13 +33,14 @@ def rows_of(run_folder: Path, goldens: Path) -> list[dict]:
         decode = path.parent / "decode.jsonl"
         if not gate.get("golden") or not baseline or not decode.is_file():
             continue
-        # A run folder holds <config folder>/<config name>/; baseline_config is relative to the config's folder.
+        # A run folder holds <config folder>/<config name>/; baseline_config is relative to the config.
         incumbent = path.parent.parent / Path(baseline).parent / Path(baseline).stem / "decode.jsonl"
         golden = read_logprobs(goldens / gate["golden"] / "decode.jsonl")
         run = decode_errors(golden, read_logprobs(decode))
         inc = decode_errors(golden, read_logprobs(incumbent))
         rule = decode_rule(run, inc, gate.get("margin", 0.10), gate.get("alpha", 0.01))
-        recorded = next((c for c in record.get("checks") or [] if c.get("name") == "golden_gate_decode"), None)
+        checks = record.get("checks") or []
+        recorded = next((c for c in checks if c.get("name") == "golden_gate_decode"), None)
         rows.append(
             {
                 "run": run_folder.name,
@@ -71,8 +72,8 @@ def main() -> int:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
         p = "-" if r["p"] is None else f"{r['p']:.2g}"
         print(
-            f"| {r['run']} | {r['config']} | {r['mutation']} | {r['error']:.4f} ({r['incumbent_error']:.4f}) | "
-            f"{ratio} | {p} | {r['texts_worse']} | {now} | {r['recorded']} |"
+            f"| {r['run']} | {r['config']} | {r['mutation']} | {r['error']:.4f} "
+            f"({r['incumbent_error']:.4f}) | {ratio} | {p} | {r['texts_worse']} | {now} | {r['recorded']} |"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

@@ -282,7 +282,7 @@ class DecodeErrors:
     texts: int
     tokens_generated: int  # by the golden, all texts
     positions: int  # compared: the positions before the first token where the two part
-    mean_abs: float | None  # pooled; a position's: mean |Δ log p| over the top-k both list (None: none shared)
+    mean_abs: float | None  # pooled; a position's: mean |Δ log p| over the top-k both list (None: none)
     per_text: tuple[float | None, ...]
     per_text_positions: tuple[int, ...]
     identical_texts: int  # continuations identical to the golden's to the end
