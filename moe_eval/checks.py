@@ -30,9 +30,16 @@ class Check:
     name: str
     passed: bool
     detail: str
+    ran: bool = True  # False: a gate the config calls for could not run ("<gate>_not_run", moe_eval.gates)
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "passed": self.passed, "detail": self.detail}
+        return {"name": self.name, "passed": self.passed, "detail": self.detail} | (
+            {} if self.ran else {"ran": False}
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Check:
+        return cls(d["name"], d["passed"], d["detail"], d.get("ran", True))
 
 
 def first_response(sample: dict) -> str:

@@ -18,6 +18,7 @@ from moe_eval import cancel
 from moe_eval.cancel import EXIT_CANCELLED
 from moe_eval.config import EvalConfig, effective_config, load_config
 from moe_eval.errors import ConfigError, ExitCode, MoeEvalError
+from moe_eval.gates.table import describe_plan
 from moe_eval.selection import (
     HARDWARE,
     list_for_hardware,
@@ -570,24 +571,8 @@ def list_configs(hw: str, root: str | None, list_path: str | None, shard_text: s
             f"{c.moe_backend or 'vllm-default'}\t{c.accuracy_threshold if c.answers_gated else 'n/a'}\t"
             f"{c.num_questions}\t"
             f"{f'{baseline.path.parent.name}/{baseline.path.name}' if baseline else '-'}\t"
-            f"{','.join(gate_names(c, baseline is not None))}"
+            f"{','.join(describe_plan(c, baseline is not None))}"
         )
-
-
-def gate_names(config: EvalConfig, has_baseline: bool) -> list[str]:
-    """The gates a config runs under (`list`): a golden gate without an incumbent reports, never gates."""
-    gates = ["accuracy"] if config.answers_gated else []
-    if has_baseline:
-        gates += ["paired", "divergence"] if config.answers_gated else ["divergence"]
-    if config.golden_gated:
-        gates.append("golden" if has_baseline else "golden(no incumbent: reports only)")
-    if config.max_jit_while_serving is not None:
-        gates.append("jit")
-    if config.moe_backend is not None:
-        gates.append("kernel_calls")
-    if config.layer_checked:
-        gates.append("layer_check")
-    return gates or ["none (it serves: an incumbent)"]
 
 
 @cli.command()

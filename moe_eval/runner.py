@@ -2,19 +2,19 @@
 
 Stages per config: preflight (layout fits the hardware, baseline found) -> server up -> MoE
 kernel verified from the server's log -> lm-eval -> answer lengths counted on the server ->
-kernel counters read -> server down -> checks (accuracy gate, garbage, JIT while serving, paired
-gate) -> results.json + samples.jsonl in the config's run folder. A failure at any stage still
-leaves a results.json saying what happened (status error, or cancelled after SIGTERM / Ctrl-C)
-and the server log beside it. moe_eval.worker runs this in a process of its own per config.
+kernel counters read -> server down -> the golden reference (found or made) -> the measurements
+judged by moe_eval.gates.judge (no I/O there) -> results.json + samples.jsonl in the config's run
+folder. A failure at any stage still leaves a results.json saying what happened (status error, or
+cancelled after SIGTERM / Ctrl-C) and the server log beside it. moe_eval.worker runs this in a process
+of its own per config.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,28 +27,23 @@ from moe_eval.checks import (
     Baseline,
     Check,
     answer_stats,
+    correctness,
     first_response,
-    garbage_checks,
-    paired_check,
     per_question,
-    verdict,
 )
 from moe_eval.config import EvalConfig
 from moe_eval.errors import ConfigError, InfraError, MoeEvalError
 from moe_eval.gate import GateResult
-from moe_eval.gsm8k import Gsm8kData, Gsm8kOutcome, canary_data, run_gsm8k
-from moe_eval.layer_gate import LayerCheckLimits, layer_checks, read_layer_files, summarize, summary_record
+from moe_eval.gates.judge import Answers, Measurements, judge
+from moe_eval.gsm8k import Gsm8kData, canary_data, run_gsm8k
+from moe_eval.layer_gate import read_layer_files, summarize
 from moe_eval.layer_sweep import max_model_len, sweep, token_pool
 from moe_eval.layout import LayoutKind
 from moe_eval.logprobs import (
-    DivergenceLimits,
     TextLogprobs,
     capture,
     capture_decode,
     decode_prompts,
-    default_limits,
-    divergence,
-    divergence_checks,
     read_logprobs,
     scoring_texts,
     write_logprobs,
@@ -73,7 +68,6 @@ from moe_eval.server_log import (
     verify_moe_backend,
     vllm_moe_backends,
 )
-from moe_eval.stats import describe_power, detectable_drop
 from moe_eval.status import StatusWriter
 
 Progress = Callable[[str], None]
@@ -141,7 +135,7 @@ class ConfigOutcome:
             )
             if gate
             else None,
-            checks=[Check(c["name"], c["passed"], c["detail"]) for c in record.get("checks", [])],
+            checks=[Check.from_dict(c) for c in record.get("checks", [])],
             scores=record.get("scores"),
             moe_backend_used=record.get("moe_backend_used"),
             error=(record.get("error") or {}).get("message"),
@@ -356,23 +350,19 @@ def _serve_and_evaluate(
     write_samples(run_dir / "samples.jsonl", result.samples)
     outcome.scores = result.scores
     stats = answer_stats(result.samples, token_counts, config.max_tokens)
-    outcome.checks = _answer_checks(config, result, stats, outcome, record)
-    outcome.checks += jit_checks(config, jit_while_serving(read_log(log_path)))
-    outcome.checks += kernel_call_checks(config, record["bundled_kernel_calls"])
-    if layer_summary is not None:
-        limits = LayerCheckLimits(
-            config.layer_check_margin, config.layer_check_scale_bound, config.layer_check_z
-        )
-        outcome.checks += layer_checks(layer_summary, limits)
-        record["layer_check"] = outcome.layer_check = summary_record(layer_summary, limits)
     baseline = options.baselines.get(config.path)
-    if baseline is not None:
-        if config.answers_gated:
-            check, paired = paired_check(baseline, result.samples, config.paired_alpha)
-            outcome.checks.append(check)
-            record["paired"] = paired.as_dict() | {"baseline": str(baseline.results_path)}
-        outcome.checks += _divergence_checks(config, baseline, logprobs, outcome.moe_backend_used, record)
-        outcome.divergence = record.get("divergence")
+    measured = Measurements(
+        moe_backend_used=outcome.moe_backend_used,
+        answers=Answers(result.scores, result.num_questions, stats, correctness(result.samples)),
+        jit=jit_while_serving(read_log(log_path)),
+        kernel_calls=record["bundled_kernel_calls"],
+        layer=layer_summary,
+        logprobs=logprobs,
+        decode=decode,
+        incumbent=baseline,
+        incumbent_logprobs=_read_if(baseline and baseline.logprobs_path),
+        incumbent_decode=_read_if(baseline and baseline.decode_path),
+    )
     # Scores first: a golden that cannot be made must not take the evaluation's numbers with it.
     record.update(
         {
@@ -383,46 +373,25 @@ def _serve_and_evaluate(
             "samples": "samples.jsonl",
         }
     )
-    if config.golden_gated:
-        from moe_eval.golden_checks import golden_checks
+    if config.golden_gated and baseline is not None and logprobs is not None and baseline.logprobs_path:
+        from moe_eval.golden_checks import measure_golden
 
         cancel.raise_if_cancelled()  # a signal during the teardown: no golden server starts after it
 
         _stage(options, "comparing with the golden reference")
-        outcome.checks += golden_checks(
-            config, options, data, model, run_dir, logprobs, decode, baseline, record, outcome.timings
-        )
-        outcome.golden_gate = record.get("golden_gate")
-    outcome.status = verdict(outcome.checks)
+        measured.golden = measure_golden(config, options, data, model, run_dir, record, outcome.timings)
+    judgement = judge(config, measured)
+    record.update(judgement.sections)
+    outcome.checks = judgement.checks
+    outcome.gate, outcome.detectable_drop = judgement.gate, judgement.detectable_drop
+    outcome.divergence = record.get("divergence")
+    outcome.layer_check = record.get("layer_check")
+    outcome.golden_gate = record.get("golden_gate")
+    outcome.status = judgement.verdict
 
 
-def _answer_checks(
-    config: EvalConfig,
-    result: Gsm8kOutcome,
-    stats: dict[str, Any],
-    outcome: ConfigOutcome,
-    record: dict[str, Any],
-) -> list[Check]:
-    """The accuracy gate and the garbage checks; none for a random-weights twin, whose answers mean nothing
-    (its accuracy is reported as n/a, never as a passing 0.000)."""
-    if not config.answers_gated:
-        record["gate"] = {"skipped": "random weights (random_weights: true): the answers are not gated"}
-        return []
-    strict = result.scores["strict-match"]
-    outcome.gate = GateResult(
-        accuracy=strict["accuracy"],
-        stderr=strict["stderr"],
-        threshold=config.accuracy_threshold,
-        tolerance=config.tolerance,
-        stderr_k=config.stderr_gate_k,
-    )
-    power = describe_power(result.num_questions, config.accuracy_threshold, outcome.gate.floor)
-    record["gate"] = outcome.gate.as_dict() | _power(config, outcome.gate, result.num_questions)
-    outcome.detectable_drop = record["gate"]["detectable_drop"]
-    return [
-        Check("accuracy_gate", outcome.gate.passed, f"{outcome.gate.describe()}; {power}"),
-        *garbage_checks(config, stats),
-    ]
+def _read_if(path: Path | None) -> list[TextLogprobs] | None:
+    return read_logprobs(path) if path else None
 
 
 def _score_logprobs(
@@ -511,113 +480,6 @@ def _layer_sweep(
     )
     outcome.timings["layer_sweep_seconds"] = time.monotonic() - started
     return sent
-
-
-def _divergence_checks(
-    config: EvalConfig,
-    baseline: Baseline,
-    logprobs: list[TextLogprobs] | None,
-    moe_backend_used: str | None,
-    record: dict[str, Any],
-) -> list[Check]:
-    """The divergence gate: limits from the config, else the defaults for the kind of baseline (the
-    same kernel at the same layout repeats bitwise; another kernel or layout differs by rounding)."""
-    # Under the golden gate, the strict same-kernel limits do not gate: a legitimate change of the kernel's
-    # rounding would fail them (docs/logprob-gate.md); the loose limits stay, a net for gross changes.
-    same = (
-        baseline.moe_backend_used == moe_backend_used
-        and baseline.layout == config.layout.describe()
-        and not config.golden_gated
-    )
-    defaults = default_limits(same)
-    if config.random_weights:
-        # A random-weights twin's next-token distributions are near flat: its top-1 token flips on rounding
-        # alone
-        # (1.9% for a correct kernel on the Scout twin, H200), so only an explicit max_top1_flip_rate gates
-        # it.
-        defaults = replace(defaults, max_top1_flip_rate=None)
-    limits = DivergenceLimits(
-        _first_set(config.max_logprob_mean_abs_diff, defaults.max_mean_abs_dlogp),
-        _first_set(config.max_logprob_p99_abs_diff, defaults.max_p99_abs_dlogp),
-        _first_set(config.max_top1_flip_rate, defaults.max_top1_flip_rate),
-        _first_set(config.max_logprob_kl, defaults.max_kl_topk),
-    )
-    if logprobs is None or baseline.logprobs_path is None:
-        missing = "this run" if logprobs is None else f"the baseline ({baseline.results_path})"
-        record["divergence"] = {"skipped": f"{missing} scored no log-probabilities"}
-        return []
-    try:
-        div = divergence(read_logprobs(baseline.logprobs_path), logprobs)
-    except ValueError as exc:  # other texts or another tokenizer: not comparable, so not a verdict
-        raise InfraError(f"log-probabilities not comparable with {baseline.logprobs_path}: {exc}") from None
-    record["divergence"] = div.as_dict() | {
-        "baseline": str(baseline.logprobs_path),
-        "limits": asdict(limits),
-        "comparison": (
-            "same kernel and layout"
-            if same
-            else "same kernel and layout; the golden gate decides (loose limits)"
-            if config.golden_gated
-            and baseline.moe_backend_used == moe_backend_used
-            and baseline.layout == config.layout.describe()
-            else "another kernel or layout"
-        ),
-    }
-    return divergence_checks(div, limits)
-
-
-def _first_set(value: float | None, default: float | None) -> float | None:
-    return default if value is None else value
-
-
-def _power(config: EvalConfig, gate: GateResult, n: int) -> dict[str, Any]:
-    """The accuracy gate's power at this n: the smallest drop below the threshold it catches 80% of the
-    time."""
-    drop = detectable_drop(n, config.accuracy_threshold, gate.floor)
-    # inf: no accuracy can fail the gate (a floor at or below 0), said as null rather than a number
-    return {"power": 0.8, "detectable_drop": drop if math.isfinite(drop) else None, "power_n": n}
-
-
-def jit_checks(config: EvalConfig, jit: dict) -> list[Check]:
-    """max_jit_while_serving: kernels compiled after vLLM's warm-up (its JIT monitor's warnings)."""
-    limit = config.max_jit_while_serving
-    if limit is None:
-        return []
-    if jit["monitored_processes"] == 0:
-        return [
-            Check(
-                "jit_while_serving",
-                False,
-                "vLLM's JIT monitor never started (no 'Kernel JIT monitor "
-                "activated' in server.log), so compilations while serving cannot be counted",
-            )
-        ]
-    kernels = f" ({', '.join(jit['kernels'])})" if jit["kernels"] else ""
-    return [
-        Check(
-            "jit_while_serving",
-            jit["count"] <= limit,
-            f"kernel compilations while serving: {jit['count']}{kernels} (limit {limit}; "
-            f"{jit['monitored_processes']} process(es) monitored)",
-        )
-    ]
-
-
-def kernel_call_checks(config: EvalConfig, calls: dict) -> list[Check]:
-    """A bundled kernel must have run in every rank of the layout, as its own counters say (counted on the
-    device where CUDA graphs replay it): a server that loaded the plugin but routed around it fails here."""
-    if config.moe_backend is None:
-        return []
-    ranks = config.layout.world_size
-    ran = calls["processes"] >= ranks and calls["calls"] > 0
-    return [
-        Check(
-            "bundled_kernel_calls",
-            ran,
-            f"{calls['calls']} MoE calls ({calls['tokens']} tokens) counted by {calls['processes']} of "
-            f"{ranks} rank(s), on {', '.join(map(str, calls['counted_on'])) or 'nothing'}",
-        )
-    ]
 
 
 def _base_record(config: EvalConfig, options: RunOptions, data: Gsm8kData) -> dict[str, Any]:

@@ -1,0 +1,122 @@
+"""The one table of gates: which gates a config gets, the checks each one makes, and when each applies.
+
+Both `moe-eval run` (through moe_eval.gates.judge) and `moe-eval list` read this table, so the two cannot
+disagree about a config's gates. A gate is either *called for* by the config (its keys ask for it) or not;
+a gate called for that needs an incumbent and has none, or whose measurement could not be made, is judged
+"not run" (a check of its own, never a silent pass).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from moe_eval.config import EvalConfig
+
+GARBAGE_LIMITS = (  # (check name, config key) of the answer checks, each on when its limit is set
+    ("max_empty_rate", "max_empty_rate"),
+    ("max_truncated_rate", "max_truncated_rate"),
+    ("max_invalid_rate", "max_invalid_rate"),
+)
+
+
+@dataclass(frozen=True)
+class Gate:
+    name: str  # as `moe-eval list` prints it
+    checks: tuple[str, ...]  # the checks it can make (results.json "checks" names)
+    # The config's keys ask for it, given whether the run has an incumbent (baseline_config or --baseline):
+    # the paired and divergence gates exist to compare with one, the golden gate is asked for by the kernel.
+    called_for: Callable[[EvalConfig, bool], bool]
+    needs_incumbent: bool  # cannot run without one: called for and none is "not run", not a pass
+    what: str  # one line for `moe-eval list --gates` and the docs
+
+
+GATES: tuple[Gate, ...] = (
+    Gate(
+        "accuracy",
+        ("accuracy_gate",),
+        lambda c, _: c.answers_gated,
+        False,
+        "strict-match accuracy against accuracy_threshold - tolerance (and stderr_gate_k)",
+    ),
+    Gate(
+        "garbage",
+        tuple(name for name, _ in GARBAGE_LIMITS),
+        lambda c, _: c.answers_gated and any(getattr(c, key) is not None for _, key in GARBAGE_LIMITS),
+        False,
+        "empty, truncated and number-less answers, each against its max_*_rate",
+    ),
+    Gate(
+        "paired",
+        ("paired_gate",),
+        lambda c, incumbent: c.answers_gated and incumbent,
+        True,
+        "per-question flips against the incumbent, exact McNemar test (paired_alpha)",
+    ),
+    Gate(
+        "divergence",
+        ("logprob_mean_abs", "logprob_p99_abs", "logprob_top1_flips", "logprob_kl"),
+        lambda c, incumbent: c.logprob_texts > 0 and incumbent,
+        True,
+        "log-probabilities of logprob_texts fixed texts against the incumbent's",
+    ),
+    Gate(
+        "golden",
+        ("golden_gate", "golden_gate_decode"),
+        lambda c, _: c.golden_gated,
+        True,
+        "error against the exact-MoE golden reference, no worse than the incumbent's (prefill and decode)",
+    ),
+    Gate(
+        "jit",
+        ("jit_while_serving",),
+        lambda c, _: c.max_jit_while_serving is not None,
+        False,
+        "kernel compilations while serving, at most max_jit_while_serving",
+    ),
+    Gate(
+        "kernel_calls",
+        ("bundled_kernel_calls",),
+        lambda c, _: c.moe_backend is not None,
+        False,
+        "the bundled kernel's own counters: it served on every rank",
+    ),
+    Gate(
+        "layer_check",
+        ("layer_check_coverage", "layer_check_ranges", "layer_check_experts"),
+        lambda c, _: c.layer_checked,
+        False,
+        "the served MoE calls of every dispatch range against the exact MoE, per range and per expert",
+    ),
+)
+
+GATE_BY_NAME = {gate.name: gate for gate in GATES}
+NOT_RUN_SUFFIX = "_not_run"  # the check a gate called for makes when it could not run: "<gate>_not_run"
+
+NO_INCUMBENT = (
+    "no incumbent to compare with: give the config a baseline_config running vLLM's own kernel at its "
+    "layout, or pass --baseline RUN"
+)
+
+
+def gates_for(config: EvalConfig, has_incumbent: bool) -> list[Gate]:
+    """The gates this config's keys call for, in the table's order."""
+    return [gate for gate in GATES if gate.called_for(config, has_incumbent)]
+
+
+def planned(config: EvalConfig, has_incumbent: bool) -> list[tuple[Gate, str | None]]:
+    """Each gate the config calls for, with the reason it cannot run before anything is measured (None:
+    it runs). `moe-eval list` prints this; the judge starts from it."""
+    return [
+        (gate, NO_INCUMBENT if gate.needs_incumbent and not has_incumbent else None)
+        for gate in gates_for(config, has_incumbent)
+    ]
+
+
+def describe_plan(config: EvalConfig, has_incumbent: bool) -> list[str]:
+    """`moe-eval list`'s gates column: a gate's name, or `name(not run: why)`."""
+    names = [
+        gate.name if why is None else f"{gate.name}(not run: no incumbent)"
+        for gate, why in planned(config, has_incumbent)
+    ]
+    return names or ["none (it serves: an incumbent)"]
