@@ -15,7 +15,7 @@ from typing import Any
 
 from moe_eval.config import EvalConfig
 from moe_eval.errors import ConfigError
-from moe_eval.results import VERDICTS, RunRecord, UnreadableRecord, result_files
+from moe_eval.results import FAILED, INCOMPLETE, PASSED, RunRecord, UnreadableRecord, result_files
 from moe_eval.stats import PairedResult, paired_compare
 
 INVALID = "[invalid]"  # what lm-eval's regex filters leave when they find nothing
@@ -182,5 +182,11 @@ def paired_check(baseline: Baseline, samples: list[dict], alpha: float) -> tuple
 
 
 def verdict(checks: list[Check]) -> str:
-    """A finished config's verdict from its checks, and nothing else: passed when every check passed."""
-    return VERDICTS[0] if all(c.passed for c in checks) else VERDICTS[1]
+    """A finished config's verdict from its checks, and nothing else: failed when a check that ran failed;
+    else incomplete when a gate that is not optional could not run, or nothing was judged at all; else
+    passed."""
+    if any(c.ran and not c.passed for c in checks):
+        return FAILED
+    if not checks or any(not c.passed for c in checks):
+        return INCOMPLETE
+    return PASSED

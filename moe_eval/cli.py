@@ -18,7 +18,7 @@ from moe_eval import cancel
 from moe_eval.cancel import EXIT_CANCELLED
 from moe_eval.config import EvalConfig, effective_config, load_config
 from moe_eval.errors import ConfigError, ExitCode, MoeEvalError
-from moe_eval.gates.table import describe_plan
+from moe_eval.gates.table import GATE_NAMES, describe_plan
 from moe_eval.selection import (
     HARDWARE,
     list_for_hardware,
@@ -226,6 +226,15 @@ def shard_from_environment(shard_text: str | None) -> str | None:
 )
 @golden_cache_option
 @click.option(
+    "--optional-gate",
+    "optional_gates",
+    multiple=True,
+    type=click.Choice(GATE_NAMES),
+    metavar="GATE",
+    help="A gate (as `moe-eval list` names it) that may end 'not run' without making the run incomplete "
+    "(exit 6); repeatable. Configs declare theirs with the optional_gates key.",
+)
+@click.option(
     "--resume",
     "resume_dir",
     type=click.Path(file_okay=False, exists=True),
@@ -249,6 +258,7 @@ def run(
     jobs_text: str,
     retries: int,
     golden_cache: str | None,
+    optional_gates: tuple[str, ...],
     resume_dir: str | None,
 ) -> None:
     """Serve each selected config with vLLM, run GSM8K through lm-eval, gate, report."""
@@ -314,6 +324,7 @@ def run(
         baseline=str(Path(baseline_path).resolve()) if baseline_path else None,
         gpus=list(gpu_list),
         golden_cache=str(Path(golden_cache).resolve()) if golden_cache else None,
+        optional_gates=list(optional_gates),
     )
     view = ProgressView(len(selected), pool.kind)
     scheduler = Scheduler(
@@ -347,6 +358,8 @@ def run(
         sys.exit(ExitCode.INFRA)
     if any(o.status == "failed" for o in ordered):
         sys.exit(ExitCode.GATE_FAILED)
+    if any(o.status == "incomplete" for o in ordered):
+        sys.exit(ExitCode.GATE_NOT_RUN)
 
 
 def check_fits(planned: list, pool) -> None:

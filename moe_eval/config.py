@@ -74,6 +74,13 @@ def _non_negative(v: Any) -> str | None:
     return None if v >= 0 else "must be >= 0"
 
 
+def _gate_names(v: Any) -> str | None:
+    from moe_eval.gates.table import GATE_NAMES
+
+    bad = [name for name in v if name not in GATE_NAMES]
+    return f"names no gate: {', '.join(map(str, bad))} (gates: {', '.join(GATE_NAMES)})" if bad else None
+
+
 def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
     return lambda v: None if v in choices else f"must be one of {', '.join(choices)}"
 
@@ -256,6 +263,14 @@ CONFIG_KEYS: dict[str, KeySpec] = {
     "layer_check_z": KeySpec(
         NUMBER, 5.0, _positive, "layer check: an expert's scale error must be this many standard errors"
     ),
+    "optional_gates": KeySpec(
+        (list,),
+        [],
+        _gate_names,
+        "gates that may end 'not run' without making the verdict incomplete (exit 6): names of `moe-eval "
+        "list`'s gates column (e.g. [golden, divergence] where the scoring texts may be unavailable)",
+        normalize=tuple,
+    ),
     "max_jit_while_serving": KeySpec(
         (int,),
         None,
@@ -270,6 +285,7 @@ _TYPE_NAMES = {
     int: "an integer",
     float: "a number",
     dict: "a mapping",
+    list: "a list",
 }
 
 
@@ -316,6 +332,7 @@ class EvalConfig:
     layer_check_margin: float = 0.25
     layer_check_scale_bound: float = 0.005
     layer_check_z: float = 5.0
+    optional_gates: tuple[str, ...] = ()
 
     @property
     def layer_checked(self) -> bool:

@@ -1,7 +1,8 @@
 """Exit codes and the errors that map to them.
 
 CI reads the exit code to tell a kernel regression (1) from a broken machine (3) from a bad
-config (4), so every failure path raises one of these instead of a bare exception.
+config (4) from a run that judged less than its configs ask (6), so every failure path raises one of
+these instead of a bare exception.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ class ExitCode(enum.IntEnum):
     INFRA = 3  # server start/crash, request errors, timeouts: the run proves nothing
     CONFIG = 4  # bad config, list or command-line usage
     NOTHING_SELECTED = 5  # the selection (hardware list, shard) holds no config
+    GATE_NOT_RUN = 6  # a gate a config calls for could not run, not declared optional: judged less
 
 
 class MoeEvalError(Exception):

@@ -9,6 +9,7 @@ files and the hub is switched off, so nothing reaches the network. Usage:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ ORIGINAL_SHA256 = {
     "test.jsonl": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
 }
 HUB_TASK = "gsm8k"
+HUB_DATASET, HUB_CONFIG = "openai/gsm8k", "main"  # what lm-eval's gsm8k task loads (its dataset_path/_name)
 LOCAL_TASK = "gsm8k_local_files"
 CANARY_TASK = "canary_arith"
 FILTERS = ("strict-match", "flexible-extract")
@@ -51,17 +53,22 @@ class Gsm8kData:
         return HUB_TASK if self.dir is None else LOCAL_TASK
 
     def test_rows(self) -> list[dict]:
-        """The test split's rows (question, answer), or [] where lm-eval loads them from the hub."""
-        return self._rows("test.jsonl")
+        """The test split's rows (question, answer); [] where the hub's cannot be had (`unavailable`)."""
+        return self._rows("test")
 
     def train_rows(self) -> list[dict]:
-        """The train split's rows (the few-shot pool), or [] where lm-eval loads them from the hub."""
-        return self._rows("train.jsonl")
+        """The train split's rows (the few-shot pool); [] where the hub's cannot be had."""
+        return self._rows("train")
 
-    def _rows(self, name: str) -> list[dict]:
+    def unavailable(self) -> str | None:
+        """Why the rows cannot be had (the hub's dataset neither reachable nor cached), or None."""
+        return None if self.dir is not None else hub_split("test")[1] or hub_split("train")[1]
+
+    def _rows(self, split: str) -> list[dict]:
         if self.dir is None:
-            return []
-        return [json.loads(line) for line in (self.dir / name).read_text().splitlines() if line.strip()]
+            return list(hub_split(split)[0])
+        text = (self.dir / f"{split}.jsonl").read_text()
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
 
     def describe(self) -> dict[str, Any]:
         if self.dir is None:
@@ -82,6 +89,20 @@ class Gsm8kData:
             "sha256": hashes,
             "matches_original_release": hashes == ORIGINAL_SHA256,
         }
+
+
+@functools.cache
+def hub_split(split: str) -> tuple[tuple[dict, ...], str | None]:
+    """The hub's GSM8K split through the `datasets` library, as lm-eval's task loads it (so from the same
+    cache: HF_HOME, HF_DATASETS_OFFLINE), for the scoring texts and the progress view's references; the
+    rows, or () and why not. Loaded once per process."""
+    try:
+        import datasets
+
+        rows = datasets.load_dataset(HUB_DATASET, HUB_CONFIG, split=split)
+        return tuple({"question": r["question"], "answer": r["answer"]} for r in rows), None
+    except Exception as exc:  # noqa: BLE001  no network and no cache, a moved dataset: the run says why
+        return (), f"{HUB_DATASET} ({HUB_CONFIG}, {split}) could not be loaded: {type(exc).__name__}: {exc}"
 
 
 def same_questions(recorded: dict[str, Any] | None, current: dict[str, Any]) -> bool:

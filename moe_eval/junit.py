@@ -32,7 +32,9 @@ def junit_xml(outcomes: list[ConfigOutcome], hw: str, gpus: list[str]) -> str:
     host = socket.gethostname()
     for o in outcomes:
         seconds = o.timings.get("total_seconds", 0.0)
-        failures, errors = int(o.status == "failed"), int(o.status in ("error", "cancelled"))
+        # Incomplete (a gate called for could not run) is a failure to CI: the run judged less than asked.
+        failures = int(o.status in ("failed", "incomplete"))
+        errors = int(o.status in ("error", "cancelled"))
         suite = ET.SubElement(
             root,
             "testsuite",
@@ -74,8 +76,8 @@ def junit_xml(outcomes: list[ConfigOutcome], hw: str, gpus: list[str]) -> str:
             kind = "Cancelled" if o.status == "cancelled" else "InfrastructureError"
             element = ET.SubElement(case, "error", type=kind, message=(o.error or "")[:500])
             element.text = f"{o.error}\n\n{log_tail(o.run_dir / 'server.log')}"
-        elif o.status == "failed":
-            failed = o.failed_checks
+        elif o.status in ("failed", "incomplete"):
+            failed = [c for c in o.failed_checks if c.ran] or o.failed_checks
             element = ET.SubElement(
                 case,
                 "failure",

@@ -105,9 +105,13 @@ class ProgressView:
 
     def finished(self, planned, outcome) -> None:
         self.finished_count += 1
-        verdict = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "cancelled": "CANCELLED"}[
-            outcome.status
-        ]
+        verdict = {
+            "passed": "PASS",
+            "failed": "FAIL",
+            "incomplete": "INCOMPLETE",
+            "error": "ERROR",
+            "cancelled": "CANCELLED",
+        }[outcome.status]
         seconds = outcome.timings.get("total_seconds")
         took = f" in {seconds:.0f} s" if seconds is not None else ""
         self._print(f"[{planned.index + 1}/{self.total}] {planned.config.name}: {verdict}{took}")

@@ -41,7 +41,9 @@ def _fmt(value: float | None, digits: int = 4) -> str:
 def _verdict(o: ConfigOutcome) -> str:
     if o.status == "passed":
         return "PASS"
-    return "FAIL (" + ", ".join(c.name for c in o.failed_checks) + ")"
+    if o.status == "incomplete":  # a gate called for could not run: which, not a failure of the kernel
+        return "INCOMPLETE (" + ", ".join(c.name for c in o.failed_checks) + ")"
+    return "FAIL (" + ", ".join(c.name for c in o.failed_checks if c.ran) + ")"
 
 
 def divergence_cell(divergence: dict | None) -> str:

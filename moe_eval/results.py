@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-RESULTS_SCHEMA_VERSION = 4
+RESULTS_SCHEMA_VERSION = 5
 RESULTS_FILE = "results.json"  # one per config run folder, read and written by RunRecord only
 
 
@@ -105,7 +105,10 @@ def cpu_model() -> str:
 
 # --- results.json: the one record type that reads and writes it ------------------------------------
 
-VERDICTS = ("passed", "failed")  # a config's end that is a verdict; "error" and "cancelled" are not
+PASSED, FAILED, INCOMPLETE = "passed", "failed", "incomplete"
+# A config's end that is a verdict; "error" and "cancelled" are not. Incomplete: a gate the config calls
+# for could not run (moe_eval.gates), and the config did not declare it optional.
+VERDICTS = (PASSED, FAILED, INCOMPLETE)
 
 
 class UnreadableRecord(ValueError):

@@ -91,9 +91,10 @@ class RunOptions:
         None  # the config's baseline_config ended without a verdict: nothing to compare
     )
     golden_cache: Path | None = None  # golden records (moe_eval.golden); None: the default cache folder
+    optional_gates: tuple[str, ...] = ()  # run --optional-gate: beside each config's optional_gates
 
 
-STATUSES = ("passed", "failed", "error", "cancelled")  # a config's end; the first two are verdicts
+STATUSES = (*VERDICTS, "error", "cancelled")  # a config's end; the first three are verdicts
 
 
 @dataclass
@@ -359,6 +360,7 @@ def _serve_and_evaluate(
         layer=layer_summary,
         logprobs=logprobs,
         decode=decode,
+        logprobs_skipped=(record.get("logprobs") or {}).get("skipped"),
         incumbent=baseline,
         incumbent_logprobs=_read_if(baseline and baseline.logprobs_path),
         incumbent_decode=_read_if(baseline and baseline.decode_path),
@@ -380,7 +382,7 @@ def _serve_and_evaluate(
 
         _stage(options, "comparing with the golden reference")
         measured.golden = measure_golden(config, options, data, model, run_dir, record, outcome.timings)
-    judgement = judge(config, measured)
+    judgement = judge(config, measured, frozenset(config.optional_gates) | set(options.optional_gates))
     record.update(judgement.sections)
     outcome.checks = judgement.checks
     outcome.gate, outcome.detectable_drop = judgement.gate, judgement.detectable_drop
@@ -410,7 +412,8 @@ def _score_logprobs(
         return None, None
     train, test = data.train_rows(), data.test_rows()
     if not test:
-        record["logprobs"] = {"skipped": "no local copy of the questions (--gsm8k-dir): nothing to score"}
+        why = f"no scoring texts: {data.unavailable() or 'the questions are empty'}"
+        record["logprobs"] = {"skipped": why}
         return None, None
     _stage(options, "scoring log-probabilities")
     started = time.monotonic()

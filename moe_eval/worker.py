@@ -44,6 +44,7 @@ class Job:
     gpus: list[str] = dataclasses.field(default_factory=list)
     attempt: int = 1
     golden_cache: str | None = None  # --golden-cache (moe_eval.golden); None: the default folder
+    optional_gates: list[str] = dataclasses.field(default_factory=list)  # run --optional-gate
 
     def write(self, path: Path) -> None:
         from moe_eval.results import atomic_write_json
@@ -137,6 +138,7 @@ def _options(job: Job, run_root: Path, data: object):
         devices=tuple(job.devices) if job.devices is not None else None,
         attempt=job.attempt,
         golden_cache=Path(job.golden_cache) if job.golden_cache else None,
+        optional_gates=tuple(job.optional_gates),
     )
 
 

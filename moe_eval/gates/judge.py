@@ -71,6 +71,7 @@ class Measurements:
     layer: LayerSummary | None = None
     logprobs: list[TextLogprobs] | None = None  # the scored texts (prefill)
     decode: list[TextLogprobs] | None = None  # the greedy continuations
+    logprobs_skipped: str | None = None  # why the texts were not scored (results.json logprobs.skipped)
     incumbent: Baseline | None = None
     incumbent_logprobs: list[TextLogprobs] | None = None
     incumbent_decode: list[TextLogprobs] | None = None
@@ -87,9 +88,9 @@ class Judgement:
     detectable_drop: float | None = None
 
 
-def judge(config: EvalConfig, m: Measurements) -> Judgement:
+def judge(config: EvalConfig, m: Measurements, optional: frozenset[str] = frozenset()) -> Judgement:
     """The checks of every gate the table gives this config, the verdict, and the records that explain
-    them."""
+    them. `optional`: gates whose "not run" does not make the verdict incomplete."""
     out = Judgement([], "", {})
     if not config.answers_gated:
         out.sections["gate"] = {"skipped": "random weights (random_weights: true): the answers are not gated"}
@@ -98,13 +99,23 @@ def judge(config: EvalConfig, m: Measurements) -> Judgement:
         if why is None:
             why = _JUDGES[gate.name](config, m, out)
         if why is not None:
-            out.checks.append(not_run(gate, why))
+            out.checks.append(not_run(gate, why, gate.name in optional))
     out.verdict = verdict(out.checks)
     return out
 
 
-def not_run(gate: Gate, why: str) -> Check:
-    return Check(f"{gate.name}{NOT_RUN_SUFFIX}", True, f"not run: {why}", ran=False)
+def not_run(gate: Gate, why: str, optional: bool) -> Check:
+    """A gate called for that could not run: it stands in the way of a pass unless declared optional."""
+    said = "not run (optional here)" if optional else "not run"
+    return Check(f"{gate.name}{NOT_RUN_SUFFIX}", optional, f"{said}: {why}", ran=False)
+
+
+def _served(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
+    if m.answers is None:
+        return "the evaluation made no answers"
+    n, asked = m.answers.stats["questions"], m.answers.num_questions
+    out.checks.append(Check("served", n == asked, f"{n} of {asked} questions answered by the server"))
+    return None
 
 
 # Each gate's judge appends its checks and sections; a returned string says why it could not judge.
@@ -173,8 +184,7 @@ def _divergence(config: EvalConfig, m: Measurements, out: Judgement) -> str | No
         _first_set(config.max_logprob_kl, defaults.max_kl_topk),
     )
     if m.logprobs is None or m.incumbent_logprobs is None:
-        missing = "this run" if m.logprobs is None else f"the baseline ({base.results_path})"
-        why = f"{missing} scored no log-probabilities"
+        why = _no_logprobs(m)
         out.sections["divergence"] = {"skipped": why}
         return why
     try:
@@ -194,6 +204,12 @@ def _divergence(config: EvalConfig, m: Measurements, out: Judgement) -> str | No
     }
     out.checks += divergence_checks(div, limits)
     return None
+
+
+def _no_logprobs(m: Measurements) -> str:
+    if m.logprobs is None:
+        return f"this run scored no log-probabilities ({m.logprobs_skipped or 'logprob_texts 0'})"
+    return f"the incumbent ({m.incumbent.results_path}) scored no log-probabilities"
 
 
 def _first_set(value: float | None, default: float | None) -> float | None:
@@ -246,12 +262,8 @@ def _layer_check(config: EvalConfig, m: Measurements, out: Judgement) -> str | N
 
 
 def _golden(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
-    if m.logprobs is None:
-        why = "this run scored no log-probabilities (no local GSM8K copy?)"
-        out.sections["golden_gate"] = {"skipped": why}
-        return why
-    if m.incumbent_logprobs is None:
-        why = f"the incumbent ({m.incumbent.results_path}) scored no log-probabilities"
+    if m.logprobs is None or m.incumbent_logprobs is None:
+        why = _no_logprobs(m)
         out.sections["golden_gate"] = {"skipped": why}
         return why
     if m.golden is None:
@@ -383,6 +395,7 @@ def incumbent_description(config: EvalConfig, baseline: Baseline) -> dict[str, A
 
 
 _JUDGES = {
+    "served": _served,
     "accuracy": _accuracy,
     "garbage": _garbage,
     "paired": _paired,

@@ -3,15 +3,18 @@
 Both `moe-eval run` (through moe_eval.gates.judge) and `moe-eval list` read this table, so the two cannot
 disagree about a config's gates. A gate is either *called for* by the config (its keys ask for it) or not;
 a gate called for that needs an incumbent and has none, or whose measurement could not be made, is judged
-"not run" (a check of its own, never a silent pass).
+"not run" (a check of its own, never a silent pass): the config's verdict is then "incomplete" (exit 6)
+unless the config's `optional_gates` or `run --optional-gate` names that gate.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from moe_eval.config import EvalConfig
+if TYPE_CHECKING:  # config.py reads GATE_NAMES (its `optional_gates` key): no import at run time
+    from moe_eval.config import EvalConfig
 
 GARBAGE_LIMITS = (  # (check name, config key) of the answer checks, each on when its limit is set
     ("max_empty_rate", "max_empty_rate"),
@@ -32,6 +35,13 @@ class Gate:
 
 
 GATES: tuple[Gate, ...] = (
+    Gate(
+        "served",
+        ("served",),
+        lambda c, _: True,
+        False,
+        "the server answered every question: what an incumbent row with nothing else to gate proves",
+    ),
     Gate(
         "accuracy",
         ("accuracy_gate",),
@@ -91,6 +101,7 @@ GATES: tuple[Gate, ...] = (
 )
 
 GATE_BY_NAME = {gate.name: gate for gate in GATES}
+GATE_NAMES = tuple(GATE_BY_NAME)
 NOT_RUN_SUFFIX = "_not_run"  # the check a gate called for makes when it could not run: "<gate>_not_run"
 
 NO_INCUMBENT = (
@@ -119,4 +130,4 @@ def describe_plan(config: EvalConfig, has_incumbent: bool) -> list[str]:
         gate.name if why is None else f"{gate.name}(not run: no incumbent)"
         for gate, why in planned(config, has_incumbent)
     ]
-    return names or ["none (it serves: an incumbent)"]
+    return names

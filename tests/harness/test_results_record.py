@@ -58,4 +58,5 @@ def test_the_verdict_is_a_function_of_the_checks_alone():
 
     assert verdict([Check("a", True, ""), Check("b", True, "")]) == "passed"
     assert verdict([Check("a", True, ""), Check("golden_gate", False, "ratio 1.6")]) == "failed"
-    assert verdict([]) == "passed"  # nothing gated it (a random-weights incumbent row that served)
+    # Nothing judged is no pass (issue 33): a random-weights incumbent row is judged by the `served` gate.
+    assert verdict([]) == "incomplete"

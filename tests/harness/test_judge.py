@@ -1,0 +1,214 @@
+"""The pure judge (moe_eval.gates.judge) from synthetic measurements: each gate passing, failing and not run,
+the verdict's rule, and `moe-eval list` against the run's gates for every shipped config."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_eval.checks import Baseline, Check, verdict
+from moe_eval.config import load_config
+from moe_eval.gates.judge import Answers, GoldenRecord, Measurements, judge
+from moe_eval.gates.table import GATE_BY_NAME, GATES, NOT_RUN_SUFFIX, describe_plan
+from moe_eval.layer_gate import summarize
+from moe_eval.logprobs import TextLogprobs
+from moe_eval.selection import read_list, with_baselines
+from tests.golden.test_golden_gate import capture
+from tests.harness.test_layer_gate import _record
+
+REPO = Path(__file__).resolve().parents[2]
+TORCH_TP1 = REPO / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml"
+QUESTIONS = 20
+
+
+def _texts(seed: int, noise: float, texts: int = 16, positions: int = 60) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    golden = -np.abs(rng.normal(1.0, 0.5, size=(texts, positions)))
+    return golden, golden + np.random.default_rng(seed).normal(0, noise, size=golden.shape)
+
+
+def _decode(shift: float) -> list[TextLogprobs]:
+    """Greedy continuations (every position generated): 8 texts of 12 tokens, the top-1 and a runner-up
+    whose log p moves by `shift` (the greedy token's stays at 0, as it does in vLLM's 6 decimals)."""
+    rng = np.random.default_rng(7)
+    out = []
+    for i in range(8):
+        runner_up = -np.abs(rng.normal(4.0, 1.0, size=12)) + shift * (1 + rng.random(12))
+        tops = tuple(((1, 2), (0.0, float(v))) for v in runner_up)
+        out.append(
+            TextLogprobs(i, (1,) * 12, (0.0,) * 12, tuple(t[0] for t in tops), tuple(t[1] for t in tops))
+        )
+    return out
+
+
+def measured(config, *, run_noise=0.02, answers_right=QUESTIONS, **changes) -> Measurements:
+    """Everything a correct bundled row measures; `changes` replace fields."""
+    golden, incumbent = _texts(1, 0.02)
+    _, run = _texts(2, run_noise)
+    probe = golden + np.random.default_rng(3).normal(0, 0.05, size=golden.shape)
+    correct = {i: i < answers_right for i in range(QUESTIONS)}
+    m = Measurements(
+        moe_backend_used="bundled:torch",
+        answers=Answers(
+            {"strict-match": {"accuracy": answers_right / QUESTIONS, "stderr": 0.0}},
+            QUESTIONS,
+            {"questions": QUESTIONS, "empty": 0, "truncated": 0, "invalid": 0},
+            correct,
+        ),
+        jit={"monitored_processes": 1, "count": 0, "kernels": [], "events": []},
+        kernel_calls={"processes": 1, "calls": 100, "tokens": 1000, "counted_on": ["host"]},
+        layer=summarize([_record()]),
+        logprobs=capture(run),
+        decode=_decode(0.0),
+        incumbent=Baseline(
+            Path("/runs/vllm/results.json"),
+            dict.fromkeys(range(QUESTIONS), True),
+            Path("/runs/vllm/logprobs.jsonl"),
+            "vllm:CPU",
+            config.layout.describe(),
+            Path("/runs/vllm/decode.jsonl"),
+        ),
+        incumbent_logprobs=capture(incumbent),
+        incumbent_decode=_decode(0.0),
+        golden=GoldenRecord("d" * 24, "/goldens/d", capture(golden), _decode(0.0), capture(probe)),
+    )
+    return dataclasses.replace(m, **changes)
+
+
+@pytest.fixture(scope="module")
+def config():
+    return dataclasses.replace(load_config(TORCH_TP1), num_questions=QUESTIONS, accuracy_threshold=0.9)
+
+
+def _by_name(judgement) -> dict[str, Check]:
+    return {c.name: c for c in judgement.checks}
+
+
+def test_a_correct_row_passes_every_gate_it_calls_for(config):
+    got = judge(config, measured(config))
+    assert got.verdict == "passed"
+    assert all(c.ran and c.passed for c in got.checks)
+    names = set(_by_name(got))
+    for gate in ("served", "accuracy", "paired", "golden", "kernel_calls", "layer_check"):
+        assert names & set(GATE_BY_NAME[gate].checks), gate
+
+
+@pytest.mark.parametrize(
+    ("change", "failing"),
+    [
+        ({"answers_right": 10}, {"accuracy_gate", "paired_gate"}),
+        ({"run_noise": 0.2}, {"golden_gate", "logprob_mean_abs"}),
+        (
+            {"kernel_calls": {"processes": 0, "calls": 0, "tokens": 0, "counted_on": []}},
+            {"bundled_kernel_calls"},
+        ),
+        ({"layer": summarize([_record(ratio=1.5)])}, {"layer_check_ranges"}),
+        ({"decode": _decode(0.3)}, {"golden_gate_decode"}),
+    ],
+)
+def test_each_gate_fails_on_its_own_measurement(config, change, failing):
+    got = judge(config, measured(config, **change))
+    failed = {c.name for c in got.checks if not c.passed}
+    assert failing <= failed, failed
+    assert got.verdict == "failed"
+
+
+def test_the_jit_gate_fails_on_a_compile_and_on_an_unwatched_server(config):
+    config = dataclasses.replace(config, max_jit_while_serving=0)
+    jit = {"monitored_processes": 1, "count": 1, "kernels": ["k"], "events": []}
+    assert not _by_name(judge(config, measured(config, jit=jit)))["jit_while_serving"].passed
+    unwatched = {"monitored_processes": 0, "count": 0, "kernels": [], "events": []}
+    assert not _by_name(judge(config, measured(config, jit=unwatched)))["jit_while_serving"].passed
+    assert _by_name(judge(config, measured(config)))["jit_while_serving"].passed
+
+
+@pytest.mark.parametrize(
+    ("change", "not_run"),
+    [
+        (
+            {"logprobs": None, "logprobs_skipped": "no scoring texts: hub unreachable"},
+            {"golden", "divergence"},
+        ),
+        ({"incumbent_logprobs": None}, {"golden", "divergence"}),
+        ({"golden": None}, {"golden"}),
+        ({"layer": None}, {"layer_check"}),
+        ({"kernel_calls": None}, {"kernel_calls"}),
+        # No incumbent at all: the paired and divergence gates exist to compare with one and are not called
+        # for; the golden gate is (the kernel asks for it) and cannot run.
+        ({"incumbent": None, "incumbent_logprobs": None}, {"golden"}),
+    ],
+)
+def test_a_gate_that_could_not_run_makes_the_verdict_incomplete_unless_optional(config, change, not_run):
+    m = measured(config, **change)
+    got = judge(config, m)
+    skipped = {c.name for c in got.checks if not c.ran}
+    assert skipped == {f"{gate}{NOT_RUN_SUFFIX}" for gate in not_run}, skipped
+    assert all(not c.passed and c.detail.startswith("not run: ") for c in got.checks if not c.ran)
+    assert got.verdict == "incomplete"
+    optional = judge(config, m, frozenset(not_run))
+    assert optional.verdict == "passed"
+    assert all(c.passed and "optional" in c.detail for c in optional.checks if not c.ran)
+    declared = dataclasses.replace(config, optional_gates=tuple(not_run))  # the config key, same effect
+    assert judge(declared, m, frozenset(declared.optional_gates)).verdict == "passed"
+
+
+def test_a_failure_outranks_a_gate_not_run(config):
+    got = judge(config, measured(config, answers_right=10, golden=None))
+    assert got.verdict == "failed"
+
+
+def test_the_reason_a_gate_did_not_run_is_said(config):
+    got = judge(config, measured(config, logprobs=None, logprobs_skipped="no scoring texts: hub unreachable"))
+    assert "hub unreachable" in _by_name(got)["golden_not_run"].detail
+    assert got.sections["golden_gate"] == {
+        "skipped": _by_name(got)["golden_not_run"].detail[len("not run: ") :]
+    }
+
+
+def test_verdict_of_nothing_judged_is_not_a_pass():
+    assert verdict([]) == "incomplete"
+    assert verdict([Check("a", True, "")]) == "passed"
+    assert verdict([Check("a", True, ""), Check("b_not_run", False, "not run: x", ran=False)]) == "incomplete"
+    assert verdict([Check("a", False, ""), Check("b_not_run", False, "not run: x", ran=False)]) == "failed"
+    assert verdict([Check("b_not_run", True, "not run (optional here): x", ran=False)]) == "passed"
+
+
+def test_an_incumbent_row_is_judged_by_what_it_served(config):
+    incumbent = dataclasses.replace(config, moe_backend=None, baseline_config=None)
+    got = judge(incumbent, measured(incumbent, incumbent=None))
+    assert got.checks[0].name == "served" and got.checks[0].passed
+    assert {c.name for c in got.checks} <= {"served", "accuracy_gate", *GATE_BY_NAME["garbage"].checks}
+    assert got.verdict == "passed"
+    short = dataclasses.replace(
+        measured(incumbent, incumbent=None).answers,
+        stats={"questions": 3, "empty": 0, "truncated": 0, "invalid": 0},
+    )
+    assert judge(incumbent, measured(incumbent, incumbent=None, answers=short)).verdict == "failed"
+
+
+def _shipped_lists() -> list[Path]:
+    return sorted(REPO.glob("config-*.txt"))
+
+
+@pytest.mark.parametrize("list_path", _shipped_lists(), ids=lambda p: p.name)
+def test_list_and_run_name_the_same_gates_for_every_shipped_config(list_path):
+    """`moe-eval list` prints the plan from the table; the run's checks come from the judge over the same
+    table: for every config of every shipped list, the gates named by one are the gates the other checks."""
+    selected, dependencies, _ = with_baselines([load_config(p) for p in read_list(list_path)])
+    check_to_gate = {name: gate.name for gate in GATES for name in gate.checks}
+    for i, config in enumerate(selected):
+        has_incumbent = i in dependencies
+        listed = describe_plan(config, has_incumbent)
+        m = measured(config) if has_incumbent else measured(config, incumbent=None, incumbent_logprobs=None)
+        got = judge(config, m)
+        ran = {check_to_gate[c.name] for c in got.checks if c.ran}
+        not_run = {c.name.removesuffix(NOT_RUN_SUFFIX) for c in got.checks if not c.ran}
+        expected_ran = {name for name in listed if "(" not in name}
+        expected_not_run = {name.split("(")[0] for name in listed if "(" in name}
+        # A gate listed as running shows at least one check (garbage: one per limit set; divergence: one per
+        # limit in force), and no gate the list leaves out appears.
+        assert ran == expected_ran, (config.path, listed, got.checks)
+        assert not_run == expected_not_run, (config.path, listed)
