@@ -6,6 +6,7 @@ results.json against the schema, `moe-eval compare` of the two, and the paired g
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -34,10 +35,15 @@ def test_junit_and_step_summary_of_a_passing_and_a_failing_run(embedded_default_
     assert failing["moe-eval.canary-tp/Canary-Qwen3-MoE-BF16-vllm"].is_passed  # resumed: its verdict stands
     failure = failing["moe-eval.canary-tp/Canary-Qwen3-MoE-BF16-torch"].result[0]
     assert isinstance(failure, Failure) and "golden_gate" in failure.type, failure.type
-    # scale_one_expert (5% in one expert, every call): the golden gate and the layer check both fail it.
-    failed = "FAIL (layer_check_ranges, layer_check_experts, golden_gate)"
-    assert failed in subtle_mutation_run.step_summary.read_text()
-    assert failed in (subtle_mutation_run.folder / "summary.md").read_text()
+    # scale_one_expert (5% in one expert, every call): the golden gate (prefill and decode) and the layer
+    # check all fail it; the verdict cell names each.
+    failed = {"layer_check_ranges", "layer_check_experts", "golden_gate", "golden_gate_decode"}
+    for text in (
+        subtle_mutation_run.step_summary.read_text(),
+        (subtle_mutation_run.folder / "summary.md").read_text(),
+    ):
+        cell = re.search(r"\|FAIL \(([^)]*)\)\|", text)
+        assert cell and set(cell.group(1).split(", ")) == failed, text
 
 
 def test_results_files_follow_the_schema_and_carry_the_paired_gate(embedded_default_run, subtle_mutation_run):
