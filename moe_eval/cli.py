@@ -398,7 +398,7 @@ def resumable_outcomes(
     again would keep a verdict against numbers that no longer exist. The others' old files move to
     attempts/."""
     from moe_eval.gsm8k import same_questions
-    from moe_eval.results import RESULTS_FILE, RunRecord, versions
+    from moe_eval.results import FAILED, PASSED, RESULTS_FILE, RunRecord, versions
     from moe_eval.runner import ConfigOutcome, config_run_dir, task_data
     from moe_eval.scheduler import ATTEMPTS_DIR, move_run_files
 
@@ -409,7 +409,9 @@ def resumable_outcomes(
         record = RunRecord.read_if_any(run_dir / RESULTS_FILE)
         same = (
             record is not None
-            and record.has_verdict
+            # An incomplete row runs again: what kept a gate from running (the hub, an incumbent) may be
+            # mended since.
+            and record.status in (PASSED, FAILED)
             and record.get("config_sha256") == config.sha256
             and record.get("versions") == versions()
             and record.get("num_questions_evaluated") == config.num_questions

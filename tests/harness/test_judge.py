@@ -107,9 +107,13 @@ def test_a_correct_row_passes_every_gate_it_calls_for(config):
         ),
         ({"layer": summarize([_record(ratio=1.5)])}, {"layer_check_ranges"}),
         ({"decode": _decode(0.3)}, {"golden_gate_decode"}),
+        ({"answers": "garbage"}, {"max_empty_rate"}),
     ],
 )
 def test_each_gate_fails_on_its_own_measurement(config, change, failing):
+    if change.get("answers") == "garbage":  # 5 of 20 answers empty, over the canary's max_empty_rate
+        right = measured(config).answers
+        change = {"answers": dataclasses.replace(right, stats=right.stats | {"empty": 5})}
     got = judge(config, measured(config, **change))
     failed = {c.name for c in got.checks if not c.passed}
     assert failing <= failed, failed
