@@ -47,6 +47,7 @@ from moe_eval.gsm8k import Gsm8kData
 from moe_eval.kernels.mutations import ONE_EXPERT_SCALE, TARGET_EXPERT
 from moe_eval.layout import layout_from_server_args
 from moe_eval.logprobs import (
+    TOP_K,
     TextLogprobs,
     capture,
     capture_decode,
@@ -67,7 +68,6 @@ REFERENCE_BACKEND = "reference"
 # Global expert TARGET_EXPERT's output short by PROBE_SCALE_ERROR (kernels/mutations.py).
 PROBE = GOLDEN_PROBE_MUTATION
 PROBE_SCALE_ERROR = round(1 - ONE_EXPERT_SCALE, 6)
-TOP_K = 5
 FILES = ("prefill.jsonl", "decode.jsonl", "probe.jsonl")
 
 # Parallel flags dropped from a config's server arguments for its golden (the golden is TP=1 unless

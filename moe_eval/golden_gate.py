@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from moe_eval.logprobs import TextLogprobs, divergence
+from moe_eval.logprobs import TextLogprobs, divergence, paired_texts
 
 DEFAULT_MARGIN = 0.10  # docs/logprob-gate.md: correct kernels measured at ratios 0.93-1.05
 DEFAULT_ALPHA = 0.01
@@ -60,27 +60,12 @@ class GoldenErrors:
         return out
 
 
-def _by_index(records: Sequence[TextLogprobs], what: str) -> dict[int, TextLogprobs]:
-    found = {r.index: r for r in records}
-    if len(found) != len(records):
-        raise ValueError(f"the {what} holds the same text index twice")
-    return found
-
-
 def abs_deltas(golden: Sequence[TextLogprobs], capture: Sequence[TextLogprobs]) -> list[np.ndarray]:
     """Per text (index order), log p - log p_golden of the reference tokens (position 0 left out)."""
-    gold, other = _by_index(golden, "golden"), _by_index(capture, "capture")
-    if set(gold) != set(other):
-        raise ValueError(f"texts differ: golden {sorted(gold)[:5]}..., capture {sorted(other)[:5]}...")
-    deltas = []
-    for i in sorted(gold):
-        g, c = gold[i], other[i]
-        if g.token_ids != c.token_ids:
-            raise ValueError(
-                f"text {i}: token ids differ from the golden's (another tokenizer or other texts)"
-            )
-        deltas.append(np.array(c.logprobs[1:], dtype=np.float64) - np.array(g.logprobs[1:], dtype=np.float64))
-    return deltas
+    return [
+        np.array(c.logprobs[1:], dtype=np.float64) - np.array(g.logprobs[1:], dtype=np.float64)
+        for g, c in paired_texts(golden, capture, ("golden", "capture"))
+    ]
 
 
 def errors_vs_golden(golden: Sequence[TextLogprobs], capture: Sequence[TextLogprobs]) -> GoldenErrors:
@@ -314,13 +299,11 @@ def decode_errors(golden: Sequence[TextLogprobs], capture: Sequence[TextLogprobs
     passed (p = 0.14-0.17). The runner-up tokens' log p move with the hidden state at full size: on the
     same captures correct rows read 1.03-1.10x the incumbent, that bug 2.2-3.0x with 8 of 8 texts worse
     (docs/logprob-gate.md, "The decode comparison")."""
-    gold, other = _by_index(golden, "golden decode"), _by_index(capture, "decode capture")
-    if set(gold) != set(other):
-        raise ValueError("the decode captures continued different prompts")
+    # Continuations are compared while their tokens agree: paired by prompt, not by token ids.
+    pairs = paired_texts(golden, capture, ("golden decode", "decode capture"), same_tokens=False)
     per_text, counts, firsts, total_abs = [], [], [], 0.0
     identical = 0
-    for i in sorted(gold):
-        g, c = gold[i], other[i]
+    for g, c in pairs:
         shared = next(
             (p for p, (x, y) in enumerate(zip(g.token_ids, c.token_ids)) if x != y), min(len(g), len(c))
         )
@@ -333,8 +316,8 @@ def decode_errors(golden: Sequence[TextLogprobs], capture: Sequence[TextLogprobs
         total_abs += float(d.sum())
     positions = sum(counts)
     return DecodeErrors(
-        texts=len(gold),
-        tokens_generated=sum(len(g) for g in gold.values()),
+        texts=len(pairs),
+        tokens_generated=sum(len(g) for g, _ in pairs),
         positions=positions,
         mean_abs=total_abs / positions if positions else None,
         per_text=tuple(per_text),

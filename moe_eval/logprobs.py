@@ -92,6 +92,11 @@ def read_rows(path: Path | str) -> list[dict]:
 # --- stage 2: capture --------------------------------------------------------------------------
 
 
+# Top log-probabilities kept per position, by the run's captures and the golden's alike (the KL estimate's
+# support, the decode comparison's tokens): one number, or the two would not compare.
+TOP_K = 5
+
+
 @dataclass(frozen=True)
 class TextLogprobs:
     """One scored text. Position i is prompt token i; position 0 has no logprob (nothing precedes
@@ -488,29 +493,47 @@ def _shared_kl(
     return max(float(np.sum(np.exp(p_log) * (p_log - q_log))), 0.0)
 
 
+def paired_texts(
+    first: Sequence[TextLogprobs],
+    second: Sequence[TextLogprobs],
+    names: tuple[str, str] = ("baseline", "new capture"),
+    same_tokens: bool = True,
+) -> list[tuple[TextLogprobs, TextLogprobs]]:
+    """The two captures' records of each text, in index order: the one pairing every comparison uses (the
+    divergence gate, the golden gate's errors, the decode comparison). ValueError when a capture holds an
+    index twice, when a text is in one only, or (same_tokens: scored texts, not generated ones) when a
+    text's token ids differ: another tokenizer or other texts, nothing to compare."""
+    by_index = []
+    for records in (first, second):
+        found = {r.index: r for r in records}
+        if len(found) != len(records):
+            raise ValueError("a capture holds the same text index twice")
+        by_index.append(found)
+    a, b = by_index
+    for i in sorted(set(a) | set(b)):
+        if i not in a or i not in b:
+            side = names[0] if i in a else names[1]
+            raise ValueError(f"text {i} is only in the {side}: the captures scored different texts")
+    pairs = [(a[i], b[i]) for i in sorted(a)]
+    for i, (x, y) in zip(sorted(a), pairs):
+        if same_tokens and x.token_ids != y.token_ids:
+            pos = next(
+                (p for p, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t), min(len(x), len(y))
+            )
+            raise ValueError(
+                f"text {i}: token ids differ at position {pos} ({names[0]} {len(x)} tokens, {names[1]} "
+                f"{len(y)}): another tokenizer or other texts, nothing to compare"
+            )
+    return pairs
+
+
 def divergence(baseline: list[TextLogprobs], new: list[TextLogprobs]) -> Divergence:
     """Compare two captures of the same texts. ValueError when the texts or token ids differ (another
     tokenizer or other texts: the numbers would compare nothing)."""
-    base_by_index = {r.index: r for r in baseline}
-    new_by_index = {r.index: r for r in new}
-    if len(base_by_index) != len(baseline) or len(new_by_index) != len(new):
-        raise ValueError("a capture holds the same text index twice")
-    for i in sorted(set(base_by_index) | set(new_by_index)):
-        if i not in new_by_index or i not in base_by_index:
-            side = "baseline" if i in base_by_index else "new capture"
-            raise ValueError(f"text {i} is only in the {side}: the captures scored different texts")
+    pairs = paired_texts(baseline, new)
     abs_d: list[float] = []
     kl_sum, kl_skipped, flips = 0.0, 0, 0
-    for i in sorted(base_by_index):
-        b, n = base_by_index[i], new_by_index[i]
-        if b.token_ids != n.token_ids:
-            pos = next(
-                (p for p, (x, y) in enumerate(zip(b.token_ids, n.token_ids)) if x != y), min(len(b), len(n))
-            )
-            raise ValueError(
-                f"text {i}: token ids differ at position {pos} (baseline {len(b)} tokens, new "
-                f"{len(n)}): another tokenizer or other texts, nothing to compare"
-            )
+    for b, n in pairs:
         for pos in range(1, len(b)):
             abs_d.append(abs(n.logprobs[pos] - b.logprobs[pos]))
             if _top1(b.top_ids[pos], b.top_logprobs[pos]) != _top1(n.top_ids[pos], n.top_logprobs[pos]):
@@ -524,7 +547,7 @@ def divergence(baseline: list[TextLogprobs], new: list[TextLogprobs]) -> Diverge
         raise ValueError("no position to compare (every text is a single token)")
     d = np.asarray(abs_d, dtype=np.float64)
     return Divergence(
-        texts=len(base_by_index),
+        texts=len(pairs),
         positions=d.size,
         mean_abs_dlogp=float(d.mean()),
         p99_abs_dlogp=float(np.percentile(d, 99)),

@@ -40,6 +40,7 @@ from moe_eval.layer_gate import read_layer_files, summarize
 from moe_eval.layer_sweep import max_model_len, sweep, token_pool
 from moe_eval.layout import LayoutKind
 from moe_eval.logprobs import (
+    TOP_K,
     TextLogprobs,
     capture,
     capture_decode,
@@ -71,7 +72,6 @@ from moe_eval.server_log import (
 from moe_eval.status import StatusWriter
 
 Progress = Callable[[str], None]
-LOGPROB_TOP_K = 5  # top log-probabilities kept per position (the KL estimate's support)
 
 
 @dataclass(frozen=True)
@@ -424,7 +424,7 @@ def _score_logprobs(
         base_url,
         model,
         texts,
-        top_k=LOGPROB_TOP_K,
+        top_k=TOP_K,
         concurrency=1,
         timeout=config.request_timeout_seconds,
         retries=max(config.max_retries, 1),
@@ -435,7 +435,7 @@ def _score_logprobs(
         "file": LOGPROBS_FILE,
         "texts": len(records),
         "positions": sum(len(r) - 1 for r in records),
-        "top_k": LOGPROB_TOP_K,
+        "top_k": TOP_K,
         "concurrency": 1,
     }
     decode = None
@@ -447,7 +447,7 @@ def _score_logprobs(
             model,
             prompts,
             tokens=config.decode_tokens,
-            top_k=LOGPROB_TOP_K,
+            top_k=TOP_K,
             timeout=config.request_timeout_seconds,
             retries=max(config.max_retries, 1),
         )
