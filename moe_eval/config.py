@@ -333,6 +333,9 @@ class EvalConfig:
     layer_check_scale_bound: float = 0.005
     layer_check_z: float = 5.0
     optional_gates: tuple[str, ...] = ()
+    # The file's text as parsed: what travels to the worker process (moe_eval.worker), which parses the
+    # same bytes instead of reading the file again (an edit meanwhile cannot split a run's configs).
+    text: str = dataclasses.field(default="", repr=False, compare=False)
 
     @property
     def layer_checked(self) -> bool:
@@ -416,7 +419,7 @@ def parse_config(path: Path, text: str) -> EvalConfig:
         )
     if not values.get("random_weights") and "accuracy_threshold" not in values:
         raise ConfigError(f"{path}: missing required key 'accuracy_threshold'")
-    config = EvalConfig(path=path, sha256=hashlib.sha256(text.encode()).hexdigest(), **values)
+    config = EvalConfig(path=path, sha256=hashlib.sha256(text.encode()).hexdigest(), text=text, **values)
     try:
         _ = (
             config.layout

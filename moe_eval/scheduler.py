@@ -164,6 +164,7 @@ class Scheduler:
             **{
                 **self.options.job.__dict__,
                 "config_path": str(config.path),
+                "config_text": config.text,
                 "devices": devices,
                 "port": port,
                 "attempt": attempt,

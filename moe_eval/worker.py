@@ -32,6 +32,7 @@ class Job:
     """Everything a worker needs, as JSON (written by the scheduler into the config's run folder)."""
 
     config_path: str
+    config_text: str = ""  # the config file's text as the run parsed it (EvalConfig.text)
     run_root: str
     hw: str
     parent_pid: int
@@ -58,12 +59,12 @@ class Job:
 
 def run_job(job: Job) -> int:
     from moe_eval.checks import find_baseline
-    from moe_eval.config import effective_config, load_config
+    from moe_eval.config import effective_config
     from moe_eval.gsm8k import gsm8k_data
     from moe_eval.runner import config_run_dir, run_config, task_data
     from moe_eval.status import STATUS_FILE, StatusWriter, reference_answers
 
-    config, mutation = effective_config(load_config(Path(job.config_path)), job.limit, job.mutation)
+    config, mutation = effective_config(job_config(job), job.limit, job.mutation)
     data = gsm8k_data(job.gsm8k_dir)
     run_root = Path(job.run_root)
     run_dir = config_run_dir(run_root, config)
@@ -100,6 +101,14 @@ def run_job(job: Job) -> int:
         print(f"moe-eval worker: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
     return 0
+
+
+def job_config(job: Job):
+    """The config as the run parsed it: its text travels in the job (an older job file: read again)."""
+    from moe_eval.config import load_config, parse_config
+
+    path = Path(job.config_path)
+    return parse_config(path, job.config_text) if job.config_text else load_config(path)
 
 
 def _baseline_config(config, job: Job, run_root: Path):
