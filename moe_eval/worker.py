@@ -32,7 +32,6 @@ class Job:
     """Everything a worker needs, as JSON (written by the scheduler into the config's run folder)."""
 
     config_path: str
-    config_text: str = ""  # the config file's text as the run parsed it (EvalConfig.text)
     run_root: str
     hw: str
     parent_pid: int
@@ -46,6 +45,7 @@ class Job:
     attempt: int = 1
     golden_cache: str | None = None  # --golden-cache (moe_eval.golden); None: the default folder
     optional_gates: list[str] = dataclasses.field(default_factory=list)  # run --optional-gate
+    config_text: str = ""  # the config file's text as the run parsed it (EvalConfig.text)
 
     def write(self, path: Path) -> None:
         from moe_eval.results import atomic_write_json
