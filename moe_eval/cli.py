@@ -18,7 +18,8 @@ from moe_eval import cancel
 from moe_eval.cancel import EXIT_CANCELLED
 from moe_eval.config import EvalConfig, effective_config, load_config
 from moe_eval.errors import ConfigError, ExitCode, MoeEvalError
-from moe_eval.gates.table import GATE_NAMES, describe_plan
+from moe_eval.gates.names import GATE_NAMES
+from moe_eval.gates.table import describe_plan
 from moe_eval.selection import (
     HARDWARE,
     list_for_hardware,

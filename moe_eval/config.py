@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from moe_eval.errors import ConfigError
+from moe_eval.gates.names import GATE_NAMES
 from moe_eval.layout import Layout, layout_from_server_args
 
 # Backends a config may ask the server to use; absent means vLLM's own MoE path.
@@ -75,8 +76,6 @@ def _non_negative(v: Any) -> str | None:
 
 
 def _gate_names(v: Any) -> str | None:
-    from moe_eval.gates.table import GATE_NAMES
-
     bad = [name for name in v if name not in GATE_NAMES]
     return f"names no gate: {', '.join(map(str, bad))} (gates: {', '.join(GATE_NAMES)})" if bad else None
 

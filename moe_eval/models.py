@@ -12,17 +12,16 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import random
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from moe_eval.builtin_tokenizer import bpe_tokenizer, tokenizer_corpus
 from moe_eval.errors import ConfigError
 
 BUILTIN_PREFIX = "builtin:"
-EOS_TOKEN = "<|endoftext|>"
 
 
 @dataclass(frozen=True)
@@ -114,54 +113,6 @@ def ensure_built(root: Path, cache_name: str, build: Callable[[Path], None]) -> 
     return target
 
 
-def _tokenizer_corpus(seed: int, lines: int = 4000) -> list[str]:
-    """Arithmetic word-problem-like text, generated: the tokenizer learns digits, words, punctuation."""
-    rng = random.Random(seed)
-    names = ["Natalia", "James", "Weng", "Betty", "Julie", "Mark", "Tina", "Alexis", "Ken", "Ann"]
-    things = ["clips", "apples", "dollars", "pages", "eggs", "books", "hours", "miles", "cookies", "cards"]
-    verbs = ["sold", "bought", "earned", "read", "baked", "found", "spent", "gave", "made", "has"]
-    out = []
-    for _ in range(lines):
-        a, b = rng.randint(1, 999), rng.randint(1, 99)
-        n, t, v = rng.choice(names), rng.choice(things), rng.choice(verbs)
-        out.append(
-            f"Question: {n} {v} {a} {t} in May and {b} more in June. How many {t} in total?\n"
-            f"Answer: {n} {v} {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {t}.\n#### {a + b}"
-        )
-    return out
-
-
-def bpe_tokenizer(corpus: Iterable[str], vocab_size: int, max_length: int, split_digits: bool = False):
-    """A byte-level BPE tokenizer trained on `corpus`: any text tokenizes (no unknown tokens), as with
-    real models' tokenizers; EOS_TOKEN is its one special token, also the pad token; no BOS.
-    `split_digits`: every digit its own token (the canary's arithmetic needs place value)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        if split_digits
-        else byte_level
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(corpus, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-        bos_token=None,
-        model_max_length=max_length,
-    )
-
-
 def qwen3_moe_config(spec: Any, tokenizer: Any, dtype: str, **extra: Any):
     """transformers' Qwen3MoeConfig in the shape of `spec` (TinyMoeSpec's shape fields): every layer MoE,
     top-k weights renormalised, untied embeddings, the tokenizer's vocabulary, EOS and pad; `extra`: more
@@ -197,7 +148,7 @@ def build_tiny_moe(spec: TinyMoeSpec, out_dir: Path) -> None:
     from transformers import Qwen3MoeForCausalLM
 
     out_dir.mkdir(parents=True)
-    fast = bpe_tokenizer(_tokenizer_corpus(spec.seed), spec.vocab_size, spec.max_position_embeddings)
+    fast = bpe_tokenizer(tokenizer_corpus(spec.seed), spec.vocab_size, spec.max_position_embeddings)
     fast.save_pretrained(out_dir)
 
     torch.manual_seed(spec.seed)

@@ -264,10 +264,10 @@ def build_twin(spec: TwinSpec, out_dir: Path, threads: int | None = None) -> Non
     import torch
     from safetensors.torch import save_file
 
-    from moe_eval.models import _tokenizer_corpus, bpe_tokenizer
+    from moe_eval.builtin_tokenizer import bpe_tokenizer, tokenizer_corpus
 
     out_dir.mkdir(parents=True)
-    tokenizer = bpe_tokenizer(_tokenizer_corpus(spec.seed), TWIN_VOCAB, TWIN_MAX_TOKENS_TRAINED)
+    tokenizer = bpe_tokenizer(tokenizer_corpus(spec.seed), TWIN_VOCAB, TWIN_MAX_TOKENS_TRAINED)
     tokenizer.save_pretrained(out_dir)
     vocab = len(tokenizer)
     (out_dir / "config.json").write_text(

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
+from moe_eval.builtin_tokenizer import bpe_tokenizer
 from moe_eval.canary.task import SPLIT_SEED, canary_splits, make_problem
 from moe_eval.logprobs import FEWSHOT_DELIMITER, TARGET_DELIMITER  # lm-eval's gsm8k layout, kept in one place
-from moe_eval.models import bpe_tokenizer, qwen3_moe_config
+from moe_eval.models import qwen3_moe_config
 
 
 @dataclass(frozen=True)
