@@ -174,8 +174,9 @@ def load_baseline(results_path: Path, what: str, record: RunRecord | None = None
     )
 
 
-def paired_check(baseline: Baseline, samples: list[dict], alpha: float) -> tuple[Check, PairedResult]:
-    result = paired_compare(baseline.correctness, correctness(samples), alpha)
+def paired_check(baseline: Baseline, correct: dict[int, bool], alpha: float) -> tuple[Check, PairedResult]:
+    """The paired gate: this run's per-question strict-match correctness against the baseline's."""
+    result = paired_compare(baseline.correctness, correct, alpha)
     return Check(
         "paired_gate", result.passed, result.describe() + f" [baseline {baseline.results_path}]"
     ), result

@@ -295,7 +295,7 @@ def decode_errors(golden: Sequence[TextLogprobs], capture: Sequence[TextLogprobs
     """Per position, the mean |Δ log p| over the top-k tokens both list. Not the generated token's own
     log p, as prefill scoring uses: a greedy token is the model's most likely one, its log p sits near 0
     where log-softmax is flat, and vLLM returns 6 decimals, so that error read 0.00000 for a correct
-    incumbent and 43x that for a correct bundled row (CPU, 2026-12-01), and a 5% one-expert scale error
+    incumbent and 43x that for a correct bundled row (CPU, 2026-12-02), and a 5% one-expert scale error
     passed (p = 0.14-0.17). The runner-up tokens' log p move with the hidden state at full size: on the
     same captures correct rows read 1.03-1.10x the incumbent, that bug 2.2-3.0x with 8 of 8 texts worse
     (docs/logprob-gate.md, "The decode comparison")."""

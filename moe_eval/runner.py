@@ -375,7 +375,8 @@ def _serve_and_evaluate(
             "samples": "samples.jsonl",
         }
     )
-    if config.golden_gated and baseline is not None and logprobs is not None and baseline.logprobs_path:
+    # The golden is made (a server) only where the judge can compare with it: both sides scored texts.
+    if config.golden_gated and measured.logprobs is not None and measured.incumbent_logprobs is not None:
         from moe_eval.golden_checks import measure_golden
 
         cancel.raise_if_cancelled()  # a signal during the teardown: no golden server starts after it

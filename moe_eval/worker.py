@@ -104,11 +104,10 @@ def run_job(job: Job) -> int:
 
 
 def job_config(job: Job):
-    """The config as the run parsed it: its text travels in the job (an older job file: read again)."""
-    from moe_eval.config import load_config, parse_config
+    """The config as the run parsed it: its text travels in the job (the scheduler writes it)."""
+    from moe_eval.config import parse_config
 
-    path = Path(job.config_path)
-    return parse_config(path, job.config_text) if job.config_text else load_config(path)
+    return parse_config(Path(job.config_path), job.config_text)
 
 
 def _baseline_config(config, job: Job, run_root: Path):

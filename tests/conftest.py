@@ -104,10 +104,16 @@ class CliResult:
 
 
 def run_cli(
-    args: list[str], *, cwd: Path = REPO_ROOT, env: dict[str, str] | None = None, timeout: float = 900
+    args: list[str],
+    *,
+    cwd: Path = REPO_ROOT,
+    env: dict[str, str] | None = None,
+    timeout: float = 900,
+    unset: tuple[str, ...] = (),
 ) -> CliResult:
-    """The installed entry point, as a user runs it: a real process with a real exit code."""
-    full_env = {**os.environ, **(env or {})}
+    """The installed entry point, as a user runs it: a real process with a real exit code. `unset`: variables
+    of this environment the run must not see."""
+    full_env = {k: v for k, v in os.environ.items() if k not in unset} | (env or {})
     proc = subprocess.run(
         [sys.executable, "-m", "moe_eval", *args],
         cwd=cwd,

@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from moe_eval.checks import Baseline, Check, garbage_checks, verdict
+from moe_eval.checks import Baseline, Check, garbage_checks, paired_check, verdict
 from moe_eval.config import EvalConfig
 from moe_eval.errors import InfraError
 from moe_eval.gate import GateResult
@@ -35,7 +35,7 @@ from moe_eval.logprobs import (
     divergence,
     divergence_checks,
 )
-from moe_eval.stats import describe_power, detectable_drop, paired_compare
+from moe_eval.stats import describe_power, detectable_drop
 
 
 @dataclass(frozen=True)
@@ -156,10 +156,9 @@ def _garbage(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
 def _paired(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
     if m.answers is None:
         return "the evaluation made no answers"
-    result = paired_compare(m.incumbent.correctness, m.answers.correctness, config.paired_alpha)
+    check, result = paired_check(m.incumbent, m.answers.correctness, config.paired_alpha)
     out.sections["paired"] = result.as_dict() | {"baseline": str(m.incumbent.results_path)}
-    detail = result.describe() + f" [baseline {m.incumbent.results_path}]"
-    out.checks.append(Check("paired_gate", result.passed, detail))
+    out.checks.append(check)
     return None
 
 

@@ -33,7 +33,7 @@ class Gate:
     # the paired and divergence gates exist to compare with one, the golden gate is asked for by the kernel.
     called_for: Callable[[EvalConfig, bool], bool]
     needs_incumbent: bool  # cannot run without one: called for and none is "not run", not a pass
-    what: str  # one line for `moe-eval list --gates` and the docs
+    what: str  # what it checks, in one line: the table read as documentation (the README says it at length)
 
 
 GATES: tuple[Gate, ...] = (

@@ -9,10 +9,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -46,18 +43,8 @@ def lay_hub_cache(hf_home: Path, gsm8k_dir: Path) -> None:
 
 def run_offline_from_hub(args: list[str], hf_home: Path, timeout: float = 1500) -> CliResult:
     """`moe-eval` with no local GSM8K folder at all (MOE_EVAL_GSM8K_DIR removed) and the hub switched off."""
-    env = {k: v for k, v in os.environ.items() if k != "MOE_EVAL_GSM8K_DIR"}
-    env |= {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "moe_eval", *args],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    return CliResult(proc.returncode, proc.stdout, proc.stderr)
+    offline = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return run_cli(args, env=offline, timeout=timeout, unset=("MOE_EVAL_GSM8K_DIR",))
 
 
 def _record(run_root: Path, family: str, name: str) -> dict:
