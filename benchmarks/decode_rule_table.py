@@ -21,15 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_eval.golden_gate import decode_errors, decode_rule  # noqa: E402
 from moe_eval.logprobs import read_logprobs  # noqa: E402
-from moe_eval.results import RunRecord, result_files  # noqa: E402
+from moe_eval.record import RunRecord, result_files  # noqa: E402
 
 
 def rows_of(run_folder: Path, goldens: Path) -> list[dict]:
     rows = []
     for path in result_files(run_folder):
         record = RunRecord.read(path)
-        gate = record.get("golden_gate") or {}
-        baseline = (record.get("config") or {}).get("baseline_config")
+        gate = record.judged.golden_gate or {}
+        baseline = record.config.get("baseline_config")
         decode = path.parent / "decode.jsonl"
         if not gate.get("golden") or not baseline or not decode.is_file():
             continue
@@ -39,20 +39,19 @@ def rows_of(run_folder: Path, goldens: Path) -> list[dict]:
         run = decode_errors(golden, read_logprobs(decode))
         inc = decode_errors(golden, read_logprobs(incumbent))
         rule = decode_rule(run, inc, gate.get("margin", 0.10), gate.get("alpha", 0.01))
-        checks = record.get("checks") or []
-        recorded = next((c for c in checks if c.get("name") == "golden_gate_decode"), None)
+        recorded = record.check("golden_gate_decode")
         rows.append(
             {
                 "run": run_folder.name,
                 "config": f"{path.parent.parent.name}/{path.parent.name}",
-                "mutation": record.get("mutation") or "none",
+                "mutation": record.mutation or "none",
                 "error": run.mean_abs,
                 "incumbent_error": inc.mean_abs,
                 "ratio": None if rule is None else rule.ratio,
                 "p": None if rule is None else rule.p,
                 "texts_worse": None if rule is None else f"{rule.texts_worse}/{rule.texts}",
                 "failed_now": None if rule is None else rule.failed,
-                "recorded": None if recorded is None else ("pass" if recorded.get("passed") else "FAIL"),
+                "recorded": None if recorded is None else ("pass" if recorded.passed else "FAIL"),
             }
         )
     return rows

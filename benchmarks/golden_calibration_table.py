@@ -11,30 +11,31 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 from pathlib import Path
 
 from moe_eval.golden import PROBE_SCALE_ERROR
 from moe_eval.golden_gate import errors_vs_golden, scale_error_power
 from moe_eval.logprobs import divergence, read_logprobs
-from moe_eval.results import atomic_write_json, result_files
+from moe_eval.record import RunRecord, RunSummary, result_files
+from moe_eval.results import atomic_write_json
 
 
-def _checks(record: dict) -> dict[str, bool]:
-    return {c["name"]: c["passed"] for c in record.get("checks", [])}
+def _checks(record: RunRecord) -> dict[str, bool]:
+    return {c.name: c.passed for c in record.verdict.checks}
 
 
-def _power(path: Path, record: dict, work: Path) -> float | None:
+def _power(path: Path, record: RunRecord, work: Path) -> float | None:
     """The gate's power recomputed by the committed code (moe_eval.golden_gate) from the files the run left:
     a run folder made by an earlier version keeps its own number in results.json."""
-    golden = Path(record["golden"]["path"])
-    incumbent = Path(record["golden_gate"]["incumbent"]["results"]).parent / "logprobs.jsonl"
+    gate = record.judged.golden_gate or {}
+    golden = Path(record.captures.golden["path"])
+    incumbent = Path(gate["incumbent"]["results"]).parent / "logprobs.jsonl"
     if not golden.is_dir():  # moved with the run folders: a copy of its cache in WORK (goldens-*/<digest>)
         golden = next(work.glob(f"*/{golden.name}"), golden)
     if not incumbent.is_file():  # moved with its run folder: the same config folder in this run
         incumbent = path.parents[2].joinpath(*incumbent.parent.parts[-2:], incumbent.name)
     if not golden.is_dir() or not incumbent.is_file():
-        return (record["golden_gate"].get("power") or {}).get("scale_error")
+        return (gate.get("power") or {}).get("scale_error")
     gold = _logprobs(golden / "prefill.jsonl")
     return scale_error_power(
         gold,
@@ -42,8 +43,8 @@ def _power(path: Path, record: dict, work: Path) -> float | None:
         PROBE_SCALE_ERROR,
         read_logprobs(path.parent / "logprobs.jsonl"),
         errors_vs_golden(gold, _logprobs(incumbent)),
-        record["golden_gate"]["margin"],
-        record["golden_gate"]["alpha"],
+        gate["margin"],
+        gate["alpha"],
     )
 
 
@@ -54,10 +55,10 @@ def _logprobs(path: Path) -> list:
 
 
 @functools.cache
-def _summary(folder: Path) -> dict | None:
+def _summary(folder: Path) -> RunSummary | None:
     """A run folder's summary.json, read once for all its rows; None where the folder has none."""
     path = folder / "summary.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return RunSummary.read(path) if path.is_file() else None
 
 
 def _ran_in_its_run(path: Path, work: Path) -> bool:
@@ -69,9 +70,9 @@ def _ran_in_its_run(path: Path, work: Path) -> bool:
         if summary is not None:
             here = path.parent.relative_to(folder).parts
             return any(
-                Path(c["run_dir"]).parts[-len(here) :] == here and not c.get("resumed")
-                for c in summary.get("configs", [])
-                if c.get("run_dir")
+                Path(c.run_dir).parts[-len(here) :] == here and not c.resumed
+                for c in summary.configs
+                if c.run_dir
             )
         if folder == work:
             break
@@ -81,9 +82,9 @@ def _ran_in_its_run(path: Path, work: Path) -> bool:
 def rows(work: Path) -> list[dict]:
     found = []
     for path in result_files(work):
-        record = json.loads(path.read_text())
-        gate = record.get("golden_gate") or {}
-        if record.get("config", {}).get("moe_backend") is None or "ratio" not in gate:
+        record = RunRecord.read(path)
+        gate = record.judged.golden_gate or {}
+        if record.config.get("moe_backend") is None or "ratio" not in gate:
             continue
         if not _ran_in_its_run(path, work):
             continue
@@ -92,14 +93,14 @@ def rows(work: Path) -> list[dict]:
         found.append(
             {
                 "run": str(path.relative_to(work).parts[0]),
-                "config": f"{Path(record['config_path']).parent.name}/{record['config_name']}",
-                "layout": record["layout"]["describe"],
-                "mutation": record.get("mutation"),
-                "accuracy": record["scores"]["strict-match"]["accuracy"],
+                "config": f"{Path(record.identity.config_path).parent.name}/{record.identity.config_name}",
+                "layout": record.layout,
+                "mutation": record.mutation,
+                "accuracy": record.accuracy,
                 "accuracy_gate": checks.get("accuracy_gate"),
                 "mcnemar": checks.get("paired_gate"),
                 "old_divergence_gate": all(old) if old else None,
-                "old_mean_abs": (record.get("divergence") or {}).get("mean_abs_dlogp"),
+                "old_mean_abs": (record.judged.divergence or {}).get("mean_abs_dlogp"),
                 "error": gate["run"]["mean_abs"],
                 "incumbent_error": gate["incumbent"]["errors"]["mean_abs"],
                 "ratio": gate["ratio"],
@@ -108,8 +109,8 @@ def rows(work: Path) -> list[dict]:
                 "golden_gate": gate["passed"],
                 "decode_gate": checks.get("golden_gate_decode"),
                 "power_scale_error": _power(path, record, work),
-                "status": record["status"],
-                "seconds": (record.get("timings") or {}).get("total_seconds"),
+                "status": record.status,
+                "seconds": record.bookkeeping.timings.get("total_seconds"),
             }
         )
     return found

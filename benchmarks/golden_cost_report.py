@@ -8,12 +8,11 @@ decode continuations and the golden look-up, from each config's results.json tim
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
-from moe_eval.results import result_files
+from moe_eval.record import records
 
 GATE_TIMINGS = ("decode_seconds", "golden_seconds")  # what the gate adds to a config's run
 
@@ -31,9 +30,7 @@ def read_times(work: Path) -> dict[str, float]:
 
 
 def gate_seconds(run: Path, keys: tuple[str, ...] = GATE_TIMINGS) -> float:
-    return sum(
-        json.loads(p.read_text()).get("timings", {}).get(k, 0.0) for p in result_files(run) for k in keys
-    )
+    return sum(r.bookkeeping.timings.get(k, 0.0) for r in records(run) for k in keys)
 
 
 def ratio_line(label: str, times: dict[str, float]) -> str:

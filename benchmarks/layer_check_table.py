@@ -25,14 +25,14 @@ from moe_eval.layer_gate import (  # noqa: E402
     read_layer_files,
     summarize,
 )
-from moe_eval.results import RunRecord, result_files  # noqa: E402
+from moe_eval.record import RunRecord, result_files  # noqa: E402
 
 
 def rows(folder: Path) -> list[dict]:
     out = []
     for path in result_files(folder):
         record = RunRecord.read(path)
-        check = record.get("layer_check")
+        check = record.judged.layer_check
         if not isinstance(check, dict) or not (path.parent / "layer-check").is_dir():
             continue  # vLLM's own kernel: no layer check
         limits = LayerCheckLimits(**check["limits"])
@@ -41,15 +41,14 @@ def rows(folder: Path) -> list[dict]:
         ranges = [r for r in summary.ranges if r.rank == "all" and r.ratio is not None]
         worst = max(ranges, key=lambda r: r.ratio, default=None)
         flagged = [c for c in summary.experts if c.slots >= MIN_SLOTS and c.off(limits)]
-        golden = record.get("golden_gate") or {}
-        strict = (record.get("scores") or {}).get("strict-match", {})
+        golden = record.judged.golden_gate or {}
         out.append(
             {
                 "run": folder.name,
                 "config": f"{path.parent.parent.name}/{path.parent.name}",
-                "mutation": record.get("mutation"),
+                "mutation": record.mutation,
                 "status": record.status,
-                "accuracy": strict.get("accuracy"),
+                "accuracy": record.accuracy,
                 "golden_ratio": golden.get("ratio"),
                 "golden_failed": (golden.get("rule") or {}).get("failed"),
                 "worst_range": worst and {"range": worst.range, "ratio": worst.ratio, "rows": worst.rows},
@@ -66,7 +65,7 @@ def rows(folder: Path) -> list[dict]:
                     }
                     for c in flagged
                 ],
-                "failed_checks": [c["name"] for c in record.get("checks", []) if not c["passed"]],
+                "failed_checks": [c.name for c in record.verdict.checks if not c.passed],
                 "layer_checks_failed_now": [c.name for c in judged_now if not c.passed],
             }
         )

@@ -12,38 +12,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moe_eval.record import RunRecord  # noqa: E402
+
 
 def row(results: Path) -> dict[str, Any]:
-    r = json.loads(results.read_text())
-    div, gate = r.get("divergence") or {}, r.get("golden_gate") or {}
-    checks = r.get("checks", [])
+    r = RunRecord.read(results)
+    div, gate = r.judged.divergence or {}, r.judged.golden_gate or {}
+    serving, timings = r.serving, r.bookkeeping.timings
     return {
         "config": f"{results.parent.parent.name}/{results.parent.name}",
         "run": results.parent.parent.parent.name,
-        "model": r["config"]["model_name"],
-        "layout": r["layout"]["describe"],
-        "kernel": r.get("moe_backend_used"),
-        "status": r["status"],
-        "failed_checks": [c["name"] for c in checks if not c["passed"]],
+        "model": r.config["model_name"],
+        "layout": r.layout,
+        "kernel": serving.moe_backend_used,
+        "status": r.status,
+        "failed_checks": [c.name for c in r.verdict.checks if not c.passed],
         "divergence_mean_abs": div.get("mean_abs_dlogp"),
         "divergence_top1_flip_rate": div.get("top1_flip_rate"),
         "golden_error": (gate.get("run") or {}).get("mean_abs"),
         "golden_ratio": gate.get("ratio"),
         "golden_p": gate.get("p"),
         "golden_power_scale_error": (gate.get("power") or {}).get("scale_error"),
-        "startup_seconds": r["timings"].get("startup_seconds"),
-        "eval_seconds": r["timings"].get("eval_seconds"),
-        "golden_seconds": r["timings"].get("golden_seconds"),
-        "gpu_memory_logged": r.get("gpu_memory_logged"),
-        "jit_while_serving": (r.get("jit_while_serving") or {}).get("count"),
-        "kernel_calls": (r.get("bundled_kernel_calls") or {}).get("calls"),
-        "kernel_calls_counted_on": (r.get("bundled_kernel_calls") or {}).get("counted_on"),
-        "mutation": r.get("mutation"),
-        "versions": {k: r["versions"].get(k) for k in ("vllm", "torch")},
-        "gpus": r["hardware"].get("gpus"),
+        "startup_seconds": timings.get("startup_seconds"),
+        "eval_seconds": timings.get("eval_seconds"),
+        "golden_seconds": timings.get("golden_seconds"),
+        "gpu_memory_logged": serving.gpu_memory_logged or None,
+        "jit_while_serving": serving.jit_while_serving.get("count"),
+        "kernel_calls": serving.bundled_kernel_calls.get("calls"),
+        "kernel_calls_counted_on": serving.bundled_kernel_calls.get("counted_on"),
+        "mutation": r.mutation,
+        "versions": {k: r.environment.versions.get(k) for k in ("vllm", "torch")},
+        "gpus": r.environment.hardware.gpus,
     }
 
 

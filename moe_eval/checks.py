@@ -15,7 +15,8 @@ from typing import Any
 
 from moe_eval.config import EvalConfig
 from moe_eval.errors import ConfigError
-from moe_eval.results import FAILED, INCOMPLETE, PASSED, RunRecord, UnreadableRecord, result_files
+from moe_eval.gates.check import Check
+from moe_eval.record import RunRecord, UnreadableRecord, result_files
 from moe_eval.stats import PairedResult, paired_compare
 
 INVALID = "[invalid]"  # what lm-eval's regex filters leave when they find nothing
@@ -23,23 +24,6 @@ LOGPROBS_FILE = (
     "logprobs.jsonl"  # a config's scored log-probabilities (moe_eval.logprobs), beside results.json
 )
 DECODE_FILE = "decode.jsonl"  # its greedy continuations with their log-probabilities (the decode path)
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    passed: bool
-    detail: str
-    ran: bool = True  # False: a gate the config calls for could not run ("<gate>_not_run", moe_eval.gates)
-
-    def as_dict(self) -> dict:
-        return {"name": self.name, "passed": self.passed, "detail": self.detail} | (
-            {} if self.ran else {"ran": False}
-        )
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Check:
-        return cls(d["name"], d["passed"], d["detail"], d.get("ran", True))
 
 
 def first_response(sample: dict) -> str:
@@ -126,13 +110,13 @@ def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
         if (
             record.has_verdict
             and cfg.get("model_name") == config.model_name
-            and record.get("num_questions_evaluated") == config.num_questions
+            and record.evaluation.num_questions_evaluated == config.num_questions
             and cfg.get("num_fewshot") == config.num_fewshot
         ):
             # The same family folder and file name first (canary-tp/X and canary-tep/X share a name), then
             # the name.
-            same_folder = Path(record.get("config_path", "")).parent.name == config.path.parent.name
-            candidates.append((record.get("config_name") == config.name, same_folder, path))
+            same_folder = Path(record.identity.config_path).parent.name == config.path.parent.name
+            candidates.append((record.identity.config_name == config.name, same_folder, path))
     if not candidates:
         raise ConfigError(
             f"--baseline: value '{baseline_root}' holds no finished result for model "
@@ -168,7 +152,7 @@ def load_baseline(results_path: Path, what: str, record: RunRecord | None = None
         results_path,
         correctness(samples),
         logprobs if logprobs.is_file() else None,
-        record.get("moe_backend_used"),
+        record.serving.moe_backend_used,
         record.layout,
         decode if decode.is_file() else None,
     )
@@ -180,14 +164,3 @@ def paired_check(baseline: Baseline, correct: dict[int, bool], alpha: float) -> 
     return Check(
         "paired_gate", result.passed, result.describe() + f" [baseline {baseline.results_path}]"
     ), result
-
-
-def verdict(checks: list[Check]) -> str:
-    """A finished config's verdict from its checks, and nothing else: failed when a check that ran failed;
-    else incomplete when a gate that is not optional could not run, or nothing was judged at all; else
-    passed."""
-    if any(c.ran and not c.passed for c in checks):
-        return FAILED
-    if not checks or any(not c.passed for c in checks):
-        return INCOMPLETE
-    return PASSED

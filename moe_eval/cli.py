@@ -398,8 +398,10 @@ def resumable_outcomes(
     index -> its baseline's index, baselines first) is kept too: a row compared with a baseline that runs
     again would keep a verdict against numbers that no longer exist. The others' old files move to
     attempts/."""
+    from moe_eval.gates.check import FAILED, PASSED
     from moe_eval.gsm8k import same_questions
-    from moe_eval.results import FAILED, PASSED, RESULTS_FILE, RunRecord, versions
+    from moe_eval.record import RESULTS_FILE, RunRecord
+    from moe_eval.results import versions
     from moe_eval.runner import ConfigOutcome, config_run_dir, task_data
     from moe_eval.scheduler import ATTEMPTS_DIR, move_run_files
 
@@ -413,15 +415,15 @@ def resumable_outcomes(
             # An incomplete row runs again: what kept a gate from running (the hub, an incumbent) may be
             # mended since.
             and record.status in (PASSED, FAILED)
-            and record.get("config_sha256") == config.sha256
-            and record.get("versions") == versions()
-            and record.get("num_questions_evaluated") == config.num_questions
-            and same_questions(record.get("gsm8k"), task_data(config, data).describe())
+            and record.identity.config_sha256 == config.sha256
+            and record.environment.versions == versions()
+            and record.evaluation.num_questions_evaluated == config.num_questions
+            and same_questions(record.environment.gsm8k, task_data(config, data).describe())
             and record.mutation == effective_config(config, None, mutation)[1]
             and (baseline is None or baseline in kept)
         )
         if same:
-            outcome = ConfigOutcome.from_record(config, run_dir, record.data)
+            outcome = ConfigOutcome.from_record(config, run_dir, record)
             outcome.resumed = True
             kept[i] = outcome
         elif run_dir.is_dir() and any(e.name != ATTEMPTS_DIR for e in run_dir.iterdir()):
@@ -442,32 +444,32 @@ def write_run_reports(
     cancelled_by: str | None = None,
 ) -> None:
     """summary.json and summary.md in the run folder, the JUnit file, GitHub's step summary."""
+    from moe_eval.record import RunSummary, SummaryEntry
     from moe_eval.report import markdown
-    from moe_eval.results import atomic_write_json, atomic_write_text
+    from moe_eval.results import atomic_write_text
 
-    summary = {
-        "hw": hw,
-        "source": source,
-        "run_root": str(run_root),
-        "complete": not not_started and all(o.status != "cancelled" for o in outcomes),
-        "cancelled_by": cancelled_by,
-        "configs": [
-            {
-                "config": str(o.config.path),
-                "status": o.status,
-                "run_dir": str(o.run_dir),
-                "error": o.error,
-                "gate": o.gate.as_dict() if o.gate else None,
-                "checks": [c.as_dict() for c in o.checks],
-                "moe_backend_used": o.moe_backend_used,
-                "attempts": len(o.attempts) + 1,
-                "resumed": o.resumed,
-            }
+    RunSummary(
+        hw=hw,
+        source=source,
+        run_root=str(run_root),
+        complete=not not_started and all(o.status != "cancelled" for o in outcomes),
+        cancelled_by=cancelled_by,
+        configs=[
+            SummaryEntry(
+                config=str(o.config.path),
+                status=o.status,
+                run_dir=str(o.run_dir),
+                error=o.error,
+                gate=o.gate.as_dict() if o.gate else None,
+                checks=o.checks,
+                moe_backend_used=o.moe_backend_used,
+                attempts=len(o.attempts) + 1,
+                resumed=o.resumed,
+            )
             for o in outcomes
         ]
-        + [{"config": str(c.path), "status": "not_started"} for c in not_started],
-    }
-    atomic_write_json(run_root / "summary.json", summary)
+        + [SummaryEntry(config=str(c.path), status="not_started") for c in not_started],
+    ).write(run_root)
     if not outcomes:
         return
     table = markdown(outcomes)

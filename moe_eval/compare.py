@@ -33,8 +33,8 @@ from moe_eval.errors import ConfigError
 from moe_eval.gsm8k import FILTERS
 from moe_eval.logprobs import TextLogprobs, divergence, read_logprobs
 from moe_eval.plugin_protocol import layer_range_names
+from moe_eval.record import RunRecord, UnreadableRecord, result_files
 from moe_eval.report import divergence_cell, markdown_table, rich_table
-from moe_eval.results import RunRecord, UnreadableRecord, result_files
 from moe_eval.stats import paired_compare
 
 DEFAULT_REFERENCE = "vllm"
@@ -85,17 +85,17 @@ def load_run(path: Path) -> RunResult | None:
         raise ConfigError(f"compare: not a moe-eval results.json: {exc}") from None
     if not record.has_verdict:
         return None
-    samples_path = path.parent / record.get("samples", "samples.jsonl")
+    samples_path = path.parent / (record.evaluation.samples or "samples.jsonl")
     try:
         samples = [json.loads(line) for line in samples_path.read_text().splitlines() if line.strip()]
     except OSError as exc:
         raise ConfigError(f"compare: {samples_path}: per-question samples missing ({exc})") from None
-    backend = record.get("moe_backend_used") or record.get("moe_backend_requested") or "vllm"
-    mutation = record.get("mutation")
+    backend = record.serving.moe_backend_used or record.serving.moe_backend_requested or "vllm"
+    mutation = record.mutation
     label = f"{backend} {record.layout}"
     if mutation:  # a broken kernel on purpose: its column must never pass for a real one
         label += f" [mutated: {mutation}]"
-    golden = record.get("golden") if isinstance(record.get("golden"), dict) else {}
+    golden = record.captures.golden if isinstance(record.captures.golden, dict) else {}
     correct = correctness(samples)
     logprobs = path.parent / LOGPROBS_FILE
     return RunResult(
@@ -103,7 +103,7 @@ def load_run(path: Path) -> RunResult | None:
         model=record.config["model_name"],
         label=label,
         num_fewshot=record.config["num_fewshot"],
-        scores=record["scores"],
+        scores=record.evaluation.scores or {},
         verdict=record.status.upper(),
         correct=correct,
         logprobs=logprobs if logprobs.is_file() else None,
@@ -111,7 +111,7 @@ def load_run(path: Path) -> RunResult | None:
         mutation=mutation or None,
         golden_digest=golden.get("digest"),
         golden_path=Path(golden["path"]) if golden.get("path") else None,
-        layer_check=record.get("layer_check") if isinstance(record.get("layer_check"), dict) else None,
+        layer_check=record.judged.layer_check if isinstance(record.judged.layer_check, dict) else None,
     )
 
 

@@ -30,11 +30,10 @@ def measure_golden(
     data: Gsm8kData,
     model: str,
     run_dir: Path,
-    record: dict[str, Any],
     timings: dict[str, float],
-) -> GoldenRecord:
+) -> tuple[GoldenRecord, dict[str, Any]]:
     """The golden reference for this config's model, texts, vLLM and device: from the cache, else made
-    now on this run's GPUs or cores (the config's own server is down by then). Writes results.json's
+    now on this run's GPUs or cores (the config's own server is down by then); with results.json's
     `golden` (which record, made now or cached, its cost)."""
     started = time.monotonic()
     store = GoldenStore(options.golden_cache or cache_dir())
@@ -55,5 +54,7 @@ def measure_golden(
     )
     golden, made_now = ensure_golden(plan, config, place, store)
     timings["golden_seconds"] = time.monotonic() - started
-    record["golden"] = golden.describe() | {"made_now": made_now, "seconds": timings["golden_seconds"]}
-    return GoldenRecord(golden.key.digest, str(golden.path), golden.prefill, golden.decode, golden.probe)
+    described = golden.describe() | {"made_now": made_now, "seconds": timings["golden_seconds"]}
+    return GoldenRecord(
+        golden.key.digest, str(golden.path), golden.prefill, golden.decode, golden.probe
+    ), described

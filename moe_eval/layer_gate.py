@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moe_eval.checks import Check
+from moe_eval.gates.check import Check
 from moe_eval.plugin_protocol import LAYER_CHECK_DIR, LAYER_RANGE_EDGES, layer_range_names
 
 MIN_ROWS = 8  # rows a range needs before its error ratio is judged (and before it counts as covered)

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from moe_eval.checks import Check
 from moe_eval.errors import ConfigError, InfraError
+from moe_eval.gates.check import Check
 from moe_eval.results import atomic_write_text
 
 # --- stage 1: the texts ------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from moe_eval.runner import STATUSES
+from moe_eval.gates.check import STATUSES
 from moe_eval.status import Status, progress_line
 
 PLAIN_INTERVAL_SECONDS = 30.0

@@ -1,4 +1,4 @@
-"""Writing results so that none is lost: atomic files, one folder per config, versions recorded."""
+"""Writing results so that none is lost: atomic files, versions recorded (the record: moe_eval.record)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,6 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any
-
-RESULTS_SCHEMA_VERSION = 5
-RESULTS_FILE = "results.json"  # one per config run folder, read and written by RunRecord only
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -36,11 +33,6 @@ def append_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as fh:
         fh.write(text)
-
-
-def result_files(root: Path) -> list[Path]:
-    """Every config's results.json under a run folder, leaving out earlier attempts (attempts/<n>/)."""
-    return sorted(p for p in root.rglob(RESULTS_FILE) if "attempts" not in p.relative_to(root).parts[:-1])
 
 
 def _json_safe(value: Any) -> Any:
@@ -101,90 +93,3 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-# --- results.json: the one record type that reads and writes it ------------------------------------
-
-PASSED, FAILED, INCOMPLETE = "passed", "failed", "incomplete"
-# A config's end that is a verdict; "error" and "cancelled" are not. Incomplete: a gate the config calls
-# for could not run (moe_eval.gates), and the config did not declare it optional.
-VERDICTS = (PASSED, FAILED, INCOMPLETE)
-
-
-class UnreadableRecord(ValueError):
-    """A results.json that is missing, not JSON, not an object, or of a schema newer than this moe-eval's."""
-
-
-class RunRecord:
-    """One config's results.json (docs/results.schema.json): loaded and validated by `read`, written whole
-    and atomically by `write`; the questions its readers ask are properties, the rest is `get`."""
-
-    def __init__(self, data: dict[str, Any], path: Path | None = None) -> None:
-        self.data = data
-        self.path = path
-
-    @classmethod
-    def read(cls, path: Path) -> RunRecord:
-        """UnreadableRecord (naming the file) when the file cannot be read as a record of a known schema."""
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise UnreadableRecord(f"{path}: cannot read a results record ({exc})") from None
-        if not isinstance(data, dict):
-            raise UnreadableRecord(f"{path}: not a results record (a JSON {type(data).__name__})")
-        version = data.get("schema_version", 1)
-        if not isinstance(version, int) or version > RESULTS_SCHEMA_VERSION:
-            raise UnreadableRecord(
-                f"{path}: results schema version {version!r}; this moe-eval reads up to "
-                f"{RESULTS_SCHEMA_VERSION}"
-            )
-        return cls(data, path)
-
-    @classmethod
-    def read_if_any(cls, path: Path) -> RunRecord | None:
-        """The record, or None where the file is missing or unreadable (a config that never got to write)."""
-        try:
-            return cls.read(path)
-        except UnreadableRecord:
-            return None
-
-    def write(self, path: Path | None = None) -> None:
-        target = path or self.path
-        if target is None:
-            raise ValueError("RunRecord.write: no path")
-        atomic_write_json(target, self.data)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.data.get(key, default)
-
-    def __getitem__(self, key: str) -> Any:
-        return self.data[key]
-
-    @property
-    def status(self) -> str:
-        return self.data.get("status", "error")
-
-    @property
-    def has_verdict(self) -> bool:
-        """passed or failed: the config ran to its gates (what --baseline, --resume and compare can use)."""
-        return self.status in VERDICTS
-
-    @property
-    def config(self) -> dict[str, Any]:
-        return self.data.get("config") or {}
-
-    @property
-    def layout(self) -> str | None:
-        return (self.data.get("layout") or {}).get("describe")
-
-    @property
-    def mutation(self) -> str | None:
-        return self.data.get("mutation")
-
-    @property
-    def attempt(self) -> int:
-        return self.data.get("attempt", 1)
-
-    @property
-    def error_message(self) -> str:
-        return (self.data.get("error") or {}).get("message", "")

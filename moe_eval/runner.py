@@ -25,7 +25,6 @@ from moe_eval.checks import (
     DECODE_FILE,
     LOGPROBS_FILE,
     Baseline,
-    Check,
     answer_stats,
     correctness,
     first_response,
@@ -34,6 +33,7 @@ from moe_eval.checks import (
 from moe_eval.config import EvalConfig
 from moe_eval.errors import ConfigError, InfraError, MoeEvalError
 from moe_eval.gate import GateResult
+from moe_eval.gates.check import VERDICTS, Check
 from moe_eval.gates.judge import Answers, Measurements, judge
 from moe_eval.gsm8k import Gsm8kData, canary_data, run_gsm8k
 from moe_eval.layer_gate import read_layer_files, summarize
@@ -51,15 +51,21 @@ from moe_eval.logprobs import (
 )
 from moe_eval.models import resolve_model
 from moe_eval.plugin_protocol import DEFAULT_MAX_TOKENS, STATS_INTERVAL_SECONDS
-from moe_eval.results import (
+from moe_eval.record import (
     RESULTS_FILE,
-    RESULTS_SCHEMA_VERSION,
-    VERDICTS,
+    Attempt,
+    Environment,
+    Evaluation,
+    Hardware,
+    Identity,
+    Judged,
+    LayoutInfo,
+    RunError,
     RunRecord,
-    cpu_model,
-    versions,
-    write_samples,
+    ServerInfo,
 )
+from moe_eval.record import Progress as ProgressRecord
+from moe_eval.results import cpu_model, versions, write_samples
 from moe_eval.server_log import (
     bundled_kernel_lines,
     jit_while_serving,
@@ -94,27 +100,25 @@ class RunOptions:
     optional_gates: tuple[str, ...] = ()  # run --optional-gate: beside each config's optional_gates
 
 
-STATUSES = (*VERDICTS, "error", "cancelled")  # a config's end; the first three are verdicts
-
-
 @dataclass
 class ConfigOutcome:
+    """What the scheduler, the report and JUnit read of a finished config: a view of its RunRecord (built by
+    `from_record`, never filled beside it), plus what only the run knows (its folder, resumed)."""
+
     config: EvalConfig
     run_dir: Path
-    status: str = "error"  # one of STATUSES
+    status: str = "error"  # one of moe_eval.gates.check.STATUSES
     gate: GateResult | None = None
     checks: list[Check] = field(default_factory=list)
-    scores: dict[str, dict[str, float]] | None = None
+    scores: dict[str, dict[str, float | None]] | None = None
     moe_backend_used: str | None = None
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
-    attempts: list[dict] = field(default_factory=list)  # earlier attempts (run --retries), oldest first
+    attempts: list[Attempt] = field(default_factory=list)  # earlier attempts (run --retries), oldest first
     resumed: bool = False  # taken as it was from the folder given to run --resume
     detectable_drop: float | None = None  # the accuracy gate's power: the drop it catches 80% of the time
     divergence: dict | None = None  # log-probabilities against the baseline (results.json "divergence")
-    golden_gate: dict | None = (
-        None  # the error against the golden reference, with the incumbent's (results.json)
-    )
+    golden_gate: dict | None = None  # the error against the golden reference, with the incumbent's
     layer_check: dict | None = None  # the served MoE calls against the exact MoE (results.json "layer_check")
 
     @property
@@ -122,30 +126,30 @@ class ConfigOutcome:
         return [c for c in self.checks if not c.passed]
 
     @classmethod
-    def from_record(cls, config: EvalConfig, run_dir: Path, record: dict[str, Any]) -> ConfigOutcome:
+    def from_record(cls, config: EvalConfig, run_dir: Path, record: RunRecord) -> ConfigOutcome:
         """The outcome a results.json describes (written by run_config, maybe in another process)."""
-        gate = record.get("gate")
+        gate = record.judged.gate
         gate = gate if gate and "skipped" not in gate else None
         return cls(
             config=config,
             run_dir=run_dir,
-            status=record.get("status", "error"),
+            status=record.status,
             gate=GateResult(
                 **{k: gate[k] for k in ("accuracy", "stderr", "threshold", "tolerance")},
                 stderr_k=gate.get("stderr_k"),
             )
             if gate
             else None,
-            checks=[Check.from_dict(c) for c in record.get("checks", [])],
-            scores=record.get("scores"),
-            moe_backend_used=record.get("moe_backend_used"),
-            error=(record.get("error") or {}).get("message"),
-            timings=record.get("timings", {}),
-            attempts=record.get("attempts", []),
+            checks=list(record.verdict.checks),
+            scores=record.evaluation.scores,
+            moe_backend_used=record.serving.moe_backend_used,
+            error=record.bookkeeping.error.message if record.bookkeeping.error else None,
+            timings=record.bookkeeping.timings,
+            attempts=list(record.bookkeeping.attempts or []),
             detectable_drop=(gate or {}).get("detectable_drop"),
-            divergence=record.get("divergence"),
-            golden_gate=record.get("golden_gate"),
-            layer_check=record.get("layer_check"),
+            divergence=record.judged.divergence,
+            golden_gate=record.judged.golden_gate,
+            layer_check=record.judged.layer_check,
         )
 
 
@@ -201,66 +205,81 @@ def count_answer_tokens(base_url: str, model: str, samples: list[dict]) -> dict[
 def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
     run_dir = config_run_dir(options.run_root, config)
     run_dir.mkdir(parents=True, exist_ok=True)
-    outcome = ConfigOutcome(config=config, run_dir=run_dir)
     data = task_data(config, options.data)
-    record: dict[str, Any] = _base_record(config, options, data)
+    record = _new_record(config, options, data, run_dir / RESULTS_FILE)
+    timings = record.bookkeeping.timings
     log_path = run_dir / "server.log"
     started = time.monotonic()
     raise_after: BaseException | None = None
     try:
-        _serve_and_evaluate(config, options, data, run_dir, log_path, outcome, record)
+        _serve_and_evaluate(config, options, data, run_dir, log_path, record)
         cancel.raise_if_cancelled()  # a signal that came during the teardown: the run stops here
     except KeyboardInterrupt as exc:  # SIGTERM (moe_eval.cancel) or Ctrl-C: what was done is kept
         signal_name = exc.signal_name if isinstance(exc, cancel.Cancelled) else "SIGINT"
-        if outcome.status not in VERDICTS:  # a verdict reached before the signal stands
-            outcome.status = "cancelled"
-            outcome.error = f"cancelled by {signal_name}"
-            record["error"] = {
-                "type": "Cancelled",
-                "exit_code": cancel.EXIT_CANCELLED,
-                "message": outcome.error,
-            }
-        record["cancelled_by"] = signal_name
+        if record.status not in VERDICTS:  # a verdict reached before the signal stands
+            record.verdict.status = "cancelled"
+            record.bookkeeping.error = RunError(
+                "Cancelled", f"cancelled by {signal_name}", cancel.EXIT_CANCELLED
+            )
+        record.bookkeeping.cancelled_by = signal_name
         raise_after = exc
     except MoeEvalError as exc:
-        outcome.error = str(exc)
-        record["error"] = {"type": type(exc).__name__, "exit_code": int(exc.exit_code), "message": str(exc)}
+        record.bookkeeping.error = RunError(type(exc).__name__, str(exc), int(exc.exit_code))
         raise_after = exc if isinstance(exc, ConfigError) else None
     except BaseException as exc:  # noqa: BLE001  a bug: write what we know, then re-raise
-        outcome.error = f"internal error: {type(exc).__name__}: {exc}"
-        record["error"] = {"type": type(exc).__name__, "message": outcome.error}
+        record.bookkeeping.error = RunError(
+            type(exc).__name__, f"internal error: {type(exc).__name__}: {exc}"
+        )
         raise_after = exc
     finally:
-        log_text = read_log(log_path)
-        outcome.timings["total_seconds"] = time.monotonic() - started
-        if "bundled_kernel_calls" not in record:  # read while the server served, unless it never got there
-            record["bundled_kernel_calls"] = kernel_call_counts(run_dir)
-        record.update(
-            {
-                "moe_backend_requested": config.moe_backend,
-                "moe_backend_used": outcome.moe_backend_used,
-                "vllm_moe_backends_logged": vllm_moe_backends(log_text),
-                "bundled_kernel_logged": bundled_kernel_lines(log_text),
-                "jit_while_serving": jit_while_serving(log_text),
-                "gpu_memory_logged": memory_reported(log_text),
-                "checks": [c.as_dict() for c in outcome.checks],
-                "timings": outcome.timings,
-                "status": outcome.status,
-                "attempt": options.attempt,
-                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            }
-        )
+        timings["total_seconds"] = time.monotonic() - started
+        _read_server_log(record, config, run_dir, log_path)
+        record.bookkeeping.finished_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         if options.status is not None:
-            record["progress"] = {
-                "answered": options.status.status.answered,
-                "total": options.status.status.total,
-                "strict_match_so_far": options.status.status.accuracy_so_far,
-            }
-            options.status.stage(outcome.status)
-        RunRecord(record, run_dir / RESULTS_FILE).write()
+            now = options.status.status
+            record.bookkeeping.progress = ProgressRecord(now.answered, now.total, now.accuracy_so_far)
+            options.status.stage(record.status)
+        record.write()
     if raise_after is not None:
         raise raise_after
-    return outcome
+    return ConfigOutcome.from_record(config, run_dir, record)
+
+
+def _new_record(config: EvalConfig, options: RunOptions, data: Gsm8kData, path: Path) -> RunRecord:
+    """The record as a config starts: what it is and where it runs."""
+    layout = config.layout
+    record = RunRecord(
+        identity=Identity(
+            config_path=str(config.path),
+            config_sha256=config.sha256,
+            config_name=config.name,
+            config=config.resolved(),
+            layout=LayoutInfo(layout.kind.value, layout.describe(), layout.world_size),
+            mutation=options.mutation,
+        ),
+        environment=Environment(
+            hardware=Hardware(options.hw, list(options.gpus), cpu_model()),
+            versions=versions(),
+            gsm8k=data.describe(),
+        ),
+        path=path,
+    )
+    record.serving.moe_backend_requested = config.moe_backend
+    record.bookkeeping.started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    record.bookkeeping.attempt = options.attempt
+    return record
+
+
+def _read_server_log(record: RunRecord, config: EvalConfig, run_dir: Path, log_path: Path) -> None:
+    """What the server's log and the kernel's counters say, however far the config got."""
+    serving = record.serving
+    log_text = read_log(log_path)
+    if not serving.bundled_kernel_calls:  # read while the server served, unless it never got there
+        serving.bundled_kernel_calls = kernel_call_counts(run_dir)
+    serving.vllm_moe_backends_logged = vllm_moe_backends(log_text)
+    serving.bundled_kernel_logged = bundled_kernel_lines(log_text)
+    serving.jit_while_serving = jit_while_serving(log_text)
+    serving.gpu_memory_logged = memory_reported(log_text)
 
 
 def _stage(options: RunOptions, name: str) -> None:
@@ -274,14 +293,14 @@ def _serve_and_evaluate(
     data: Gsm8kData,
     run_dir: Path,
     log_path: Path,
-    outcome: ConfigOutcome,
-    record: dict[str, Any],
+    record: RunRecord,
 ) -> None:
     if options.baseline_error is not None:
         raise InfraError(options.baseline_error)
+    timings = record.bookkeeping.timings
     _stage(options, "preparing the model")
     model = resolve_model(config.model_name)
-    record["model_path"] = model
+    record.environment.model_path = model
     port = options.port or launch.free_port()
     spec = launch.ServerSpec(
         model=model,
@@ -302,21 +321,22 @@ def _serve_and_evaluate(
         devices=options.devices,
         layer_check=config.layer_checked,
     )
-    record["server"] = {
-        "argv": spec.argv,
-        "port": port,
-        "env": launch.allowlisted_env(env),
-        "log": str(log_path),
-        "devices": list(options.devices) if options.devices is not None else None,
-    }
+    record.environment.server = ServerInfo(
+        argv=spec.argv,
+        port=port,
+        env=launch.allowlisted_env(env),
+        log=str(log_path),
+        devices=list(options.devices) if options.devices is not None else None,
+    )
     options.progress(f"  starting vLLM ({config.layout.describe()}) on port {port}; log: {log_path}")
     _stage(options, "starting the server")
     with launch.VllmServer(spec, env, progress=options.progress) as server:
-        outcome.timings["startup_seconds"] = server.startup_seconds or 0.0
+        timings["startup_seconds"] = server.startup_seconds or 0.0
         # Checked before the evaluation: answers from the wrong kernel would prove nothing.
-        outcome.moe_backend_used = verify_moe_backend(config.moe_backend, config.name, read_log(log_path))
+        served_by = verify_moe_backend(config.moe_backend, config.name, read_log(log_path))
+        record.serving.moe_backend_used = served_by
         options.progress(
-            f"  server ready in {server.startup_seconds:.1f} s; MoE kernel: {outcome.moe_backend_used}; "
+            f"  server ready in {server.startup_seconds:.1f} s; MoE kernel: {served_by}; "
             f"GSM8K {config.num_questions} questions, {config.num_fewshot}-shot"
         )
         _stage(options, "evaluating")
@@ -334,46 +354,41 @@ def _serve_and_evaluate(
             server.check_alive("during the evaluation")  # a dead server explains the failure better
             raise
         server.check_alive("during the evaluation")
-        outcome.timings["eval_seconds"] = time.monotonic() - eval_started
+        timings["eval_seconds"] = time.monotonic() - eval_started
         _stage(options, "counting answer tokens")
         token_counts = count_answer_tokens(server.base_url, model, result.samples)
-        logprobs, decode = _score_logprobs(
-            config, options, data, server.base_url, model, run_dir, outcome, record
-        )
+        logprobs, decode = _score_logprobs(config, options, data, server.base_url, model, run_dir, record)
         if config.layer_checked:
             _stage(options, "layer check: reaching every dispatch range")
-            record["layer_sweep"] = _layer_sweep(config, data, server.base_url, model, run_dir, outcome)
+            record.captures.layer_sweep = _layer_sweep(config, data, server.base_url, model, run_dir, timings)
         # Read while the server still runs: the counters' flusher thread wrote them within its interval.
         time.sleep(2 * STATS_INTERVAL_SECONDS)
-        record["bundled_kernel_calls"] = kernel_call_counts(run_dir)
+        record.serving.bundled_kernel_calls = kernel_call_counts(run_dir)
         layer_summary = summarize(read_layer_files(run_dir)) if config.layer_checked else None
         _stage(options, "stopping the server")
     write_samples(run_dir / "samples.jsonl", result.samples)
-    outcome.scores = result.scores
     stats = answer_stats(result.samples, token_counts, config.max_tokens)
     baseline = options.baselines.get(config.path)
     measured = Measurements(
-        moe_backend_used=outcome.moe_backend_used,
+        moe_backend_used=served_by,
         answers=Answers(result.scores, result.num_questions, stats, correctness(result.samples)),
         jit=jit_while_serving(read_log(log_path)),
-        kernel_calls=record["bundled_kernel_calls"],
+        kernel_calls=record.serving.bundled_kernel_calls,
         layer=layer_summary,
         logprobs=logprobs,
         decode=decode,
-        logprobs_skipped=(record.get("logprobs") or {}).get("skipped"),
+        logprobs_skipped=(record.captures.logprobs or {}).get("skipped"),
         incumbent=baseline,
         incumbent_logprobs=_read_if(baseline and baseline.logprobs_path),
         incumbent_decode=_read_if(baseline and baseline.decode_path),
     )
     # Scores first: a golden that cannot be made must not take the evaluation's numbers with it.
-    record.update(
-        {
-            "scores": result.scores,
-            "num_questions_evaluated": result.num_questions,
-            "answers": stats,
-            "lm_eval": result.lm_eval_config,
-            "samples": "samples.jsonl",
-        }
+    record.evaluation = Evaluation(
+        scores=result.scores,
+        num_questions_evaluated=result.num_questions,
+        answers=stats,
+        lm_eval=result.lm_eval_config,
+        samples="samples.jsonl",
     )
     # The golden is made (a server) only where the judge can compare with it: both sides scored texts.
     if config.golden_gated and measured.logprobs is not None and measured.incumbent_logprobs is not None:
@@ -382,15 +397,13 @@ def _serve_and_evaluate(
         cancel.raise_if_cancelled()  # a signal during the teardown: no golden server starts after it
 
         _stage(options, "comparing with the golden reference")
-        measured.golden = measure_golden(config, options, data, model, run_dir, record, outcome.timings)
+        measured.golden, record.captures.golden = measure_golden(
+            config, options, data, model, run_dir, timings
+        )
     judgement = judge(config, measured, frozenset(config.optional_gates) | set(options.optional_gates))
-    record.update(judgement.sections)
-    outcome.checks = judgement.checks
-    outcome.gate, outcome.detectable_drop = judgement.gate, judgement.detectable_drop
-    outcome.divergence = record.get("divergence")
-    outcome.layer_check = record.get("layer_check")
-    outcome.golden_gate = record.get("golden_gate")
-    outcome.status = judgement.verdict
+    record.judged = Judged(**judgement.sections)
+    record.verdict.checks = judgement.checks
+    record.verdict.status = judgement.verdict
 
 
 def _read_if(path: Path | None) -> list[TextLogprobs] | None:
@@ -404,17 +417,17 @@ def _score_logprobs(
     base_url: str,
     model: str,
     run_dir: Path,
-    outcome: ConfigOutcome,
-    record: dict[str, Any],
+    record: RunRecord,
 ) -> tuple[list[TextLogprobs] | None, list[TextLogprobs] | None]:
     """Log-probabilities of logprob_texts fixed texts on the running server, kept in logprobs.jsonl, and the
     greedy continuations of decode_texts prompts (decode.jsonl)."""
     if config.logprob_texts == 0:
         return None, None
+    captures, timings = record.captures, record.bookkeeping.timings
     train, test = data.train_rows(), data.test_rows()
     if not test:
         why = f"no scoring texts: {data.unavailable() or 'the questions are empty'}"
-        record["logprobs"] = {"skipped": why}
+        captures.logprobs = {"skipped": why}
         return None, None
     _stage(options, "scoring log-probabilities")
     started = time.monotonic()
@@ -431,8 +444,8 @@ def _score_logprobs(
         retries=max(config.max_retries, 1),
     )
     write_logprobs(run_dir / LOGPROBS_FILE, records)
-    outcome.timings["logprob_seconds"] = time.monotonic() - started
-    record["logprobs"] = {
+    timings["logprob_seconds"] = time.monotonic() - started
+    captures.logprobs = {
         "file": LOGPROBS_FILE,
         "texts": len(records),
         "positions": sum(len(r) - 1 for r in records),
@@ -453,8 +466,8 @@ def _score_logprobs(
             retries=max(config.max_retries, 1),
         )
         write_logprobs(run_dir / DECODE_FILE, decode)
-        outcome.timings["decode_seconds"] = time.monotonic() - started
-        record["decode"] = {
+        timings["decode_seconds"] = time.monotonic() - started
+        captures.decode = {
             "file": DECODE_FILE,
             "prompts": len(decode),
             "max_tokens": config.decode_tokens,
@@ -464,7 +477,7 @@ def _score_logprobs(
 
 
 def _layer_sweep(
-    config: EvalConfig, data: Gsm8kData, base_url: str, model: str, run_dir: Path, outcome: ConfigOutcome
+    config: EvalConfig, data: Gsm8kData, base_url: str, model: str, run_dir: Path, timings: dict[str, float]
 ) -> dict[str, Any]:
     """The requests that take the server's MoE calls through every dispatch range (moe_eval.layer_sweep)."""
     started = time.monotonic()
@@ -482,25 +495,5 @@ def _layer_sweep(
         timeout=timeout,
         retries=max(config.max_retries, 1),
     )
-    outcome.timings["layer_sweep_seconds"] = time.monotonic() - started
+    timings["layer_sweep_seconds"] = time.monotonic() - started
     return sent
-
-
-def _base_record(config: EvalConfig, options: RunOptions, data: Gsm8kData) -> dict[str, Any]:
-    return {
-        "schema_version": RESULTS_SCHEMA_VERSION,
-        "config_path": str(config.path),
-        "config_sha256": config.sha256,
-        "config_name": config.name,
-        "config": config.resolved(),
-        "layout": {
-            "kind": config.layout.kind.value,
-            "describe": config.layout.describe(),
-            "world_size": config.layout.world_size,
-        },
-        "hardware": {"selected": options.hw, "gpus": list(options.gpus), "cpu": cpu_model()},
-        "versions": versions(),
-        "gsm8k": data.describe(),
-        "mutation": options.mutation,
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }

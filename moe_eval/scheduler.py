@@ -33,7 +33,7 @@ from moe_eval.config import EvalConfig
 from moe_eval.devices import DevicePool
 from moe_eval.launch import free_port
 from moe_eval.plugin_protocol import RUN_DIR_ENV
-from moe_eval.results import RESULTS_FILE, RunRecord
+from moe_eval.record import RESULTS_FILE, Attempt, RunRecord
 from moe_eval.runner import ConfigOutcome, config_run_dir
 from moe_eval.status import STATUS_FILE, Status, read_status
 from moe_eval.worker import JOB_FILE, LOG_FILE, Job
@@ -90,7 +90,7 @@ class Scheduler:
         # A dependency outside this list (kept by --resume) finished in an earlier run: never waited for.
         self.scheduled = {p.index for p in planned}
         self.attempt = {p.index: 1 for p in planned}
-        self.history: dict[int, list[dict]] = {p.index: [] for p in planned}
+        self.history: dict[int, list[Attempt]] = {p.index: [] for p in planned}
         self.running: list[_Running] = []
         self.done: dict[int, ConfigOutcome] = {}
         self.free = list(options.pool.ids)
@@ -235,25 +235,20 @@ class Scheduler:
                 status="cancelled" if self.signals else "error",
                 error=f"{why}; see {run_dir / LOG_FILE}",
             )
-        return ConfigOutcome.from_record(config, run_dir, record.data)
+        return ConfigOutcome.from_record(config, run_dir, record)
 
-    def _archive(self, outcome: ConfigOutcome, attempt: int) -> dict:
+    def _archive(self, outcome: ConfigOutcome, attempt: int) -> Attempt:
         """Move an attempt's files into attempts/<n>/, so the next attempt starts clean and this one is
         kept."""
         target = outcome.run_dir / ATTEMPTS_DIR / str(attempt)
         move_run_files(outcome.run_dir, target)
-        return {
-            "attempt": attempt,
-            "status": outcome.status,
-            "error": outcome.error,
-            "folder": str(target.relative_to(outcome.run_dir)),
-        }
+        return Attempt(attempt, outcome.status, outcome.error, str(target.relative_to(outcome.run_dir)))
 
     def _record_attempts(self, outcome: ConfigOutcome) -> None:
         record = RunRecord.read_if_any(outcome.run_dir / RESULTS_FILE)
         if record is None:
             return
-        record.data["attempts"] = outcome.attempts
+        record.bookkeeping.attempts = outcome.attempts
         record.write()
 
 

@@ -114,7 +114,7 @@ def _baseline_config(config, job: Job, run_root: Path):
     """The Baseline that config's baseline_config left in this run's folder, or why there is none."""
     from moe_eval.checks import load_baseline
     from moe_eval.config import load_config
-    from moe_eval.results import RESULTS_FILE, RunRecord
+    from moe_eval.record import RESULTS_FILE, RunRecord
     from moe_eval.runner import config_run_dir
 
     baseline = load_config(config.baseline_config_path)

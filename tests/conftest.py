@@ -9,6 +9,7 @@ both."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -124,6 +125,27 @@ def run_cli(
         check=False,
     )
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+def results_json(path: Path) -> dict:
+    """A config's results.json, read through moe_eval.record (the one reader) and held to the file: the
+    typed record gives back every key and value the file has."""
+    from moe_eval.record import RunRecord
+
+    raw = json.loads(path.read_text())
+    typed = json.loads(json.dumps(RunRecord.read(path).to_json()))
+    assert typed == raw, f"{path}: the typed record does not read the file as written"
+    return typed
+
+
+def summary_json(path: Path) -> dict:
+    """A run's summary.json, read through moe_eval.record and held to the file like results_json."""
+    from moe_eval.record import RunSummary, to_json
+
+    raw = json.loads(path.read_text())
+    typed = json.loads(json.dumps(to_json(RunSummary.read(path))))
+    assert typed == raw, f"{path}: the typed summary does not read the file as written"
+    return typed
 
 
 def processes_with_env(marker_key: str, marker_prefix: str) -> list[str]:

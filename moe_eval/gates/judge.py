@@ -13,10 +13,11 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from moe_eval.checks import Baseline, Check, garbage_checks, paired_check, verdict
+from moe_eval.checks import Baseline, garbage_checks, paired_check
 from moe_eval.config import EvalConfig
 from moe_eval.errors import InfraError
 from moe_eval.gate import GateResult
+from moe_eval.gates.check import Check, verdict
 from moe_eval.gates.table import NOT_RUN_SUFFIX, Gate, planned
 from moe_eval.golden import PROBE_SCALE_ERROR
 from moe_eval.golden_gate import (

@@ -4,7 +4,6 @@ signal or kill a run at a chosen moment. Every path is under tmp_path/out (conft
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.conftest import REPO_ROOT, processes_with_env
+from tests.conftest import REPO_ROOT, processes_with_env, results_json
 
 
 def start_run(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -67,7 +66,7 @@ def result_record(tmp_path: Path, name: str) -> dict | None:
     """Config `name`'s results.json (its last attempt), or None."""
     for path in (tmp_path / "out").rglob("results.json"):
         if path.parent.name == name and "attempts" not in path.parts:
-            return json.loads(path.read_text())
+            return results_json(path)
     return None
 
 

@@ -9,7 +9,6 @@ run carries in its environment.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_args, tiny_config
+from tests.conftest import results_json, run_args, summary_json, tiny_config
 from tests.harness.running import (
     evaluating,
     left_running,
@@ -51,7 +50,7 @@ def test_cancel_during_evaluation_is_130_and_the_next_config_never_starts(tmp_pa
     assert record["status"] == "cancelled" and record["cancelled_by"] == sig.name
     assert record["error"]["exit_code"] == 130 and record["progress"]["answered"] >= 4  # partial results kept
     assert server_log(tmp_path, second.stem) is None, "a config started after the cancel"
-    summary = json.loads((run_root(tmp_path) / "summary.json").read_text())
+    summary = summary_json(run_root(tmp_path) / "summary.json")
     assert summary["cancelled_by"] == sig.name and summary["complete"] is False
     assert [c["status"] for c in summary["configs"]] == ["cancelled", "not_started"]
     assert not left_running(tmp_path), left_running(tmp_path)
@@ -149,9 +148,7 @@ def test_retry_after_the_server_was_killed_mid_evaluation_passes(tmp_path, gsm8k
         "attempts"
     ][0]["error"]
     first = Path(record["server"]["log"]).parent / record["attempts"][0]["folder"]
-    assert (first / "server.log").exists() and json.loads((first / "results.json").read_text())[
-        "status"
-    ] == "error"
+    assert (first / "server.log").exists() and results_json(first / "results.json")["status"] == "error"
     assert "retrying with a fresh server" in stderr
     assert not left_running(tmp_path), left_running(tmp_path)
 
@@ -177,7 +174,7 @@ def test_resume_after_an_interrupted_run_finishes_only_the_rest(tmp_path, gsm8k_
     assert proc.returncode == 0, stderr[-3000:]
     assert result_record(tmp_path, done.stem) == first_record, "the finished config ran again"
     assert result_record(tmp_path, rest.stem)["status"] == "passed"
-    summary = json.loads((interrupted / "summary.json").read_text())
+    summary = summary_json(interrupted / "summary.json")
     assert [(c["status"], c["resumed"]) for c in summary["configs"]] == [("passed", True), ("passed", False)]
     assert summary["complete"] is True
     assert (

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from junitparser import Failure, JUnitXml
 
-from tests.conftest import REPO_ROOT, CliResult, run_cli
+from tests.conftest import REPO_ROOT, CliResult, results_json, run_cli
 
 TINY_TP = REPO_ROOT / "configs" / "embedded-cpu-tp"
 
@@ -48,7 +48,7 @@ def run_offline_from_hub(args: list[str], hf_home: Path, timeout: float = 1500) 
 
 
 def _record(run_root: Path, family: str, name: str) -> dict:
-    return json.loads((run_root / family / name / "results.json").read_text())
+    return results_json(run_root / family / name / "results.json")
 
 
 @pytest.mark.slow

@@ -3,7 +3,6 @@ with results exactly those of a sequential run. Real vLLM CPU servers and real l
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_args, run_cli, tiny_config
+from tests.conftest import results_json, run_args, run_cli, tiny_config
 from tests.harness.running import evaluating, left_running, result_record, start_run, wait_for
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -46,7 +45,7 @@ def test_jobs_2_gives_the_verdicts_and_junit_of_jobs_1(tmp_path, gsm8k_dir):
             extra=("--jobs", str(jobs), "--junit", str(tmp_path / f"junit-{jobs}.xml")),
         )
         result = run_cli(args, timeout=900)
-        records = {p.parent.name: json.loads(p.read_text()) for p in out.rglob("results.json")}
+        records = {p.parent.name: results_json(p) for p in out.rglob("results.json")}
         results[jobs] = (result, records)
     (one, one_records), (two, two_records) = results[1], results[2]
     assert one.returncode == two.returncode == 1, two.stderr[-3000:]

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_eval.checks import Baseline, Check, verdict
+from moe_eval.checks import Baseline
 from moe_eval.config import load_config
+from moe_eval.gates.check import Check, verdict
 from moe_eval.gates.judge import Answers, GoldenRecord, Measurements, judge
 from moe_eval.gates.table import GATE_BY_NAME, GATES, NOT_RUN_SUFFIX, describe_plan
 from moe_eval.layer_gate import summarize

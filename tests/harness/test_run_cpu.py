@@ -17,14 +17,22 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from tests.conftest import SUBTLE_MUTATION, processes_with_env, run_args, run_cli, tiny_config
+from tests.conftest import (
+    SUBTLE_MUTATION,
+    processes_with_env,
+    results_json,
+    run_args,
+    run_cli,
+    summary_json,
+    tiny_config,
+)
 from tests.harness.running import evaluating, left_running, server_log, start_run, wait_for
 
 pytestmark = pytest.mark.server
 
 
 def _results(tmp_path: Path) -> dict[str, dict]:
-    return {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "out").rglob("results.json")}
+    return {p.parent.name: results_json(p) for p in (tmp_path / "out").rglob("results.json")}
 
 
 def _assert_nothing_left(tmp_path: Path) -> None:
@@ -40,7 +48,7 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
     assert result.returncode == 0, result.stderr[-3000:]
     records = {
         f"{r['config_name']}/{r['layout']['kind']}": r
-        for r in (json.loads(p.read_text()) for p in out.rglob("results.json"))
+        for r in (results_json(p) for p in out.rglob("results.json"))
     }
     assert set(records) == {
         "Canary-Qwen3-MoE-BF16-vllm/TP",
@@ -142,14 +150,14 @@ def test_a_subtle_mutation_fails_the_tp1_row_by_the_golden_gate(subtle_mutation_
     result = subtle_mutation_run.result
     assert result.returncode == 1, result.stderr[-3000:]
     folder = subtle_mutation_run.folder
-    summary = json.loads((folder / "summary.json").read_text())
+    summary = summary_json(folder / "summary.json")
     assert [(Path(c["config"]).stem, c["resumed"]) for c in summary["configs"]] == [
         ("Canary-Qwen3-MoE-BF16-vllm", True),
         ("Canary-Qwen3-MoE-BF16-torch", False),
     ]
-    record = json.loads((folder / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch" / "results.json").read_text())
+    record = results_json(folder / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch" / "results.json")
     _assert_failed_by_the_golden_gate_alone(record)
-    correct = json.loads(next(embedded_default_run.folder.glob("canary-tp/*torch/results.json")).read_text())
+    correct = results_json(next(embedded_default_run.folder.glob("canary-tp/*torch/results.json")))
     assert record["golden"]["digest"] == correct["golden"]["digest"]
     assert "golden_gate" in result.stdout and "FAIL" in result.stdout
 
@@ -180,7 +188,7 @@ def test_the_subtle_mutation_fails_the_tep_row_too(subtle_mutation_run, tmp_path
     )
     assert result.returncode == 1, result.stderr[-3000:]
     _assert_failed_by_the_golden_gate_alone(
-        json.loads((copy / "canary-tep" / "Canary-Qwen3-MoE-BF16-torch" / "results.json").read_text())
+        results_json(copy / "canary-tep" / "Canary-Qwen3-MoE-BF16-torch" / "results.json")
     )
 
 
@@ -204,7 +212,7 @@ def test_range_confined_mutations_fail_every_bundled_row_by_the_layer_check(
     result = run_cli(args, timeout=1500)
     assert result.returncode == 1, result.stderr[-3000:]
     for layout in ("canary-tp", "canary-tep"):
-        record = json.loads((copy / layout / "Canary-Qwen3-MoE-BF16-torch" / "results.json").read_text())
+        record = results_json(copy / layout / "Canary-Qwen3-MoE-BF16-torch" / "results.json")
         checks = {c["name"]: c["passed"] for c in record["checks"]}
         assert record["mutation"] == mutation and record["status"] == "failed"
         assert checks["accuracy_gate"] and checks["paired_gate"], checks  # no answer-level gate sees it
@@ -235,7 +243,7 @@ def test_the_other_subtle_mutations_fail_the_tp1_row_by_the_golden_gate(
     args += ["--mutate", mutation, str(config)] + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else [])
     result = run_cli(args, timeout=1200)
     assert result.returncode == 1, result.stderr[-3000:]
-    record = json.loads((copy / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch" / "results.json").read_text())
+    record = results_json(copy / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch" / "results.json")
     checks = {c["name"]: c["passed"] for c in record["checks"]}
     assert record["mutation"] == mutation and record["status"] == "failed"
     assert checks["accuracy_gate"] and checks["paired_gate"], checks  # no answer-level gate sees it

@@ -3,7 +3,6 @@ and computes what vLLM's own CPU MoE computes (fp32, where greedy decoding is st
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from moe_eval.server_log import (
     verify_moe_backend,
     vllm_moe_backends,
 )
-from tests.conftest import processes_with_env, run_cli
+from tests.conftest import processes_with_env, results_json, run_cli
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -108,7 +107,7 @@ def test_requested_backend_missing_from_server_is_exit_3(tmp_path, gsm8k_dir):
     assert result.returncode == 3, result.stderr[-3000:]
     assert "MoE kernel mismatch" in result.stderr and "bundled 'torch'" in result.stderr
     assert "vLLM's CPU" in result.stderr
-    record = json.loads(next((tmp_path / "out").rglob("results.json")).read_text())
+    record = results_json(next((tmp_path / "out").rglob("results.json")))
     assert record["status"] == "error" and "samples" not in record  # stopped before the evaluation
     assert not processes_with_env("MOE_EVAL_RUN_DIR", str(tmp_path / "out"))
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from lxml import etree
 
-from moe_eval.checks import Check
 from moe_eval.compare import group_runs, markdown
 from moe_eval.config import parse_config
 from moe_eval.errors import ConfigError
 from moe_eval.gate import GateResult
+from moe_eval.gates.check import Check
 from moe_eval.junit import junit_xml
 from moe_eval.runner import ConfigOutcome
 
