@@ -41,7 +41,7 @@ def _power(path: Path, record: RunRecord, work: Path) -> float | None:
         gold,
         _logprobs(golden / "probe.jsonl"),
         PROBE_SCALE_ERROR,
-        read_logprobs(path.parent / "logprobs.jsonl"),
+        errors_vs_golden(gold, read_logprobs(path.parent / "logprobs.jsonl")),
         errors_vs_golden(gold, _logprobs(incumbent)),
         gate["margin"],
         gate["alpha"],

@@ -301,7 +301,8 @@ def run(
     if jobs != 1:
         check_fits(planned, pool)
     run_root = Path(resume_dir).resolve() if resume_dir else new_run_root(Path(output_dir).resolve())
-    kept = resumable_outcomes(run_root, selected, data, mutation, dependencies) if resume_dir else {}
+    mutations = [config_mutation for _, config_mutation in effective]
+    kept = resumable_outcomes(run_root, selected, data, mutations, dependencies) if resume_dir else {}
     append_text(run_root / "command.txt", " ".join(sys.argv) + "\n")
     for note in notes:
         progress(note)
@@ -389,7 +390,7 @@ def resumable_outcomes(
     run_root: Path,
     selected: list[EvalConfig],
     data,
-    mutation: str | None = None,
+    mutations: list[str | None] | None = None,
     dependencies: dict[int, int] | None = None,
 ) -> dict[int, object]:
     """Configs of `selected` whose results.json in run_root holds a verdict for the same config file
@@ -397,7 +398,7 @@ def resumable_outcomes(
     mutated, so its rows carry over into a `--mutate` run), and whose baseline_config (dependencies:
     index -> its baseline's index, baselines first) is kept too: a row compared with a baseline that runs
     again would keep a verdict against numbers that no longer exist. The others' old files move to
-    attempts/."""
+    attempts/. mutations: each selected config's own mutation, as effective_config gave it."""
     from moe_eval.gates.check import FAILED, PASSED
     from moe_eval.gsm8k import same_questions
     from moe_eval.record import RESULTS_FILE, RunRecord
@@ -419,7 +420,7 @@ def resumable_outcomes(
             and record.environment.versions == versions()
             and record.evaluation.num_questions_evaluated == config.num_questions
             and same_questions(record.environment.gsm8k, task_data(config, data).describe())
-            and record.mutation == effective_config(config, None, mutation)[1]
+            and record.mutation == (mutations[i] if mutations else None)
             and (baseline is None or baseline in kept)
         )
         if same:
@@ -515,8 +516,8 @@ def golden(
 ) -> None:
     """Make the golden references the selected configs' golden gate needs (ahead of `run`, e.g. in CI's
     cache step); each is made once per key and kept in the golden cache."""
-    from moe_eval.golden import GoldenStore, ServerPlace, cache_dir, ensure_golden, golden_plan
-    from moe_eval.golden_checks import golden_device
+    from moe_eval.golden import GoldenStore, ServerPlace, cache_dir, ensure_golden
+    from moe_eval.golden_checks import plan_on
     from moe_eval.gsm8k import gsm8k_data
     from moe_eval.hardware import gpu_names
     from moe_eval.models import resolve_model
@@ -535,13 +536,8 @@ def golden(
     logs = new_run_root(Path(output_dir).resolve())
     plans = {}
     for config in gated:
-        plan = golden_plan(
-            config,
-            task_data(config, data),
-            resolve_model(config.model_name),
-            golden_device(hw, tuple(gpu_list)),
-            memo_path=store.root / "weights-digests.json",
-        )
+        model = resolve_model(config.model_name)
+        plan = plan_on(config, task_data(config, data), model, hw, tuple(gpu_list), store)
         plans.setdefault(plan.key.digest, (plan, config, []))[2].append(config)
     progress(f"{len(plans)} golden reference(s) for {len(gated)} config(s) of {source}; cache {store.root}")
     click.echo("golden	made	seconds	model	server_args	configs	path")

@@ -40,7 +40,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moe_eval import launch
 from moe_eval.config import EvalConfig
 from moe_eval.errors import ConfigError, InfraError
 from moe_eval.gsm8k import Gsm8kData
@@ -49,16 +48,12 @@ from moe_eval.layout import layout_from_server_args
 from moe_eval.logprobs import (
     TOP_K,
     TextLogprobs,
-    capture,
-    capture_decode,
-    decode_prompts,
     read_logprobs,
-    scoring_texts,
     write_logprobs,
 )
 from moe_eval.plugin_protocol import GOLDEN_PROBE_EXTENSION, GOLDEN_PROBE_METHOD, GOLDEN_PROBE_MUTATION
 from moe_eval.results import atomic_write_json, versions
-from moe_eval.server_log import read_log, verify_moe_backend
+from moe_eval.serving import capture_continuations, capture_prefill, scoring_inputs, server_launch, serving
 
 GOLDEN_FORMAT = 1  # golden.json's layout; a record of another format is refused by name
 GOLDEN_METHOD = (
@@ -266,18 +261,13 @@ def golden_plan(
         raise ConfigError(
             f"{config.path}: key 'golden': value true needs logprob_texts > 0 (the texts it scores)"
         )
-    train, test = data.train_rows(), data.test_rows()
-    if not test:
+    inputs = scoring_inputs(config, data)
+    if inputs is None:
         raise ConfigError(
-            f"{config.path}: key 'golden': the golden gate scores GSM8K texts, which need a local "
-            "copy of the questions (--gsm8k-dir)"
+            f"{config.path}: key 'golden': the golden gate scores GSM8K texts, and none can be had: "
+            f"{data.unavailable() or 'the questions are empty'}"
         )
-    texts = scoring_texts(train, test, config.num_fewshot, min(config.logprob_texts, len(test)))
-    prompts = (
-        decode_prompts(train, test, config.num_fewshot, min(config.decode_texts, len(texts)))
-        if config.decode_texts
-        else []
-    )
+    texts, prompts = inputs.texts, inputs.prompts
     argv = golden_server_argv(config)
     numeric = _drop_flags(argv, _NON_NUMERIC_VALUE_FLAGS, _NON_NUMERIC_SWITCHES)
     texts_sha = hashlib.sha256(json.dumps([texts, prompts]).encode()).hexdigest()
@@ -483,71 +473,41 @@ def _serve_and_score(
 ) -> tuple[list[TextLogprobs], list[TextLogprobs], list[TextLogprobs], dict[str, Any]]:
     """One eager server with the reference MoE: the golden's prefill and decode, then, with the probe
     switched on in place, the probe's prefill. (prefill, decode, probe, timings and the workers' answers)."""
-    on_cpu = place.hw == "cpu"
-    env = launch.server_environment(
-        dict(os.environ),
-        config.env,
-        on_cpu=on_cpu,
-        world_size=plan.world_size,
-        run_dir=log_path.parent,
-        moe_backend=REFERENCE_BACKEND,
-        mutation=None,
+    plan_server = server_launch(
+        config,
+        plan.model_path,
+        hw=place.hw,
         devices=place.devices,
-    )
-    env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, for the probe switch; this server is local and short
-    spec = launch.ServerSpec(
-        model=plan.model_path,
+        run_dir=log_path.parent,
+        log_path=log_path,
+        moe_backend=REFERENCE_BACKEND,
         # The extension adds the probe switch's method to vLLM's worker; it changes no number.
         server_args=[*plan.server_argv, "--worker-extension-cls", GOLDEN_PROBE_EXTENSION],
-        log_path=log_path,
-        port=launch.free_port(),
-        seed=config.seed,
-        startup_max_wait_seconds=config.startup_max_wait_seconds,
+        # /collective_rpc, for the probe switch; this server is local and short-lived.
+        extra_env={"VLLM_SERVER_DEV_MODE": "1"},
     )
-    retries = max(config.max_retries, 1)
     timings: dict[str, Any] = {}
     started = time.monotonic()
-    with launch.VllmServer(spec, env, progress=place.progress) as server:
-        verify_moe_backend(REFERENCE_BACKEND, "", read_log(log_path))
+    with serving(plan_server, "", place.progress) as served:
         timings["golden_server_start_seconds"] = time.monotonic() - started
 
         def score() -> list[TextLogprobs]:
             # Prompt log-probabilities never read vLLM's prefix cache (its SamplingParams rule, 0.26 and
             # 0.32), so the probe's pass cannot reuse the golden's KV blocks.
-            return capture(
-                server.base_url,
-                plan.model_path,
-                list(plan.texts),
-                top_k=TOP_K,
-                concurrency=1,
-                timeout=config.request_timeout_seconds,
-                retries=retries,
-            )
+            return capture_prefill(config, served.base_url, plan.model_path, plan.texts)
 
         prefill = score()
-        decode = (
-            capture_decode(
-                server.base_url,
-                plan.model_path,
-                list(plan.prompts),
-                tokens=plan.key.decode_tokens,
-                top_k=TOP_K,
-                timeout=config.request_timeout_seconds,
-                retries=retries,
-            )
-            if plan.prompts
-            else []
-        )
+        decode = capture_continuations(config, served.base_url, plan.model_path, plan.prompts)
         timings["golden_scoring_seconds"] = (
             time.monotonic() - started - timings["golden_server_start_seconds"]
         )
         place.stage("making the golden's power probe")
         probe_started = time.monotonic()
         timings["probe_switch"] = _switch_probe(
-            server.base_url, "on", config.request_timeout_seconds, log_path
+            served.base_url, "on", config.request_timeout_seconds, log_path
         )
         probe = score()
-        _switch_probe(server.base_url, "off", config.request_timeout_seconds, log_path)
+        _switch_probe(served.base_url, "off", config.request_timeout_seconds, log_path)
         timings["probe_seconds"] = time.monotonic() - probe_started
     return prefill, decode, probe, timings
 

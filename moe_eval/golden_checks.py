@@ -12,7 +12,7 @@ from typing import Any
 
 from moe_eval.config import EvalConfig
 from moe_eval.gates.judge import GoldenRecord
-from moe_eval.golden import GoldenStore, ServerPlace, cache_dir, ensure_golden, golden_plan
+from moe_eval.golden import GoldenPlan, GoldenStore, ServerPlace, cache_dir, ensure_golden, golden_plan
 from moe_eval.gsm8k import Gsm8kData
 from moe_eval.results import cpu_model
 
@@ -22,6 +22,16 @@ def golden_device(hw: str, gpus: tuple[str, ...]) -> str:
     if hw == "cpu":
         return f"cpu: {cpu_model()}"
     return gpus[0] if gpus else hw
+
+
+def plan_on(
+    config: EvalConfig, data: Gsm8kData, model: str, hw: str, gpus: tuple[str, ...], store: GoldenStore
+) -> GoldenPlan:
+    """The golden `config`'s gate compares with, made on this hardware: one setup for a run's golden
+    (measure_golden) and `moe-eval golden`'s."""
+    return golden_plan(
+        config, data, model, golden_device(hw, gpus), memo_path=store.root / "weights-digests.json"
+    )
 
 
 def measure_golden(
@@ -37,13 +47,7 @@ def measure_golden(
     `golden` (which record, made now or cached, its cost)."""
     started = time.monotonic()
     store = GoldenStore(options.golden_cache or cache_dir())
-    plan = golden_plan(
-        config,
-        data,
-        model,
-        golden_device(options.hw, options.gpus),
-        memo_path=store.root / "weights-digests.json",
-    )
+    plan = plan_on(config, data, model, options.hw, options.gpus, store)
     place = ServerPlace(
         hw=options.hw,
         devices=options.devices,

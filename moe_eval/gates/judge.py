@@ -292,7 +292,7 @@ def _golden(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
         golden.prefill,
         golden.probe,
         PROBE_SCALE_ERROR,
-        m.logprobs,
+        run,
         incumbent,
         config.golden_margin,
         config.golden_alpha,

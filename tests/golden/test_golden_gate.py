@@ -88,15 +88,14 @@ def test_power_finds_the_scale_error_the_rule_catches(world):
     correct = golden + rng.normal(0, 0.02, size=golden.shape)
     probe = golden + 0.05 * sensitivity  # exact MoE with a 5% expert error: the bug's effect alone
     inc = errors_vs_golden(capture(golden), capture(incumbent))
-    power = scale_error_power(capture(golden), capture(probe), 0.05, capture(correct), inc)
+    run = errors_vs_golden(capture(golden), capture(correct))
+    power = scale_error_power(capture(golden), capture(probe), 0.05, run, inc)
     assert power is not None and 0.001 < power < 0.05
     # What it says holds: a run with that error added fails, with half of it the rule passes.
     at = golden_rule(errors_vs_golden(capture(golden), capture(correct + power * sensitivity)), inc)
     half = golden_rule(errors_vs_golden(capture(golden), capture(correct + power / 2 * sensitivity)), inc)
     assert at.failed and not half.failed
-    assert (
-        scale_error_power(capture(golden), capture(golden), 0.05, capture(correct), inc) is None
-    )  # dead expert
+    assert scale_error_power(capture(golden), capture(golden), 0.05, run, inc) is None  # dead expert
 
 
 def test_decode_compares_up_to_the_first_different_token():
