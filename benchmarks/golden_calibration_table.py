@@ -13,11 +13,11 @@ import argparse
 import functools
 from pathlib import Path
 
-from moe_eval.golden import PROBE_SCALE_ERROR
-from moe_eval.golden_gate import errors_vs_golden, scale_error_power
-from moe_eval.logprobs import divergence, read_logprobs
-from moe_eval.record import RunRecord, RunSummary, result_files
-from moe_eval.results import atomic_write_json
+from moe_eval.core.record import RunRecord, RunSummary, result_files
+from moe_eval.core.results import atomic_write_json
+from moe_eval.evaluate.golden import PROBE_SCALE_ERROR
+from moe_eval.evaluate.logprobs import divergence, read_logprobs
+from moe_eval.gates.golden_gate import errors_vs_golden, scale_error_power
 
 
 def _checks(record: RunRecord) -> dict[str, bool]:
@@ -25,8 +25,8 @@ def _checks(record: RunRecord) -> dict[str, bool]:
 
 
 def _power(path: Path, record: RunRecord, work: Path) -> float | None:
-    """The gate's power recomputed by the committed code (moe_eval.golden_gate) from the files the run left:
-    a run folder made by an earlier version keeps its own number in results.json."""
+    """The gate's power recomputed by the committed code (moe_eval.gates.golden_gate) from the files the run
+    left: a run folder made by an earlier version keeps its own number in results.json."""
     gate = record.judged.golden_gate or {}
     golden = Path(record.captures.golden["path"])
     incumbent = Path(gate["incumbent"]["results"]).parent / "logprobs.jsonl"

@@ -12,7 +12,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from moe_eval.record import records
+from moe_eval.core.record import records
 
 GATE_TIMINGS = ("decode_seconds", "golden_seconds")  # what the gate adds to a config's run
 

@@ -5,8 +5,8 @@
 One row per bundled-kernel config of each run: the mutation, strict-match accuracy, the golden gate's ratio
 and verdict, the layer check's worst range (error / the incumbent arithmetic's), the experts it flags (range:
 scale, the incumbent's, z), the checks that failed when it ran, and the layer check judged again now from the
-processes' sums (<config>/layer-check/*.json) with this checkout's moe_eval.layer_gate and the record's limits
-(so a change of the rule is seen on the same measurements). --json writes the same rows as data.
+processes' sums (<config>/layer-check/*.json) with this checkout's moe_eval.gates.layer_gate and the record's
+limits (so a change of the rule is seen on the same measurements). --json writes the same rows as data.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_eval.layer_gate import (  # noqa: E402
+from moe_eval.core.record import RunRecord, result_files  # noqa: E402
+from moe_eval.gates.layer_gate import (  # noqa: E402
     MIN_SLOTS,
     LayerCheckLimits,
     layer_checks,
     read_layer_files,
     summarize,
 )
-from moe_eval.record import RunRecord, result_files  # noqa: E402
 
 
 def rows(folder: Path) -> list[dict]:

@@ -18,7 +18,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_eval.record import RunRecord  # noqa: E402
+from moe_eval.core.record import RunRecord  # noqa: E402
 
 
 def row(results: Path) -> dict[str, Any]:

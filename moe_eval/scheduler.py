@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from moe_eval.config import EvalConfig
-from moe_eval.devices import DevicePool
+from moe_eval.core.plugin_protocol import RUN_DIR_ENV
+from moe_eval.core.record import RESULTS_FILE, Attempt, RunRecord
+from moe_eval.core.status import STATUS_FILE, Status, read_status
 from moe_eval.launch import free_port
-from moe_eval.plugin_protocol import RUN_DIR_ENV
-from moe_eval.record import RESULTS_FILE, Attempt, RunRecord
+from moe_eval.plan.config import EvalConfig
+from moe_eval.plan.devices import DevicePool
 from moe_eval.runner import ConfigOutcome, config_run_dir
-from moe_eval.status import STATUS_FILE, Status, read_status
 from moe_eval.worker import JOB_FILE, LOG_FILE, Job
 
 POLL_SECONDS = 0.25

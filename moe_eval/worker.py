@@ -4,7 +4,7 @@ A process per config keeps configs apart: lm-eval's global state (seeds, logging
 a crash, or a cancel in one config cannot reach another running beside it (`run --jobs`), and
 lm-eval's own output goes to the config's `worker.log` instead of the terminal. The worker asks
 for SIGTERM when its parent dies, so a killed harness still tears the server down; it writes
-`results.json` (moe_eval.runner) and `status.json` (moe_eval.status) in the config's run folder.
+`results.json` (moe_eval.runner) and `status.json` (moe_eval.core.status) in the config's run folder.
 Exit code: 0 when results.json holds a verdict or an infrastructure error, 130 when cancelled,
 4 on a config error, 3 on an internal error.
 """
@@ -19,9 +19,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_eval import cancel
-from moe_eval.errors import ConfigError, ExitCode
-from moe_eval.process_tree import ask_for_parent_death_signal
+from moe_eval.core.errors import ConfigError, ExitCode
+from moe_eval.serve import cancel
+from moe_eval.serve.process_tree import ask_for_parent_death_signal
 
 JOB_FILE = "job.json"
 LOG_FILE = "worker.log"
@@ -43,12 +43,12 @@ class Job:
     devices: list[int] | None = None
     gpus: list[str] = dataclasses.field(default_factory=list)
     attempt: int = 1
-    golden_cache: str | None = None  # --golden-cache (moe_eval.golden); None: the default folder
+    golden_cache: str | None = None  # --golden-cache (moe_eval.evaluate.golden); None: the default folder
     optional_gates: list[str] = dataclasses.field(default_factory=list)  # run --optional-gate
     config_text: str = ""  # the config file's text as the run parsed it (EvalConfig.text)
 
     def write(self, path: Path) -> None:
-        from moe_eval.results import atomic_write_json
+        from moe_eval.core.results import atomic_write_json
 
         atomic_write_json(path, dataclasses.asdict(self))
 
@@ -58,10 +58,10 @@ class Job:
 
 
 def run_job(job: Job) -> int:
-    from moe_eval.checks import find_baseline
-    from moe_eval.gsm8k import gsm8k_data
+    from moe_eval.core.status import STATUS_FILE, StatusWriter, reference_answers
+    from moe_eval.evaluate.gsm8k import gsm8k_data
+    from moe_eval.gates.checks import find_baseline
     from moe_eval.runner import config_run_dir, run_config, task_data
-    from moe_eval.status import STATUS_FILE, StatusWriter, reference_answers
 
     config, mutation = job_config(job)
     data = gsm8k_data(job.gsm8k_dir)
@@ -105,16 +105,16 @@ def run_job(job: Job) -> int:
 def job_config(job: Job):
     """The config as the run parsed it, and the mutation it runs under: its text travels in the job (the
     scheduler writes it), and the run's --limit and --mutate apply as they did in the parent (the one
-    function, moe_eval.config.effective_config)."""
-    from moe_eval.config import effective_config, parse_config
+    function, moe_eval.plan.config.effective_config)."""
+    from moe_eval.plan.config import effective_config, parse_config
 
     return effective_config(parse_config(Path(job.config_path), job.config_text), job.limit, job.mutation)
 
 
 def _baseline_config(config, job: Job, run_root: Path):
     """The Baseline that config's baseline_config left in this run's folder, or why there is none."""
-    from moe_eval.checks import load_baseline
-    from moe_eval.record import RESULTS_FILE, RunRecord
+    from moe_eval.core.record import RESULTS_FILE, RunRecord
+    from moe_eval.gates.checks import load_baseline
     from moe_eval.runner import run_dir_of
 
     baseline = config.baseline_config_path  # its folder in the run is named by its path alone
@@ -129,8 +129,8 @@ def _baseline_config(config, job: Job, run_root: Path):
 
 
 def _options(job: Job, run_root: Path, data: object):
+    from moe_eval.core.status import progress_line
     from moe_eval.runner import RunOptions
-    from moe_eval.status import progress_line
 
     def progress(message: str) -> None:
         print(progress_line(message), file=sys.stderr, flush=True)

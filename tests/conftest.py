@@ -128,9 +128,9 @@ def run_cli(
 
 
 def results_json(path: Path) -> dict:
-    """A config's results.json, read through moe_eval.record (the one reader) and held to the file: the
+    """A config's results.json, read through moe_eval.core.record (the one reader) and held to the file: the
     typed record gives back every key and value the file has."""
-    from moe_eval.record import RunRecord
+    from moe_eval.core.record import RunRecord
 
     raw = json.loads(path.read_text())
     typed = json.loads(json.dumps(RunRecord.read(path).to_json()))
@@ -139,8 +139,8 @@ def results_json(path: Path) -> dict:
 
 
 def summary_json(path: Path) -> dict:
-    """A run's summary.json, read through moe_eval.record and held to the file like results_json."""
-    from moe_eval.record import RunSummary, to_json
+    """A run's summary.json, read through moe_eval.core.record and held to the file like results_json."""
+    from moe_eval.core.record import RunSummary, to_json
 
     raw = json.loads(path.read_text())
     typed = json.loads(json.dumps(to_json(RunSummary.read(path))))

@@ -13,14 +13,19 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from moe_eval.checks import Baseline, garbage_checks, paired_check
-from moe_eval.config import EvalConfig
-from moe_eval.errors import InfraError
-from moe_eval.gate import GateResult
-from moe_eval.gates.check import Check, verdict
-from moe_eval.gates.table import NOT_RUN_SUFFIX, Gate, planned
-from moe_eval.golden import PROBE_SCALE_ERROR
-from moe_eval.golden_gate import (
+from moe_eval.core.check import Check, verdict
+from moe_eval.core.errors import InfraError
+from moe_eval.evaluate.golden import PROBE_SCALE_ERROR
+from moe_eval.evaluate.logprobs import (
+    DivergenceLimits,
+    TextLogprobs,
+    default_limits,
+    divergence,
+    divergence_checks,
+)
+from moe_eval.gates.accuracy import GateResult
+from moe_eval.gates.checks import Baseline, garbage_checks, paired_check
+from moe_eval.gates.golden_gate import (
     POWER,
     decode_errors,
     decode_rule,
@@ -28,15 +33,10 @@ from moe_eval.golden_gate import (
     golden_rule,
     scale_error_power,
 )
-from moe_eval.layer_gate import LayerCheckLimits, LayerSummary, layer_checks, summary_record
-from moe_eval.logprobs import (
-    DivergenceLimits,
-    TextLogprobs,
-    default_limits,
-    divergence,
-    divergence_checks,
-)
-from moe_eval.stats import describe_power, detectable_drop
+from moe_eval.gates.layer_gate import LayerCheckLimits, LayerSummary, layer_checks, summary_record
+from moe_eval.gates.stats import describe_power, detectable_drop
+from moe_eval.gates.table import NOT_RUN_SUFFIX, Gate, planned
+from moe_eval.plan.config import EvalConfig
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Answers:
 
 @dataclass(frozen=True)
 class GoldenRecord:
-    """The golden reference's captures (moe_eval.golden.Golden) as the judge needs them."""
+    """The golden reference's captures (moe_eval.evaluate.golden.Golden) as the judge needs them."""
 
     digest: str
     path: str

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moe_eval.gates.names import GATE_NAMES
+from moe_eval.plan.gate_names import GATE_NAMES
 
 if TYPE_CHECKING:
-    from moe_eval.config import EvalConfig
+    from moe_eval.plan.config import EvalConfig
 
 GARBAGE_LIMITS = (  # (check name, config key) of the answer checks, each on when its limit is set
     ("max_empty_rate", "max_empty_rate"),
@@ -103,7 +103,7 @@ GATES: tuple[Gate, ...] = (
 )
 
 GATE_BY_NAME = {gate.name: gate for gate in GATES}
-assert tuple(GATE_BY_NAME) == GATE_NAMES, "moe_eval/gates/names.py lists the table's gates, in its order"
+assert tuple(GATE_BY_NAME) == GATE_NAMES, "moe_eval/plan/gate_names.py lists the table's gates, in its order"
 NOT_RUN_SUFFIX = "_not_run"  # the check a gate called for makes when it could not run: "<gate>_not_run"
 
 NO_INCUMBENT = (

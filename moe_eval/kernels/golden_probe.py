@@ -1,6 +1,6 @@
 """The golden server's power-probe switch: a vLLM worker extension (`--worker-extension-cls`).
 
-A golden server (moe_eval.golden) scores the texts with the exact reference MoE, then calls
+A golden server (moe_eval.evaluate.golden) scores the texts with the exact reference MoE, then calls
 `POST /collective_rpc {"method": "moe_eval_golden_probe", "args": ["on"]}` (vLLM's dev-mode endpoint,
 VLLM_SERVER_DEV_MODE=1) and scores them again with global expert 0 scaled as `--mutate scale_one_expert`
 scales it: the probe the gate's power comes from, made by the same server instead of a second one.

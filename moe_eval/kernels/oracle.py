@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_eval.core.layout import Layout
 from moe_eval.kernels.flashinfer_cutlass import MIN_COMPUTE_CAPABILITY, flashinfer_importable
-from moe_eval.layout import Layout
 
 
 class MoeBackend(str, enum.Enum):
@@ -32,7 +32,7 @@ class MoeBackend(str, enum.Enum):
     FLASHINFER_CUTLASS = "flashinfer_cutlass"  # moe_eval.kernels.flashinfer_cutlass
     TORCH = "torch"  # moe_eval.kernels.torch_moe
     # The golden MoE (moe_eval.kernels.reference_moe): exact fp32, never chosen by the oracle, never
-    # mutated; only golden-reference servers ask for it (moe_eval.golden).
+    # mutated; only golden-reference servers ask for it (moe_eval.evaluate.golden).
     REFERENCE = "reference"
 
 

@@ -17,7 +17,7 @@ warm-up ends (moe_eval.kernels.warmup), so nothing compiles while the server ser
 handed to the layer check (moe_eval.kernels.layer_check: sampled calls against the exact MoE of the same
 inputs and the weights as loaded, sums in <run dir>/layer-check/<pid>.json), unless MOE_EVAL_LAYER_CHECK=0.
 
-Supported vLLM releases: SUPPORTED_VLLM in moe_eval.plugin_protocol (0.26 through 0.32: 0.26.0 is the
+Supported vLLM releases: SUPPORTED_VLLM in moe_eval.core.plugin_protocol (0.26 through 0.32: 0.26.0 is the
 newest release the lent H200s' torch 2.11 runs, 0.32.0 is the install pin). A server on any other
 release fails its start with the version and the range; the few places where the releases differ
 are overrides of BundledUnquantizedFusedMoEMethod, each saying which release needs it.
@@ -32,7 +32,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from moe_eval.plugin_protocol import (
+from moe_eval.core.plugin_protocol import (
     BACKEND_ENV,
     DEFAULT_MAX_TOKENS,
     GOLDEN_PROBE_MUTATION,
@@ -89,7 +89,7 @@ def register() -> None:
 
 
 def _layout_from_moe_config(moe: Any):
-    from moe_eval.layout import Layout, LayoutKind
+    from moe_eval.core.layout import Layout, LayoutKind
 
     pc = moe.moe_parallel_config
     if pc.use_ep and pc.dp_size > 1:
@@ -348,7 +348,7 @@ class BundledExperts:
 
 
 def switch_golden_probe(on: bool) -> dict[str, Any]:
-    """The golden server's power probe on or off in every layer of this process (moe_eval.golden).
+    """The golden server's power probe on or off in every layer of this process (moe_eval.evaluate.golden).
 
     Called between requests (vLLM's collective_rpc runs in the worker's busy loop, never inside a
     forward pass). Eager servers only: the weights change in place.

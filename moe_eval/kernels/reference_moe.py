@@ -1,7 +1,7 @@
 """The golden MoE: experts computed exactly (fp32, IEEE), for golden references only.
 
 Never a kernel under test and never mutated: the plugin refuses `--mutate` for this backend and the
-harness launches it only to make golden records (moe_eval.golden). Each expert's weights are
+harness launches it only to make golden records (moe_eval.evaluate.golden). Each expert's weights are
 upcast to fp32 on the fly (one expert at a time, so a layer needs one expert's fp32 copy beside
 its bf16 weights, not the whole layer's), both GEMMs, the SiLU-and-mul, the routing weight and
 the sum over the top-k run in fp32, and the result is rounded to the model's dtype once, at the

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moe_eval.plugin_protocol import STATS_INTERVAL_SECONDS
+from moe_eval.core.plugin_protocol import STATS_INTERVAL_SECONDS
 
 
 class StatsFile:

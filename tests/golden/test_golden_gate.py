@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_eval.golden_gate import (
+from moe_eval.evaluate.logprobs import TextLogprobs
+from moe_eval.gates.golden_gate import (
     decode_errors,
     decode_rule,
     errors_vs_golden,
@@ -13,7 +14,6 @@ from moe_eval.golden_gate import (
     paired_t_greater,
     scale_error_power,
 )
-from moe_eval.logprobs import TextLogprobs
 
 
 def capture(lps: np.ndarray, ids: list[list[int]] | None = None) -> list[TextLogprobs]:
@@ -131,6 +131,6 @@ def test_decode_error_reads_the_runner_up_tokens_not_only_the_saturated_greedy_o
 def test_student_t_tail_matches_scipy(t, df):
     from scipy.stats import t as scipy_t  # lm-eval's dependencies bring SciPy on the CPU
 
-    from moe_eval.golden_gate import student_t_sf
+    from moe_eval.gates.golden_gate import student_t_sf
 
     assert student_t_sf(t, df) == pytest.approx(float(scipy_t.sf(t, df)), rel=1e-9, abs=1e-300)

@@ -8,10 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from moe_eval.config import parse_config
-from moe_eval.errors import ConfigError
-from moe_eval.golden import GoldenKey, GoldenStore, golden_server_argv, model_identity, weights_digest
-from moe_eval.logprobs import TextLogprobs
+from moe_eval.core.errors import ConfigError
+from moe_eval.evaluate.golden import (
+    GoldenKey,
+    GoldenStore,
+    golden_server_argv,
+    model_identity,
+    weights_digest,
+)
+from moe_eval.evaluate.logprobs import TextLogprobs
+from moe_eval.plan.config import parse_config
 
 KEY = GoldenKey(
     model="weights-sha256:ab",

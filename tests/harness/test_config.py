@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from moe_eval.config import CONFIG_KEYS, load_config, parse_config
-from moe_eval.errors import ConfigError, ExitCode
-from moe_eval.layout import LayoutKind
+from moe_eval.core.errors import ConfigError, ExitCode
+from moe_eval.core.layout import LayoutKind
+from moe_eval.plan.config import CONFIG_KEYS, load_config, parse_config
 
 P = Path("configs/x/Model-BF16-triton.yaml")
 MINIMAL = "model_name: m\naccuracy_threshold: 0.5\nnum_questions: 10\nnum_fewshot: 5\n"

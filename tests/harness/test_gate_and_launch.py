@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from moe_eval.gate import GateResult
+from moe_eval.gates.accuracy import GateResult
 from moe_eval.launch import allowlisted_env, cpu_bind_per_rank, server_environment
-from moe_eval.server_log import vllm_moe_backends
+from moe_eval.serve.server_log import vllm_moe_backends
 
 
 @pytest.mark.parametrize(

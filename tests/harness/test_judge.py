@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_eval.checks import Baseline
-from moe_eval.config import load_config
-from moe_eval.gates.check import Check, verdict
+from moe_eval.core.check import Check, verdict
+from moe_eval.evaluate.logprobs import TextLogprobs
+from moe_eval.gates.checks import Baseline
 from moe_eval.gates.judge import Answers, GoldenRecord, Measurements, judge
+from moe_eval.gates.layer_gate import summarize
 from moe_eval.gates.table import GATE_BY_NAME, GATES, NOT_RUN_SUFFIX, describe_plan
-from moe_eval.layer_gate import summarize
-from moe_eval.logprobs import TextLogprobs
-from moe_eval.selection import read_list, with_baselines
+from moe_eval.plan.config import load_config
+from moe_eval.plan.selection import read_list, with_baselines
 from tests.golden.test_golden_gate import capture
 from tests.harness.test_layer_gate import _record
 

@@ -1,4 +1,4 @@
-"""The layer check's verdict from the processes' sums (moe_eval.layer_gate): a table of cases, each check
+"""The layer check's verdict from the processes' sums (gates/layer_gate.py): a table of cases, each check
 passing, failing and not judged; plus the report's and compare's cells."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from moe_eval.layer_gate import (
+from moe_eval.core.plugin_protocol import LAYER_RANGE_EDGES
+from moe_eval.gates.layer_gate import (
     MIN_ROWS,
     LayerCheckLimits,
     layer_checks,
@@ -15,8 +16,7 @@ from moe_eval.layer_gate import (
     summarize,
     summary_record,
 )
-from moe_eval.plugin_protocol import LAYER_RANGE_EDGES
-from moe_eval.report import layer_cell
+from moe_eval.report.table import layer_cell
 
 LIMITS = LayerCheckLimits(margin=0.25, scale_bound=0.005, z=5.0)
 NR = len(LAYER_RANGE_EDGES)
@@ -131,7 +131,7 @@ def test_infinite_stderr_is_written_as_null():
 def test_compare_shows_each_backend_per_range_side_by_side(tmp_path):
     """`moe-eval compare`: a row per dispatch range with each run's error against the exact MoE (x its
     incumbent arithmetic's), then each run's largest expert scale; vLLM's own kernel runs no check ("-")."""
-    from moe_eval.compare import RunResult, _layer_rows
+    from moe_eval.report.compare import RunResult, _layer_rows
 
     def run(label, check):
         return RunResult(tmp_path, "m", label, 5, {}, "PASSED", {}, layer_check=check)

@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from moe_eval.progress_view import PLAIN_INTERVAL_SECONDS, ProgressView, describe
-from moe_eval.status import StatusWriter, read_status, reference_answers
+from moe_eval.core.status import StatusWriter, read_status, reference_answers
+from moe_eval.report.progress_view import PLAIN_INTERVAL_SECONDS, ProgressView, describe
 
 ROWS = [
     {"question": "Ava has 3 pens. How many now?", "answer": "3 + 4 = 7\n#### 7"},

@@ -1,4 +1,4 @@
-"""results.json's and summary.json's one owner (moe_eval.record): what it reads, what it refuses, how it
+"""results.json's and summary.json's one owner (moe_eval.core.record): what it reads, what it refuses, how it
 writes, and the schema generated from its types."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from moe_eval.record import RESULTS_SCHEMA_VERSION, RunRecord, UnreadableRecord
-from moe_eval.results import _json_safe
+from moe_eval.core.record import RESULTS_SCHEMA_VERSION, RunRecord, UnreadableRecord
+from moe_eval.core.results import _json_safe
 
 
 def test_round_trip_and_the_questions_readers_ask(tmp_path):
@@ -56,7 +56,7 @@ def test_a_bad_file_is_refused_naming_it(tmp_path, text, message):
 
 
 def test_the_verdict_is_a_function_of_the_checks_alone():
-    from moe_eval.gates.check import Check, verdict
+    from moe_eval.core.check import Check, verdict
 
     assert verdict([Check("a", True, ""), Check("b", True, "")]) == "passed"
     assert verdict([Check("a", True, ""), Check("golden_gate", False, "ratio 1.6")]) == "failed"
@@ -65,9 +65,9 @@ def test_the_verdict_is_a_function_of_the_checks_alone():
 
 
 def test_the_committed_schemas_are_the_ones_the_types_generate(repo_root):
-    """docs/results.schema.json and docs/summary.schema.json are generated (python -m moe_eval.record_schema
-    --write): a field added to a section without regenerating them fails here."""
-    from moe_eval.record_schema import rendered
+    """docs/results.schema.json and docs/summary.schema.json are generated (python -m
+    moe_eval.core.record_schema --write): a field added to a section without regenerating them fails here."""
+    from moe_eval.core.record_schema import rendered
 
     for name, text in rendered().items():
         assert (repo_root / "docs" / name).read_text() == text, f"docs/{name} is stale: regenerate it"
@@ -78,9 +78,9 @@ def test_every_status_the_runner_writes_validates_against_the_schema():
     hand-written schema refused the first."""
     import jsonschema
 
-    from moe_eval.gates.check import Check
-    from moe_eval.record import Evaluation, RunError, RunRecord
-    from moe_eval.record_schema import results_schema
+    from moe_eval.core.check import Check
+    from moe_eval.core.record import Evaluation, RunError, RunRecord
+    from moe_eval.core.record_schema import results_schema
 
     schema = results_schema()
     incomplete = RunRecord(
@@ -113,7 +113,7 @@ def _json(record) -> dict:
 
 def test_keys_of_a_newer_writer_survive_a_rewrite(tmp_path):
     """The scheduler rewrites a record to add its attempts: a key this moe-eval does not know stays."""
-    from moe_eval.record import Attempt
+    from moe_eval.core.record import Attempt
 
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"schema_version": RESULTS_SCHEMA_VERSION, "status": "passed", "future": [1]}))
@@ -126,8 +126,8 @@ def test_keys_of_a_newer_writer_survive_a_rewrite(tmp_path):
 
 
 def test_the_summary_round_trips(tmp_path):
-    from moe_eval.gates.check import Check
-    from moe_eval.record import RunSummary, SummaryEntry, to_json
+    from moe_eval.core.check import Check
+    from moe_eval.core.record import RunSummary, SummaryEntry, to_json
 
     summary = RunSummary(
         hw="cpu",

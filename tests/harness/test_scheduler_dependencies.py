@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_eval.devices import DevicePool
+from moe_eval.plan.devices import DevicePool
 from moe_eval.scheduler import Planned, Scheduler, SchedulerOptions
 from moe_eval.worker import Job
 
@@ -42,9 +42,9 @@ def test_resume_reruns_a_row_whose_baseline_runs_again(tmp_path):
     import json
 
     from moe_eval.cli import resumable_outcomes
-    from moe_eval.config import parse_config
-    from moe_eval.gsm8k import Gsm8kData
-    from moe_eval.results import versions
+    from moe_eval.core.results import versions
+    from moe_eval.evaluate.gsm8k import Gsm8kData
+    from moe_eval.plan.config import parse_config
     from moe_eval.runner import config_run_dir, task_data
 
     family = tmp_path / "configs" / "fam"
@@ -83,9 +83,9 @@ def test_resume_keeps_a_row_whose_questions_were_read_from_another_folder(tmp_pa
     import json
 
     from moe_eval.cli import resumable_outcomes
-    from moe_eval.config import parse_config
-    from moe_eval.gsm8k import Gsm8kData, same_questions
-    from moe_eval.results import versions
+    from moe_eval.core.results import versions
+    from moe_eval.evaluate.gsm8k import Gsm8kData, same_questions
+    from moe_eval.plan.config import parse_config
     from moe_eval.runner import config_run_dir
 
     for name in ("train.jsonl", "test.jsonl"):

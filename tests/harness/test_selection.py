@@ -4,10 +4,17 @@ from pathlib import Path
 
 import pytest
 
-from moe_eval.config import load_config
-from moe_eval.errors import ConfigError, NothingSelected
-from moe_eval.layout import LayoutKind, layout_from_server_args
-from moe_eval.selection import list_for_hardware, parse_shard, read_list, require_some, shard, with_baselines
+from moe_eval.core.errors import ConfigError, NothingSelected
+from moe_eval.core.layout import LayoutKind, layout_from_server_args
+from moe_eval.plan.config import load_config
+from moe_eval.plan.selection import (
+    list_for_hardware,
+    parse_shard,
+    read_list,
+    require_some,
+    shard,
+    with_baselines,
+)
 
 
 def _write(path: Path, text: str = "") -> Path:

@@ -1,14 +1,14 @@
-"""The one serve-and-capture path (moe_eval.serving) in the two shapes its callers use: a config's own
-server (moe_eval.runner) and the golden's exact-reference server (moe_eval.golden)."""
+"""The one serve-and-capture path (evaluate/serving.py) in the two shapes its callers use: a config's own
+server (moe_eval.runner) and the golden's exact-reference server (moe_eval.evaluate.golden)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from moe_eval.config import parse_config
-from moe_eval.golden import REFERENCE_BACKEND, golden_server_argv
-from moe_eval.plugin_protocol import BACKEND_ENV, GOLDEN_PROBE_EXTENSION, MUTATION_ENV, RUN_DIR_ENV
-from moe_eval.serving import capture_continuations, scoring_inputs, server_launch
+from moe_eval.core.plugin_protocol import BACKEND_ENV, GOLDEN_PROBE_EXTENSION, MUTATION_ENV, RUN_DIR_ENV
+from moe_eval.evaluate.golden import REFERENCE_BACKEND, golden_server_argv
+from moe_eval.evaluate.serving import capture_continuations, scoring_inputs, server_launch
+from moe_eval.plan.config import parse_config
 
 CONFIG = (
     "model_name: m\naccuracy_threshold: 0.5\nnum_questions: 4\nnum_fewshot: 2\nmoe_backend: torch\n"
@@ -57,7 +57,7 @@ def test_a_configs_server_and_the_goldens_share_one_launch(tmp_path: Path):
 
 
 def test_scoring_inputs_are_the_configs_texts_and_prompts(tmp_path: Path):
-    from moe_eval.gsm8k import canary_data
+    from moe_eval.evaluate.gsm8k import canary_data
 
     config = parse_config(tmp_path / "fam" / "M-BF16-torch.yaml", CONFIG)
     inputs = scoring_inputs(config, canary_data())

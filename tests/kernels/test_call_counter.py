@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
+from moe_eval.core.plugin_protocol import STATS_INTERVAL_SECONDS
 from moe_eval.kernels.call_counter import CallCounter
-from moe_eval.plugin_protocol import STATS_INTERVAL_SECONDS
 from tests.kernels.conftest import HAS_GPU
 
 

@@ -15,15 +15,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from moe_eval.core.layout import Layout, LayoutKind
+from moe_eval.core.plugin_protocol import STATS_INTERVAL_SECONDS, layer_range_index, layer_range_names
+from moe_eval.gates.layer_gate import LayerCheckLimits, layer_checks, summarize
 from moe_eval.kernels import layer_check as lc
 from moe_eval.kernels import plugin
 from moe_eval.kernels.fused_moe import fused_moe_ref
 from moe_eval.kernels.mutations import RANGE_EXPERT_SCALE, RANGE_MUTATIONS, TARGET_EXPERT, range_target
 from moe_eval.kernels.plugin import BundledExperts
 from moe_eval.kernels.torch_moe import torch_moe
-from moe_eval.layer_gate import LayerCheckLimits, layer_checks, summarize
-from moe_eval.layout import Layout, LayoutKind
-from moe_eval.plugin_protocol import STATS_INTERVAL_SECONDS, layer_range_index, layer_range_names
 from tests.kernels.conftest import HAS_GPU
 
 # The shipped defaults (config.py): the limits these tests hold the estimates to.

@@ -5,7 +5,7 @@ TARGET_EXPERT under every expert placement.
 
 The strong mutations are held to "> 0.1 relative error" in test_plugin_apply.py; these are held to
 a small, non-zero one, because their purpose is to be missed by an accuracy gate and seen by a
-log-probability comparison (moe_eval.logprobs)."""
+log-probability comparison (moe_eval.evaluate.logprobs)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from moe_eval.core.layout import Layout, LayoutKind
 from moe_eval.kernels.fused_moe import fused_moe_ref
 from moe_eval.kernels.mutations import (
     DOWN_CHUNKS,
@@ -35,7 +36,6 @@ from moe_eval.kernels.oracle import Hardware, MoeBackend, MoeWeights, make_moe_k
 from moe_eval.kernels.plugin import BundledExperts
 from moe_eval.kernels.testing import rel_err
 from moe_eval.kernels.torch_moe import torch_moe
-from moe_eval.layout import Layout, LayoutKind
 
 CPU_HARDWARE = Hardware("cpu", "cpu", None, triton_available=True, flashinfer_available=False)
 REL_TOL_FP32 = 1e-5  # fp32 end to end: only summation order differs
@@ -463,7 +463,7 @@ def test_routing_temperature_slip_in_bf16_and_on_zero_weights():
 
 
 def test_subtle_mutations_are_listed_and_apply_to_any_bundled_config(tmp_path):
-    from moe_eval.config import parse_config
+    from moe_eval.plan.config import parse_config
 
     base = "model_name: m\naccuracy_threshold: 0.5\nnum_questions: 4\nnum_fewshot: 5\nmoe_backend: torch\n"
     tp = parse_config(tmp_path / "a.yaml", base)

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from moe_eval.core.layout import Layout, LayoutKind
 from moe_eval.kernels.fused_moe import fused_moe_ref
 from moe_eval.kernels.oracle import (
     BackendChoice,
@@ -25,7 +26,6 @@ from moe_eval.kernels.oracle import (
     select_moe_backend,
 )
 from moe_eval.kernels.testing import make_case, rel_err
-from moe_eval.layout import Layout, LayoutKind
 from tests.kernels.conftest import INTERPRETER_PROBLEM
 
 TRITON, FLASHINFER, TORCH = MoeBackend.TRITON, MoeBackend.FLASHINFER_CUTLASS, MoeBackend.TORCH

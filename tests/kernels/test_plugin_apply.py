@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from moe_eval.core.layout import Layout, LayoutKind
 from moe_eval.kernels.fused_moe import fused_moe_ref
 from moe_eval.kernels.oracle import Hardware, MoeBackendUnavailable
 from moe_eval.kernels.plugin import BundledExperts
 from moe_eval.kernels.testing import rel_err
-from moe_eval.layout import Layout, LayoutKind
 
 # bf16 outputs against an fp32-accumulated reference: ~4e-3 typical (bf16 rounding of the
 # intermediate and of the output); 1e-2 is the project-wide bound for bf16 kernels.
@@ -141,9 +141,9 @@ def test_each_mutation_changes_the_output(mutation):
 
 
 def test_mutations_are_refused_where_they_cannot_apply(tmp_path):
-    from moe_eval.config import parse_config
-    from moe_eval.errors import ConfigError
+    from moe_eval.core.errors import ConfigError
     from moe_eval.kernels.mutations import check_mutation
+    from moe_eval.plan.config import parse_config
 
     base = "model_name: m\naccuracy_threshold: 0.5\nnum_questions: 4\nnum_fewshot: 5\n"
     tp = parse_config(tmp_path / "a.yaml", base + "moe_backend: torch\n")

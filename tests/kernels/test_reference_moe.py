@@ -88,9 +88,9 @@ def test_the_plugin_never_mutates_the_reference(monkeypatch):
     reaches reference layers only, never a kernel under test."""
     from types import SimpleNamespace
 
+    from moe_eval.core.layout import Layout, LayoutKind
     from moe_eval.kernels import plugin
     from moe_eval.kernels.plugin import BundledExperts, switch_golden_probe
-    from moe_eval.layout import Layout, LayoutKind
 
     monkeypatch.setattr(plugin, "_REFERENCE_EXPERTS", [])
     tp1 = Layout(kind=LayoutKind.TP, tensor_parallel=1, data_parallel=1)

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from moe_eval.errors import InfraError
+from moe_eval.core.errors import InfraError
 from moe_eval.launch import server_environment
-from moe_eval.server_log import bundled_kernel_lines, verify_moe_backend
+from moe_eval.serve.server_log import bundled_kernel_lines, verify_moe_backend
 
 VLLM_CPU = (
     "(Worker pid=1) INFO [unquantized.py:364] Using CPU Unquantized MoE backend out of potential backends: "

@@ -10,8 +10,8 @@ import pytest
 import requests
 
 from moe_eval import launch
-from moe_eval.models import TinyMoeSpec, ensure_tiny_moe
-from moe_eval.server_log import (
+from moe_eval.models.builtin import TinyMoeSpec, ensure_tiny_moe
+from moe_eval.serve.server_log import (
     bundled_kernel_lines,
     kernel_call_counts,
     verify_moe_backend,

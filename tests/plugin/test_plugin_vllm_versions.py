@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 
+from moe_eval.core.plugin_protocol import SUPPORTED_VLLM
 from moe_eval.kernels import plugin
-from moe_eval.plugin_protocol import SUPPORTED_VLLM
 
 
 @pytest.mark.parametrize("version", ["0.26.0", "0.26.1", "0.29.3", "0.32.0", "0.32.0+cpu", "0.26.0.dev3"])

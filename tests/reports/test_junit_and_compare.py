@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from lxml import etree
 
-from moe_eval.compare import group_runs, markdown
-from moe_eval.config import parse_config
-from moe_eval.errors import ConfigError
-from moe_eval.gate import GateResult
-from moe_eval.gates.check import Check
-from moe_eval.junit import junit_xml
+from moe_eval.core.check import Check
+from moe_eval.core.errors import ConfigError
+from moe_eval.gates.accuracy import GateResult
+from moe_eval.plan.config import parse_config
+from moe_eval.report.compare import group_runs, markdown
+from moe_eval.report.junit import junit_xml
 from moe_eval.runner import ConfigOutcome
 
 XSD = Path(__file__).with_name("junit.xsd")
@@ -174,7 +174,7 @@ def test_compare_refuses_missing_inputs_and_errored_only(tmp_path):
 
 
 def test_compare_shows_the_log_probability_divergence_against_the_first_run(tmp_path):
-    from moe_eval.logprobs import TextLogprobs, write_logprobs
+    from moe_eval.evaluate.logprobs import TextLogprobs, write_logprobs
 
     def texts(shift: float) -> list[TextLogprobs]:
         # Two texts of 3 positions; position 0 has no log-probability. `shift` moves every reference token.
@@ -204,7 +204,7 @@ def test_compare_shows_the_log_probability_divergence_against_the_first_run(tmp_
 
 
 def _texts(shift: float, first_token: int = 5):
-    from moe_eval.logprobs import TextLogprobs
+    from moe_eval.evaluate.logprobs import TextLogprobs
 
     # Two texts of 3 positions; position 0 has no log-probability. `shift` moves every reference token, so a
     # run's mean |Δ log p| against the unshifted golden is |shift|.
@@ -221,7 +221,7 @@ def _texts(shift: float, first_token: int = 5):
 
 
 def _golden(root: Path, digest: str, shift: float = 0.0) -> dict:
-    from moe_eval.logprobs import write_logprobs
+    from moe_eval.evaluate.logprobs import write_logprobs
 
     folder = root / "goldens" / digest
     folder.mkdir(parents=True)
@@ -232,7 +232,7 @@ def _golden(root: Path, digest: str, shift: float = 0.0) -> dict:
 def _scored_run(
     root: Path, run: str, backend: str, layout: str, shift: float | None, correct=None, **extra
 ) -> None:
-    from moe_eval.logprobs import write_logprobs
+    from moe_eval.evaluate.logprobs import write_logprobs
 
     d = _write_run(root, run, "Q-BF16", "Qwen", backend, layout, correct or [True] * 4, **extra)
     if shift is not None:  # None: the run scored no texts
@@ -342,7 +342,7 @@ def test_compare_golden_row_other_golden_missing_and_unscored(tmp_path):
     _scored_run(tmp_path, "r3", "bundled:torch", "TP (TP1)", None, golden=golden)  # scored no texts
     _scored_run(tmp_path, "r4", "bundled:fi", "TP (TP1)", 0.01)
     d = _write_run(tmp_path, "r5", "Q-BF16", "Qwen", "bundled:x", "TP (TP1)", [True] * 4)
-    from moe_eval.logprobs import write_logprobs
+    from moe_eval.evaluate.logprobs import write_logprobs
 
     write_logprobs(d / "logprobs.jsonl", _texts(0.0, first_token=8))  # other tokens than the golden's
     runs = [tmp_path / r for r in ("r1", "r2", "r3", "r4", "r5")]
@@ -364,7 +364,7 @@ def test_compare_golden_row_is_dashes_without_any_golden(tmp_path):
 
 
 def test_compare_rich_table_keeps_the_bracketed_marks(tmp_path, capsys, monkeypatch):
-    from moe_eval.compare import print_rich
+    from moe_eval.report.compare import print_rich
 
     monkeypatch.setenv("COLUMNS", "300")  # one line per row, so the marks are not wrapped apart
     _write_run(tmp_path, "r1", "Q", "Qwen", "bundled:triton", "TP (TP1)", [True] * 4, mutation="zero_expert")
@@ -375,7 +375,7 @@ def test_compare_rich_table_keeps_the_bracketed_marks(tmp_path, capsys, monkeypa
 
 
 def test_a_random_weights_row_reads_n_a_never_a_passing_zero(tmp_path):
-    from moe_eval.report import markdown as run_table
+    from moe_eval.report.table import markdown as run_table
 
     config = parse_config(
         tmp_path / "twins" / "Twin-BF16-triton.yaml",

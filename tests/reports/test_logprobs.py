@@ -1,4 +1,4 @@
-"""moe_eval.logprobs without a vLLM server: the texts against lm-eval's own rendering, the file
+"""moe_eval.evaluate.logprobs without a vLLM server: the texts against lm-eval's own rendering, the file
 format, divergence and its checks against hand-computed values, the gate's power against a
 brute-force binomial, and `capture` against a small fake server shaped like vLLM 0.32.0's reply."""
 
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import yaml
 
-from moe_eval.errors import ConfigError, InfraError
-from moe_eval.logprobs import (
+from moe_eval.core.errors import ConfigError, InfraError
+from moe_eval.evaluate.logprobs import (
     Divergence,
     DivergenceLimits,
     TextLogprobs,
@@ -30,7 +30,7 @@ from moe_eval.logprobs import (
     scoring_texts,
     write_logprobs,
 )
-from moe_eval.stats import describe_power, detectable_drop, gate_fail_probability
+from moe_eval.gates.stats import describe_power, detectable_drop, gate_fail_probability
 
 TRAIN = [
     {"question": "Ann has 3 pens. She buys 2. How many?", "answer": "3 + 2 = <<3+2=5>>5\n#### 5"},
@@ -80,13 +80,13 @@ def _real_and_odd_rows(gsm8k_dir: str | None) -> tuple[list[dict], list[dict]]:
 
 def test_scoring_texts_match_lm_evals_gsm8k_rendering(tmp_path, monkeypatch, gsm8k_dir):
     """lm-eval renders the same rows through its own gsm8k task (the stock YAML, re-pointed at local
-    files by moe_eval.gsm8k.write_local_task, with the first_n sampler so it takes the first shots
+    files by moe_eval.evaluate.gsm8k.write_local_task, with the first_n sampler so it takes the first shots
     as scoring_texts does): its prompt + target delimiter + target must be our text, byte for byte."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     from lm_eval.tasks import TaskManager
 
-    from moe_eval.gsm8k import write_local_task
+    from moe_eval.evaluate.gsm8k import write_local_task
 
     train, test = _real_and_odd_rows(gsm8k_dir)
     data = tmp_path / "data"
@@ -565,7 +565,7 @@ def test_capture_connection_refused_is_an_infra_error():
 
 
 def test_capture_refuses_a_reply_of_the_wrong_shape():
-    from moe_eval.logprobs import parse_completion
+    from moe_eval.evaluate.logprobs import parse_completion
 
     with _FakeVllm() as fake:
         good = _vllm_reply("abc", 2)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from moe_eval.checks import answer_stats, find_baseline, garbage_checks
-from moe_eval.config import parse_config
-from moe_eval.errors import ConfigError
-from moe_eval.gate import GateResult
-from moe_eval.stats import accuracy_stderr, mcnemar_exact, paired_compare
+from moe_eval.core.errors import ConfigError
+from moe_eval.gates.accuracy import GateResult
+from moe_eval.gates.checks import answer_stats, find_baseline, garbage_checks
+from moe_eval.gates.stats import accuracy_stderr, mcnemar_exact, paired_compare
+from moe_eval.plan.config import parse_config
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Shape twins (moe_eval/twins.py): their shapes against the seed models' published config.json, their
+"""Shape twins (moe_eval/models/twins.py): their shapes against the seed models' published config.json, their
 checkpoints loadable by the seed's model class, their bytes the same everywhere, their configs mirrors of the
 shipped ones. No multi-GB weights are built here: configs alone, and reduced builds (tiny sizes, same
 layout)."""
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moe_eval.config import load_config
-from moe_eval.selection import read_list
-from moe_eval.twins import TWINS, TensorPlan, TwinSpec, build_twin, draw, weight_plan
+from moe_eval.models.twins import TWINS, TensorPlan, TwinSpec, build_twin, draw, weight_plan
+from moe_eval.plan.config import load_config
+from moe_eval.plan.selection import read_list
 
 SEEDS = Path(__file__).parent / "seed_configs"
 SEED_FILE = {

@@ -1,0 +1,447 @@
+"""The run record: one config's results.json and the run's summary.json, as types.
+
+The only module that reads and writes them. Each file is a flat JSON object (readers keep their keys); in
+Python it is a set of sections, each a dataclass whose fields are those keys:
+
+    identity     which config, as what file, under which mutation
+    environment  where it ran: hardware, versions, the questions' source, the model, the server
+    serving      what the server's log and counters said: the kernel that served, its calls, compilations
+    evaluation   lm-eval's answers and scores
+    captures     what was captured for the gates: log-probabilities, decode continuations, the layer sweep,
+                 the golden reference used
+    judged       the judge's measurements per gate (moe_eval.gates.judge sections)
+    verdict      the checks and the status
+    bookkeeping  timings, attempts, progress, errors and cancellation
+
+docs/results.schema.json and docs/summary.schema.json are generated from these types
+(`python -m moe_eval.core.record_schema`), and a test holds the committed files to them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from moe_eval.core.check import STATUSES, VERDICTS, Check
+from moe_eval.core.results import atomic_write_json
+
+RESULTS_SCHEMA_VERSION = 5
+SCHEMA_HISTORY = (  # what each version added; a reader takes every version up to RESULTS_SCHEMA_VERSION
+    "5: status 'incomplete' (a gate called for could not run, not optional); checks '<gate>_not_run' "
+    "with ran false; the check 'served'; config key optional_gates; 4: gate is {skipped} for a "
+    "random-weights model (a shape twin); gpu_memory_logged; the check bundled_kernel_calls; 3: golden "
+    "(the golden reference used), golden_gate (error against it, the incumbent's, the rule, the power, "
+    "decode), decode (greedy continuations); 2: status 'cancelled'; attempt/attempts; jit_while_serving; "
+    "bundled_kernel_calls counted on the device; logprobs, divergence, the gate's power"
+)
+RESULTS_FILE = "results.json"  # one per config run folder
+SUMMARY_FILE = "summary.json"  # one per run folder
+
+JsonObject = dict[str, Any]
+
+# Field metadata. A field is written on every record unless it is `optional` (left out while None, as a
+# stage that never ran leaves its keys out); `doc` becomes the schema's description; `enum` its values.
+OPTIONAL = "optional"
+
+
+def key(doc: str, *, optional: bool = False, default: Any = None, factory: Any = None, **extra: Any) -> Any:
+    """A record field: its JSON key is the field's name."""
+    metadata = {"doc": doc, OPTIONAL: optional, **extra}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# --- small typed objects -----------------------------------------------------------------------------
+
+
+@dataclass
+class LayoutInfo:
+    kind: str = key("TP, TEP or DEP", enum=("TP", "TEP", "DEP"), default="TP")
+    describe: str = key("as the table prints it, e.g. 'TEP (TP2, EP)'", default="")
+    world_size: int = key("GPUs (or CPU ranks) one server uses", default=1)
+
+
+@dataclass
+class Hardware:
+    selected: str = key("run --hw", default="")
+    gpus: list[str] = key("the GPUs nvidia-smi named", factory=list)
+    cpu: str = key("the CPU model", default="")
+
+
+@dataclass
+class ServerInfo:
+    argv: list[str] = key("the vLLM command line", factory=list)
+    port: int = key("its port", default=0)
+    env: dict[str, str] = key("the environment it was given (allowlisted names only)", factory=dict)
+    log: str = key("server.log's path", default="")
+    devices: list[int] | None = key("the GPUs it ran on (CUDA_VISIBLE_DEVICES), null on the CPU")
+
+
+@dataclass
+class RunError:
+    type: str = key("the exception's type (Cancelled for a signal)", default="")
+    message: str = key("what went wrong, naming the file, key and value where there is one", default="")
+    exit_code: int | None = key("the exit code it maps to; absent for an internal error", optional=True)
+
+
+@dataclass
+class Progress:
+    answered: int = key("questions answered when the config ended", default=0)
+    total: int = key("questions asked", default=0)
+    strict_match_so_far: float | None = key("strict-match accuracy over the answered ones")
+
+
+@dataclass
+class Attempt:
+    attempt: int = key("1 for the first", default=1)
+    status: str = key("how it ended", default="error")
+    error: str | None = key("its error message")
+    folder: str = key("where its files are kept, relative to the config's folder", default="")
+
+
+# --- the sections of results.json -----------------------------------------------------------------------
+
+
+@dataclass
+class Identity:
+    config_path: str = key("the config file", default="")
+    config_sha256: str = key("sha256 of the config file's text", default="", pattern="^[0-9a-f]{64}$")
+    config_name: str = key("the config file's stem", default="")
+    config: JsonObject = key("every config key with its effective value", factory=dict)
+    layout: LayoutInfo = key("the parallel layout of its server_args", factory=LayoutInfo)
+    mutation: str | None = key("run --mutate: the bug put into the bundled kernel (vLLM's is never mutated)")
+
+
+@dataclass
+class Environment:
+    hardware: Hardware = key("the machine", factory=Hardware)
+    versions: dict[str, str | None] = key(
+        "installed versions (moe-eval, vllm, torch, triton, ...)", factory=dict
+    )
+    gsm8k: JsonObject = key(
+        "where the questions came from: hub, local (with sha256) or generated", factory=dict
+    )
+    model_path: str | None = key("the model served (a folder or a hub name)", optional=True)
+    server: ServerInfo | None = key("the vLLM server as launched", optional=True)
+
+
+@dataclass
+class Serving:
+    moe_backend_requested: str | None = key("the config's moe_backend (null: vLLM's own kernel)")
+    moe_backend_used: str | None = key(
+        "what the server's log said served, e.g. 'bundled:triton', 'vllm:TRITON'"
+    )
+    vllm_moe_backends_logged: list[str] = key("vLLM's own MoE backend lines", factory=list)
+    bundled_kernel_logged: list[JsonObject] = key(
+        "the plugin's line per process and layer kind", factory=list
+    )
+    bundled_kernel_calls: JsonObject = key(
+        "the bundled kernel's own call counters, per process", factory=dict
+    )
+    jit_while_serving: JsonObject = key("kernel compilations after the server was ready", factory=dict)
+    gpu_memory_logged: JsonObject = key(
+        "GiB for weights, KV cache and CUDA graphs, per process", factory=dict
+    )
+
+
+@dataclass
+class Evaluation:
+    scores: dict[str, dict[str, float | None]] | None = key(
+        "per lm-eval filter: accuracy and stderr", optional=True
+    )
+    num_questions_evaluated: int | None = key("questions lm-eval scored", optional=True)
+    answers: JsonObject | None = key("empty, invalid, truncated answer counts", optional=True)
+    lm_eval: JsonObject | None = key("the lm-eval model and generation arguments", optional=True)
+    samples: str | None = key("the per-question samples file, beside results.json", optional=True)
+
+
+@dataclass
+class Captures:
+    logprobs: JsonObject | None = key("the scored texts' file and counts, or {skipped: why}", optional=True)
+    decode: JsonObject | None = key("the greedy continuations' file and counts", optional=True)
+    layer_sweep: JsonObject | None = key("the requests sent to reach every dispatch range", optional=True)
+    golden: JsonObject | None = key(
+        "the golden reference used: its digest, key, made now or cached", optional=True
+    )
+
+
+@dataclass
+class Judged:
+    """The judge's measurements per gate (moe_eval.gates.judge), each present when its gate was judged."""
+
+    gate: JsonObject | None = key(
+        "the accuracy gate, with its power; {skipped} for random weights", optional=True
+    )
+    paired: JsonObject | None = key("per-question flips against the incumbent (McNemar)", optional=True)
+    divergence: JsonObject | None = key(
+        "log-probabilities against the incumbent's, or {skipped}", optional=True
+    )
+    layer_check: JsonObject | None = key(
+        "the served MoE calls against the exact MoE, per range and expert", optional=True
+    )
+    golden_gate: JsonObject | None = key(
+        "the error against the golden, the incumbent's, the rule, decode", optional=True
+    )
+
+    SECTIONS: ClassVar[tuple[str, ...]] = ("gate", "paired", "divergence", "layer_check", "golden_gate")
+
+
+@dataclass
+class Verdict:
+    checks: list[Check] = key(
+        "every check made; ran false: a gate called for that could not run", factory=list
+    )
+    status: str = key("how the config ended", default="error", enum=STATUSES)
+
+
+@dataclass
+class Bookkeeping:
+    started_at: str = key("local time, %Y-%m-%dT%H:%M:%S%z", default="")
+    finished_at: str = key("local time, %Y-%m-%dT%H:%M:%S%z", default="")
+    attempt: int = key("this attempt (run --retries)", default=1)
+    attempts: list[Attempt] | None = key("earlier attempts, oldest first", optional=True)
+    timings: dict[str, float] = key(
+        "seconds per stage: startup, eval, logprob, decode, golden, total ...", factory=dict
+    )
+    progress: Progress | None = key("how far the evaluation got", optional=True)
+    error: RunError | None = key("why the config ended without a verdict", optional=True)
+    cancelled_by: str | None = key("the signal that stopped the run (SIGTERM, SIGINT)", optional=True)
+
+
+SECTION_TYPES = {
+    "identity": Identity,
+    "environment": Environment,
+    "serving": Serving,
+    "evaluation": Evaluation,
+    "captures": Captures,
+    "judged": Judged,
+    "verdict": Verdict,
+    "bookkeeping": Bookkeeping,
+}
+
+
+class UnreadableRecord(ValueError):
+    """A results.json that is missing, not JSON, not an object, or of a schema newer than this moe-eval's."""
+
+
+# --- JSON <-> types ------------------------------------------------------------------------------------
+
+
+def to_json(obj: Any) -> Any:
+    """A typed object as JSON values: dataclass fields by name, optional ones left out while None."""
+    if isinstance(obj, Check):
+        return obj.as_dict()
+    if dataclasses.is_dataclass(obj):
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if value is None and f.metadata.get(OPTIONAL):
+                continue
+            out[f.name] = to_json(value)
+        return out
+    if isinstance(obj, dict):
+        return {k: to_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_json(v) for v in obj]
+    return obj
+
+
+def _from_json(cls: type, data: dict[str, Any]) -> Any:
+    """A dataclass from its JSON object: a key missing takes the field's default (records of older writers
+    and partial ones); nested typed objects are built by their own type."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        values[f.name] = _typed(_NESTED.get((cls, f.name)), data[f.name])
+    return cls(**values)
+
+
+def _typed(kind: Any, value: Any) -> Any:
+    if kind is None or value is None:
+        return value
+    if isinstance(kind, list):  # [Type]: a list of it
+        return [_typed(kind[0], v) for v in value] if isinstance(value, list) else value
+    if kind is Check:
+        return Check.from_dict(value)
+    return _from_json(kind, value) if isinstance(value, dict) else value
+
+
+# Which fields hold typed objects (the rest are JSON values as they are).
+_NESTED: dict[tuple[type, str], Any] = {
+    (Identity, "layout"): LayoutInfo,
+    (Environment, "hardware"): Hardware,
+    (Environment, "server"): ServerInfo,
+    (Verdict, "checks"): [Check],
+    (Bookkeeping, "attempts"): [Attempt],
+    (Bookkeeping, "progress"): Progress,
+    (Bookkeeping, "error"): RunError,
+}
+
+
+@dataclass
+class RunRecord:
+    """One config's results.json: loaded and checked by `read`, written whole and atomically by `write`."""
+
+    identity: Identity = field(default_factory=Identity)
+    environment: Environment = field(default_factory=Environment)
+    serving: Serving = field(default_factory=Serving)
+    evaluation: Evaluation = field(default_factory=Evaluation)
+    captures: Captures = field(default_factory=Captures)
+    judged: Judged = field(default_factory=Judged)
+    verdict: Verdict = field(default_factory=Verdict)
+    bookkeeping: Bookkeeping = field(default_factory=Bookkeeping)
+    schema_version: int = RESULTS_SCHEMA_VERSION
+    # Keys this moe-eval does not know (a newer writer's optional ones): kept as they were on a rewrite.
+    unknown: JsonObject = field(default_factory=dict)
+    path: Path | None = None  # where it was read from or is written to; not part of the file
+
+    # --- the file ---
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"schema_version": self.schema_version}
+        for name in SECTION_TYPES:
+            out.update(to_json(getattr(self, name)))
+        return out | self.unknown
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], path: Path | None = None) -> RunRecord:
+        sections = {name: _from_json(kind, data) for name, kind in SECTION_TYPES.items()}
+        known = {f.name for kind in SECTION_TYPES.values() for f in dataclasses.fields(kind)}
+        unknown = {k: v for k, v in data.items() if k not in known and k != "schema_version"}
+        return cls(**sections, schema_version=data.get("schema_version", 1), unknown=unknown, path=path)
+
+    @classmethod
+    def read(cls, path: Path) -> RunRecord:
+        """UnreadableRecord (naming the file) when the file cannot be read as a record of a known schema."""
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise UnreadableRecord(f"{path}: cannot read a results record ({exc})") from None
+        if not isinstance(data, dict):
+            raise UnreadableRecord(f"{path}: not a results record (a JSON {type(data).__name__})")
+        version = data.get("schema_version", 1)
+        if not isinstance(version, int) or version > RESULTS_SCHEMA_VERSION:
+            raise UnreadableRecord(
+                f"{path}: results schema version {version!r}; this moe-eval reads up to "
+                f"{RESULTS_SCHEMA_VERSION}"
+            )
+        try:
+            return cls.from_json(data, path)
+        except (TypeError, AttributeError, KeyError) as exc:  # a section of the wrong JSON type
+            raise UnreadableRecord(f"{path}: not a results record ({exc})") from None
+
+    @classmethod
+    def read_if_any(cls, path: Path) -> RunRecord | None:
+        """The record, or None where the file is missing or unreadable (a config that never got to write)."""
+        try:
+            return cls.read(path)
+        except UnreadableRecord:
+            return None
+
+    def write(self, path: Path | None = None) -> None:
+        target = path or self.path
+        if target is None:
+            raise ValueError("RunRecord.write: no path")
+        atomic_write_json(target, self.to_json())
+
+    # --- the questions its readers ask ---
+
+    @property
+    def status(self) -> str:
+        return self.verdict.status
+
+    @property
+    def has_verdict(self) -> bool:
+        """The config ran to its gates (what --baseline, --resume and compare can use)."""
+        return self.status in VERDICTS
+
+    @property
+    def config(self) -> JsonObject:
+        return self.identity.config
+
+    @property
+    def layout(self) -> str | None:
+        return self.identity.layout.describe or None
+
+    @property
+    def mutation(self) -> str | None:
+        return self.identity.mutation
+
+    @property
+    def attempt(self) -> int:
+        return self.bookkeeping.attempt
+
+    @property
+    def error_message(self) -> str:
+        return self.bookkeeping.error.message if self.bookkeeping.error else ""
+
+    @property
+    def accuracy(self) -> float | None:
+        """strict-match accuracy, where the config was evaluated."""
+        return ((self.evaluation.scores or {}).get("strict-match") or {}).get("accuracy")
+
+    def check(self, name: str) -> Check | None:
+        return next((c for c in self.verdict.checks if c.name == name), None)
+
+
+def result_files(root: Path) -> list[Path]:
+    """Every config's results.json under a run folder, leaving out earlier attempts (attempts/<n>/)."""
+    return sorted(p for p in root.rglob(RESULTS_FILE) if "attempts" not in p.relative_to(root).parts[:-1])
+
+
+def records(root: Path) -> list[RunRecord]:
+    """Every config's record under a run folder (a file that cannot be read: UnreadableRecord)."""
+    return [RunRecord.read(p) for p in result_files(root)]
+
+
+# --- summary.json --------------------------------------------------------------------------------------
+
+
+@dataclass
+class SummaryEntry:
+    config: str = key("the config file", default="")
+    status: str = key(
+        "how it ended; not_started: the run stopped first",
+        default="not_started",
+        enum=(*STATUSES, "not_started"),
+    )
+    run_dir: str | None = key("its folder in the run")
+    error: str | None = key("its error message")
+    gate: JsonObject | None = key("the accuracy gate (null: not judged, or random weights)")
+    checks: list[Check] = key("its checks", factory=list)
+    moe_backend_used: str | None = key("the kernel that served")
+    attempts: int = key("attempts made (run --retries); 0: not started", default=0)
+    resumed: bool = key("kept from the folder given to run --resume", default=False)
+
+
+@dataclass
+class RunSummary:
+    """The run's summary.json: one entry per config selected."""
+
+    hw: str = key("run --hw", default="")
+    source: str = key("where the configs came from", default="")
+    run_root: str = key("the run folder", default="")
+    complete: bool = key("every config ran to its end, none cancelled", default=False)
+    cancelled_by: str | None = key("the signal that stopped the run")
+    configs: list[SummaryEntry] = key("one entry per config", factory=list)
+
+    def write(self, run_root: Path) -> None:
+        atomic_write_json(run_root / SUMMARY_FILE, to_json(self))
+
+    @classmethod
+    def read(cls, path: Path) -> RunSummary:
+        """ValueError (naming the file) when it is not a summary."""
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return _from_json(cls, data)
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{path}: cannot read a run summary ({exc})") from None
+
+
+_NESTED[(RunSummary, "configs")] = [SummaryEntry]
+_NESTED[(SummaryEntry, "checks")] = [Check]

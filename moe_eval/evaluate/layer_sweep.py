@@ -1,0 +1,151 @@
+"""The layer check's workload: requests that make the server's MoE calls reach every dispatch range.
+
+The evaluation and the scoring leave ranges out (scoring sends one text at a time: calls of ~100-1000
+tokens; lm-eval's decode batches stop at its concurrency), so after them the harness sends, on the same
+server:
+
+1. single prompts of PREFILL_LENGTHS tokens, one at a time (max_tokens 1): one prefill call of about that
+   size each (mid and large calls);
+2. when the server's calls can carry more than one prompt fits (its batched-token limit above
+   max_model_len), enough long prompts at once to fill steps at that limit (chunked prefill's largest calls);
+3. DECODE_BATCHES concurrent short prompts, each generating DECODE_TOKENS tokens (ignore_eos): decode
+   calls of about that many tokens (with CUDA graphs, the captured size at or above it).
+
+Prompts are token ids cut from a pool (the tokenized scoring texts), each starting at another offset so
+that prefix caching never shortens a call. What was sent is returned for results.json.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import requests
+
+from moe_eval.core.errors import InfraError
+from moe_eval.core.plugin_protocol import DEFAULT_MAX_TOKENS, LAYER_RANGE_EDGES
+from moe_eval.evaluate.gsm8k import Gsm8kData
+from moe_eval.evaluate.logprobs import post_completions, scoring_texts
+from moe_eval.plan.config import EvalConfig
+
+PREFILL_LENGTHS = (24, 120, 600, 1500)  # one prompt each, 3 times: M=17-64, 65-256, 257-1023, >= 1024
+PREFILL_REPEATS = 3
+DECODE_BATCHES = (1, 8, 40, 100)  # concurrent sequences: M=1, 2-16, 17-64, 65-256 when decoding together
+DECODE_TOKENS = 12
+DECODE_PROMPT_TOKENS = 16
+FALLBACK_TEXT = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May? Weng earns $12 an hour for babysitting. "
+)
+
+
+def reach_every_range(
+    config: EvalConfig, data: Gsm8kData, base_url: str, model: str, max_tokens_per_call: int | None
+) -> dict[str, Any]:
+    """The whole workload for a config's server: the pool from its scoring texts, the server's model length,
+    then `sweep`. max_tokens_per_call: the largest call the server's processes said they make (None or 0:
+    vLLM's default batched-token limit)."""
+    train, test = data.train_rows(), data.test_rows()
+    texts = scoring_texts(train, test, config.num_fewshot, min(16, len(test))) if test else []
+    timeout = config.request_timeout_seconds
+    return sweep(
+        base_url,
+        model,
+        token_pool(base_url, model, texts, timeout),
+        max_tokens_per_call=max_tokens_per_call or DEFAULT_MAX_TOKENS,
+        model_len=max_model_len(base_url, timeout),
+        timeout=timeout,
+        retries=max(config.max_retries, 1),
+    )
+
+
+def token_pool(base_url: str, model: str, texts: list[str], timeout: float) -> list[int]:
+    """The texts' token ids by the server's own tokenizer (at least a few thousand, repeated if short)."""
+    text = "\n\n".join(texts) if texts else FALLBACK_TEXT * 8
+    try:
+        reply = requests.post(
+            f"{base_url}/tokenize",
+            json={"model": model, "prompt": text, "add_special_tokens": False},
+            timeout=timeout,
+        )
+        reply.raise_for_status()
+        ids = [int(t) for t in reply.json()["tokens"]]
+    except (requests.RequestException, KeyError, ValueError, TypeError) as exc:
+        raise InfraError(f"layer check: POST {base_url}/tokenize failed: {exc}") from None
+    if not ids:
+        raise InfraError("layer check: the server's tokenizer returned no tokens for the sweep's texts")
+    return ids
+
+
+def max_model_len(base_url: str, timeout: float) -> int:
+    try:
+        reply = requests.get(f"{base_url}/v1/models", timeout=timeout)
+        reply.raise_for_status()
+        return int(reply.json()["data"][0]["max_model_len"])
+    except (requests.RequestException, KeyError, IndexError, ValueError, TypeError) as exc:
+        raise InfraError(f"layer check: GET {base_url}/v1/models gave no max_model_len: {exc}") from None
+
+
+def _prompt(pool: list[int], length: int, index: int) -> list[int]:
+    """`length` ids from the pool, starting at an offset of its own (a prime stride): distinct prefixes."""
+    start = (index * 9973 + 17 * length) % len(pool)
+    return [pool[(start + i) % len(pool)] for i in range(length)]
+
+
+def sweep(
+    base_url: str,
+    model: str,
+    pool: list[int],
+    *,
+    max_tokens_per_call: int,
+    model_len: int,
+    timeout: float,
+    retries: int,
+) -> dict[str, Any]:
+    started = time.monotonic()
+    index = 0
+    sent: dict[str, Any] = {"prefill_lengths": [], "batched_prefill": None, "decode_batches": []}
+
+    def post(payloads: list[dict], concurrency: int) -> None:
+        post_completions(
+            base_url,
+            payloads,
+            lambda reply, i: reply.get("usage", {}),
+            concurrency=concurrency,
+            timeout=timeout,
+            retries=retries,
+            backoff=1.0,
+        )
+
+    def payload(length: int, tokens: int) -> dict:
+        nonlocal index
+        index += 1
+        return {
+            "model": model,
+            "prompt": _prompt(pool, length, index),
+            "max_tokens": tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+
+    room = model_len - DECODE_TOKENS - 1
+    for length in PREFILL_LENGTHS:
+        if length > min(room, max_tokens_per_call):
+            continue
+        for _ in range(PREFILL_REPEATS):
+            post([payload(length, 1)], 1)
+        sent["prefill_lengths"].append(length)
+    longest = min(room, max(PREFILL_LENGTHS))
+    if max_tokens_per_call > longest and longest > 0:
+        # Steps at the batched-token limit: prompts sent together are packed into calls of up to
+        # max_tokens_per_call tokens by chunked prefill (twice the limit: at least one full step).
+        count = -(-2 * max_tokens_per_call // longest)
+        post([payload(longest, 1) for _ in range(count)], count)
+        sent["batched_prefill"] = {"prompts": count, "tokens_each": longest}
+    for batch in DECODE_BATCHES:
+        post([payload(DECODE_PROMPT_TOKENS, DECODE_TOKENS) for _ in range(batch)], batch)
+        sent["decode_batches"].append(batch)
+    sent["requests"] = index
+    sent["seconds"] = round(time.monotonic() - started, 2)
+    sent["ranges_targeted"] = [edge for edge in LAYER_RANGE_EDGES if edge <= max_tokens_per_call]
+    return sent

@@ -1,0 +1,1 @@
+"""Which configs run, where: the config schema, the hardware lists and shards, baselines, GPUs and cores."""

@@ -1,0 +1,46 @@
+"""Detect which hardware list applies to this machine (`--hw auto`)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+
+def gpu_names() -> list[str]:
+    """Names of the NVIDIA GPUs present, from nvidia-smi (no torch import: it is slow and may lack CUDA)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (subprocess.SubprocessError, OSError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def hardware_from_gpu_name(name: str) -> str | None:
+    upper = name.upper()
+    for hw in ("B200", "H200", "H100"):
+        if hw in upper:
+            return hw.lower()
+    return None
+
+
+def detect_hardware(names: list[str] | None = None) -> str:
+    """'b200', 'h200', 'h100' or 'cpu'. A GPU of another kind is an error for --hw auto.
+    `names`: the GPUs as gpu_names() gave them, when the caller has read them already."""
+    from moe_eval.core.errors import ConfigError
+
+    if names is None:
+        names = gpu_names()
+    if not names:
+        return "cpu"
+    hw = hardware_from_gpu_name(names[0])
+    if hw is None:
+        raise ConfigError(f"--hw auto: GPU '{names[0]}' is not one of B200, H100, H200; pass --hw explicitly")
+    return hw
