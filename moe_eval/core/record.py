@@ -23,7 +23,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from moe_eval.core.check import STATUSES, VERDICTS, Check
 from moe_eval.core.results import atomic_write_json
@@ -186,8 +186,6 @@ class Judged:
     golden_gate: JsonObject | None = key(
         "the error against the golden, the incumbent's, the rule, decode", optional=True
     )
-
-    SECTIONS: ClassVar[tuple[str, ...]] = ("gate", "paired", "divergence", "layer_check", "golden_gate")
 
 
 @dataclass

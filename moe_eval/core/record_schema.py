@@ -73,8 +73,6 @@ def object_schema(classes: list[type]) -> dict[str, Any]:
     for cls in classes:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if f.name not in hints or f.name == "SECTIONS":
-                continue
             schema = type_schema(hints[f.name])
             if "enum" in f.metadata:
                 schema = {"enum": list(f.metadata["enum"]) + ([None] if _nullable(hints[f.name]) else [])}
