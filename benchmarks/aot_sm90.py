@@ -226,7 +226,11 @@ def compile_gemv(
     constexprs = {"MUL_ROUTED_WEIGHT": mul_routed, "HAS_EXPERT_MAP": has_map, "USE_PDL": pdl,
                   "NUM_STAGES": tile.num_stages}  # fmt: skip
     if kind == 1:
-        constexprs |= {"EVEN_D": reduce_dim % tile.block_k == 0, "BLOCK_F": tile.block_n, "BLOCK_D": tile.block_k}
+        constexprs |= {
+            "EVEN_D": reduce_dim % tile.block_k == 0,
+            "BLOCK_F": tile.block_n,
+            "BLOCK_D": tile.block_k,
+        }
     else:
         constexprs |= {"EVEN_F": reduce_dim % tile.block_k == 0, "K_PAD": 1 << max(top_k - 1, 0).bit_length(),
                        "BLOCK_D": tile.block_n, "BLOCK_F": tile.block_k}  # fmt: skip
@@ -243,7 +247,9 @@ def compile_gemv(
     return {
         "shared": compiled.metadata.shared,
         "vector_loads_16B": len(re.findall(r"ld\.global(?:\.[a-z_:0-9]+)*\.v4\.b32", ptx)),
-        "scalar_or_narrow_loads": len(re.findall(r"ld\.global(?:\.[a-z_:0-9]+)*\.(?:b16|b32|v2\.b32)\b", ptx)),
+        "scalar_or_narrow_loads": len(
+            re.findall(r"ld\.global(?:\.[a-z_:0-9]+)*\.(?:b16|b32|v2\.b32)\b", ptx)
+        ),
         "cp_async": "cp.async" in ptx,
         "griddepcontrol": sorted(set(re.findall(r"griddepcontrol\.\w+", ptx))),
         "seconds": round(time.perf_counter() - t0, 1),
