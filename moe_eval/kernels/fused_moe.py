@@ -341,7 +341,8 @@ def fused_moe(
 ) -> torch.Tensor:
     """Triton fused MoE; same contract as `fused_moe_ref`. `config` overrides the tuned tiles.
 
-    allow_tf32: fp32 inputs only; multiply them in TF32 instead of IEEE fp32 (faster, ~3e-4).
+    allow_tf32: fp32 inputs only; multiply them in TF32 instead of IEEE fp32 (faster, ~3e-4). The
+    decode GEMVs (`MoeTileConfig.gemv`) have no tl.dot and stay IEEE fp32 either way.
     """
     T, D = hidden_TD.shape
     e, F2, D_w = w13_eFD.shape
