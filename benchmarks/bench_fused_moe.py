@@ -405,14 +405,16 @@ def _vllm_whole(name: str) -> Callable[[MoeShape, list[MoeCase], list[int]], Pee
 # Variations of tile_configs.default_gemv_tiles (4 warps, a step of up to 1024, 64 weights a thread a
 # step, no pipelining): PDL between the two launches; the steps' loads pipelined through shared memory
 # (cp.async, 2 stages) instead of many resident programs; 8 warps and twice the rows (half the programs,
-# twice the bytes in flight each); half the step and twice the rows (the same tile, shaped otherwise:
-# GEMM2 then reads h once for more output rows).
+# twice the bytes in flight each); a half or a quarter of the step and 2 or 4 times the rows (the same
+# tile, shaped otherwise: GEMM2 then reads h, which is as large as its weights at one row, once for
+# 2 or 4 output rows, and loops more).
 GEMV_VARIANTS: dict[str, dict] = {
     "triton_gemv": {},
     "triton_gemv_pdl": {"pdl": True},
     "triton_gemv_pdl_s2": {"pdl": True, "stages": 2},
     "triton_gemv_pdl_w8": {"pdl": True, "warps": 8, "rows": 2},
     "triton_gemv_pdl_k2": {"pdl": True, "rows": 2, "step": 2},
+    "triton_gemv_pdl_k4": {"pdl": True, "rows": 4, "step": 4},
 }
 # --gemv-force: the GEMV peers run the GEMVs at every call, not only where naive qualifies.
 GEMV_OPTIONS: dict = {"force": False}

@@ -28,7 +28,7 @@ stage() { echo "== $1 at +$(( $(date +%s) - T0 )) s ($(date -u +%T))" | tee -a "
 # The issue's shapes, the ones furthest from the target first (a deadline drops the last).
 SHAPES=("Qwen3-30B-A3B TP2" "Qwen3-30B-A3B TEP2" "Qwen3-30B-A3B TP1" "Llama-4-Scout TP2" "Llama-4-Scout TEP2"
         "Mixtral-8x7B TP2" "Mixtral-8x7B TEP2")
-PEERS=(triton triton_gemv triton_gemv_pdl triton_gemv_pdl_s2 triton_gemv_pdl_w8 triton_gemv_pdl_k2)
+PEERS=(triton triton_gemv triton_gemv_pdl triton_gemv_pdl_s2 triton_gemv_pdl_w8 triton_gemv_pdl_k2 triton_gemv_pdl_k4)
 [[ -f .vllm-peer/MANIFEST.json ]] && PEERS+=(vllm_triton)
 
 stage env
@@ -45,9 +45,11 @@ print("PDL for the GEMVs:", pdl_available(torch.device("cuda")))'
 cat "$OUT/env.txt"
 
 stage tests
+# ~110 tests, most of their time compiles: 4 processes on the one GPU when pytest-xdist is there (the image has it).
+XDIST=(); $PY -c "import xdist" 2> /dev/null && XDIST=(-n 4)
 MOE_EVAL_CORRECTNESS_LOG="$OUT/correctness.jsonl" timeout "${TESTS_TIMEOUT:-100}" \
-  $PY -m pytest -q -p no:cacheprovider -W ignore::RuntimeWarning tests/kernels/test_fused_moe.py -k "gemv or naive" \
-  > "$OUT/tests.txt" 2>&1
+  $PY -m pytest -q -p no:cacheprovider -W ignore::RuntimeWarning "${XDIST[@]}" tests/kernels/test_fused_moe.py \
+  -k "gemv or naive" > "$OUT/tests.txt" 2>&1
 echo "tests rc=$? (124 = timed out): $(tail -1 "$OUT/tests.txt")" | tee -a "$OUT/stages.txt"
 grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | head -20
 
