@@ -405,16 +405,17 @@ def _vllm_whole(name: str) -> Callable[[MoeShape, list[MoeCase], list[int]], Pee
 # Variations of tile_configs.default_gemv_tiles (4 warps, a step of up to 1024, 64 weights a thread a
 # step, no pipelining): PDL between the two launches; the steps' loads pipelined through shared memory
 # (cp.async, 2 stages) instead of many resident programs; 8 warps and twice the rows (half the programs,
-# twice the bytes in flight each); a half or a quarter of the step and 2 or 4 times the rows (the same
-# tile, shaped otherwise: GEMM2 then reads h, which is as large as its weights at one row, once for
-# 2 or 4 output rows, and loops more).
+# twice the bytes in flight each); the same tile shaped otherwise: half the step and twice the rows
+# (GEMM2 then reads h, as large as its weights at one row, once for two output rows, and loops twice as
+# often), or twice the step (at most the reduction's length) and half the rows (fewer trips, more
+# programs).
 GEMV_VARIANTS: dict[str, dict] = {
     "triton_gemv": {},
     "triton_gemv_pdl": {"pdl": True},
     "triton_gemv_pdl_s2": {"pdl": True, "stages": 2},
     "triton_gemv_pdl_w8": {"pdl": True, "warps": 8, "rows": 2},
-    "triton_gemv_pdl_k2": {"pdl": True, "rows": 2, "step": 2},
-    "triton_gemv_pdl_k4": {"pdl": True, "rows": 4, "step": 4},
+    "triton_gemv_pdl_short": {"pdl": True, "rows": 2, "step": 0.5},
+    "triton_gemv_pdl_long": {"pdl": True, "rows": 0.5, "step": 2},
 }
 # --gemv-force: the GEMV peers run the GEMVs at every call, not only where naive qualifies.
 GEMV_OPTIONS: dict = {"force": False}
@@ -424,12 +425,14 @@ def gemv_tiles(shape: MoeShape, variant: str) -> GemvTiles:
     v = GEMV_VARIANTS[variant]
     base = default_gemv_tiles(shape.F, shape.D, shape.top_k, pdl=v.get("pdl", False))
 
-    def vary(tile):
-        block_k = max(16, tile.block_k // v.get("step", 1))
-        return dataclasses.replace(tile, block_n=tile.block_n * v.get("rows", 1), block_k=block_k,
-                                   num_warps=v.get("warps", 4), num_stages=v.get("stages", 1))  # fmt: skip
+    def vary(tile, reduce_dim: int):
+        longest = 1 << max(reduce_dim - 1, 0).bit_length()
+        block_k = min(longest, max(16, int(tile.block_k * v.get("step", 1))))
+        block_n = max(1, int(tile.block_n * v.get("rows", 1)))
+        return dataclasses.replace(tile, block_n=block_n, block_k=block_k, num_warps=v.get("warps", 4),
+                                   num_stages=v.get("stages", 1))  # fmt: skip
 
-    return dataclasses.replace(base, gemm1=vary(base.gemm1), gemm2=vary(base.gemm2))
+    return dataclasses.replace(base, gemm1=vary(base.gemm1, shape.D), gemm2=vary(base.gemm2, shape.F))
 
 
 def gemv_config(shape: MoeShape, case: MoeCase, variant: str) -> MoeTileConfig:

@@ -5,7 +5,7 @@
 #   2. tests: test_fused_moe.py -k "gemv or naive" (bf16 on the GPU: the naive and GEMV plans at small
 #      shapes, the GEMVs at every shipped shape at M = 1, 2, 4 with and without PDL, fp32 odd shapes)
 #   3. bench: bench_fused_moe.py, CUDA graphs over rotated input sets, replays interleaved: the tuned
-#      plan (`triton`), the GEMVs at default_gemv_tiles and four variations (`triton_gemv*`, run at
+#      plan (`triton`), the GEMVs at default_gemv_tiles and five variations (`triton_gemv*`, run at
 #      every M by --gemv-force, so M = 8 and 16 show one expert stream per slot), and vLLM's Triton
 #      kernel (`vllm_triton`, when .vllm-peer/ is carried); the table of issue 34 (us, TB/s on the
 #      weights, x the copy floor) in decode.md and on stdout
@@ -28,7 +28,8 @@ stage() { echo "== $1 at +$(( $(date +%s) - T0 )) s ($(date -u +%T))" | tee -a "
 # The issue's shapes, the ones furthest from the target first (a deadline drops the last).
 SHAPES=("Qwen3-30B-A3B TP2" "Qwen3-30B-A3B TEP2" "Qwen3-30B-A3B TP1" "Llama-4-Scout TP2" "Llama-4-Scout TEP2"
         "Mixtral-8x7B TP2" "Mixtral-8x7B TEP2")
-PEERS=(triton triton_gemv triton_gemv_pdl triton_gemv_pdl_s2 triton_gemv_pdl_w8 triton_gemv_pdl_k2 triton_gemv_pdl_k4)
+PEERS=(triton triton_gemv triton_gemv_pdl triton_gemv_pdl_s2 triton_gemv_pdl_w8 triton_gemv_pdl_short
+       triton_gemv_pdl_long)
 [[ -f .vllm-peer/MANIFEST.json ]] && PEERS+=(vllm_triton)
 
 stage env
