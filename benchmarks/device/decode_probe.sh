@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 34 on one lent H200, in one call (~250 s with compiles): the decode GEMVs (`MoeTileConfig.gemv`)
+# Issue 34 on one lent H200, in one call (~200-270 s with compiles): the decode GEMVs (`MoeTileConfig.gemv`)
 # against the tuned plan at M = 1, 2, 4, 8, 16 and the shapes of tile_configs.PREFILL_SHAPES.
 #   1. env: GPU, versions, whether PDL is available to the GEMVs
 #   2. tests: test_fused_moe.py -k "gemv or naive" (bf16 on the GPU: the naive and GEMV plans at small
@@ -13,9 +13,9 @@
 #   OUT=/some/dir bash benchmarks/device/decode_probe.sh
 # The kernels need only the image's torch and triton, so the checkout is imported as is (PYTHONPATH),
 # as kernel_bench.sh does; PY="bash .vgpu/device_env.sh python3" runs it through the vLLM kit instead.
-# Budgets (seconds, wall): TESTS_TIMEOUT (100), BENCH_TIMEOUT (185), BENCH_DEADLINE (no new cell after,
-# 140). Results in $OUT (at most 8 files come back): decode.md, bench_rows.jsonl, bench.json, tests.txt,
-# correctness.jsonl, bench_stderr.txt, env.txt, stages.txt.
+# Budgets (seconds, wall; ~270 at most in all): TESTS_TIMEOUT (90), BENCH_TIMEOUT (170), BENCH_DEADLINE
+# (no new cell after, 125). Results in $OUT (at most 8 files come back): decode.md, bench_rows.jsonl,
+# bench.json, tests.txt, correctness.jsonl, bench_stderr.txt, env.txt, stages.txt.
 set -u
 OUT="${OUT:?set OUT}"
 PY="${PY:-python3}"
@@ -48,16 +48,16 @@ cat "$OUT/env.txt"
 stage tests
 # ~110 tests, most of their time compiles: 4 processes on the one GPU when pytest-xdist is there (the image has it).
 XDIST=(); $PY -c "import xdist" 2> /dev/null && XDIST=(-n 4)
-MOE_EVAL_CORRECTNESS_LOG="$OUT/correctness.jsonl" timeout "${TESTS_TIMEOUT:-100}" \
+MOE_EVAL_CORRECTNESS_LOG="$OUT/correctness.jsonl" timeout "${TESTS_TIMEOUT:-90}" \
   $PY -m pytest -q -p no:cacheprovider -W ignore::RuntimeWarning "${XDIST[@]}" tests/kernels/test_fused_moe.py \
   -k "gemv or naive" > "$OUT/tests.txt" 2>&1
 echo "tests rc=$? (124 = timed out): $(tail -1 "$OUT/tests.txt")" | tee -a "$OUT/stages.txt"
 grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | head -20
 
 stage bench
-timeout "${BENCH_TIMEOUT:-185}" $PY benchmarks/bench_fused_moe.py --out-dir "$RUN/bench" --shapes "${SHAPES[@]}" \
+timeout "${BENCH_TIMEOUT:-170}" $PY benchmarks/bench_fused_moe.py --out-dir "$RUN/bench" --shapes "${SHAPES[@]}" \
   --m 1 2 4 8 16 --peers "${PEERS[@]}" --gemv-force --no-gemms-alone --skip-eager --skip-alignment \
-  --replays "${BENCH_REPLAYS:-20}" --precompile-workers 12 --deadline-s "${BENCH_DEADLINE:-140}" \
+  --replays "${BENCH_REPLAYS:-20}" --precompile-workers 12 --deadline-s "${BENCH_DEADLINE:-125}" \
   --decode-targets 2> "$OUT/bench_stderr.txt" > "$RUN/bench_stdout.txt"
 echo "bench rc=$? (1: a target missed or a result wrong; 124: timed out)" | tee -a "$OUT/stages.txt"
 grep -E "WRONG|not timed|precompil|deadline|Error" "$OUT/bench_stderr.txt" | cut -c1-300 | tail -20
