@@ -60,7 +60,7 @@ def _signature(fn, dtype: str, ints: dict[str, int]) -> tuple[dict, dict]:
         if i in fn.constexprs:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            if name in ("x_ptr", "w13_ptr", "h_ptr", "w2_ptr", "y_ptr"):
+            if name in ("x_ptr", "w13_ptr", "h_ptr", "w2_ptr", "y_ptr", "out_ptr"):
                 sig[name] = "*" + dtype
             elif name == "topk_weights_ptr":
                 sig[name] = "*fp32"
@@ -196,6 +196,62 @@ def compile_gemm(
         "mma": "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none",
         "cp_async": "cp.async" in ptx,
         "tma_loads": "cp.async.bulk.tensor" in ptx,
+        "seconds": round(time.perf_counter() - t0, 1),
+        **_ptxas_report(ptx),
+    }
+
+
+def compile_gemv(
+    kind: int,
+    tile,
+    *,
+    dtype: str = "bf16",
+    F: int = 768,
+    D: int = 2048,
+    top_k: int = 8,
+    mul_routed: bool | None = None,
+    has_map: bool = False,
+    pdl: bool = False,
+) -> dict:
+    """Compile decode GEMV `kind` (1: `_gemv1_silu_kernel`, 2: `_gemv2_sum_kernel`) for sm_90: registers,
+    spills, shared memory, whether the weight loads are 16-byte vectors, pipelined (cp.async), and
+    whether the grid-dependency instructions of PDL are there."""
+    fn = kernels._gemv1_silu_kernel if kind == 1 else kernels._gemv2_sum_kernel
+    if mul_routed is None:
+        mul_routed = kind == 2
+    reduce_dim = D if kind == 1 else F
+    ints = {"F": F, "D": D, "stride_xm": D, "stride_we": 2 * F * D if kind == 1 else D * F,
+            "stride_wn": D if kind == 1 else F, "stride_hm": F, "stride_om": D}  # fmt: skip
+    sig, attrs = _signature(fn, dtype, ints)
+    constexprs = {"MUL_ROUTED_WEIGHT": mul_routed, "HAS_EXPERT_MAP": has_map, "USE_PDL": pdl,
+                  "NUM_STAGES": tile.num_stages}  # fmt: skip
+    if kind == 1:
+        constexprs |= {
+            "EVEN_D": reduce_dim % tile.block_k == 0,
+            "BLOCK_F": tile.block_n,
+            "BLOCK_D": tile.block_k,
+        }
+    else:
+        constexprs |= {"EVEN_F": reduce_dim % tile.block_k == 0, "K_PAD": 1 << max(top_k - 1, 0).bit_length(),
+                       "BLOCK_D": tile.block_n, "BLOCK_F": tile.block_k}  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        compiled = triton.compile(
+            ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+            target=TARGET,
+            options={"num_warps": tile.num_warps, "num_stages": tile.num_stages, "launch_pdl": pdl},
+        )
+    except Exception as exc:  # noqa: BLE001 - reported as the row's error
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "seconds": time.perf_counter() - t0}
+    ptx = compiled.asm["ptx"]
+    return {
+        "shared": compiled.metadata.shared,
+        "vector_loads_16B": len(re.findall(r"ld\.global(?:\.[a-z_:0-9]+)*\.v4\.b32", ptx)),
+        "scalar_or_narrow_loads": len(
+            re.findall(r"ld\.global(?:\.[a-z_:0-9]+)*\.(?:b16|b32|v2\.b32)\b", ptx)
+        ),
+        "cp_async": "cp.async" in ptx,
+        "griddepcontrol": sorted(set(re.findall(r"griddepcontrol\.\w+", ptx))),
         "seconds": round(time.perf_counter() - t0, 1),
         **_ptxas_report(ptx),
     }

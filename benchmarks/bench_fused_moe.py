@@ -14,6 +14,10 @@ Peers (--peers), interleaved replay by replay so they share the card's thermal a
               alignment and one-pass Triton stand-ins for its CUDA activation and top-k sum), or
               from the installed vLLM when there is no folder. CUDA graph
   vllm_installed  the installed vLLM's own fused_experts (its CUDA alignment, activation and sum)
+  triton_gemv*  issue 34's decode GEMVs: the shape's tuned config with `gemv` tiles on its naive calls
+              (GEMV_VARIANTS: tile_configs.default_gemv_tiles and a few variations of it), CUDA graph;
+              with --gemv-force the GEMVs run every call (also where naive does not qualify: one
+              expert stream per slot), to see where they stop paying
 With a vLLM peer (or --gemms-alone) each of triton / vllm_triton / vllm_installed also gets a
 `<peer>:gemms` timer in the same interleaved replays: GEMM1 + activation + GEMM2 only, the slot
 assignment precomputed outside the graph (each side at its own BLOCK_M with OUR alignment, or
@@ -39,7 +43,8 @@ also written to DIR/ratios.md; `--report-only DIR/rows.jsonl` prints them again 
 Usage: python benchmarks/bench_fused_moe.py --out-dir DIR [--shapes "Qwen3-30B-A3B TP1" ...] [--m 1 16]
                                            [--peers triton vllm_triton] [--vllm-peer-dir DIR] [--skip-eager]
 Writes DIR/bench.json, DIR/rows.jsonl (as it goes), DIR/bench.md, DIR/ratios.md and
-DIR/roofline_<model>.png; prints the tables on stdout.
+DIR/roofline_<model>.png; prints the tables on stdout. --decode-targets: issue 34's table instead
+(DIR/decode.md: per cell the time, TB/s on the weights and the ratio to the copy floor).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ if __name__ == "__main__" and "--cpu-smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
@@ -62,6 +68,8 @@ from pathlib import Path
 import torch
 
 from moe_eval.kernels.fused_moe import (
+    AlignVariant,
+    LaunchPlan,
     allocate_intermediates,
     assign_slots,
     fused_moe,
@@ -71,7 +79,15 @@ from moe_eval.kernels.fused_moe import (
     launch_sum,
 )
 from moe_eval.kernels.testing import MoeCase, rel_err, shape_case
-from moe_eval.kernels.tile_configs import M_GRID, PREFILL_SHAPES, SHIPPED_SHAPES, MoeShape
+from moe_eval.kernels.tile_configs import (
+    M_GRID,
+    PREFILL_SHAPES,
+    SHIPPED_SHAPES,
+    GemvTiles,
+    MoeShape,
+    MoeTileConfig,
+    default_gemv_tiles,
+)
 from moe_eval.kernels.torch_moe import grouped_mm_moe, torch_moe
 
 
@@ -215,8 +231,9 @@ def layer_counts(shape: MoeShape, cases: list[MoeCase]) -> dict[str, float]:
     M = cases[0].hidden_TD.shape[0]
     hit, slot = statistics.mean(hits), statistics.mean(slots)
     flops = 6 * slot * shape.D * shape.F
-    bytes_ = hit * 3 * shape.D * shape.F * 2 + 2 * M * shape.D * 2
-    return {"experts_hit": hit, "slots": slot, "flops": flops, "bytes": bytes_}
+    weight_bytes = hit * 3 * shape.D * shape.F * cases[0].w13_eFD.element_size()
+    bytes_ = weight_bytes + 2 * M * shape.D * 2
+    return {"experts_hit": hit, "slots": slot, "flops": flops, "bytes": bytes_, "weight_bytes": weight_bytes}
 
 
 def _call(fn: Callable, case: MoeCase) -> Callable[[], object]:
@@ -383,12 +400,89 @@ def _vllm_whole(name: str) -> Callable[[MoeShape, list[MoeCase], list[int]], Pee
     return peer_calls
 
 
+# --- issue 34: the decode GEMVs beside the tuned plan --------------------------------------------
+
+# Variations of tile_configs.default_gemv_tiles (4 warps, a step of up to 1024, 64 weights a thread a
+# step, no pipelining): PDL between the two launches; the steps' loads pipelined through shared memory
+# (cp.async, 2 stages) instead of many resident programs; 8 warps and twice the rows (half the programs,
+# twice the bytes in flight each); the same tile shaped otherwise: half the step and twice the rows
+# (GEMM2 then reads h, as large as its weights at one row, once for two output rows, and loops twice as
+# often), or twice the step (at most the reduction's length) and half the rows (fewer trips, more
+# programs).
+GEMV_VARIANTS: dict[str, dict] = {
+    "triton_gemv": {},
+    "triton_gemv_pdl": {"pdl": True},
+    "triton_gemv_pdl_s2": {"pdl": True, "stages": 2},
+    "triton_gemv_pdl_w8": {"pdl": True, "warps": 8, "rows": 2},
+    "triton_gemv_pdl_short": {"pdl": True, "rows": 2, "step": 0.5},
+    "triton_gemv_pdl_long": {"pdl": True, "rows": 0.5, "step": 2},
+}
+# --gemv-force: the GEMV peers run the GEMVs at every call, not only where naive qualifies.
+GEMV_OPTIONS: dict = {"force": False}
+
+
+def gemv_tiles(shape: MoeShape, variant: str) -> GemvTiles:
+    v = GEMV_VARIANTS[variant]
+    base = default_gemv_tiles(shape.F, shape.D, shape.top_k, pdl=v.get("pdl", False))
+
+    def vary(tile, reduce_dim: int):
+        longest = 1 << max(reduce_dim - 1, 0).bit_length()
+        block_k = min(longest, max(16, int(tile.block_k * v.get("step", 1))))
+        block_n = max(1, int(tile.block_n * v.get("rows", 1)))
+        return dataclasses.replace(tile, block_n=block_n, block_k=block_k, num_warps=v.get("warps", 4),
+                                   num_stages=v.get("stages", 1))  # fmt: skip
+
+    return dataclasses.replace(base, gemm1=vary(base.gemm1, shape.D), gemm2=vary(base.gemm2, shape.F))
+
+
+def gemv_config(shape: MoeShape, case: MoeCase, variant: str) -> MoeTileConfig:
+    """The tuned config of this call with the variant's GEMVs on its naive calls (its tl.dot tiles serve
+    the others); fold_k off, as `gemv` requires."""
+    tuned = _triton_plan(shape, case).config
+    return dataclasses.replace(tuned, naive=True, fold_k=False, gemv=gemv_tiles(shape, variant))
+
+
+def _forced_gemv_call(shape: MoeShape, case: MoeCase, config: MoeTileConfig) -> Callable[[], torch.Tensor]:
+    """The GEMVs whatever the token count: fused_moe's stages with the naive plan forced."""
+    plan = LaunchPlan(config, AlignVariant(False, naive=True))
+    kwargs = {"expert_map_E": case.expert_map_E, "precision": "tf32",
+              "apply_router_weight_on_input": case.apply_router_weight_on_input}  # fmt: skip
+
+    def call() -> torch.Tensor:
+        out = torch.empty_like(case.hidden_TD)
+        align = assign_slots(case.topk_ids_TK, plan, shape.local_experts, case.expert_map_E)
+        h_PF, y_SD = allocate_intermediates(align, plan, case.hidden_TD, shape.F, out)
+        launch_experts(*case.args(), align, plan, h_PF, y_SD, out, **kwargs)
+        return out
+
+    return call
+
+
+def _gemv_peer(variant: str) -> Callable[[MoeShape, list[MoeCase], list[int]], PeerCalls]:
+    def peer_calls(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
+        configs = [gemv_config(shape, c, variant) for c in cases]
+        if GEMV_OPTIONS["force"]:
+            calls = [_forced_gemv_call(shape, c, cfg) for c, cfg in zip(cases, configs)]
+        else:
+            calls = [lambda c=c, cfg=cfg: fused_moe(*c.args(), **c.kwargs(), config=cfg)
+                     for c, cfg in zip(cases, configs)]  # fmt: skip
+        T = cases[0].hidden_TD.shape[0]
+        plan = launch_plan(T, shape.local_experts, shape.F, shape.D, shape.top_k, _device_name(cases[0]),
+                           configs[0])  # fmt: skip
+        runs_gemv = GEMV_OPTIONS["force"] or plan.gemv is not None
+        return calls, {"config": json.dumps(configs[0].to_json()), "gemv_ran": runs_gemv,
+                       "gemv_forced": GEMV_OPTIONS["force"]}  # fmt: skip
+
+    return peer_calls
+
+
 GRAPH_PEERS: dict[str, Callable[[MoeShape, list[MoeCase], list[int]], PeerCalls]] = {
     "triton": triton_peer,
     "grouped_mm": grouped_mm_peer,
     "flashinfer_cutlass": flashinfer_cutlass_peer,
     "vllm_triton": _vllm_whole("vllm_triton"),
     "vllm_installed": _vllm_whole("vllm_installed"),
+    **{name: _gemv_peer(name) for name in GEMV_VARIANTS},
 }
 DEFAULT_PEERS = ("triton", "grouped_mm")
 
@@ -540,7 +634,8 @@ def bench_shape(
                 "median_us": med, "min_us": min(us), "max_us": max(us), "samples": len(us),
                 "tflops": counts["flops"] / med / 1e6, "gbps": counts["bytes"] / med / 1e3,
                 "roofline_us": roof_us, "frac_roofline": roof_us / med,
-                "experts_hit": counts["experts_hit"], "slots": counts["slots"], **notes.get(impl, {}),
+                "experts_hit": counts["experts_hit"], "slots": counts["slots"],
+                "weight_bytes": counts["weight_bytes"], **notes.get(impl, {}),
                 **({"rel_err": errors[impl]} if impl in errors else {}),
                 **({"repeat_medians_us": repeat_medians[impl]} if impl in repeat_medians else {}),
             })  # fmt: skip
@@ -824,6 +919,71 @@ def prefill_tables(rows: list[dict]) -> tuple[str, bool]:
     return "\n".join(lines + latency), all_ok and met
 
 
+# --- issue 34: decode within 1.25 x the copy floor ---------------------------------------------------
+
+# The floor of a call: the bytes of the experts it hits, read once, at the H200's measured copy ceiling
+# (device-to-device copy, read + write counted: docs/perf.md). Issue 34's target: the bundled call at
+# M = 1 within DECODE_FLOOR_RATIO of it, at every shape of PREFILL_SHAPES.
+DECODE_COPY_GBPS = 4238.0
+DECODE_FLOOR_RATIO = 1.25
+DECODE_TARGET_M = 1
+
+
+def decode_tables(rows: list[dict]) -> tuple[str, bool]:
+    """Markdown per shape: each timed impl at each M as `us (TB/s on the weights, x floor)`, then the
+    M = 1 verdict for the tuned plan and for the best of the other bundled impls (`triton*`); and
+    whether every shape's best bundled impl met the target. A wrong output never counts as met."""
+    by = {(f"{r['model']} {r['layout']}", r["M"], r["impl"]): r for r in rows}
+    shapes = [s for s in dict.fromkeys(f"{r['model']} {r['layout']}" for r in rows) if s in PREFILL_SHAPES]
+    Ms = sorted({r["M"] for r in rows})
+    impls = [i for i in dict.fromkeys(r["impl"] for r in rows) if i != "reference"]
+    lines, all_ok = [], True
+    for shape in shapes:
+        title = f"#### {shape}: us (TB/s on the weights, x the copy floor at {DECODE_COPY_GBPS:.0f} GB/s)"
+        lines += [
+            title,
+            "",
+            "| impl | " + " | ".join(f"M={m}" for m in Ms) + " |",
+            "|---|" + "---:|" * len(Ms),
+        ]
+        for impl in impls:
+            cells = []
+            for M in Ms:
+                r = by.get((shape, M, impl))
+                if not r or "weight_bytes" not in r:
+                    cells.append("-")
+                    continue
+                floor_us = r["weight_bytes"] / DECODE_COPY_GBPS / 1e3
+                ratio = r["median_us"] / floor_us
+                wrong = " WRONG" if not r.get("rel_err", 0) <= CHECK_TOLERANCE else ""
+                forced = "" if r.get("gemv_ran", True) else " (aligned)"
+                cells.append(f"{r['median_us']:.1f} ({r['weight_bytes'] / r['median_us'] / 1e6:.2f}, "
+                             f"{ratio:.2f}x){forced}{wrong}")  # fmt: skip
+            lines.append(f"| {impl} | " + " | ".join(cells) + " |")
+        verdicts = []
+        for label, names in (
+            ("tuned", ["triton"]),
+            ("best bundled", [i for i in impls if i.startswith("triton") and ":" not in i]),
+        ):
+            cands = [by[(shape, DECODE_TARGET_M, n)] for n in names if (shape, DECODE_TARGET_M, n) in by]
+            cands = [r for r in cands if r.get("rel_err", 0) <= CHECK_TOLERANCE and "weight_bytes" in r]
+            if not cands:
+                continue
+            best = min(cands, key=lambda r: r["median_us"])
+            ratio = best["median_us"] * DECODE_COPY_GBPS * 1e3 / best["weight_bytes"]
+            met = ratio <= DECODE_FLOOR_RATIO
+            if label == "best bundled":
+                all_ok &= met
+            verdicts.append(f"{label} {best['impl']} {best['median_us']:.1f} us = {ratio:.2f}x "
+                            f"({'PASS' if met else 'FAIL'})")  # fmt: skip
+        lines += [
+            "",
+            f"M={DECODE_TARGET_M}, target <= {DECODE_FLOOR_RATIO:.2f}x the floor: " + "; ".join(verdicts),
+            "",
+        ]
+    return "\n".join(lines), all_ok
+
+
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -869,7 +1029,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 
 
 def _precompile_worker(shape_index: int, Ms: list[int], peers: tuple[str, ...], gemms_alone: bool,
-                       peer_dir: str | None) -> list[str]:  # fmt: skip
+                       peer_dir: str | None, gemv_force: bool = False) -> list[str]:  # fmt: skip
     """Worker: run every timed call once at each M on uninitialised weights, so Triton compiles into
     the disk cache what the timing process will then only load. Same M, so the same specialisations
     (vLLM's kernel specialises its grid and token counts on divisibility by 16)."""
@@ -877,6 +1037,7 @@ def _precompile_worker(shape_index: int, Ms: list[int], peers: tuple[str, ...], 
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     configure_vllm_peers([p for p in peers if p in VLLM_PEER_NAMES], Path(peer_dir) if peer_dir else None)
+    GEMV_OPTIONS["force"] = gemv_force
     shape = SHIPPED_SHAPES[shape_index]
     kw = {"dtype": torch.bfloat16, "device": "cuda"}
     weights = types.SimpleNamespace(
@@ -888,7 +1049,7 @@ def _precompile_worker(shape_index: int, Ms: list[int], peers: tuple[str, ...], 
         case = shape_case(shape, M, seed=M, weights_from=weights)
         for name in peers:
             try:
-                if name in ("triton",) + VLLM_PEER_NAMES:
+                if name in ("triton",) + VLLM_PEER_NAMES + tuple(GEMV_VARIANTS):
                     GRAPH_PEERS[name](shape, [case], Ms)[0][0]()
                 if gemms_alone and name in GEMM_PEERS:
                     calls, finishes, _ = GEMM_PEERS[name](shape, [case])
@@ -912,7 +1073,8 @@ def precompile(shapes: list[MoeShape], Ms: list[int], peers: tuple[str, ...], ge
     jobs.sort(key=lambda j: -j[1][0])  # the largest M first: the longest jobs start early
     log(f"precompiling {len(jobs)} (shape, M) cells on {workers} workers")
     ctx = multiprocessing.get_context("spawn")
-    args = [(si, ms, peers, gemms_alone, str(peer_dir) if peer_dir else None) for si, ms in jobs]
+    args = [(si, ms, peers, gemms_alone, str(peer_dir) if peer_dir else None, GEMV_OPTIONS["force"])
+            for si, ms in jobs]  # fmt: skip
     try:
         with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
             for errors in pool.map(_precompile_worker, *zip(*args)):
@@ -946,6 +1108,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-targets", action="store_true",
                         help="end with issue 23's tables (peers / bundled, roofline, decode) in "
                              "prefill.md")  # fmt: skip
+    parser.add_argument("--decode-targets", action="store_true",
+                        help="end with issue 34's table (us, TB/s on the weights, x the copy floor) in "
+                             "decode.md")  # fmt: skip
+    parser.add_argument(
+        "--gemv-force",
+        action="store_true",
+        help="the triton_gemv* peers run the GEMVs at every M, not only on naive calls",
+    )
     parser.add_argument("--skip-alignment", action="store_true", help="skip the alignment-path comparison")
     parser.add_argument("--peers", nargs="*", default=list(DEFAULT_PEERS), choices=list(GRAPH_PEERS))
     parser.add_argument(
@@ -968,12 +1138,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.report_only is not None:
         rows = [json.loads(line) for line in args.report_only.read_text().splitlines() if line.strip()]
-        table, ok = prefill_tables(rows) if args.prefill_targets else ratio_tables(rows)
+        if args.decode_targets:
+            table, ok = decode_tables(rows)
+        else:
+            table, ok = prefill_tables(rows) if args.prefill_targets else ratio_tables(rows)
         print(table)
         return 0 if ok else 1
     started = time.perf_counter()
     deadline = started + args.deadline_s if args.deadline_s is not None else None
     apply_flashinfer_options(args)
+    GEMV_OPTIONS["force"] = args.gemv_force
     args.out_dir.mkdir(parents=True, exist_ok=True)
     failed = configure_vllm_peers([p for p in args.peers if p in VLLM_PEER_NAMES], args.vllm_peer_dir)
     peers = tuple(p for p in args.peers if p not in failed)
@@ -1046,7 +1220,12 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(meta))
     print(table)
     ok = True
-    if args.prefill_targets:
+    if args.decode_targets:
+        tables, ok = decode_tables(rows)
+        (args.out_dir / "decode.md").write_text(tables + "\n")
+        print()
+        print(tables)
+    elif args.prefill_targets:
         tables, ok = prefill_tables(rows)
         (args.out_dir / "prefill.md").write_text(tables + "\n")
         print()

@@ -2,9 +2,13 @@
 
 For each cell (shipped per-rank shape x M): candidate BLOCK_Ms from the mean rows per expert, and
 at few tokens the naive plan (no alignment, one block per slot; GEMM2 with or without the top-k
-sum folded in). For each, the alignment, GEMM1 and GEMM2 are timed separately (CUDA graphs over
-rotated input sets, as in bench_fused_moe.py) over their candidate tiles; the three best tiles of
-each GEMM are then tried at GROUP_M 1 / 16 / 32 (a runtime argument: no compile). The plan with
+sum folded in) and the decode GEMVs (`gemv`: both GEMMs without tl.dot, the sum in GEMM2; their
+best pair is timed once more back to back, with and without programmatic dependent launch, and that
+pair's time is the plan's total; the config keeps the cell's best BLOCK_M-16 tl.dot tiles for the
+calls where naive does not qualify). For each, the alignment, GEMM1 and GEMM2 are timed separately
+(CUDA graphs over rotated input sets, as in bench_fused_moe.py) over their candidate tiles; the three
+best tiles of each GEMM are then tried at GROUP_M 1 / 16 / 32 (a runtime argument: no compile; the
+GEMVs have no GROUP_M, and ignore it). The plan with
 the least alignment + GEMM1 + GEMM2 (+ the separate top-k sum where it is not folded) wins, after
 a check of the whole call against the fp32 reference (a candidate that computes a wrong result
 is dropped, never written). The best time of each kernel variant family (two-dot or interleaved
@@ -47,10 +51,13 @@ from moe_eval.kernels.fused_moe import (
     fused_moe,
     launch_gemm1,
     launch_gemm2,
+    launch_gemv1,
+    launch_gemv2,
     launch_sum,
     moe_align_block_size,
     naive_alignment,
     naive_qualifies,
+    pdl_available,
 )
 from moe_eval.kernels.testing import rel_err, shape_case
 from moe_eval.kernels.tile_configs import (
@@ -58,9 +65,11 @@ from moe_eval.kernels.tile_configs import (
     SMEM_LIMIT,
     TUNED_DIR,
     GemmTile,
+    GemvTiles,
     MoeShape,
     MoeTileConfig,
     config_file_name,
+    default_config,
     read_tuned_file,
     write_tuned_file,
 )
@@ -159,39 +168,66 @@ def gemm_candidates(kind: int, block_m: int) -> list[GemmTile]:
     return tiles
 
 
+def gemv_candidates(kind: int, shape: MoeShape) -> list[GemmTile]:
+    """Decode GEMV tiles (`GemvTiles`): a reduction step of 256-2048 (at most the whole of D or F rounded
+    up), 4 or 8 warps, plain or 2-stage pipelined loops, and as many rows as make 32, 64 or 128 weights
+    a thread a step (GEMM1: gate and up rows; GEMM2: next_pow2(K) slots of rows). Below 32 a step is
+    too few bytes in flight, above 128 the registers limit the programs an SM holds."""
+    reduce_dim = shape.D if kind == 1 else shape.F
+    rows_per_output = 2 if kind == 1 else 1 << max(shape.top_k - 1, 0).bit_length()
+    steps = [k for k in (256, 512, 1024, 2048) if k < 2 * reduce_dim]
+    tiles = []
+    for block_k, warps, stages, per_thread in itertools.product(steps, [4, 8], [1, 2], [32, 64, 128]):
+        block_n = per_thread * 32 * warps // (rows_per_output * block_k)
+        if block_n >= 1:
+            tile = GemmTile(block_n, block_k, num_warps=warps, num_stages=stages)
+            if tile not in tiles:
+                tiles.append(tile)
+    return tiles
+
+
 @dataclass(frozen=True)
 class Plan:
-    """What one tuning branch times: a BLOCK_M, aligned or naive, and (naive, K > 1) the folded sum."""
+    """What one tuning branch times: a BLOCK_M, aligned or naive, (naive, K > 1) the folded sum, or
+    (naive) the decode GEMVs."""
 
     block_m: int
     naive: bool = False
+    gemv: bool = False
 
     def name(self) -> str:
-        return f"bm={self.block_m}" + (" naive" if self.naive else "")
+        return f"bm={self.block_m}" + (" naive" if self.naive else "") + (" gemv" if self.gemv else "")
 
 
 def plans_for(shape: MoeShape, M: int) -> list[Plan]:
     plans = [Plan(bm) for bm in block_m_candidates(rows_per_expert(shape, M))]
     if naive_qualifies(M, shape.top_k, shape.local_experts):
-        plans.append(Plan(16, naive=True))
+        plans += [Plan(16, naive=True), Plan(16, naive=True, gemv=True)]
     return plans
 
 
 def gemm2_folds(shape: MoeShape, plan: Plan) -> tuple[bool, ...]:
-    # Folding the sum only matters when there is a sum (K > 1) and each block is one slot (naive).
+    # Folding the sum only matters when there is a sum (K > 1) and each block is one slot (naive); the
+    # GEMV GEMM2 always sums over K itself.
+    if plan.gemv:
+        return (True,)
     return (False, True) if plan.naive and shape.top_k > 1 else (False,)
 
 
-def candidate_jobs(shape: MoeShape, Ms: list[int]) -> set[tuple[int, int, GemmTile, bool, bool]]:
-    """(block_m, kind, tile, naive, fold_k) of every kernel variant the cells can time."""
+def plan_candidates(kind: int, shape: MoeShape, plan: Plan) -> list[GemmTile]:
+    return gemv_candidates(kind, shape) if plan.gemv else gemm_candidates(kind, plan.block_m)
+
+
+def candidate_jobs(shape: MoeShape, Ms: list[int]) -> set[tuple[int, int, GemmTile, bool, bool, bool]]:
+    """(block_m, kind, tile, naive, fold_k, gemv) of every kernel variant the cells can time."""
     jobs = set()
     for M in Ms:
         for plan in plans_for(shape, M):
-            for tile in gemm_candidates(1, plan.block_m):
-                jobs.add((plan.block_m, 1, tile, plan.naive, False))
+            for tile in plan_candidates(1, shape, plan):
+                jobs.add((plan.block_m, 1, tile, plan.naive, False, plan.gemv))
             for fold in gemm2_folds(shape, plan):
-                for tile in gemm_candidates(2, plan.block_m):
-                    jobs.add((plan.block_m, 2, tile, plan.naive, fold))
+                for tile in plan_candidates(2, shape, plan):
+                    jobs.add((plan.block_m, 2, tile, plan.naive, fold, plan.gemv))
     return jobs
 
 
@@ -200,6 +236,7 @@ class Buffers:
 
     def __init__(self, case, shape: MoeShape, plan: Plan):
         self.case = case
+        self.plan = plan
         T = case.hidden_TD.shape[0]
         if plan.naive:
             self.align = naive_alignment(case.topk_ids_TK, plan.block_m, case.expert_map_E)
@@ -212,13 +249,21 @@ class Buffers:
         self.y_SD = x.new_empty(T if shape.top_k == 1 else T * shape.top_k, shape.D)
         self.out_TD = x.new_empty(T, shape.D)
 
-    def gemm1(self, shape: MoeShape, tile: GemmTile) -> None:
+    def gemm1(self, shape: MoeShape, tile: GemmTile, pdl: bool = False) -> None:
         c = self.case
+        if self.plan.gemv:
+            launch_gemv1(c.hidden_TD, c.w13_eFD, self.h_PF, c.topk_weights_TK, self.align, tile,
+                         shape.apply_router_weight_on_input, pdl)  # fmt: skip
+            return
         launch_gemm1(c.hidden_TD, c.w13_eFD, self.h_PF, c.topk_weights_TK, self.align, shape.top_k, tile,
                      shape.apply_router_weight_on_input)  # fmt: skip
 
-    def gemm2(self, shape: MoeShape, tile: GemmTile, fold: bool = False) -> None:
+    def gemm2(self, shape: MoeShape, tile: GemmTile, fold: bool = False, pdl: bool = False) -> None:
         c = self.case
+        if self.plan.gemv:
+            launch_gemv2(self.h_PF, c.w2_eDF, self.out_TD, c.topk_weights_TK, self.align, tile,
+                         not shape.apply_router_weight_on_input, pdl)  # fmt: skip
+            return
         launch_gemm2(self.h_PF, c.w2_eDF, self.out_TD if fold else self.y_SD, c.topk_weights_TK, self.align,
                      tile, not shape.apply_router_weight_on_input, fold_k=fold)  # fmt: skip
 
@@ -226,7 +271,7 @@ class Buffers:
         launch_sum(self.y_SD, self.out_TD, self.case.topk_ids_TK, self.case.expert_map_E)
 
 
-def _precompile(shape_index: int, jobs: list[tuple[int, int, GemmTile, bool, bool]]) -> list[str]:
+def _precompile(shape_index: int, jobs: list[tuple[int, int, GemmTile, bool, bool, bool]]) -> list[str]:
     """Worker: launch each candidate once on a small M so Triton compiles it into the disk cache."""
     shape = SHIPPED_SHAPES[shape_index]
     # Uninitialised weights compile the same kernels; random ones would cost each of the 16 workers
@@ -243,10 +288,10 @@ def _precompile(shape_index: int, jobs: list[tuple[int, int, GemmTile, bool, boo
         True: shape_case(shape, 1, seed=0, weights_from=weights),
     }
     errors, buffers = [], {}
-    for bm, kind, tile, naive, fold in jobs:
-        key = (bm, naive)
+    for bm, kind, tile, naive, fold, gemv in jobs:
+        key = (bm, naive, gemv)
         if key not in buffers:
-            buffers[key] = Buffers(cases[naive], shape, Plan(bm, naive))
+            buffers[key] = Buffers(cases[naive], shape, Plan(bm, naive, gemv))
         try:
             if kind == 1:
                 buffers[key].gemm1(shape, tile)
@@ -254,25 +299,26 @@ def _precompile(shape_index: int, jobs: list[tuple[int, int, GemmTile, bool, boo
                 buffers[key].gemm2(shape, tile, fold)
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - out of shared memory and the like: skipped, logged
-            errors.append(f"{shape.name} bm={bm} gemm{kind} {tile}: {type(exc).__name__}: {str(exc)[:200]}")
+            what = f"gemv{kind}" if gemv else f"gemm{kind}"
+            errors.append(f"{shape.name} bm={bm} {what} {tile}: {type(exc).__name__}: {str(exc)[:200]}")
     return errors
 
 
 # Variants whose precompile task never came back (a kernel that hangs the GPU, or a compile past the
-# time limit): (block_m, kind, tile with group_m 1, naive, fold_k). They are not timed: timing one in
+# time limit): (block_m, kind, tile with group_m 1, naive, fold_k, gemv). They are not timed: timing one in
 # this process would hang the tuner itself (2026-12-01: warp-specialized GEMM2s stalled two calls).
 UNFINISHED: set[tuple] = set()
 
 
-def _variant(bm: int, kind: int, tile: GemmTile, naive: bool, fold: bool) -> tuple:
-    return (bm, kind, replace(tile, group_m=1), naive, fold)
+def _variant(bm: int, kind: int, tile: GemmTile, naive: bool, fold: bool, gemv: bool = False) -> tuple:
+    return (bm, kind, replace(tile, group_m=1), naive, fold, gemv)
 
 
 def runnable(
-    block_m: int, kind: int, tiles: list[GemmTile], naive: bool, fold: bool = False
+    block_m: int, kind: int, tiles: list[GemmTile], naive: bool, fold: bool = False, gemv: bool = False
 ) -> list[GemmTile]:
     """The candidates whose precompile finished (all of them when nothing was left unfinished)."""
-    return [t for t in tiles if _variant(block_m, kind, t, naive, fold) not in UNFINISHED]
+    return [t for t in tiles if _variant(block_m, kind, t, naive, fold, gemv) not in UNFINISHED]
 
 
 def precompile(
@@ -286,13 +332,26 @@ def precompile(
     t0 = time.perf_counter()
     owner: dict[tuple, tuple[int, tuple]] = {}
     for shape, Ms in cells.items():
-        for bm, kind, tile, naive, fold in sorted(candidate_jobs(shape, Ms), key=str):
+        for bm, kind, tile, naive, fold, gemv in sorted(candidate_jobs(shape, Ms), key=str):
             mul_routed = shape.apply_router_weight_on_input == (kind == 1)
             even_k = (shape.D if kind == 1 else shape.F) % tile.block_k == 0
             has_map = naive and shape.local_experts != shape.num_experts
+            # A GEMV GEMM2 also compiles per next_pow2(K) (its slot axis).
+            k_pad = 1 << max(shape.top_k - 1, 0).bit_length() if gemv else 0
             # group_m is a runtime argument: tiles that differ only there share a compiled kernel.
-            variant = (bm, kind, replace(tile, group_m=1), naive, fold, mul_routed, even_k, has_map)
-            owner.setdefault(variant, (SHIPPED_SHAPES.index(shape), (bm, kind, tile, naive, fold)))
+            variant = (
+                bm,
+                kind,
+                replace(tile, group_m=1),
+                naive,
+                fold,
+                gemv,
+                mul_routed,
+                even_k,
+                has_map,
+                k_pad,
+            )
+            owner.setdefault(variant, (SHIPPED_SHAPES.index(shape), (bm, kind, tile, naive, fold, gemv)))
     by_shape: dict[int, list] = {}
     for shape_index, job in owner.values():
         by_shape.setdefault(shape_index, []).append(job)
@@ -329,7 +388,9 @@ def dump_jobs(cells: dict[MoeShape, list[int]], path: Path) -> None:
 
     jobs = {}
     for shape, Ms in cells.items():
-        for bm, kind, tile, naive, fold in sorted(candidate_jobs(shape, Ms), key=str):
+        for bm, kind, tile, naive, fold, gemv in sorted(candidate_jobs(shape, Ms), key=str):
+            if gemv:  # aot_sm90.py --jobs compiles the tl.dot GEMMs (compile_gemv for these)
+                continue
             mul_routed = shape.apply_router_weight_on_input == (kind == 1)
             has_map = naive and shape.local_experts != shape.num_experts
             key = (bm, kind, replace(tile, group_m=1), naive, fold, mul_routed, has_map)
@@ -350,8 +411,11 @@ def time_candidate(calls: list, replays: int, best_us: float | None) -> float:
     return statistics.median([first] + [timer.replay_us() for _ in range(replays - 1)])
 
 
-def _time_tiles(label: str, tiles: list[GemmTile], run, bufs, replays: int) -> list[tuple[float, GemmTile]]:
-    """(us, tile) sorted, best first; then GROUP_M variants of the three best."""
+def _time_tiles(
+    label: str, tiles: list[GemmTile], run, bufs, replays: int, refine_group_m: bool = True
+) -> list[tuple[float, GemmTile]]:
+    """(us, tile) sorted, best first; then GROUP_M variants of the three best (refine_group_m: the
+    GEMVs have no GROUP_M, and GemvTiles refuses one)."""
     scores: list[tuple[float, GemmTile]] = []
 
     def one(tile: GemmTile) -> None:
@@ -366,17 +430,43 @@ def _time_tiles(label: str, tiles: list[GemmTile], run, bufs, replays: int) -> l
 
     for tile in tiles:
         one(tile)
-    for _, tile in list(scores[:3]):
+    for _, tile in list(scores[:3]) if refine_group_m else []:
         for group_m in GROUP_M_REFINE:
             one(replace(tile, group_m=group_m))
     return scores
 
 
 def _family(kind: int, plan: Plan, tile: GemmTile, fold: bool = False) -> str:
+    if plan.gemv:
+        return f"gemv{kind} {plan.name()}" + (" pipelined" if tile.num_stages > 1 else "")
     path = (" persistent" if tile.persistent else "") + (" ws" if tile.warp_specialize else "")
     if kind == 1:
         return f"gemm1 {plan.name()} {'interleaved' if tile.interleave else 'two-dot'}{path}"
     return f"gemm2 {plan.name()}" + (" fold_k" if fold else "") + (" tma" if tile.tma else "") + path
+
+
+def _gemv_result(shape: MoeShape, M: int, bufs: list, g1: tuple, g2: tuple, results: list, replays: int,
+                 note) -> tuple[float, MoeTileConfig, dict]:  # fmt: skip
+    """The GEMV plan's (total, config, stages): its best GEMV pair timed back to back (one graph per call:
+    GEMM1 then GEMM2), without and, where the device has it, with PDL; the faster pair's time is the
+    total. The config's tl.dot tiles (for the calls where naive does not qualify) are the best BLOCK_M 16
+    ones this cell timed, or the default heuristic's."""
+    pair_us = {}
+    for pdl in (False, True) if pdl_available(bufs[0].case.hidden_TD.device) else (False,):
+        calls = [lambda b=b, p=pdl: (b.gemm1(shape, g1[1], p), b.gemm2(shape, g2[1], True, p)) for b in bufs]
+        pair_us[pdl] = median_us(calls, replays)
+        note(f"gemv pair bm=16 naive gemv{' pdl' if pdl else ''}", pair_us[pdl])
+    pdl = min(pair_us, key=pair_us.get)
+    fallback = min((r for r in results if r[1].block_m == 16), key=lambda r: r[0], default=None)
+    base = fallback[1] if fallback else default_config(M, shape.local_experts, shape.top_k)
+    config = MoeTileConfig(16, base.gemm1, base.gemm2, naive=True, gemv=GemvTiles(g1[1], g2[1], pdl=pdl))
+    # Flat numbers, as every other plan's stages (readers of meta.timings_us take each value as us).
+    pairs = {f"pair_{'pdl' if p else 'plain'}_us": round(us, 2) for p, us in pair_us.items()}
+    stages = {"gemm1_us": round(g1[0], 2), "gemm2_us": round(g2[0], 2), **pairs,
+              "total_us": round(pair_us[pdl], 2)}  # fmt: skip
+    log(f"  {shape.name} M={M} gemv: gemm1 {g1[0]:.1f} + gemm2 {g2[0]:.1f}; back to back "
+        + ", ".join(f"{'pdl' if p else 'plain'} {us:.1f}" for p, us in pair_us.items()) + " us")  # fmt: skip
+    return pair_us[pdl], config, stages
 
 
 def tune_cell(shape: MoeShape, M: int, base) -> tuple[MoeTileConfig, dict, dict]:
@@ -405,9 +495,9 @@ def tune_cell(shape: MoeShape, M: int, base) -> tuple[MoeTileConfig, dict, dict]
                                                                     c.expert_map_E) for c in cases],
                 replays,
             )  # fmt: skip
-        g1 = _time_tiles(f"{shape.name} M={M} {plan.name()} gemm1",
-                         runnable(plan.block_m, 1, gemm_candidates(1, plan.block_m), plan.naive),
-                         lambda b, t: b.gemm1(shape, t), bufs, replays)  # fmt: skip
+        g1_tiles = runnable(plan.block_m, 1, plan_candidates(1, shape, plan), plan.naive, gemv=plan.gemv)
+        g1 = _time_tiles(f"{shape.name} M={M} {plan.name()} gemm1", g1_tiles,
+                         lambda b, t: b.gemm1(shape, t), bufs, replays, not plan.gemv)  # fmt: skip
         if not g1:
             log(f"  {shape.name} M={M} {plan.name()}: no GEMM1 candidate ran")
             continue
@@ -416,13 +506,17 @@ def tune_cell(shape: MoeShape, M: int, base) -> tuple[MoeTileConfig, dict, dict]
         for b in bufs:  # GEMM2 reads GEMM1's output: fill it with real values before timing it
             b.gemm1(shape, g1[0][1])
         for fold in gemm2_folds(shape, plan):
-            g2 = _time_tiles(f"{shape.name} M={M} {plan.name()} gemm2{' fold' if fold else ''}",
-                             runnable(plan.block_m, 2, gemm_candidates(2, plan.block_m), plan.naive, fold),
-                             lambda b, t, f=fold: b.gemm2(shape, t, f), bufs, replays)  # fmt: skip
+            g2_tiles = runnable(plan.block_m, 2, plan_candidates(2, shape, plan), plan.naive, fold, plan.gemv)
+            label = f"{shape.name} M={M} {plan.name()} gemm2{' fold' if fold else ''}"
+            g2 = _time_tiles(label, g2_tiles, lambda b, t, f=fold: b.gemm2(shape, t, f), bufs, replays,
+                             not plan.gemv)  # fmt: skip
             if not g2:
                 continue
             for us, tile in g2:
                 note(_family(2, plan, tile, fold), us)
+            if plan.gemv:
+                results.append(_gemv_result(shape, M, bufs, g1[0], g2[0], results, replays, note))
+                continue
             total = align_us + g1[0][0] + g2[0][0] + (0.0 if fold else sum_us)
             config = MoeTileConfig(block_m=plan.block_m, gemm1=g1[0][1], gemm2=g2[0][1], naive=plan.naive,
                                    fold_k=fold)  # fmt: skip

@@ -21,6 +21,8 @@ Stages (a "slot" is one (token, k) pair, numbered t * K + k):
 Naive plans (NAIVE, a few tokens: see `fused_moe.naive_qualifies`) skip stage 1: block b is slot b
 alone and the GEMMs read its expert from the routing; GEMM2 may then also do stage 4 (FOLD_K:
 one program walks a token's K slots in a fixed order), so a one-token call is two launches.
+The decode path (last section: `_gemv1_silu_kernel`, `_gemv2_sum_kernel`) runs naive plans as two
+GEMVs instead, without tl.dot, GEMM2 summing over K itself.
 Every tl.dot takes DOT_PRECISION: "ieee" for fp32 operands unless the caller opted into TF32.
 
 The kernels are dtype-generic (fp32 / fp16 / bf16 operands, fp32 accumulation): the CPU tests run
@@ -723,3 +725,215 @@ def _moe_sum_kernel(
             row_ok = row_ok & (tl.load(expert_map_ptr + gid) >= 0)
         acc += tl.load(y_ptr + (t * TOP_K + k) * stride_ym + offs_d, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_om + offs_d, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode path: both GEMMs as GEMVs on naive plans (`MoeTileConfig.gemv`)
+# ---------------------------------------------------------------------------------------------
+# At a few tokens each slot is one row against its expert's weights: the layer is a weight stream,
+# and a 16-row MMA tile holding one real row spends registers, shared memory and a pipeline on 15
+# rows of padding. These kernels load the weight tiles straight into registers (the reduction
+# dimension contiguous: coalesced 16-byte loads) and reduce with multiply-add and tl.sum in fp32.
+# They round where the tl.dot kernels do (the incumbent's arithmetic of layer_check.py: h in the
+# dtype, each slot's weighted output in the dtype, the K slots summed in fp32 and rounded once), so
+# a server switching paths moves only by fp32 summation order. No tl.dot: every dtype runs in IEEE
+# fp32 arithmetic (TF32 does not apply).
+
+
+@triton.jit
+def _slot_experts(
+    topk_ids_ptr,  # (T*K,) int32 global expert ids
+    expert_map_ptr,  # (E,) int32 global -> local, -1 elsewhere (HAS_EXPERT_MAP only)
+    slots,  # int32 slot numbers t * K + k (a scalar or a vector)
+    valid,  # which of `slots` exist (same shape)
+    HAS_EXPERT_MAP: tl.constexpr,
+):
+    """Local expert of each slot; -1 where the slot does not exist or its expert lives on another rank."""
+    expert = tl.load(topk_ids_ptr + slots, mask=valid, other=-1)
+    if HAS_EXPERT_MAP:
+        expert = tl.load(expert_map_ptr + expert, mask=valid & (expert >= 0), other=-1)
+    return expert
+
+
+@triton.jit(do_not_specialize=["top_k"])
+def _gemv1_silu_kernel(
+    x_ptr,  # (T, D) activations, fp32 / fp16 / bf16
+    w13_ptr,  # (e, 2F, D) same dtype: gate rows [0, F), up rows [F, 2F)
+    h_ptr,  # (T*K, F) same dtype, out: silu(gate) * up, row = slot
+    topk_weights_ptr,  # (T*K,) fp32 / bf16 routing weights (read only when MUL_ROUTED_WEIGHT)
+    topk_ids_ptr,  # (T*K,) int32 global expert ids
+    expert_map_ptr,  # (E,) int32, or a dummy when HAS_EXPERT_MAP is False
+    top_k,
+    F,
+    D,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_hm,
+    MUL_ROUTED_WEIGHT: tl.constexpr,  # apply_router_weight_on_input: scale the products by w
+    HAS_EXPERT_MAP: tl.constexpr,
+    EVEN_D: tl.constexpr,  # D % BLOCK_D == 0: the D loop needs no mask
+    USE_PDL: tl.constexpr,  # GEMM2 is launched as this grid's programmatic dependent
+    NUM_STAGES: tl.constexpr,  # > 1: the D loop's loads software-pipelined
+    BLOCK_F: tl.constexpr,  # F rows of gate and of up per program
+    BLOCK_D: tl.constexpr,  # D columns per step
+):
+    """Program (F block, slot): h[slot, F block] = silu(x W_gate^T) * (x W_up^T) of the slot's expert.
+
+    F blocks vary fastest in the grid, so consecutive programs read consecutive weight rows.
+    """
+    if USE_PDL:
+        # GEMM2 may start once every program here has started: what it does before its own
+        # gdc_wait (load weights) reads nothing this kernel writes.
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_f = tl.program_id(0)
+    slot = tl.program_id(1)
+    expert = _slot_experts(topk_ids_ptr, expert_map_ptr, slot, slot >= 0, HAS_EXPERT_MAP)
+    if expert < 0:  # the slot's expert lives on another rank: GEMM2 skips the slot too
+        return
+    # int64: expert * stride_we passes 2**31 for Llama-4-Scout TP1 sized layers (see GEMM1 above).
+    expert = expert.to(tl.int64)
+    token = (slot // top_k).to(tl.int64)
+    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    f_ok = offs_f < F
+    offs_d = tl.arange(0, BLOCK_D)
+    x_ptrs = x_ptr + token * stride_xm + offs_d
+    gate_ptrs = w13_ptr + expert * stride_we + offs_f[:, None].to(tl.int64) * stride_wn + offs_d[None, :]
+    up_ptrs = gate_ptrs + F * stride_wn
+    # fp32 sums per row: a tl.sum over each step's columns, the steps added in order.
+    acc_gate = tl.zeros((BLOCK_F,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_F,), dtype=tl.float32)
+    for k in tl.range(0, tl.cdiv(D, BLOCK_D), num_stages=NUM_STAGES):
+        if EVEN_D:
+            x = tl.load(x_ptrs)
+            wg = tl.load(gate_ptrs, mask=f_ok[:, None], other=0.0)
+            wu = tl.load(up_ptrs, mask=f_ok[:, None], other=0.0)
+        else:
+            d_ok = offs_d < D - k * BLOCK_D
+            x = tl.load(x_ptrs, mask=d_ok, other=0.0)
+            wg = tl.load(gate_ptrs, mask=f_ok[:, None] & d_ok[None, :], other=0.0)
+            wu = tl.load(up_ptrs, mask=f_ok[:, None] & d_ok[None, :], other=0.0)
+        x_row = x.to(tl.float32)[None, :]
+        acc_gate += tl.sum(wg.to(tl.float32) * x_row, axis=1)
+        acc_up += tl.sum(wu.to(tl.float32) * x_row, axis=1)
+        x_ptrs += BLOCK_D
+        gate_ptrs += BLOCK_D
+        up_ptrs += BLOCK_D
+    if MUL_ROUTED_WEIGHT:
+        # As in the tl.dot GEMM1: scaling the fp32 products equals scaling x.
+        w = tl.load(topk_weights_ptr + slot).to(tl.float32)
+        acc_gate = acc_gate * w
+        acc_up = acc_up * w
+    h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    tl.store(h_ptr + slot.to(tl.int64) * stride_hm + offs_f, h.to(h_ptr.dtype.element_ty), mask=f_ok)
+
+
+@triton.jit
+def _load_w2_step(
+    w_ptrs,  # (K_PAD, BLOCK_D, BLOCK_F) pointers into w2 (e, D, F) at this step
+    w_ok,  # (K_PAD, BLOCK_D, 1) live slot and row in range
+    offs_f,
+    F,
+    step,
+    EVEN_F: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    if EVEN_F:
+        return tl.load(w_ptrs, mask=w_ok, other=0.0)
+    return tl.load(w_ptrs, mask=w_ok & (offs_f[None, None, :] < F - step * BLOCK_F), other=0.0)
+
+
+@triton.jit
+def _load_h_step(
+    h_ptrs,  # (K_PAD, 1, BLOCK_F) pointers into h (T*K, F) at this step
+    h_ok,  # (K_PAD, 1, 1) live slot (GEMM1 skipped the others: their rows hold garbage)
+    offs_f,
+    F,
+    step,
+    EVEN_F: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    if EVEN_F:
+        return tl.load(h_ptrs, mask=h_ok, other=0.0)
+    return tl.load(h_ptrs, mask=h_ok & (offs_f[None, None, :] < F - step * BLOCK_F), other=0.0)
+
+
+@triton.jit(do_not_specialize=["top_k"])
+def _gemv2_sum_kernel(
+    h_ptr,  # (T*K, F) GEMM1's output, row = slot
+    w2_ptr,  # (e, D, F) same dtype
+    out_ptr,  # (T, D) out: the sum over the token's K slots
+    topk_weights_ptr,  # (T*K,) fp32 / bf16 routing weights (read only when MUL_ROUTED_WEIGHT)
+    topk_ids_ptr,  # (T*K,) int32 global expert ids
+    expert_map_ptr,  # (E,) int32, or a dummy when HAS_EXPERT_MAP is False
+    top_k,
+    D,
+    F,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    MUL_ROUTED_WEIGHT: tl.constexpr,  # False when the weight was applied on GEMM1's input
+    HAS_EXPERT_MAP: tl.constexpr,
+    EVEN_F: tl.constexpr,  # F % BLOCK_F == 0
+    USE_PDL: tl.constexpr,  # launched as GEMM1's programmatic dependent: wait before reading h
+    NUM_STAGES: tl.constexpr,
+    K_PAD: tl.constexpr,  # next power of two >= top_k: the slot axis of the tiles
+    BLOCK_D: tl.constexpr,  # output rows per program
+    BLOCK_F: tl.constexpr,  # F columns per step
+):
+    """Program (D block, token): out[t, D block] = sum_k round(w_k * h_{t,k} @ w2[e_k][D block]^T).
+
+    All K slots of the token in one program, one [K_PAD, BLOCK_D, BLOCK_F] weight tile a step, so
+    the top-k sum needs no launch of its own and no atomics: the slots are added in slot order,
+    each rounded to the dtype first (as the separate sum kernel sees them), and the result is
+    bitwise repeatable. Parallelism comes from small D blocks (D / BLOCK_D programs a token), not
+    from the slots: Qwen3-30B-A3B at M = 1 with BLOCK_D 1 runs 2048 programs, each streaming its
+    8 rows of 768.
+    """
+    pid_d = tl.program_id(0)
+    token = tl.program_id(1)
+    offs_k = tl.arange(0, K_PAD)
+    k_ok = offs_k < top_k
+    slots = token * top_k + offs_k
+    expert = _slot_experts(topk_ids_ptr, expert_map_ptr, slots, k_ok, HAS_EXPERT_MAP)
+    live = expert >= 0  # slots past top_k and slots held on another rank add nothing
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_f = tl.arange(0, BLOCK_F)
+    # int64: expert * stride_we (see GEMM1); dead slots point at expert -1 and are masked.
+    w_ptrs = (
+        w2_ptr
+        + expert.to(tl.int64)[:, None, None] * stride_we
+        + offs_d.to(tl.int64)[None, :, None] * stride_wn
+        + offs_f[None, None, :]
+    )
+    w_ok = live[:, None, None] & (offs_d < D)[None, :, None]
+    h_ptrs = h_ptr + slots.to(tl.int64)[:, None, None] * stride_hm + offs_f[None, None, :]
+    h_ok = live[:, None, None]
+
+    # The first step by hand: its weights are loaded before the wait for GEMM1 (with PDL, while
+    # GEMM1's last programs still run); only h has to wait. The loop below starts after the wait,
+    # so a pipelined prologue cannot hoist an h load above it.
+    w = _load_w2_step(w_ptrs, w_ok, offs_f, F, 0, EVEN_F, BLOCK_F)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    h = _load_h_step(h_ptrs, h_ok, offs_f, F, 0, EVEN_F, BLOCK_F)
+    acc = tl.sum(w.to(tl.float32) * h.to(tl.float32), axis=2)  # (K_PAD, BLOCK_D) fp32
+    for step in tl.range(1, tl.cdiv(F, BLOCK_F), num_stages=NUM_STAGES):
+        w_ptrs += BLOCK_F
+        h_ptrs += BLOCK_F
+        w = _load_w2_step(w_ptrs, w_ok, offs_f, F, step, EVEN_F, BLOCK_F)
+        h = _load_h_step(h_ptrs, h_ok, offs_f, F, step, EVEN_F, BLOCK_F)
+        acc += tl.sum(w.to(tl.float32) * h.to(tl.float32), axis=2)
+
+    if MUL_ROUTED_WEIGHT:
+        rw = tl.load(topk_weights_ptr + slots, mask=live, other=0.0).to(tl.float32)
+        acc = acc * rw[:, None]
+    # Each slot's output rounded to the dtype, then the slots added in fp32 in slot order (picking
+    # row k by a masked sum is exact: the other terms are zeros), then rounded once.
+    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+    out = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(K_PAD):
+        out += tl.sum(tl.where(offs_k[:, None] == k, y, 0.0), axis=0)
+    out_ptrs = out_ptr + token.to(tl.int64) * stride_om + offs_d
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)

@@ -7,7 +7,8 @@ local slots (-1: the expert lives on another rank and the slot contributes nothi
 
 `fused_moe` stages (bodies in `_fused_moe_kernels.py`): align slots by expert into BLOCK_M
 blocks -> GEMM1 with SiLU-and-mul in its epilogue -> GEMM2 with the routing weight in its
-epilogue -> sum over K. Usage:
+epilogue -> sum over K. At a few tokens a config may skip the alignment (`naive`) and run both
+GEMMs as GEMVs with the sum over K inside GEMM2 (`gemv`: two launches, no tl.dot). Usage:
 
     out_TD = fused_moe(hidden_TD, w13_eFD, w2_eDF, topk_weights_TK, topk_ids_TK)
 
@@ -24,7 +25,13 @@ import torch
 import triton
 
 from moe_eval.kernels import _fused_moe_kernels as kernels
-from moe_eval.kernels.tile_configs import GemmTile, MoeTileConfig, fit_shared_memory, get_tile_config
+from moe_eval.kernels.tile_configs import (
+    GemmTile,
+    GemvTiles,
+    MoeTileConfig,
+    fit_shared_memory,
+    get_tile_config,
+)
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -274,9 +281,15 @@ class LaunchPlan:
     align: AlignVariant | None
 
     @property
+    def gemv(self) -> GemvTiles | None:
+        """The GEMV tiles when both GEMMs run as GEMVs (naive plans whose config has them), else None."""
+        return self.config.gemv if self.align is not None and self.align.naive else None
+
+    @property
     def fold_k(self) -> bool:
-        """GEMM2 sums each token's K slots itself (naive plans whose config asks for it)."""
-        return self.align is not None and self.align.naive and self.config.fold_k
+        """GEMM2 sums each token's K slots itself (naive plans whose config asks for it; GEMV plans too)."""
+        naive = self.align is not None and self.align.naive
+        return naive and (self.config.fold_k or self.config.gemv is not None)
 
 
 def launch_plan(
@@ -328,7 +341,8 @@ def fused_moe(
 ) -> torch.Tensor:
     """Triton fused MoE; same contract as `fused_moe_ref`. `config` overrides the tuned tiles.
 
-    allow_tf32: fp32 inputs only; multiply them in TF32 instead of IEEE fp32 (faster, ~3e-4).
+    allow_tf32: fp32 inputs only; multiply them in TF32 instead of IEEE fp32 (faster, ~3e-4). The
+    decode GEMVs (`MoeTileConfig.gemv`) have no tl.dot and stay IEEE fp32 either way.
     """
     T, D = hidden_TD.shape
     e, F2, D_w = w13_eFD.shape
@@ -362,7 +376,8 @@ def fused_moe(
         )
     if on_cpu and dtype == torch.bfloat16:
         # HACK: the triton 3.9 interpreter's tl.dot on bf16 operands returns garbage (rel. err ~1e10,
-        # measured); the CPU tests run fp16/fp32. Remove when the interpreter's bf16 dot is fixed.
+        # measured), and its fp32 -> bf16 cast truncates instead of rounding to nearest (measured on
+        # the GEMVs, which have no tl.dot); the CPU tests run fp16/fp32. Remove when both are fixed.
         raise RuntimeError("fused_moe under TRITON_INTERPRET: bf16 tl.dot is broken there; use fp16 or fp32")
 
     # Tile config and alignment variant (see LaunchPlan).
@@ -430,6 +445,14 @@ def launch_experts(
     or GEMM2 folded it in). The alignment is already done: `align` (from `assign_slots`)."""
     config = plan.config
     K = topk_ids_TK.shape[1]
+    if plan.gemv is not None:
+        # Two launches and nothing else: GEMM2 writes every token's row (zeros where no slot is local).
+        use_pdl = plan.gemv.pdl and pdl_available(hidden_TD.device)
+        launch_gemv1(hidden_TD, w13_eFD, h_PF, topk_weights_TK, align, plan.gemv.gemm1,
+                     apply_router_weight_on_input, use_pdl)  # fmt: skip
+        launch_gemv2(h_PF, w2_eDF, out_TD, topk_weights_TK, align, plan.gemv.gemm2,
+                     not apply_router_weight_on_input, use_pdl)  # fmt: skip
+        return
     if y_SD is out_TD and not plan.fold_k and expert_map_E is not None:
         # K == 1 writes the output directly, and tokens whose expert lives on another rank must
         # read as zero because GEMM2 never visits them (a folded GEMM2 writes every token).
@@ -522,6 +545,88 @@ def launch_gemm2(
         HAS_EXPERT_MAP=align.expert_map_E is not None, FOLD_K=fold_k, DOT_PRECISION=precision,
         BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+
+
+# The decode path: GEMVs on naive plans (`MoeTileConfig.gemv`).
+
+
+@functools.cache
+def _pdl_supported(device_index: int) -> bool:
+    """Programmatic dependent launch: sm_90+, and a Triton with the grid-dependency ops and the
+    `launch_pdl` launch option (3.3 on; the H200 image has 3.6). Asked once per device."""
+    if torch.cuda.get_device_capability(device_index)[0] < 9:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether a GEMV plan asking for PDL gets it here. Never under the interpreter (no grid to depend
+    on): there the same kernels run without it, which is what they compute either way."""
+    if device.type != "cuda" or _interpreting():
+        return False
+    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _expert_map_arg(align: MoeAlignment) -> torch.Tensor:
+    # Any int32 pointer when there is no map (never read).
+    return align.expert_map_E if align.expert_map_E is not None else align.topk_ids_S
+
+
+def launch_gemv1(
+    hidden_TD: torch.Tensor,
+    w13_eFD: torch.Tensor,
+    h_SF: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    align: MoeAlignment,
+    tile: GemmTile,
+    mul_routed_weight: bool,
+    use_pdl: bool = False,
+) -> None:
+    """GEMM1 + SiLU-and-mul as a GEMV: one program per (block of tile.block_n F rows, slot)."""
+    assert align.naive, "the GEMVs run naive plans only (one h row per slot)"
+    D = hidden_TD.shape[1]
+    F = h_SF.shape[1]
+    kernels._gemv1_silu_kernel[(triton.cdiv(F, tile.block_n), align.num_slots)](
+        hidden_TD, w13_eFD, h_SF, topk_weights_TK, align.topk_ids_S, _expert_map_arg(align),
+        align.top_k, F, D, hidden_TD.stride(0), w13_eFD.stride(0), w13_eFD.stride(1), h_SF.stride(0),
+        MUL_ROUTED_WEIGHT=mul_routed_weight, HAS_EXPERT_MAP=align.expert_map_E is not None,
+        EVEN_D=D % tile.block_k == 0, USE_PDL=use_pdl, NUM_STAGES=tile.num_stages,
+        BLOCK_F=tile.block_n, BLOCK_D=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+
+
+def launch_gemv2(
+    h_SF: torch.Tensor,
+    w2_eDF: torch.Tensor,
+    out_TD: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    align: MoeAlignment,
+    tile: GemmTile,
+    mul_routed_weight: bool,
+    use_pdl: bool = False,
+) -> None:
+    """GEMM2 + routing weight + the sum over K as a GEMV: one program per (block of tile.block_n D rows,
+    token), each walking the token's K slots. use_pdl: launched as GEMM1's programmatic dependent (the
+    launch just before this one must be GEMM1's, with use_pdl too)."""
+    assert align.naive, "the GEMVs run naive plans only (one h row per slot)"
+    T, D = out_TD.shape
+    F = h_SF.shape[1]
+    K = align.top_k
+    assert align.num_slots == T * K, "out: one row per token"
+    launch_options = {"launch_pdl": True} if use_pdl else {}
+    kernels._gemv2_sum_kernel[(triton.cdiv(D, tile.block_n), T)](
+        h_SF, w2_eDF, out_TD, topk_weights_TK, align.topk_ids_S, _expert_map_arg(align),
+        K, D, F, h_SF.stride(0), w2_eDF.stride(0), w2_eDF.stride(1), out_TD.stride(0),
+        MUL_ROUTED_WEIGHT=mul_routed_weight, HAS_EXPERT_MAP=align.expert_map_E is not None,
+        EVEN_F=F % tile.block_k == 0, USE_PDL=use_pdl, NUM_STAGES=tile.num_stages, K_PAD=_next_pow2(K),
+        BLOCK_D=tile.block_n, BLOCK_F=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **launch_options,
     )  # fmt: skip
 
 

@@ -88,6 +88,48 @@ class GemmTile:
         return total
 
 
+def _power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """The decode path (`MoeTileConfig.gemv`): both GEMMs as GEMVs, without tl.dot.
+
+    Each GemmTile reads as it does for the GEMMs, with N the outputs and K the reduction:
+    gemm1.block_n F rows of gate and of up per program, gemm1.block_k the step over D; gemm2.block_n
+    D rows of the output per program (times the K slots it sums), gemm2.block_k the step over F.
+    num_warps as usual; num_stages > 1 software-pipelines the reduction loop's loads
+    (`tl.range(num_stages=)`, which Triton applies to loads without a tl.dot only when asked), 1 leaves
+    it plain. group_m and the flags mean nothing to a GEMV and must keep their defaults.
+    pdl: GEMM2 is launched as a programmatic dependent of GEMM1 (sm_90+, where Triton has the launch
+    option): its programs start while GEMM1's last ones run and load their first weight step before
+    they wait for h. Where the device or Triton lacks it (the interpreter) the same kernels run
+    without it.
+    """
+
+    gemm1: GemmTile
+    gemm2: GemmTile
+    pdl: bool = False
+
+    def __post_init__(self) -> None:
+        for name, tile in (("gemm1", self.gemm1), ("gemm2", self.gemm2)):
+            if any(getattr(tile, flag) for flag in GemmTile.FLAGS) or tile.group_m != 1:
+                raise ValueError(f"gemv.{name}: group_m and {GemmTile.FLAGS} mean nothing to a GEMV ({tile})")
+            if not (_power_of_two(tile.block_n) and _power_of_two(tile.block_k)):
+                raise ValueError(f"gemv.{name}: block sizes must be powers of two (tl.arange), got {tile}")
+
+    def to_json(self) -> dict:
+        return {"gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2), "pdl": self.pdl}
+
+    @classmethod
+    def from_json(cls, data: dict) -> GemvTiles:
+        _check_keys(data, {"gemm1", "gemm2", "pdl"}, "GemvTiles")
+        return cls(
+            GemmTile.from_json(data["gemm1"]), GemmTile.from_json(data["gemm2"]), bool(data.get("pdl"))
+        )
+
+
 @dataclass(frozen=True)
 class MoeTileConfig:
     """Both GEMMs' tiles and the slot assignment.
@@ -95,6 +137,9 @@ class MoeTileConfig:
     naive: calls that `fused_moe.naive_qualifies` (one token, or T*K*4 <= e) skip the alignment
     and run one M-block per slot. fold_k (needs naive): on those calls GEMM2 sums each token's K
     slots itself, in a fixed order, instead of a separate sum launch.
+    gemv (needs naive): on those calls both GEMMs run as GEMVs instead (`GemvTiles`; GEMM2 always
+    sums the K slots itself, so fold_k stays False); the calls that do not qualify run the aligned
+    GEMMs with gemm1 / gemm2 as before.
     """
 
     block_m: int
@@ -102,9 +147,16 @@ class MoeTileConfig:
     gemm2: GemmTile
     naive: bool = False
     fold_k: bool = False
+    gemv: GemvTiles | None = None
 
     def __post_init__(self) -> None:
         # A field the code would ignore is an error (house style).
+        if self.gemv is not None and not self.naive:
+            raise ValueError("gemv needs naive: the GEMVs run on the calls that skip the alignment")
+        if self.gemv is not None and self.fold_k:
+            raise ValueError(
+                "gemv always sums over K in its GEMM2; fold_k (the tl.dot GEMM2's) would be ignored"
+            )
         if self.gemm2.interleave:
             raise ValueError("interleave is GEMM1's (gate and up tiles); GEMM2 has one weight tile")
         if self.fold_k and not self.naive:
@@ -127,18 +179,22 @@ class MoeTileConfig:
         )
 
     def to_json(self) -> dict:
-        return {"block_m": self.block_m, "gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2),
+        body = {"block_m": self.block_m, "gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2),
                 "naive": self.naive, "fold_k": self.fold_k}  # fmt: skip
+        if self.gemv is not None:  # only when set: files written before it stay byte for byte
+            body["gemv"] = self.gemv.to_json()
+        return body
 
     @classmethod
     def from_json(cls, data: dict) -> MoeTileConfig:
-        _check_keys(data, {"block_m", "gemm1", "gemm2", "naive", "fold_k"}, "MoeTileConfig")
+        _check_keys(data, {"block_m", "gemm1", "gemm2", "naive", "fold_k", "gemv"}, "MoeTileConfig")
         return cls(
             block_m=int(data["block_m"]),
             gemm1=GemmTile.from_json(data["gemm1"]),
             gemm2=GemmTile.from_json(data["gemm2"]),
             naive=bool(data.get("naive", False)),
             fold_k=bool(data.get("fold_k", False)),
+            gemv=GemvTiles.from_json(data["gemv"]) if data.get("gemv") else None,
         )
 
 
@@ -219,6 +275,30 @@ def nearest_m(available: list[int], num_tokens: int) -> int:
     """Nearest tuned M on a log2 scale; ties go to the smaller M (fewer rows, smaller blocks)."""
     target = math.log2(max(num_tokens, 1))
     return min(sorted(available), key=lambda m: abs(math.log2(max(m, 1)) - target))
+
+
+# Elements of the weight tile a GEMV program loads per step, per thread: 64 bf16 are eight 16-byte
+# loads in flight per thread (about 32 KiB per SM at two 4-warp programs), what one H200 SM needs
+# in flight to stream its share of ~4.2 TB/s through ~0.7 us of memory latency.
+GEMV_ELEMENTS_PER_THREAD = 64
+
+
+def default_gemv_tiles(F: int, D: int, top_k: int, pdl: bool = False) -> GemvTiles:
+    """A starting point for the decode GEMVs of one shape (the probe sweeps around it; nothing ships it).
+
+    4 warps; each step loads GEMV_ELEMENTS_PER_THREAD weights a thread: GEMM1 2 x block_n rows of
+    block_k (gate and up), GEMM2 next_pow2(K) slots x block_n rows of block_k. The reduction step is
+    at most 1024 (the whole of F or D where it fits, so no loop); the rest goes to rows, at least 1.
+    Few rows per program make many programs: Qwen3-30B-A3B TP1 at M = 1 gets 1536 GEMM1 and 2048
+    GEMM2 programs for 132 SMs, so a slow program or the last wave costs little.
+    """
+    per_step = GEMV_ELEMENTS_PER_THREAD * 32 * 4
+    k1 = min(1 << max(D - 1, 0).bit_length(), 1024)
+    k2 = min(1 << max(F - 1, 0).bit_length(), 1024)
+    slots = 1 << max(top_k - 1, 0).bit_length()
+    gemm1 = GemmTile(max(1, per_step // (2 * k1)), k1, num_warps=4, num_stages=1)
+    gemm2 = GemmTile(max(1, per_step // (slots * k2)), k2, num_warps=4, num_stages=1)
+    return GemvTiles(gemm1, gemm2, pdl=pdl)
 
 
 def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeTileConfig:

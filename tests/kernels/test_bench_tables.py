@@ -96,3 +96,25 @@ def test_miss_causes_are_the_docs_table():
     table = prefill_misses.markdown(misses)
     assert "| Qwen3-30B-A3B TP1 | 4096 | 715.6 | 422.7 / 291.6 | 1.69 |" in table
     assert table in (data.parent / "perf.md").read_text()
+
+
+def _decode_row(shape: str, M: int, impl: str, us: float, err: float = 3e-3) -> dict:
+    # Qwen3-30B-A3B TP1 at M = 1: 8 experts x 3 x 2048 x 768 x 2 bytes = 75.5 MB, floor 17.8 us at 4238 GB/s.
+    return {**_row(shape, M, impl, us, err=err), "weight_bytes": 8 * 3 * 2048 * 768 * 2}
+
+
+def test_decode_verdict_takes_the_best_bundled_call_at_m1():
+    """Issue 34: within 1.25 x the copy floor at M = 1; the best `triton*` whole call counts, a wrong
+    output never does, a GEMMs-alone timer is no whole call, and the tuned plan gets its own line."""
+    shape = "Qwen3-30B-A3B TP1"
+    floor_us = 8 * 3 * 2048 * 768 * 2 / bench.DECODE_COPY_GBPS / 1e3
+    rows = [_decode_row(shape, 1, "triton", 26.6), _decode_row(shape, 1, "triton_gemv_pdl", 21.0),
+            _decode_row(shape, 1, "triton_gemv", 19.0, err=2e-2), _decode_row(shape, 1, "triton:gemms", 10.0),
+            _decode_row(shape, 16, "triton", 100.0)]  # fmt: skip
+    text, ok = bench.decode_tables(rows)
+    assert ok, text
+    assert f"tuned triton 26.6 us = {26.6 / floor_us:.2f}x (FAIL)" in text
+    assert f"best bundled triton_gemv_pdl 21.0 us = {21.0 / floor_us:.2f}x (PASS)" in text
+    assert "WRONG" in text and "| M=1 | M=16 |" in text
+    text, ok = bench.decode_tables([r for r in rows if r["impl"] != "triton_gemv_pdl"])
+    assert not ok, text

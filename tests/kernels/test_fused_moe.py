@@ -11,6 +11,7 @@ T tokens, D hidden, F intermediate per rank, E experts (global), e local experts
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 
@@ -20,7 +21,15 @@ import torch
 from moe_eval.kernels import fused_moe as fused_moe_module
 from moe_eval.kernels.fused_moe import fused_moe, moe_align_block_size
 from moe_eval.kernels.testing import MoeCase, make_case, rel_err, shape_case
-from moe_eval.kernels.tile_configs import M_GRID, SHIPPED_SHAPES, SMEM_LIMIT, GemmTile, MoeTileConfig
+from moe_eval.kernels.tile_configs import (
+    M_GRID,
+    SHIPPED_SHAPES,
+    SMEM_LIMIT,
+    GemmTile,
+    GemvTiles,
+    MoeTileConfig,
+    default_gemv_tiles,
+)
 from tests.kernels.conftest import HAS_GPU, INTERPRETER_PROBLEM
 
 # ||out - ref|| / ||ref||, ref = fused_moe_ref on the same inputs upcast to fp32 (so input rounding
@@ -34,6 +43,19 @@ TOLERANCE = {
     torch.float32: 1e-5,
     torch.float16: 2e-3,  # u = 2^-11 = 4.9e-4 -> ~5e-4 expected, 4x margin
     torch.bfloat16: 1e-2,  # u = 2^-8 = 3.9e-3 -> ~4e-3 expected ("near 4e-3"); issue 3 fails above 1e-2
+}
+# ||gemv - other|| / ||other|| between the decode GEMVs and a path that rounds at the same points (the
+# tl.dot naive plan, or the incumbent's arithmetic in torch): only the fp32 summation order differs, so
+# an element moves only where an fp32 sum sits within its own rounding error of a rounding boundary of
+# the dtype (probability ~ sqrt(D) 2^-24 / u a rounding), and then by one unit: ~u / sqrt(D) in the
+# norm for one flip at these small D. Measured under the interpreter, fp16, GEMV_CASES x 2 seeds: 0 against
+# the incumbent everywhere, against the tl.dot plan 0 but once 7.0e-5 (K = E, D = 256); fp32 <= 3.2e-7. A
+# path that skips a rounding (the tl.dot fold_k GEMM2 sums each slot's output unrounded) lands at
+# 1.6e-4 to 4.6e-4 from the incumbent in fp16 (K > 1, no map).
+AGREEMENT = {
+    torch.float32: 1e-6,  # ~sqrt(D) 2^-24 = 1e-6 at D = 256; measured 3.2e-7
+    torch.float16: 1e-4,  # between one flip's 7.0e-5 and a skipped rounding's 1.6e-4
+    torch.bfloat16: 1e-3,  # H200 real shapes, not measured yet: ~1e-4 expected; a quarter of bf16's own error
 }
 DTYPES = [torch.bfloat16] if HAS_GPU else [torch.float32, torch.float16]
 
@@ -71,7 +93,30 @@ CONFIGS = [
     pytest.param(SWIZZLED, id="bm32-swizzled"),
     pytest.param(INTERLEAVED, id="bm16-interleaved"),
 ]
-NAIVE_CONFIGS = [pytest.param(NAIVE_FOLD, id="naive-fold"), pytest.param(NAIVE, id="naive-interleaved")]
+# The decode GEMVs on the calls where naive applies (the tl.dot tiles above serve the other calls).
+# Small steps so the test shapes loop over D and F and hit their masked edges.
+GEMV = MoeTileConfig(
+    block_m=16,
+    gemm1=GemmTile(block_n=32, block_k=32),
+    gemm2=GemmTile(block_n=32, block_k=32),
+    naive=True,
+    gemv=GemvTiles(GemmTile(8, 16, num_stages=1), GemmTile(4, 16, num_stages=1)),
+)
+# Pipelined loops (num_stages > 1), 2 warps, one output row per GEMM2 program, and PDL asked for (on a GPU
+# GEMM2 waits for GEMM1 through griddepcontrol; the interpreter runs the same kernels without it).
+GEMV_PIPELINED = MoeTileConfig(
+    block_m=16,
+    gemm1=GemmTile(block_n=32, block_k=32),
+    gemm2=GemmTile(block_n=32, block_k=32),
+    naive=True,
+    gemv=GemvTiles(GemmTile(4, 32, num_warps=2, num_stages=2), GemmTile(1, 32, num_stages=3), pdl=True),
+)
+NAIVE_CONFIGS = [
+    pytest.param(NAIVE_FOLD, id="naive-fold"),
+    pytest.param(NAIVE, id="naive-interleaved"),
+    pytest.param(GEMV, id="naive-gemv"),
+    pytest.param(GEMV_PIPELINED, id="naive-gemv-pipelined-pdl"),
+]
 
 
 def test_triton_can_run_here():
@@ -220,7 +265,8 @@ def test_naive_plan_matches_reference(T, E, K, D, F, local, config, dtype, devic
     e = E if local is None else len(local)
     plan = fused_moe_module.launch_plan(T, e, F, D, K, "test", config)
     assert plan.align.naive, "these cases must take the naive path"
-    assert plan.fold_k == config.fold_k
+    assert plan.gemv == config.gemv
+    assert plan.fold_k == (config.fold_k or config.gemv is not None), "a GEMV plan always sums in GEMM2"
     _check(case, config)
 
 
@@ -237,12 +283,13 @@ def test_naive_token_held_elsewhere_gives_zeros(K, config, dtype, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", [NAIVE_FOLD, GEMV], ids=["naive-fold", "naive-gemv"])
 @pytest.mark.parametrize("K", [1, 3])
-def test_naive_fold_with_router_weight_on_input(K, dtype, device):
+def test_naive_fold_with_router_weight_on_input(K, config, dtype, device):
     case = make_case(
         1, 12, K, 32, 48, dtype=dtype, device=device, seed=120 + K, apply_router_weight_on_input=True
     )
-    _check(case, NAIVE_FOLD)
+    _check(case, config)
 
 
 @pytest.mark.parametrize(("T", "e", "K", "naive"), [
@@ -254,8 +301,128 @@ def test_naive_fold_with_router_weight_on_input(K, dtype, device):
 def test_naive_only_where_it_qualifies(T, e, K, naive):
     plan = fused_moe_module.launch_plan(T, e, 32, 32, K, "test", NAIVE_FOLD)
     assert plan.align.naive is naive and plan.fold_k is naive
+    gemv = fused_moe_module.launch_plan(T, e, 32, 32, K, "test", GEMV)
+    assert (gemv.gemv is not None) is naive and gemv.fold_k is naive
     # A config without naive never skips the alignment.
     assert not fused_moe_module.launch_plan(T, e, 32, 32, K, "test", SMALL).align.naive
+
+
+# --- the decode GEMVs (`gemv`): both GEMMs without tl.dot on naive plans ---------------------------
+
+
+def _incumbent(case: MoeCase) -> torch.Tensor:
+    """vLLM's fused_experts arithmetic in torch (moe_eval.kernels.layer_check's model): fp32 sums of the
+    operands, h rounded to the dtype, each slot's weighted output rounded, the K slots summed in fp32 in
+    slot order and rounded once."""
+    dtype = case.hidden_TD.dtype
+    x_TD = case.hidden_TD.float()
+    local_TK = case.topk_ids_TK.long()
+    if case.expert_map_E is not None:
+        local_TK = case.expert_map_E.long()[local_TK]
+    F = case.w2_eDF.shape[2]
+    out_TD = torch.zeros_like(x_TD)
+    for t, k in itertools.product(*map(range, local_TK.shape)):
+        expert = int(local_TK[t, k])
+        if expert < 0:
+            continue
+        weight = case.topk_weights_TK[t, k].float()
+        gate_up = case.w13_eFD[expert].float() @ x_TD[t]
+        if case.apply_router_weight_on_input:
+            gate_up = gate_up * weight
+        h_F = (torch.nn.functional.silu(gate_up[:F]) * gate_up[F:]).to(dtype).float()
+        y_D = case.w2_eDF[expert].float() @ h_F
+        if not case.apply_router_weight_on_input:
+            y_D = y_D * weight
+        out_TD[t] += y_D.to(dtype).float()
+    return out_TD.to(dtype)
+
+
+GEMV_CASES = [
+    # (T, E, K, D, F, local experts, weight on input)
+    pytest.param(1, 8, 2, 64, 48, None, False, id="one-token"),
+    pytest.param(1, 8, 8, 256, 128, None, False, id="K-equals-E"),  # longest sums here: most flips
+    pytest.param(2, 32, 3, 45, 23, None, False, id="odd-D-F-K"),  # every mask, K_PAD 4 > K; 2 tokens
+    pytest.param(1, 16, 3, 32, 40, [0, 3, 9, 12, 1, 5, 7, 15, 2, 4, 6, 8], False, id="expert-map"),
+    pytest.param(1, 12, 3, 32, 48, None, True, id="weight-on-input"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("T", "E", "K", "D", "F", "local", "on_input"), GEMV_CASES)
+def test_gemv_agrees_with_the_tl_dot_naive_plan(T, E, K, D, F, local, on_input, dtype, device):
+    # Same rounding points as the tl.dot naive plan with its separate sum: only fp32 summation order differs.
+    case = make_case(T, E, K, D, F, dtype=dtype, device=device, seed=180 + T + K, local_experts=local,
+                     apply_router_weight_on_input=on_input)  # fmt: skip
+    e = E if local is None else len(local)
+    assert fused_moe_module.launch_plan(T, e, F, D, K, "test", GEMV).gemv is not None, "must run the GEMVs"
+    _check(case, GEMV)
+    gemv = fused_moe(*case.args(), **case.kwargs(), config=GEMV)
+    tl_dot = fused_moe(*case.args(), **case.kwargs(), config=NAIVE)
+    assert rel_err(gemv, tl_dot) <= AGREEMENT[dtype]
+
+
+@pytest.mark.parametrize(("T", "E", "K", "D", "F", "local", "on_input"), GEMV_CASES)
+def test_gemv_rounds_where_the_incumbent_does(T, E, K, D, F, local, on_input, device):
+    # The layer check compares served outputs with the incumbent's arithmetic: a path that rounds at other
+    # points moves that ratio. fp16 on the CPU (the interpreter's bf16 cast truncates), bf16 on a GPU.
+    dtype = torch.bfloat16 if HAS_GPU else torch.float16
+    case = make_case(T, E, K, D, F, dtype=dtype, device=device, seed=190 + T + K, local_experts=local,
+                     apply_router_weight_on_input=on_input)  # fmt: skip
+    incumbent = _incumbent(case)
+    assert rel_err(fused_moe(*case.args(), **case.kwargs(), config=GEMV), incumbent) <= AGREEMENT[dtype]
+    if K > 1 and local is None and not HAS_GPU:
+        # The line can see a missing rounding: the tl.dot fold_k GEMM2 sums the K slots unrounded (with a
+        # map a token may have one local slot, where that rounding does not show).
+        assert (
+            rel_err(fused_moe(*case.args(), **case.kwargs(), config=NAIVE_FOLD), incumbent) > AGREEMENT[dtype]
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemv_config_outside_naive_calls_runs_the_aligned_gemms(dtype, device):
+    # T*K*4 > e: the alignment and the tl.dot tiles serve the call; the GEMV tiles are not used.
+    plan = fused_moe_module.launch_plan(20, 8, 32, 32, 2, "test", GEMV)
+    assert not plan.align.naive and plan.gemv is None and not plan.fold_k
+    _check(make_case(20, 8, 2, 32, 32, dtype=dtype, device=device, seed=200), GEMV)
+
+
+def test_gemv_config_rules():
+    tile = GemmTile(32, 32)
+    gemv = GemvTiles(GemmTile(4, 64, num_stages=1), GemmTile(2, 64, num_stages=1))
+    with pytest.raises(ValueError, match="gemv needs naive"):
+        MoeTileConfig(16, tile, tile, gemv=gemv)
+    with pytest.raises(ValueError, match="gemv always sums over K"):
+        MoeTileConfig(16, tile, tile, naive=True, fold_k=True, gemv=gemv)
+    with pytest.raises(ValueError, match="mean nothing to a GEMV"):
+        GemvTiles(GemmTile(4, 64, interleave=True), gemv.gemm2)
+    with pytest.raises(ValueError, match="mean nothing to a GEMV"):
+        GemvTiles(gemv.gemm1, GemmTile(4, 64, group_m=8))
+    with pytest.raises(ValueError, match="powers of two"):
+        GemvTiles(GemmTile(3, 64), gemv.gemm2)
+    # JSON: the field round-trips; a config without it writes no "gemv" key (files stay as they were).
+    config = MoeTileConfig(16, tile, tile, naive=True, gemv=dataclasses.replace(gemv, pdl=True))
+    assert MoeTileConfig.from_json(json.loads(json.dumps(config.to_json()))) == config
+    assert "gemv" not in MoeTileConfig(16, tile, tile, naive=True).to_json()
+
+
+def test_pdl_never_under_the_interpreter():
+    # The GEMVs' PDL needs a CUDA grid to depend on; elsewhere the same kernels run without it.
+    assert not fused_moe_module.pdl_available(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("shape", SHIPPED_SHAPES, ids=lambda s: s.name.replace(" ", "-"))
+def test_default_gemv_tiles_fill_the_h200(shape):
+    # The probe's starting point: powers of two, at least 2 programs per H200 SM (132) for both GEMVs at
+    # M = 1, and each step's tile a few 16-byte loads per thread (registers, not shared memory).
+    tiles = default_gemv_tiles(shape.F, shape.D, shape.top_k)
+    slots = shape.top_k * shape.local_experts // shape.num_experts or 1  # local slots of one token
+    k_pad = 1 << max(shape.top_k - 1, 0).bit_length()
+    assert -(-shape.F // tiles.gemm1.block_n) * slots >= 264, tiles.gemm1
+    assert -(-shape.D // tiles.gemm2.block_n) >= 264, tiles.gemm2
+    threads = [32 * t.num_warps for t in (tiles.gemm1, tiles.gemm2)]
+    per_thread = (2 * tiles.gemm1.block_n * tiles.gemm1.block_k / threads[0],
+                  k_pad * tiles.gemm2.block_n * tiles.gemm2.block_k / threads[1])  # fmt: skip
+    assert all(16 <= n <= 64 for n in per_thread), per_thread
 
 
 def test_config_fields_the_code_would_ignore_are_errors():
@@ -270,7 +437,9 @@ def test_config_fields_the_code_would_ignore_are_errors():
 
 
 @pytest.mark.parametrize(
-    "config", [SWIZZLED, INTERLEAVED, NAIVE_FOLD], ids=["aligned", "interleaved", "naive-fold"]
+    "config",
+    [SWIZZLED, INTERLEAVED, NAIVE_FOLD, GEMV, GEMV_PIPELINED],
+    ids=["aligned", "interleaved", "naive-fold", "naive-gemv", "naive-gemv-pipelined-pdl"],
 )
 def test_bitwise_repeatable(config, device, monkeypatch):
     # No atomics touch the values: the alignment's atomics only order slots inside an expert, and each
@@ -416,6 +585,7 @@ FP32_CONFIGS = [
     pytest.param(SWIZZLED, id="bm32-swizzled"),
     pytest.param(INTERLEAVED, id="interleaved"),
     pytest.param(NAIVE_FOLD, id="naive-fold"),
+    pytest.param(GEMV_PIPELINED, id="naive-gemv-pipelined-pdl"),  # IEEE with no tl.dot at all
 ]
 
 
@@ -556,3 +726,39 @@ def test_real_shape_prefill_path_forced(shape, M, variant):
     assert err <= TOLERANCE[torch.bfloat16], f"{shape.name} M={M} {variant}: relative error {err:.2e}"
     again = fused_moe(*case.args(), **case.kwargs(), config=PREFILL_FORCED[variant])
     assert torch.equal(out_TD, again), "the prefill path must be bitwise repeatable"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 2, 4])  # the token counts the tuned M = 1 entry serves (nearest in log2)
+@pytest.mark.parametrize("shape", SHIPPED_SHAPES, ids=lambda s: s.name.replace(" ", "-"))
+def test_real_shape_gemv_bf16(shape, M, ieee_torch_matmul):
+    """The decode GEMVs (default_gemv_tiles, the probe's starting point) in place of the tuned plan's naive
+    calls: bf16 error as the tuned plan's, bitwise repeatable, the same bits with and without PDL, and
+    within rounding of the incumbent's arithmetic (what the layer check compares with). Where naive does
+    not qualify (Mixtral at M = 2, 4; TEP2 at M = 4) the config falls back to its tl.dot tiles, which
+    this checks too."""
+    case = shape_case(shape, M, seed=M + 2)
+    tuned = fused_moe_module.launch_plan(M, shape.local_experts, shape.F, shape.D, shape.top_k,
+                                         torch.cuda.get_device_name()).config  # fmt: skip
+    outs = {}
+    for pdl in (False, True):
+        gemv = default_gemv_tiles(shape.F, shape.D, shape.top_k, pdl=pdl)
+        config = dataclasses.replace(tuned, naive=True, fold_k=False, gemv=gemv)
+        out_TD = torch.full_like(case.hidden_TD, float("nan"))
+        fused_moe(*case.args(), **case.kwargs(), out=out_TD, config=config)
+        assert not torch.isnan(out_TD).any()
+        err = rel_err(out_TD, case.reference_fp32())
+        assert err <= TOLERANCE[torch.bfloat16], f"{shape.name} M={M} pdl={pdl}: relative error {err:.2e}"
+        assert torch.equal(out_TD, fused_moe(*case.args(), **case.kwargs(), config=config)), "not repeatable"
+        outs[pdl] = out_TD
+        log_path = os.environ.get("MOE_EVAL_CORRECTNESS_LOG")
+        if log_path:
+            with open(log_path, "a") as f:
+                f.write(
+                    json.dumps({"shape": shape.name, "M": M, "plan": f"gemv pdl={pdl}", "rel_err": err})
+                    + "\n"
+                )
+    assert torch.equal(outs[False], outs[True]), "PDL changes when GEMM2 starts, never what it computes"
+    # Not the tuned plan itself: its tl.dot fold_k (Mixtral at M = 1) skips the per-slot rounding.
+    assert rel_err(outs[True], _incumbent(case)) <= AGREEMENT[torch.bfloat16], "rounds elsewhere"

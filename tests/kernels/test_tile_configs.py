@@ -17,8 +17,10 @@ from moe_eval.kernels.tile_configs import (
     SMEM_LIMIT,
     TUNED_DIR,
     GemmTile,
+    GemvTiles,
     MoeTileConfig,
     default_config,
+    default_gemv_tiles,
     get_tile_config,
     nearest_m,
     read_tuned_file,
@@ -85,6 +87,19 @@ def test_tuner_space_fits_and_holds_vllms_large_tiles():
     assert 128 in [p.block_m for p in tune.plans_for(mixtral_tp2, 256)]
     qwen3_tp1 = next(s for s in SHIPPED_SHAPES if s.name == "Qwen3-30B-A3B TP1")
     assert any(p.naive for p in tune.plans_for(qwen3_tp1, 1))
+    # The decode GEMVs (issue 34) are a plan wherever naive is, never elsewhere; their tiles are valid
+    # GemvTiles with 32-128 weights a thread a step, and the default starting point is among them.
+    assert any(p.gemv for p in tune.plans_for(qwen3_tp1, 1))
+    assert not any(p.gemv for p in tune.plans_for(qwen3_tp1, 64))
+    for shape in SHIPPED_SHAPES:
+        k_pad = 1 << max(shape.top_k - 1, 0).bit_length()
+        for kind, rows in ((1, 2), (2, k_pad)):
+            tiles = tune.gemv_candidates(kind, shape)
+            for tile in tiles:
+                GemvTiles(tile, tile)  # raises on a field a GEMV would ignore
+                assert 32 <= rows * tile.block_n * tile.block_k / (32 * tile.num_warps) <= 128, tile
+            default = default_gemv_tiles(shape.F, shape.D, shape.top_k)
+            assert (default.gemm1 if kind == 1 else default.gemm2) in tiles, (shape.name, kind)
     # The prefill path: every large-M block size offers persistent tiles (the interleaved GEMM1 that
     # won on the H200 among them); GEMM2's always load by TMA; never warp-specialized (it hangs).
     for block_m in (64, 128, 256):
