@@ -55,7 +55,11 @@ TOLERANCE = {
 AGREEMENT = {
     torch.float32: 1e-6,  # ~sqrt(D) 2^-24 = 1e-6 at D = 256; measured 3.2e-7
     torch.float16: 1e-4,  # between one flip's 7.0e-5 and a skipped rounding's 1.6e-4
-    torch.bfloat16: 1e-3,  # H200 real shapes, not measured yet: ~1e-4 expected; a quarter of bf16's own error
+    # H200 real shapes, 2026-12-02 (test_real_shape_gemv_bf16's cells): 0 to 1.02e-3, the largest at
+    # Mixtral M = 2 and 4 (F = 14336: another fp32 order of the long sums flips some h elements by one
+    # bf16 ulp before GEMM2). A skipped per-slot rounding is what the fp16 line above tells apart (CPU:
+    # exactly 0 against 1.6e-4); here, a half of bf16's own error.
+    torch.bfloat16: 2e-3,
 }
 DTYPES = [torch.bfloat16] if HAS_GPU else [torch.float32, torch.float16]
 
