@@ -199,10 +199,16 @@ class Plan:
         return f"bm={self.block_m}" + (" naive" if self.naive else "") + (" gemv" if self.gemv else "")
 
 
+# The decode GEMVs join the candidates only with --gemv: no shipped file selects them yet (docs/perf.md,
+# "Decode: the GEMV path"), and a routine re-tune must not ship them before a served model's layer check
+# has run with them.
+OFFER_GEMV = False
+
+
 def plans_for(shape: MoeShape, M: int) -> list[Plan]:
     plans = [Plan(bm) for bm in block_m_candidates(rows_per_expert(shape, M))]
     if naive_qualifies(M, shape.top_k, shape.local_experts):
-        plans += [Plan(16, naive=True), Plan(16, naive=True, gemv=True)]
+        plans += [Plan(16, naive=True)] + ([Plan(16, naive=True, gemv=True)] if OFFER_GEMV else [])
     return plans
 
 
@@ -462,8 +468,8 @@ def _gemv_result(shape: MoeShape, M: int, bufs: list, g1: tuple, g2: tuple, resu
     config = MoeTileConfig(16, base.gemm1, base.gemm2, naive=True, gemv=GemvTiles(g1[1], g2[1], pdl=pdl))
     # Flat numbers, as every other plan's stages (readers of meta.timings_us take each value as us).
     pairs = {f"pair_{'pdl' if p else 'plain'}_us": round(us, 2) for p, us in pair_us.items()}
-    stages = {"gemm1_us": round(g1[0], 2), "gemm2_us": round(g2[0], 2), **pairs,
-              "total_us": round(pair_us[pdl], 2)}  # fmt: skip
+    stages = {"align_us": 0.0, "gemm1_us": round(g1[0], 2), "gemm2_us": round(g2[0], 2), "sum_us": 0.0,
+              **pairs, "total_us": round(pair_us[pdl], 2)}  # fmt: skip
     log(f"  {shape.name} M={M} gemv: gemm1 {g1[0]:.1f} + gemm2 {g2[0]:.1f}; back to back "
         + ", ".join(f"{'pdl' if p else 'plain'} {us:.1f}" for p, us in pair_us.items()) + " us")  # fmt: skip
     return pair_us[pdl], config, stages
@@ -594,10 +600,15 @@ def main(argv: list[str] | None = None) -> int:
         "--merge", action="store_true", help="keep the entries of an existing file for M not tuned now"
     )
     parser.add_argument("--deadline-s", type=float, help="start no new cell after this many seconds")
+    parser.add_argument("--gemv", action="store_true",
+                        help="offer the decode GEMVs where naive qualifies (none shipped yet: off by "
+                             "default)")  # fmt: skip
     parser.add_argument("--dump-jobs", type=Path,
                         help="write the kernel variants these cells would compile (JSON, for "
                              "benchmarks/aot_sm90.py --jobs; no GPU needed) and exit")  # fmt: skip
     args = parser.parse_args(argv)
+    global OFFER_GEMV
+    OFFER_GEMV = args.gemv
     started = time.perf_counter()
     cells = parse_cells(args)
     by_shape: dict[MoeShape, list[int]] = {}

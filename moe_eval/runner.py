@@ -26,6 +26,7 @@ from moe_eval.core.record import (
     RESULTS_FILE,
     Attempt,
     Environment,
+    EvalProgress,
     Evaluation,
     Hardware,
     Identity,
@@ -34,7 +35,6 @@ from moe_eval.core.record import (
     RunError,
     RunRecord,
 )
-from moe_eval.core.record import Progress as ProgressRecord
 from moe_eval.core.results import cpu_model, versions, write_samples
 from moe_eval.core.status import StatusWriter
 from moe_eval.evaluate.gsm8k import Gsm8kData, canary_data, run_gsm8k
@@ -230,7 +230,7 @@ def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
         record.bookkeeping.finished_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         if options.status is not None:
             now = options.status.status
-            record.bookkeeping.progress = ProgressRecord(now.answered, now.total, now.accuracy_so_far)
+            record.bookkeeping.progress = EvalProgress(now.answered, now.total, now.accuracy_so_far)
             options.status.stage(record.status)
         record.write()
     if raise_after is not None:

@@ -15,7 +15,7 @@
 # earlier call on the same warm machine), which the servers then import (EXTRA_PYTHONPATH of the kit).
 # ROWS (words of config file names) narrows the list to those rows and vLLM's.
 set -u
-layout="${1:?usage: h200_golden_canary.sh tp|tep|dep}"
+layout="${1:?usage: canary_mutations.sh tp|tep|dep}"
 MUTATIONS="${MUTATIONS:-scale_one_expert}"
 out="${OUT:-/tmp/golden-out}"; work="/tmp/golden-$layout"
 export MOE_EVAL_GOLDEN_CACHE=/tmp/goldens

@@ -10,7 +10,7 @@
 # run folder, no weights) and $OUT/goldens.tar.xz after the run, $OUT/NAME-run.log and $OUT/NAME-gpu.txt (the
 # device as nvidia-smi names it).
 set -u
-name="${1:?usage: h200_twins.sh NAME CONFIG...}"; shift
+name="${1:?usage: twins.sh NAME CONFIG...}"; shift
 out="${OUT:-/tmp/twins-out}"; work="/tmp/twins-$name"
 export MOE_EVAL_GOLDEN_CACHE=/tmp/goldens MOE_EVAL_CACHE=/tmp/moe-eval-cache
 mkdir -p "$out" "$work" "$MOE_EVAL_GOLDEN_CACHE"

@@ -89,7 +89,7 @@ class RunError:
 
 
 @dataclass
-class Progress:
+class EvalProgress:
     answered: int = key("questions answered when the config ended", default=0)
     total: int = key("questions asked", default=0)
     strict_match_so_far: float | None = key("strict-match accuracy over the answered ones")
@@ -205,7 +205,7 @@ class Bookkeeping:
     timings: dict[str, float] = key(
         "seconds per stage: startup, eval, logprob, decode, golden, total ...", factory=dict
     )
-    progress: Progress | None = key("how far the evaluation got", optional=True)
+    progress: EvalProgress | None = key("how far the evaluation got", optional=True)
     error: RunError | None = key("why the config ended without a verdict", optional=True)
     cancelled_by: str | None = key("the signal that stopped the run (SIGTERM, SIGINT)", optional=True)
 
@@ -260,13 +260,19 @@ def _from_json(cls: type, data: dict[str, Any]) -> Any:
 
 
 def _typed(kind: Any, value: Any) -> Any:
+    """A typed field's JSON value as its type; TypeError (UnreadableRecord at `read`) for JSON of another
+    shape, so that a bad file is refused where it is read, not later where a property meets it."""
     if kind is None or value is None:
         return value
     if isinstance(kind, list):  # [Type]: a list of it
-        return [_typed(kind[0], v) for v in value] if isinstance(value, list) else value
-    if kind is Check:
-        return Check.from_dict(value)
-    return _from_json(kind, value) if isinstance(value, dict) else value
+        if not isinstance(value, list):
+            raise TypeError(f"a list expected, got {type(value).__name__}")
+        return [_typed(kind[0], v) for v in value]
+    if not isinstance(value, dict):
+        raise TypeError(
+            f"an object expected for {getattr(kind, '__name__', kind)}, got {type(value).__name__}"
+        )
+    return Check.from_dict(value) if kind is Check else _from_json(kind, value)
 
 
 # Which fields hold typed objects (the rest are JSON values as they are).
@@ -276,7 +282,7 @@ _NESTED: dict[tuple[type, str], Any] = {
     (Environment, "server"): ServerInfo,
     (Verdict, "checks"): [Check],
     (Bookkeeping, "attempts"): [Attempt],
-    (Bookkeeping, "progress"): Progress,
+    (Bookkeeping, "progress"): EvalProgress,
     (Bookkeeping, "error"): RunError,
 }
 
@@ -294,7 +300,8 @@ class RunRecord:
     verdict: Verdict = field(default_factory=Verdict)
     bookkeeping: Bookkeeping = field(default_factory=Bookkeeping)
     schema_version: int = RESULTS_SCHEMA_VERSION
-    # Keys this moe-eval does not know (a newer writer's optional ones): kept as they were on a rewrite.
+    # Top-level keys this moe-eval does not know (a newer writer's optional ones): kept as they were on a
+    # rewrite. (Inside a typed object, such as an attempt or a check, an unknown key is not kept.)
     unknown: JsonObject = field(default_factory=dict)
     path: Path | None = None  # where it was read from or is written to; not part of the file
 
@@ -437,7 +444,7 @@ class RunSummary:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             return _from_json(cls, data)
-        except (OSError, ValueError, TypeError, AttributeError) as exc:
+        except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
             raise ValueError(f"{path}: cannot read a run summary ({exc})") from None
 
 

@@ -85,8 +85,6 @@ class Judgement:
     checks: list[Check]
     verdict: str
     sections: dict[str, Any]  # results.json sections: gate, paired, divergence, layer_check, golden_gate
-    gate: GateResult | None = None
-    detectable_drop: float | None = None
 
 
 def judge(config: EvalConfig, m: Measurements, optional: frozenset[str] = frozenset()) -> Judgement:
@@ -141,7 +139,6 @@ def _accuracy(config: EvalConfig, m: Measurements, out: Judgement) -> str | None
         "detectable_drop": drop if math.isfinite(drop) else None,
         "power_n": n,
     }
-    out.gate, out.detectable_drop = gate, out.sections["gate"]["detectable_drop"]
     power = describe_power(n, config.accuracy_threshold, gate.floor)
     out.checks.append(Check("accuracy_gate", gate.passed, f"{gate.describe()}; {power}"))
     return None

@@ -125,9 +125,13 @@ class GemvTiles:
     @classmethod
     def from_json(cls, data: dict) -> GemvTiles:
         _check_keys(data, {"gemm1", "gemm2", "pdl"}, "GemvTiles")
-        return cls(
-            GemmTile.from_json(data["gemm1"]), GemmTile.from_json(data["gemm2"]), bool(data.get("pdl"))
-        )
+        missing = {"gemm1", "gemm2"} - set(data)
+        if missing:
+            raise ValueError(f"GemvTiles: missing keys {sorted(missing)}")
+        pdl = data.get("pdl", False)
+        if not isinstance(pdl, bool):
+            raise ValueError(f"GemvTiles: pdl must be true or false, got {pdl!r}")
+        return cls(GemmTile.from_json(data["gemm1"]), GemmTile.from_json(data["gemm2"]), pdl)
 
 
 @dataclass(frozen=True)
@@ -194,7 +198,8 @@ class MoeTileConfig:
             gemm2=GemmTile.from_json(data["gemm2"]),
             naive=bool(data.get("naive", False)),
             fold_k=bool(data.get("fold_k", False)),
-            gemv=GemvTiles.from_json(data["gemv"]) if data.get("gemv") else None,
+            # Absent or null: no GEMV; anything else must be whole GemvTiles ({} is an error, not "off").
+            gemv=GemvTiles.from_json(data["gemv"]) if data.get("gemv") is not None else None,
         )
 
 

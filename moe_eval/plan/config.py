@@ -236,7 +236,7 @@ CONFIG_KEYS: dict[str, KeySpec] = {
         (bool,),
         False,
         None,
-        "the model's weights are random (a shape twin, models.py): its answers mean nothing, so "
+        "the model's weights are random (a shape twin, models/twins.py): its answers mean nothing, so "
         "no accuracy, paired or garbage gate; accuracy is reported as n/a",
     ),
     # --- the layer check (moe_eval.kernels.layer_check, moe_eval.gates.layer_gate; docs/logprob-gate.md) ---

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from moe_eval.core.errors import ExitCode
 from moe_eval.core.record import RESULTS_SCHEMA_VERSION, RunRecord, UnreadableRecord
 from moe_eval.core.results import _json_safe
 
@@ -44,6 +45,9 @@ def test_round_trip_and_the_questions_readers_ask(tmp_path):
         ("{not json", "cannot read a results record"),
         ("[1, 2]", "not a results record (a JSON list)"),
         (json.dumps({"schema_version": RESULTS_SCHEMA_VERSION + 1}), f"reads up to {RESULTS_SCHEMA_VERSION}"),
+        # A typed section of another JSON shape is refused where it is read, not where a reader meets it.
+        (json.dumps({"status": "passed", "layout": "TP"}), "an object expected for LayoutInfo, got str"),
+        (json.dumps({"status": "passed", "checks": {"name": "served"}}), "a list expected, got dict"),
     ],
 )
 def test_a_bad_file_is_refused_naming_it(tmp_path, text, message):
@@ -97,7 +101,7 @@ def test_every_status_the_runner_writes_validates_against_the_schema():
     incomplete.verdict.status = "incomplete"
     errored = RunRecord()
     errored.identity.config_sha256 = "1" * 64
-    errored.bookkeeping.error = RunError("InfraError", "vLLM exited", 4)
+    errored.bookkeeping.error = RunError("InfraError", "vLLM exited", int(ExitCode.INFRA))
     for record in (incomplete, errored):
         jsonschema.validate(_json(record), schema)
     errored.bookkeeping.error = None

@@ -407,11 +407,26 @@ def test_gemv_config_rules():
     config = MoeTileConfig(16, tile, tile, naive=True, gemv=dataclasses.replace(gemv, pdl=True))
     assert MoeTileConfig.from_json(json.loads(json.dumps(config.to_json()))) == config
     assert "gemv" not in MoeTileConfig(16, tile, tile, naive=True).to_json()
+    # A gemv entry is whole or absent: {} is no "off", a missing GEMM or a pdl that is no bool is refused.
+    written = config.to_json()
+    for gemv_json, message in (
+        ({}, "missing keys"),
+        ({k: v for k, v in written["gemv"].items() if k != "gemm2"}, "missing keys"),
+        (written["gemv"] | {"pdl": "false"}, "pdl must be true or false"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            MoeTileConfig.from_json(written | {"gemv": gemv_json})
 
 
-def test_pdl_never_under_the_interpreter():
-    # The GEMVs' PDL needs a CUDA grid to depend on; elsewhere the same kernels run without it.
+def test_pdl_never_under_the_interpreter(monkeypatch):
+    # The GEMVs' PDL needs a CUDA grid to depend on; elsewhere (a CPU tensor, or a CUDA device while the
+    # interpreter runs the kernels) the same kernels run without it.
+    monkeypatch.setattr(fused_moe_module, "_pdl_supported", lambda index: True)
     assert not fused_moe_module.pdl_available(torch.device("cpu"))
+    monkeypatch.setattr(fused_moe_module, "_interpreting", lambda: True)
+    assert not fused_moe_module.pdl_available(torch.device("cuda", 0))
+    monkeypatch.setattr(fused_moe_module, "_interpreting", lambda: False)
+    assert fused_moe_module.pdl_available(torch.device("cuda", 0))  # the stub: what a capable GPU says
 
 
 @pytest.mark.parametrize("shape", SHIPPED_SHAPES, ids=lambda s: s.name.replace(" ", "-"))
@@ -763,6 +778,9 @@ def test_real_shape_gemv_bf16(shape, M, ieee_torch_matmul):
                     json.dumps({"shape": shape.name, "M": M, "plan": f"gemv pdl={pdl}", "rel_err": err})
                     + "\n"
                 )
-    assert torch.equal(outs[False], outs[True]), "PDL changes when GEMM2 starts, never what it computes"
+    if fused_moe_module.naive_qualifies(M, shape.top_k, shape.local_experts):
+        # The GEMVs ran (elsewhere both runs take the same aligned tl.dot path and compare nothing).
+        assert fused_moe_module.pdl_available(case.hidden_TD.device), "an H200 with triton 3.6 has PDL"
+        assert torch.equal(outs[False], outs[True]), "PDL changes when GEMM2 starts, never what it computes"
     # Not the tuned plan itself: its tl.dot fold_k (Mixtral at M = 1) skips the per-slot rounding.
     assert rel_err(outs[True], _incumbent(case)) <= AGREEMENT[torch.bfloat16], "rounds elsewhere"
