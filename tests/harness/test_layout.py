@@ -1,0 +1,75 @@
+"""The package's layout holds what the README's drawing says of it: no module imports itself round in a
+circle, no two stage folders import each other, `core/` imports no other stage and `kernels/` only `core/`.
+Read from the source (every import, inside functions too), so a new import that breaks it fails here."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "moe_eval"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """moe_eval module -> the moe_eval modules it imports (a `from moe_eval.x import y` of a submodule y
+    counts as importing y)."""
+    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = defaultdict(set)
+    for path in PACKAGE.rglob("*.py"):
+        source = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("moe_eval"):
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    graph[source].add(sub if sub in modules else node.module)
+            elif isinstance(node, ast.Import):
+                graph[source].update(a.name for a in node.names if a.name.startswith("moe_eval."))
+    return {m: {d for d in deps if d != m} for m, deps in graph.items()}
+
+
+def _stage(module: str) -> str:
+    """moe_eval.evaluate.golden -> evaluate; moe_eval.runner -> runner (a top-level module is its own)."""
+    return module.split(".")[1] if module.count(".") else module
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 on the path, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep) :] + [dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_module_imports_itself_round_a_circle():
+    assert _circle(_imports()) is None, " -> ".join(_circle(_imports()) or [])
+
+
+def test_no_two_stages_import_each_other_and_the_bottom_stays_at_the_bottom():
+    edges = {(_stage(a), _stage(b)) for a, deps in _imports().items() for b in deps}
+    edges = {(a, b) for a, b in edges if a != b}
+    both_ways = sorted((a, b) for a, b in edges if (b, a) in edges and a < b)
+    assert not both_ways, f"stages importing each other: {both_ways}"
+    assert not {b for a, b in edges if a == "core"}, "core/ imports no other stage"
+    assert {b for a, b in edges if a == "kernels"} <= {"core"}, "kernels/ imports core/ only"
+    # The check reads something: the pipeline's own edges are there.
+    assert {("runner", "evaluate"), ("gates", "evaluate"), ("cli", "plan")} <= edges
