@@ -90,6 +90,9 @@ from moe_eval.kernels.tile_configs import (
 )
 from moe_eval.kernels.torch_moe import grouped_mm_moe, torch_moe
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bounds import BOUNDS  # noqa: E402 - beside this file
+
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -416,6 +419,12 @@ GEMV_VARIANTS: dict[str, dict] = {
     "triton_gemv_pdl_w8": {"pdl": True, "warps": 8, "rows": 2},
     "triton_gemv_pdl_short": {"pdl": True, "rows": 2, "step": 0.5},
     "triton_gemv_pdl_long": {"pdl": True, "rows": 0.5, "step": 2},
+    # Both GEMVs in one launch (`GemvTiles.one_launch`): the default tiles, then 8 warps with twice the
+    # rows, then GEMM1 items of twice the rows (fewer, longer items: fewer trips round the loop).
+    "triton_gemv_one": {"one_launch": True},
+    "triton_gemv_one_w8": {"one_launch": True, "warps": 8, "rows": 2},
+    "triton_gemv_one_r2": {"one_launch": True, "rows": 2},
+    "triton_gemv_one_w8r4": {"one_launch": True, "warps": 8, "rows": 4},
 }
 # --gemv-force: the GEMV peers run the GEMVs at every call, not only where naive qualifies.
 GEMV_OPTIONS: dict = {"force": False}
@@ -423,7 +432,8 @@ GEMV_OPTIONS: dict = {"force": False}
 
 def gemv_tiles(shape: MoeShape, variant: str) -> GemvTiles:
     v = GEMV_VARIANTS[variant]
-    base = default_gemv_tiles(shape.F, shape.D, shape.top_k, pdl=v.get("pdl", False))
+    base = default_gemv_tiles(shape.F, shape.D, shape.top_k, pdl=v.get("pdl", False),
+                              one_launch=v.get("one_launch", False))  # fmt: skip
 
     def vary(tile, reduce_dim: int):
         longest = 1 << max(reduce_dim - 1, 0).bit_length()
@@ -570,6 +580,7 @@ def bench_shape(
     check: bool = True,
     base: MoeCase | None = None,
     repeats: int = 1,
+    bounds: tuple[str, ...] = (),
 ) -> list[dict]:
     """Rows for every (M, impl). Stops before an M once time.perf_counter() passes `deadline`;
     `on_rows` sees each M's rows as soon as they exist (for callers that save as they go).
@@ -578,7 +589,9 @@ def bench_shape(
     interleaved replays. check: each timer's output for the first input set against fused_moe_ref.
     base: the case holding the weights (default: this shape's, random, on the GPU).
     repeats: interleaved runs of `replays` each; a row's median_us is the median of the runs'
-    medians (`repeat_medians_us`), so one disturbed run cannot decide a cell."""
+    medians (`repeat_medians_us`), so one disturbed run cannot decide a cell.
+    bounds: practical bounds (benchmarks/bounds.py) timed in the same replays, rows `bound:<name>`,
+    no output checked."""
     rows = []
     base = base if base is not None else shape_case(shape, 1, seed=7)  # holds the weights every set shares
     for M in Ms:
@@ -608,6 +621,11 @@ def bench_shape(
                         f"  {shape.name} M={M} {name}:gemms: not timed "
                         f"({type(exc).__name__}: {str(exc)[:300]})"
                     )
+        for name in bounds:
+            try:
+                timers[f"bound:{name}"] = _timer([BOUNDS[name](c) for c in cases])
+            except Exception as exc:  # noqa: BLE001 - as above
+                log(f"  {shape.name} M={M} bound:{name}: not timed ({type(exc).__name__}: {str(exc)[:300]})")
         runs = [time_interleaved(timers, replays) for _ in range(repeats)]
         samples = {name: [us for run in runs for us in run[name]] for name in timers}
         repeat_medians = {name: [statistics.median(run[name]) for run in runs] for name in timers}
@@ -1127,6 +1145,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemms-alone", action=argparse.BooleanOptionalAction, default=None,
                         help="also time GEMM1 + activation + GEMM2 alone "
                              "(default: on with a vLLM peer)")  # fmt: skip
+    parser.add_argument("--bounds", nargs="*", default=[], choices=list(BOUNDS),
+                        help="practical bounds timed in the same replays (benchmarks/bounds.py)")  # fmt: skip
     parser.add_argument("--no-check", action="store_true", help="skip the output check against fused_moe_ref")
     parser.add_argument("--precompile-workers", type=int, default=12, help="0: compile inline while timing")
     parser.add_argument("--deadline-s", type=float, help="start no new (shape, M) after this many seconds")
@@ -1186,6 +1206,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_shape(
             shape, Ms, ceilings, args.replays, peers, eager=not args.skip_eager, deadline=deadline,
             on_rows=save, gemms_alone=gemms_alone, check=not args.no_check, base=base, repeats=args.repeats,
+            bounds=tuple(args.bounds),
         )  # fmt: skip
     align_rows = []
     if not args.skip_alignment and not args.cpu_smoke:

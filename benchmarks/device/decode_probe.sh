@@ -15,7 +15,8 @@
 # as kernel_bench.sh does; PY="bash .vgpu/device_env.sh python3" runs it through the vLLM kit instead.
 # Budgets (seconds, wall; ~270 at most in all): TESTS_TIMEOUT (90), BENCH_TIMEOUT (170), BENCH_DEADLINE
 # (no new cell after, 125). Results in $OUT (at most 8 files come back): decode.md, bench_rows.jsonl,
-# bench.json, tests.txt, correctness.jsonl, bench_stderr.txt, env.txt, stages.txt.
+# bench.json, stages.txt, and logs.tgz (env.txt, stages.txt, tests.txt, correctness.jsonl, bench_stderr.txt,
+# clocks.csv: nvidia-smi's SM / memory clock and power every 250 ms through the benchmark).
 set -u
 OUT="${OUT:?set OUT}"
 PY="${PY:-python3}"
@@ -28,8 +29,11 @@ stage() { echo "== $1 at +$(( $(date +%s) - T0 )) s ($(date -u +%T))" | tee -a "
 # The issue's shapes, the ones furthest from the target first (a deadline drops the last).
 SHAPES=("Qwen3-30B-A3B TP2" "Qwen3-30B-A3B TEP2" "Qwen3-30B-A3B TP1" "Llama-4-Scout TP2" "Llama-4-Scout TEP2"
         "Mixtral-8x7B TP2" "Mixtral-8x7B TEP2")
-PEERS=(triton triton_gemv triton_gemv_pdl triton_gemv_pdl_s2 triton_gemv_pdl_w8 triton_gemv_pdl_short
-       triton_gemv_pdl_long)
+# The tuned plan, the two-launch GEMVs that led the last probe, the one-launch GEMVs (four tilings).
+PEERS=(triton triton_gemv_pdl triton_gemv_pdl_w8 triton_gemv_pdl_long triton_gemv_one triton_gemv_one_w8
+       triton_gemv_one_r2 triton_gemv_one_w8r4)
+# Practical bounds in the same replays (benchmarks/bounds.py): one launch reading the hit experts' weights.
+BOUNDS=(${BOUNDS:-weights_read})
 [[ -f .vllm-peer/MANIFEST.json ]] && PEERS+=(vllm_triton)
 
 stage env
@@ -48,18 +52,23 @@ cat "$OUT/env.txt"
 stage tests
 # ~110 tests, most of their time compiles: 4 processes on the one GPU when pytest-xdist is there (the image has it).
 XDIST=(); $PY -c "import xdist" 2> /dev/null && XDIST=(-n 4)
-MOE_EVAL_CORRECTNESS_LOG="$OUT/correctness.jsonl" timeout "${TESTS_TIMEOUT:-90}" \
+MOE_EVAL_CORRECTNESS_LOG="$OUT/correctness.jsonl" timeout "${TESTS_TIMEOUT:-120}" \
   $PY -m pytest -q -p no:cacheprovider -W ignore::RuntimeWarning "${XDIST[@]}" tests/kernels/test_fused_moe.py \
-  -k "gemv or naive" > "$OUT/tests.txt" 2>&1
+  -k "gemv or naive or one_launch or resident" > "$OUT/tests.txt" 2>&1
 echo "tests rc=$? (124 = timed out): $(tail -1 "$OUT/tests.txt")" | tee -a "$OUT/stages.txt"
 grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | head -20
 
 stage bench
-timeout "${BENCH_TIMEOUT:-170}" $PY benchmarks/bench_fused_moe.py --out-dir "$RUN/bench" --shapes "${SHAPES[@]}" \
-  --m 1 2 4 8 16 --peers "${PEERS[@]}" --gemv-force --no-gemms-alone --skip-eager --skip-alignment \
-  --replays "${BENCH_REPLAYS:-20}" --precompile-workers 12 --deadline-s "${BENCH_DEADLINE:-125}" \
+# The SM clock, memory clock and power through the benchmark (the ceiling's context, issue 34).
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 250 \
+  > "$OUT/clocks.csv" 2>&1 &
+SMI=$!
+timeout "${BENCH_TIMEOUT:-200}" $PY benchmarks/bench_fused_moe.py --out-dir "$RUN/bench" --shapes "${SHAPES[@]}" \
+  --m 1 2 4 8 16 --peers "${PEERS[@]}" --bounds "${BOUNDS[@]}" --gemv-force --no-gemms-alone --skip-eager --skip-alignment \
+  --replays "${BENCH_REPLAYS:-20}" --precompile-workers 12 --deadline-s "${BENCH_DEADLINE:-150}" \
   --decode-targets 2> "$OUT/bench_stderr.txt" > "$RUN/bench_stdout.txt"
 echo "bench rc=$? (1: a target missed or a result wrong; 124: timed out)" | tee -a "$OUT/stages.txt"
+kill "$SMI" 2> /dev/null
 grep -E "WRONG|not timed|precompil|deadline|Error" "$OUT/bench_stderr.txt" | cut -c1-300 | tail -20
 if [[ ! -s "$RUN/bench/decode.md" && -s "$RUN/bench/rows.jsonl" ]]; then  # killed: the table from the saved rows
   $PY benchmarks/bench_fused_moe.py --out-dir "$RUN/bench" --report-only "$RUN/bench/rows.jsonl" \
@@ -70,4 +79,7 @@ stage pack
 for f in decode.md bench.json; do [[ -s "$RUN/bench/$f" ]] && cp "$RUN/bench/$f" "$OUT/"; done
 [[ -s "$RUN/bench/rows.jsonl" ]] && cp "$RUN/bench/rows.jsonl" "$OUT/bench_rows.jsonl"
 stage done
+# At most 8 files come back: the logs in one archive.
+tar -C "$OUT" -czf "$OUT/logs.tgz" env.txt stages.txt tests.txt correctness.jsonl bench_stderr.txt clocks.csv 2> /dev/null \
+  && rm -f "$OUT"/{env.txt,tests.txt,correctness.jsonl,bench_stderr.txt,clocks.csv}
 cat "$OUT/decode.md" 2>/dev/null

@@ -106,11 +106,16 @@ class GemvTiles:
     option): its programs start while GEMM1's last ones run and load their first weight step before
     they wait for h. Where the device or Triton lacks it (the interpreter) the same kernels run
     without it.
+    one_launch: both GEMVs in one launch (`_gemv_one_launch_kernel`): a grid the SMs hold at once walks
+    GEMM1's items, meets at a grid barrier, then walks GEMM2's, so a call is one kernel and GEMM2's
+    first weights stream before the barrier. Excludes pdl (there is no second launch to overlap).
+    Under the interpreter the same items run as two launches.
     """
 
     gemm1: GemmTile
     gemm2: GemmTile
     pdl: bool = False
+    one_launch: bool = False
 
     def __post_init__(self) -> None:
         for name, tile in (("gemm1", self.gemm1), ("gemm2", self.gemm2)):
@@ -118,20 +123,27 @@ class GemvTiles:
                 raise ValueError(f"gemv.{name}: group_m and {GemmTile.FLAGS} mean nothing to a GEMV ({tile})")
             if not (_power_of_two(tile.block_n) and _power_of_two(tile.block_k)):
                 raise ValueError(f"gemv.{name}: block sizes must be powers of two (tl.arange), got {tile}")
+        if self.pdl and self.one_launch:
+            raise ValueError("gemv: pdl and one_launch exclude each other (one launch has no dependent to start)")
 
     def to_json(self) -> dict:
-        return {"gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2), "pdl": self.pdl}
+        body = {"gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2), "pdl": self.pdl}
+        if self.one_launch:  # only when set: files written before it stay byte for byte
+            body["one_launch"] = True
+        return body
 
     @classmethod
     def from_json(cls, data: dict) -> GemvTiles:
-        _check_keys(data, {"gemm1", "gemm2", "pdl"}, "GemvTiles")
+        _check_keys(data, {"gemm1", "gemm2", "pdl", "one_launch"}, "GemvTiles")
         missing = {"gemm1", "gemm2"} - set(data)
         if missing:
             raise ValueError(f"GemvTiles: missing keys {sorted(missing)}")
-        pdl = data.get("pdl", False)
-        if not isinstance(pdl, bool):
-            raise ValueError(f"GemvTiles: pdl must be true or false, got {pdl!r}")
-        return cls(GemmTile.from_json(data["gemm1"]), GemmTile.from_json(data["gemm2"]), pdl)
+        flags = {}
+        for flag in ("pdl", "one_launch"):
+            flags[flag] = data.get(flag, False)
+            if not isinstance(flags[flag], bool):
+                raise ValueError(f"GemvTiles: {flag} must be true or false, got {flags[flag]!r}")
+        return cls(GemmTile.from_json(data["gemm1"]), GemmTile.from_json(data["gemm2"]), **flags)
 
 
 @dataclass(frozen=True)
@@ -288,7 +300,7 @@ def nearest_m(available: list[int], num_tokens: int) -> int:
 GEMV_ELEMENTS_PER_THREAD = 64
 
 
-def default_gemv_tiles(F: int, D: int, top_k: int, pdl: bool = False) -> GemvTiles:
+def default_gemv_tiles(F: int, D: int, top_k: int, pdl: bool = False, one_launch: bool = False) -> GemvTiles:
     """A starting point for the decode GEMVs of one shape (the probe sweeps around it; nothing ships it).
 
     4 warps; each step loads GEMV_ELEMENTS_PER_THREAD weights a thread: GEMM1 2 x block_n rows of
@@ -303,7 +315,7 @@ def default_gemv_tiles(F: int, D: int, top_k: int, pdl: bool = False) -> GemvTil
     slots = 1 << max(top_k - 1, 0).bit_length()
     gemm1 = GemmTile(max(1, per_step // (2 * k1)), k1, num_warps=4, num_stages=1)
     gemm2 = GemmTile(max(1, per_step // (slots * k2)), k2, num_warps=4, num_stages=1)
-    return GemvTiles(gemm1, gemm2, pdl=pdl)
+    return GemvTiles(gemm1, gemm2, pdl=pdl, one_launch=one_launch)
 
 
 def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeTileConfig:
