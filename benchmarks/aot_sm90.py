@@ -257,49 +257,6 @@ def compile_gemv(
     }
 
 
-def compile_gemv_one_launch(
-    tiles,
-    *,
-    dtype: str = "bf16",
-    F: int = 768,
-    D: int = 2048,
-    top_k: int = 8,
-    has_map: bool = False,
-    phase: int = 0,
-) -> dict:
-    """Compile the one-launch decode kernel (`_gemv_one_launch_kernel`, `GemvTiles.one_launch`) for sm_90:
-    registers and shared memory (what sizes its grid: every program must be resident), spills, whether the
-    grid barrier's acquire / release atomics are there."""
-    fn = kernels._gemv_one_launch_kernel
-    g1, g2 = tiles.gemm1, tiles.gemm2
-    ints = {"F": F, "D": D, "stride_xm": D, "stride_w13e": 2 * F * D, "stride_w13n": D, "stride_hm": F,
-            "stride_w2e": D * F, "stride_w2n": F, "stride_om": D}  # fmt: skip
-    sig, attrs = _signature(fn, dtype, ints)
-    constexprs = {"WEIGHT_ON_INPUT": False, "HAS_EXPERT_MAP": has_map, "EVEN_D": D % g1.block_k == 0,
-                  "EVEN_F": F % g2.block_k == 0, "PHASE": phase, "K_PAD": 1 << max(top_k - 1, 0).bit_length(),
-                  "STAGES1": g1.num_stages, "BLOCK_F1": g1.block_n, "BLOCK_D1": g1.block_k,
-                  "STAGES2": g2.num_stages, "BLOCK_D2": g2.block_n, "BLOCK_F2": g2.block_k}  # fmt: skip
-    num_warps = max(g1.num_warps, g2.num_warps)
-    t0 = time.perf_counter()
-    try:
-        compiled = triton.compile(
-            ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-            target=TARGET,
-            options={"num_warps": num_warps, "num_stages": 1},
-        )
-    except Exception as exc:  # noqa: BLE001 - reported as the row's error
-        return {"error": f"{type(exc).__name__}: {str(exc)[:600]}", "seconds": time.perf_counter() - t0}
-    ptx = compiled.asm["ptx"]
-    return {
-        "shared": compiled.metadata.shared,
-        "num_warps": num_warps,
-        "vector_loads_16B": len(re.findall(r"ld\.global(?:\.[a-z_:0-9]+)*\.v4\.b32", ptx)),
-        "barrier_atomics": sorted(set(re.findall(r"atom\.(?:global\.)?(?:acquire|release|acq_rel)[.\w]*", ptx))),
-        "seconds": round(time.perf_counter() - t0, 1),
-        **_ptxas_report(ptx),
-    }
-
-
 def default_matrix(quick: bool) -> list[tuple[int, int, object, dict]]:
     """(kind, block_m, tile, extra kwargs): the new variants beside the shipped large-M tiles."""
     T = GemmTile

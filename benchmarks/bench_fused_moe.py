@@ -14,6 +14,8 @@ Peers (--peers), interleaved replay by replay so they share the card's thermal a
               alignment and one-pass Triton stand-ins for its CUDA activation and top-k sum), or
               from the installed vLLM when there is no folder. CUDA graph
   vllm_installed  the installed vLLM's own fused_experts (its CUDA alignment, activation and sum)
+  triton_pdl  the tuned plan with GEMM2 and the sum launched as programmatic dependents on its naive
+              calls (`MoeTileConfig.pdl`), CUDA graph
   triton_gemv*  issue 34's decode GEMVs: the shape's tuned config with `gemv` tiles on its naive calls
               (GEMV_VARIANTS: tile_configs.default_gemv_tiles and a few variations of it), CUDA graph;
               with --gemv-force the GEMVs run every call (also where naive does not qualify: one
@@ -263,6 +265,19 @@ def triton_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCal
     return [_call(fused_moe, c) for c in cases], {"config": json.dumps(plan.config.to_json())}
 
 
+def triton_pdl_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
+    """The tuned plan with `pdl` asked for (GEMM2 and the sum as programmatic dependents on naive calls;
+    the same plan as `triton` where the call is not naive or the tuned file already asks for it)."""
+    configs = []
+    for c in cases:
+        tuned = _triton_plan(shape, c).config
+        configs.append(dataclasses.replace(tuned, pdl=tuned.naive and tuned.gemv is None))
+    calls = [lambda c=c, cfg=cfg: fused_moe(*c.args(), **c.kwargs(), config=cfg) for c, cfg in zip(cases, configs)]
+    T = cases[0].hidden_TD.shape[0]
+    plan = launch_plan(T, shape.local_experts, shape.F, shape.D, shape.top_k, _device_name(cases[0]), configs[0])
+    return calls, {"config": json.dumps(configs[0].to_json()), "pdl_ran": plan.pdl}
+
+
 def grouped_mm_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
     return [_call(grouped_mm_moe, c) for c in cases], {}
 
@@ -419,12 +434,6 @@ GEMV_VARIANTS: dict[str, dict] = {
     "triton_gemv_pdl_w8": {"pdl": True, "warps": 8, "rows": 2},
     "triton_gemv_pdl_short": {"pdl": True, "rows": 2, "step": 0.5},
     "triton_gemv_pdl_long": {"pdl": True, "rows": 0.5, "step": 2},
-    # Both GEMVs in one launch (`GemvTiles.one_launch`): the default tiles, then 8 warps with twice the
-    # rows, then GEMM1 items of twice the rows (fewer, longer items: fewer trips round the loop).
-    "triton_gemv_one": {"one_launch": True},
-    "triton_gemv_one_w8": {"one_launch": True, "warps": 8, "rows": 2},
-    "triton_gemv_one_r2": {"one_launch": True, "rows": 2},
-    "triton_gemv_one_w8r4": {"one_launch": True, "warps": 8, "rows": 4},
 }
 # --gemv-force: the GEMV peers run the GEMVs at every call, not only where naive qualifies.
 GEMV_OPTIONS: dict = {"force": False}
@@ -432,8 +441,7 @@ GEMV_OPTIONS: dict = {"force": False}
 
 def gemv_tiles(shape: MoeShape, variant: str) -> GemvTiles:
     v = GEMV_VARIANTS[variant]
-    base = default_gemv_tiles(shape.F, shape.D, shape.top_k, pdl=v.get("pdl", False),
-                              one_launch=v.get("one_launch", False))  # fmt: skip
+    base = default_gemv_tiles(shape.F, shape.D, shape.top_k, pdl=v.get("pdl", False))
 
     def vary(tile, reduce_dim: int):
         longest = 1 << max(reduce_dim - 1, 0).bit_length()
@@ -488,6 +496,7 @@ def _gemv_peer(variant: str) -> Callable[[MoeShape, list[MoeCase], list[int]], P
 
 GRAPH_PEERS: dict[str, Callable[[MoeShape, list[MoeCase], list[int]], PeerCalls]] = {
     "triton": triton_peer,
+    "triton_pdl": triton_pdl_peer,
     "grouped_mm": grouped_mm_peer,
     "flashinfer_cutlass": flashinfer_cutlass_peer,
     "vllm_triton": _vllm_whole("vllm_triton"),
@@ -1067,7 +1076,7 @@ def _precompile_worker(shape_index: int, Ms: list[int], peers: tuple[str, ...], 
         case = shape_case(shape, M, seed=M, weights_from=weights)
         for name in peers:
             try:
-                if name in ("triton",) + VLLM_PEER_NAMES + tuple(GEMV_VARIANTS):
+                if name in ("triton", "triton_pdl") + VLLM_PEER_NAMES + tuple(GEMV_VARIANTS):
                     GRAPH_PEERS[name](shape, [case], Ms)[0][0]()
                 if gemms_alone and name in GEMM_PEERS:
                     calls, finishes, _ = GEMM_PEERS[name](shape, [case])

@@ -29,11 +29,10 @@ stage() { echo "== $1 at +$(( $(date +%s) - T0 )) s ($(date -u +%T))" | tee -a "
 # The issue's shapes, the ones furthest from the target first (a deadline drops the last).
 SHAPES=("Qwen3-30B-A3B TP2" "Qwen3-30B-A3B TEP2" "Qwen3-30B-A3B TP1" "Llama-4-Scout TP2" "Llama-4-Scout TEP2"
         "Mixtral-8x7B TP2" "Mixtral-8x7B TEP2")
-# The tuned plan, the two-launch GEMVs that led the last probe, the one-launch GEMVs (four tilings).
-PEERS=(triton triton_gemv_pdl triton_gemv_pdl_w8 triton_gemv_pdl_long triton_gemv_one triton_gemv_one_w8
-       triton_gemv_one_r2 triton_gemv_one_w8r4)
+# The tuned plan, with programmatic dependent launch on its naive calls, and the GEMVs that led the last probes.
+PEERS=(${PEERS:-triton triton_pdl triton_gemv triton_gemv_pdl triton_gemv_pdl_long})
 # Practical bounds in the same replays (benchmarks/bounds.py): one launch reading the hit experts' weights.
-BOUNDS=(${BOUNDS:-weights_read})
+BOUNDS=(${BOUNDS:-weights_read weights_read_c4k weights_read_c64k})
 [[ -f .vllm-peer/MANIFEST.json ]] && PEERS+=(vllm_triton)
 
 stage env
@@ -54,7 +53,7 @@ stage tests
 XDIST=(); $PY -c "import xdist" 2> /dev/null && XDIST=(-n 4)
 MOE_EVAL_CORRECTNESS_LOG="$OUT/correctness.jsonl" timeout "${TESTS_TIMEOUT:-120}" \
   $PY -m pytest -q -p no:cacheprovider -W ignore::RuntimeWarning "${XDIST[@]}" tests/kernels/test_fused_moe.py \
-  -k "gemv or naive or one_launch or resident" > "$OUT/tests.txt" 2>&1
+  -k "gemv or naive or pdl" > "$OUT/tests.txt" 2>&1
 echo "tests rc=$? (124 = timed out): $(tail -1 "$OUT/tests.txt")" | tee -a "$OUT/stages.txt"
 grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | head -20
 

@@ -91,8 +91,10 @@ fi
 
 if has tests; then
   stage tests
-  PYT="python3 -m pytest -q -p no:cacheprovider -W ignore::RuntimeWarning"
-  timeout "${TESTS_TIMEOUT:-150}" $PYT tests/kernels/test_fused_moe.py -k "prefill or persistent or real_shape or fp32" \
+  # 4 processes on the one GPU when pytest-xdist is there (the image has it): most of the time compiles.
+  XDIST=(); python3 -c "import xdist" 2> /dev/null && XDIST=(-n 4)
+  PYT="python3 -m pytest -q -p no:cacheprovider -W ignore::RuntimeWarning ${XDIST[*]}"
+  timeout "${TESTS_TIMEOUT:-150}" $PYT tests/kernels/test_fused_moe.py -k "prefill or persistent or real_shape or fp32 or pdl" \
     > "$RUN/logs/tests_fused_moe.txt" 2>&1; R1=$?
   timeout 90 $PYT tests/kernels/test_flashinfer_cutlass.py tests/kernels/test_tile_configs.py \
     > "$RUN/logs/tests_fi_tiles.txt" 2>&1; R2=$?
@@ -103,11 +105,19 @@ fi
 
 if has bench; then
   stage bench
+  # The SM and memory clocks and the power through the benchmark: the ceilings' context (issue 34).
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 250 \
+    > "$RUN/logs/clocks.csv" 2>&1 &
+  SMI=$!
+  # Beside the three peers, the practical bounds of benchmarks/bounds.py in the same replays.
+  # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/bench_fused_moe.py --out-dir "$RUN/bench" --shapes "${SHAPES[@]}" \
-    --peers triton vllm_triton flashinfer_cutlass --no-gemms-alone --skip-eager --skip-alignment \
+    --peers triton vllm_triton flashinfer_cutlass --bounds ${BOUNDS:-grouped_mm_gemms weights_read} \
+    --no-gemms-alone --skip-eager --skip-alignment \
     --replays "${BENCH_REPLAYS:-10}" --repeats 3 --precompile-workers 12 --deadline-s "${BENCH_DEADLINE:-290}" \
     --prefill-targets 2> "$RUN/logs/bench_stderr.txt" > "$RUN/logs/bench_stdout.txt"
   echo "bench rc=$? (1: a target missed or a result wrong; 124: timed out)" | tee -a "$RUN/logs/stages.txt"
+  kill "$SMI" 2> /dev/null
   grep -E "WRONG|not timed|precompil|tuned .* in" "$RUN/logs/bench_stderr.txt" | cut -c1-300 | tail -20
   if [[ ! -s "$RUN/bench/prefill.md" && -s "$RUN/bench/rows.jsonl" ]]; then  # killed: tables from the saved rows
     python3 benchmarks/bench_fused_moe.py --out-dir "$RUN/bench" --report-only "$RUN/bench/rows.jsonl" \

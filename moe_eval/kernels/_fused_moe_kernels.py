@@ -289,7 +289,13 @@ def _gemm1_silu_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # a programmatic dependent of the launch before, GEMM2 one of this
 ):
+    if USE_PDL:
+        # GEMM2 may be put on the SMs now: it waits for this grid before reading h. This grid waits
+        # for the launch before it (which wrote x) before reading anything.
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     num_pid_n = tl.cdiv(F, BLOCK_N)
     pid_m, pid_n = _block_coords(num_pid_m, num_pid_n, group_m)
     # The grid is sized for the worst case (known on the host without a sync); blocks past the
@@ -454,7 +460,12 @@ def _gemm2_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched as GEMM1's programmatic dependent (the sum as this one's)
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        # Nothing below may read h before GEMM1 is done (its writes are visible after the wait).
+        tl.extra.cuda.gdc_wait()
     num_pid_n = tl.cdiv(D, BLOCK_N)
     pid_m, pid_n = _block_coords(num_pid_m, num_pid_n, group_m)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -710,7 +721,10 @@ def _moe_sum_kernel(
     TOP_K: tl.constexpr,
     HAS_EXPERT_MAP: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched as GEMM2's programmatic dependent: wait before reading y
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)  # int64: t * stride_ym * TOP_K can pass 2**31
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -755,60 +769,6 @@ def _slot_experts(
     return expert
 
 
-@triton.jit
-def _gemv1_item(
-    x_ptr, w13_ptr, h_ptr, topk_weights_ptr, topk_ids_ptr, expert_map_ptr,
-    slot,  # the slot this item computes
-    pid_f,  # its block of F rows
-    top_k, F, D, stride_xm, stride_we, stride_wn, stride_hm,
-    MUL_ROUTED_WEIGHT: tl.constexpr,
-    HAS_EXPERT_MAP: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    BLOCK_F: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """h[slot, F block] = silu(x W_gate^T) * (x W_up^T) of the slot's expert; nothing when the slot's
-    expert lives on another rank (GEMM2 skips the slot too)."""
-    expert = _slot_experts(topk_ids_ptr, expert_map_ptr, slot, slot >= 0, HAS_EXPERT_MAP)
-    if expert >= 0:
-        # int64: expert * stride_we passes 2**31 for Llama-4-Scout TP1 sized layers (see GEMM1 above).
-        expert64 = expert.to(tl.int64)
-        token = (slot // top_k).to(tl.int64)
-        offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
-        f_ok = offs_f < F
-        offs_d = tl.arange(0, BLOCK_D)
-        x_ptrs = x_ptr + token * stride_xm + offs_d
-        gate_ptrs = w13_ptr + expert64 * stride_we + offs_f[:, None].to(tl.int64) * stride_wn + offs_d[None, :]
-        up_ptrs = gate_ptrs + F * stride_wn
-        # fp32 sums per row: a tl.sum over each step's columns, the steps added in order.
-        acc_gate = tl.zeros((BLOCK_F,), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_F,), dtype=tl.float32)
-        for k in tl.range(0, tl.cdiv(D, BLOCK_D), num_stages=NUM_STAGES):
-            if EVEN_D:
-                x = tl.load(x_ptrs)
-                wg = tl.load(gate_ptrs, mask=f_ok[:, None], other=0.0)
-                wu = tl.load(up_ptrs, mask=f_ok[:, None], other=0.0)
-            else:
-                d_ok = offs_d < D - k * BLOCK_D
-                x = tl.load(x_ptrs, mask=d_ok, other=0.0)
-                wg = tl.load(gate_ptrs, mask=f_ok[:, None] & d_ok[None, :], other=0.0)
-                wu = tl.load(up_ptrs, mask=f_ok[:, None] & d_ok[None, :], other=0.0)
-            x_row = x.to(tl.float32)[None, :]
-            acc_gate += tl.sum(wg.to(tl.float32) * x_row, axis=1)
-            acc_up += tl.sum(wu.to(tl.float32) * x_row, axis=1)
-            x_ptrs += BLOCK_D
-            gate_ptrs += BLOCK_D
-            up_ptrs += BLOCK_D
-        if MUL_ROUTED_WEIGHT:
-            # As in the tl.dot GEMM1: scaling the fp32 products equals scaling x.
-            w = tl.load(topk_weights_ptr + slot).to(tl.float32)
-            acc_gate = acc_gate * w
-            acc_up = acc_up * w
-        h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
-        tl.store(h_ptr + slot.to(tl.int64) * stride_hm + offs_f, h.to(h_ptr.dtype.element_ty), mask=f_ok)
-
-
 @triton.jit(do_not_specialize=["top_k"])
 def _gemv1_silu_kernel(
     x_ptr,  # (T, D) activations, fp32 / fp16 / bf16
@@ -832,7 +792,7 @@ def _gemv1_silu_kernel(
     BLOCK_F: tl.constexpr,  # F rows of gate and of up per program
     BLOCK_D: tl.constexpr,  # D columns per step
 ):
-    """Program (F block, slot): one `_gemv1_item`.
+    """Program (F block, slot): h[slot, F block] = silu(x W_gate^T) * (x W_up^T) of the slot's expert.
 
     F blocks vary fastest in the grid, so consecutive programs read consecutive weight rows.
     """
@@ -840,9 +800,46 @@ def _gemv1_silu_kernel(
         # GEMM2 may start once every program here has started: what it does before its own
         # gdc_wait (load weights) reads nothing this kernel writes.
         tl.extra.cuda.gdc_launch_dependents()
-    _gemv1_item(x_ptr, w13_ptr, h_ptr, topk_weights_ptr, topk_ids_ptr, expert_map_ptr,
-                tl.program_id(1), tl.program_id(0), top_k, F, D, stride_xm, stride_we, stride_wn, stride_hm,
-                MUL_ROUTED_WEIGHT, HAS_EXPERT_MAP, EVEN_D, NUM_STAGES, BLOCK_F, BLOCK_D)  # fmt: skip
+    pid_f = tl.program_id(0)
+    slot = tl.program_id(1)
+    expert = _slot_experts(topk_ids_ptr, expert_map_ptr, slot, slot >= 0, HAS_EXPERT_MAP)
+    if expert < 0:  # the slot's expert lives on another rank: GEMM2 skips the slot too
+        return
+    # int64: expert * stride_we passes 2**31 for Llama-4-Scout TP1 sized layers (see GEMM1 above).
+    expert = expert.to(tl.int64)
+    token = (slot // top_k).to(tl.int64)
+    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    f_ok = offs_f < F
+    offs_d = tl.arange(0, BLOCK_D)
+    x_ptrs = x_ptr + token * stride_xm + offs_d
+    gate_ptrs = w13_ptr + expert * stride_we + offs_f[:, None].to(tl.int64) * stride_wn + offs_d[None, :]
+    up_ptrs = gate_ptrs + F * stride_wn
+    # fp32 sums per row: a tl.sum over each step's columns, the steps added in order.
+    acc_gate = tl.zeros((BLOCK_F,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_F,), dtype=tl.float32)
+    for k in tl.range(0, tl.cdiv(D, BLOCK_D), num_stages=NUM_STAGES):
+        if EVEN_D:
+            x = tl.load(x_ptrs)
+            wg = tl.load(gate_ptrs, mask=f_ok[:, None], other=0.0)
+            wu = tl.load(up_ptrs, mask=f_ok[:, None], other=0.0)
+        else:
+            d_ok = offs_d < D - k * BLOCK_D
+            x = tl.load(x_ptrs, mask=d_ok, other=0.0)
+            wg = tl.load(gate_ptrs, mask=f_ok[:, None] & d_ok[None, :], other=0.0)
+            wu = tl.load(up_ptrs, mask=f_ok[:, None] & d_ok[None, :], other=0.0)
+        x_row = x.to(tl.float32)[None, :]
+        acc_gate += tl.sum(wg.to(tl.float32) * x_row, axis=1)
+        acc_up += tl.sum(wu.to(tl.float32) * x_row, axis=1)
+        x_ptrs += BLOCK_D
+        gate_ptrs += BLOCK_D
+        up_ptrs += BLOCK_D
+    if MUL_ROUTED_WEIGHT:
+        # As in the tl.dot GEMM1: scaling the fp32 products equals scaling x.
+        w = tl.load(topk_weights_ptr + slot).to(tl.float32)
+        acc_gate = acc_gate * w
+        acc_up = acc_up * w
+    h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    tl.store(h_ptr + slot.to(tl.int64) * stride_hm + offs_f, h.to(h_ptr.dtype.element_ty), mask=f_ok)
 
 
 @triton.jit
@@ -870,103 +867,9 @@ def _load_h_step(
     EVEN_F: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
-    # .cg: from L2, never from this SM's L1: in the one-launch kernel other SMs wrote h moments ago.
     if EVEN_F:
-        return tl.load(h_ptrs, mask=h_ok, other=0.0, cache_modifier=".cg")
-    return tl.load(h_ptrs, mask=h_ok & (offs_f[None, None, :] < F - step * BLOCK_F), other=0.0,
-                   cache_modifier=".cg")  # fmt: skip
-
-
-@triton.jit
-def _grid_sync(sync_ptr, num_programs):
-    """Every program of the grid arrives here before any goes on (all must be resident at once: the
-    launcher sizes the grid to the SMs' room). sync_ptr[0] counts arrivals, sync_ptr[1] departures;
-    the last to leave sets both back to 0 for the next launch, so no memset precedes a call."""
-    tl.debug_barrier()  # this program's stores (h) are issued before it says it arrived
-    tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
-    while tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") < num_programs:
-        pass
-    tl.debug_barrier()
-    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
-        # Everyone has left the wait above: nobody reads the arrivals any more.
-        tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _gemv2_item(
-    h_ptr, w2_ptr, out_ptr, topk_weights_ptr, topk_ids_ptr, expert_map_ptr,
-    token,  # the token this item computes
-    pid_d,  # its block of D output rows
-    top_k, D, F, stride_hm, stride_we, stride_wn, stride_om,
-    sync_ptr,  # GRID_SYNC: the grid's barrier counters
-    num_programs,
-    sync_here,  # GRID_SYNC: this item is the program's first, where it meets the grid
-    MUL_ROUTED_WEIGHT: tl.constexpr,
-    HAS_EXPERT_MAP: tl.constexpr,
-    EVEN_F: tl.constexpr,
-    USE_PDL: tl.constexpr,  # wait for the grid this one depends on before reading h
-    GRID_SYNC: tl.constexpr,  # meet the rest of the grid (GEMM1 done) before reading h
-    NUM_STAGES: tl.constexpr,
-    K_PAD: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_F: tl.constexpr,
-):
-    """out[t, D block] = sum_k round(w_k * h_{t,k} @ w2[e_k][D block]^T), the slots in slot order.
-
-    All K slots of the token in one item, one [K_PAD, BLOCK_D, BLOCK_F] weight tile a step, so the
-    top-k sum needs no launch of its own and no atomics: the slots are added in slot order, each
-    rounded to the dtype first (as the separate sum kernel sees them), and the result is bitwise
-    repeatable.
-    """
-    offs_k = tl.arange(0, K_PAD)
-    k_ok = offs_k < top_k
-    slots = token * top_k + offs_k
-    expert = _slot_experts(topk_ids_ptr, expert_map_ptr, slots, k_ok, HAS_EXPERT_MAP)
-    live = expert >= 0  # slots past top_k and slots held on another rank add nothing
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_f = tl.arange(0, BLOCK_F)
-    # int64: expert * stride_we (see GEMM1); dead slots point at expert -1 and are masked.
-    w_ptrs = (
-        w2_ptr
-        + expert.to(tl.int64)[:, None, None] * stride_we
-        + offs_d.to(tl.int64)[None, :, None] * stride_wn
-        + offs_f[None, None, :]
-    )
-    w_ok = live[:, None, None] & (offs_d < D)[None, :, None]
-    h_ptrs = h_ptr + slots.to(tl.int64)[:, None, None] * stride_hm + offs_f[None, None, :]
-    h_ok = live[:, None, None]
-
-    # The first step by hand: its weights are loaded before the wait for GEMM1 (with PDL while
-    # GEMM1's last programs still run; in the one-launch kernel while the other programs still run
-    # GEMM1); only h has to wait. The loop below starts after the wait, so a pipelined prologue
-    # cannot hoist an h load above it.
-    w = _load_w2_step(w_ptrs, w_ok, offs_f, F, 0, EVEN_F, BLOCK_F)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    if GRID_SYNC:
-        if sync_here:
-            _grid_sync(sync_ptr, num_programs)
-    h = _load_h_step(h_ptrs, h_ok, offs_f, F, 0, EVEN_F, BLOCK_F)
-    acc = tl.sum(w.to(tl.float32) * h.to(tl.float32), axis=2)  # (K_PAD, BLOCK_D) fp32
-    for step in tl.range(1, tl.cdiv(F, BLOCK_F), num_stages=NUM_STAGES):
-        w_ptrs += BLOCK_F
-        h_ptrs += BLOCK_F
-        w = _load_w2_step(w_ptrs, w_ok, offs_f, F, step, EVEN_F, BLOCK_F)
-        h = _load_h_step(h_ptrs, h_ok, offs_f, F, step, EVEN_F, BLOCK_F)
-        acc += tl.sum(w.to(tl.float32) * h.to(tl.float32), axis=2)
-
-    if MUL_ROUTED_WEIGHT:
-        rw = tl.load(topk_weights_ptr + slots, mask=live, other=0.0).to(tl.float32)
-        acc = acc * rw[:, None]
-    # Each slot's output rounded to the dtype, then the slots added in fp32 in slot order (picking
-    # row k by a masked sum is exact: the other terms are zeros), then rounded once.
-    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-    out = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for k in tl.static_range(K_PAD):
-        out += tl.sum(tl.where(offs_k[:, None] == k, y, 0.0), axis=0)
-    out_ptrs = out_ptr + token.to(tl.int64) * stride_om + offs_d
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+        return tl.load(h_ptrs, mask=h_ok, other=0.0)
+    return tl.load(h_ptrs, mask=h_ok & (offs_f[None, None, :] < F - step * BLOCK_F), other=0.0)
 
 
 @triton.jit(do_not_specialize=["top_k"])
@@ -993,79 +896,58 @@ def _gemv2_sum_kernel(
     BLOCK_D: tl.constexpr,  # output rows per program
     BLOCK_F: tl.constexpr,  # F columns per step
 ):
-    """Program (D block, token): one `_gemv2_item`.
+    """Program (D block, token): out[t, D block] = sum_k round(w_k * h_{t,k} @ w2[e_k][D block]^T).
 
-    Parallelism comes from small D blocks (D / BLOCK_D programs a token), not from the slots:
-    Qwen3-30B-A3B at M = 1 with BLOCK_D 1 runs 2048 programs, each streaming its 8 rows of 768.
+    All K slots of the token in one program, one [K_PAD, BLOCK_D, BLOCK_F] weight tile a step, so
+    the top-k sum needs no launch of its own and no atomics: the slots are added in slot order,
+    each rounded to the dtype first (as the separate sum kernel sees them), and the result is
+    bitwise repeatable. Parallelism comes from small D blocks (D / BLOCK_D programs a token), not
+    from the slots: Qwen3-30B-A3B at M = 1 with BLOCK_D 1 runs 2048 programs, each streaming its
+    8 rows of 768.
     """
-    _gemv2_item(h_ptr, w2_ptr, out_ptr, topk_weights_ptr, topk_ids_ptr, expert_map_ptr,
-                tl.program_id(1), tl.program_id(0), top_k, D, F, stride_hm, stride_we, stride_wn, stride_om,
-                topk_ids_ptr, 1, False, MUL_ROUTED_WEIGHT, HAS_EXPERT_MAP, EVEN_F, USE_PDL, False, NUM_STAGES, K_PAD,
-                BLOCK_D, BLOCK_F)  # fmt: skip
+    pid_d = tl.program_id(0)
+    token = tl.program_id(1)
+    offs_k = tl.arange(0, K_PAD)
+    k_ok = offs_k < top_k
+    slots = token * top_k + offs_k
+    expert = _slot_experts(topk_ids_ptr, expert_map_ptr, slots, k_ok, HAS_EXPERT_MAP)
+    live = expert >= 0  # slots past top_k and slots held on another rank add nothing
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_f = tl.arange(0, BLOCK_F)
+    # int64: expert * stride_we (see GEMM1); dead slots point at expert -1 and are masked.
+    w_ptrs = (
+        w2_ptr
+        + expert.to(tl.int64)[:, None, None] * stride_we
+        + offs_d.to(tl.int64)[None, :, None] * stride_wn
+        + offs_f[None, None, :]
+    )
+    w_ok = live[:, None, None] & (offs_d < D)[None, :, None]
+    h_ptrs = h_ptr + slots.to(tl.int64)[:, None, None] * stride_hm + offs_f[None, None, :]
+    h_ok = live[:, None, None]
 
+    # The first step by hand: its weights are loaded before the wait for GEMM1 (with PDL, while
+    # GEMM1's last programs still run); only h has to wait. The loop below starts after the wait,
+    # so a pipelined prologue cannot hoist an h load above it.
+    w = _load_w2_step(w_ptrs, w_ok, offs_f, F, 0, EVEN_F, BLOCK_F)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    h = _load_h_step(h_ptrs, h_ok, offs_f, F, 0, EVEN_F, BLOCK_F)
+    acc = tl.sum(w.to(tl.float32) * h.to(tl.float32), axis=2)  # (K_PAD, BLOCK_D) fp32
+    for step in tl.range(1, tl.cdiv(F, BLOCK_F), num_stages=NUM_STAGES):
+        w_ptrs += BLOCK_F
+        h_ptrs += BLOCK_F
+        w = _load_w2_step(w_ptrs, w_ok, offs_f, F, step, EVEN_F, BLOCK_F)
+        h = _load_h_step(h_ptrs, h_ok, offs_f, F, step, EVEN_F, BLOCK_F)
+        acc += tl.sum(w.to(tl.float32) * h.to(tl.float32), axis=2)
 
-@triton.jit(do_not_specialize=["num_tokens", "top_k"])
-def _gemv_one_launch_kernel(
-    x_ptr,  # (T, D) activations
-    w13_ptr,  # (e, 2F, D)
-    h_ptr,  # (T*K, F) scratch between the phases, row = slot
-    w2_ptr,  # (e, D, F)
-    out_ptr,  # (T, D) out
-    topk_weights_ptr,  # (T*K,)
-    topk_ids_ptr,  # (T*K,) int32 global expert ids
-    expert_map_ptr,  # (E,) int32, or a dummy when HAS_EXPERT_MAP is False
-    sync_ptr,  # (2,) int32, zero between launches (PHASE 0 only; the kernel leaves it zero)
-    num_tokens,
-    top_k,
-    F,
-    D,
-    stride_xm,
-    stride_w13e,
-    stride_w13n,
-    stride_hm,
-    stride_w2e,
-    stride_w2n,
-    stride_om,
-    WEIGHT_ON_INPUT: tl.constexpr,  # apply_router_weight_on_input: GEMM1 scales, GEMM2 does not
-    HAS_EXPERT_MAP: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    EVEN_F: tl.constexpr,
-    PHASE: tl.constexpr,  # 0: both GEMVs with a grid barrier between; 1: GEMM1 only; 2: GEMM2 only
-    K_PAD: tl.constexpr,
-    STAGES1: tl.constexpr,
-    BLOCK_F1: tl.constexpr,
-    BLOCK_D1: tl.constexpr,
-    STAGES2: tl.constexpr,
-    BLOCK_D2: tl.constexpr,
-    BLOCK_F2: tl.constexpr,
-):
-    """Both decode GEMVs in one launch: a grid of as many programs as the SMs hold at once walks
-    GEMM1's items (slot, F block), meets at a grid barrier, then walks GEMM2's (token, D block).
-
-    One launch instead of two: no second launch's start-up, and a program whose GEMM1 items are done
-    loads its first GEMM2 weights before the barrier, so W2 streams while the last GEMM1 items run.
-    The barrier needs every program resident at once (a program waiting there would otherwise hold
-    an SM a later program needs: a hang); the launcher sizes the grid from the compiled kernel's
-    registers and shared memory. PHASE 1 then 2 runs the same items as two launches (the
-    interpreter, which runs programs one after another, cannot wait at a barrier).
-    """
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    if PHASE != 2:
-        blocks_f = tl.cdiv(F, BLOCK_F1)
-        for item in range(pid, num_tokens * top_k * blocks_f, num_programs):
-            _gemv1_item(x_ptr, w13_ptr, h_ptr, topk_weights_ptr, topk_ids_ptr, expert_map_ptr,
-                        item // blocks_f, item % blocks_f, top_k, F, D, stride_xm, stride_w13e, stride_w13n,
-                        stride_hm, WEIGHT_ON_INPUT, HAS_EXPERT_MAP, EVEN_D, STAGES1, BLOCK_F1, BLOCK_D1)  # fmt: skip
-    if PHASE != 1:
-        blocks_d = tl.cdiv(D, BLOCK_D2)
-        num_items = num_tokens * blocks_d
-        if PHASE == 0:
-            if pid >= num_items:  # no GEMM2 item here: arrive and leave
-                _grid_sync(sync_ptr, num_programs)
-        for item in range(pid, num_items, num_programs):
-            # The barrier sits in the first item, after its first weight step is loaded.
-            _gemv2_item(h_ptr, w2_ptr, out_ptr, topk_weights_ptr, topk_ids_ptr, expert_map_ptr,
-                        item // blocks_d, item % blocks_d, top_k, D, F, stride_hm, stride_w2e, stride_w2n,
-                        stride_om, sync_ptr, num_programs, item == pid, not WEIGHT_ON_INPUT, HAS_EXPERT_MAP,
-                        EVEN_F, False, PHASE == 0, STAGES2, K_PAD, BLOCK_D2, BLOCK_F2)  # fmt: skip
+    if MUL_ROUTED_WEIGHT:
+        rw = tl.load(topk_weights_ptr + slots, mask=live, other=0.0).to(tl.float32)
+        acc = acc * rw[:, None]
+    # Each slot's output rounded to the dtype, then the slots added in fp32 in slot order (picking
+    # row k by a masked sum is exact: the other terms are zeros), then rounded once.
+    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+    out = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(K_PAD):
+        out += tl.sum(tl.where(offs_k[:, None] == k, y, 0.0), axis=0)
+    out_ptrs = out_ptr + token.to(tl.int64) * stride_om + offs_d
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)

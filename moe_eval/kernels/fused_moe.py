@@ -286,6 +286,11 @@ class LaunchPlan:
         return self.config.gemv if self.align is not None and self.align.naive else None
 
     @property
+    def pdl(self) -> bool:
+        """GEMM2 and the sum launched as programmatic dependents (naive tl.dot plans that ask for it)."""
+        return self.align is not None and self.align.naive and self.config.pdl
+
+    @property
     def fold_k(self) -> bool:
         """GEMM2 sums each token's K slots itself (naive plans whose config asks for it; GEMV plans too)."""
         naive = self.align is not None and self.align.naive
@@ -445,11 +450,6 @@ def launch_experts(
     or GEMM2 folded it in). The alignment is already done: `align` (from `assign_slots`)."""
     config = plan.config
     K = topk_ids_TK.shape[1]
-    if plan.gemv is not None and plan.gemv.one_launch:
-        # One launch: GEMM2 writes every token's row (zeros where no slot is local).
-        launch_gemv_one(hidden_TD, w13_eFD, w2_eDF, h_PF, out_TD, topk_weights_TK, align, plan.gemv,
-                        apply_router_weight_on_input)  # fmt: skip
-        return
     if plan.gemv is not None:
         # Two launches and nothing else: GEMM2 writes every token's row (zeros where no slot is local).
         use_pdl = plan.gemv.pdl and pdl_available(hidden_TD.device)
@@ -462,6 +462,7 @@ def launch_experts(
         # K == 1 writes the output directly, and tokens whose expert lives on another rank must
         # read as zero because GEMM2 never visits them (a folded GEMM2 writes every token).
         out_TD.zero_()
+    use_pdl = plan.pdl and pdl_available(hidden_TD.device)
     launch_gemm1(
         hidden_TD,
         w13_eFD,
@@ -472,11 +473,12 @@ def launch_experts(
         config.gemm1,
         apply_router_weight_on_input,
         precision,
+        use_pdl=use_pdl,
     )
     launch_gemm2(h_PF, w2_eDF, y_SD, topk_weights_TK, align, config.gemm2, not apply_router_weight_on_input,
-                 precision, fold_k=plan.fold_k)  # fmt: skip
+                 precision, fold_k=plan.fold_k, use_pdl=use_pdl)  # fmt: skip
     if with_sum and y_SD is not out_TD:
-        launch_sum(y_SD, out_TD, topk_ids_TK, expert_map_E)
+        launch_sum(y_SD, out_TD, topk_ids_TK, expert_map_E, use_pdl=use_pdl)
 
 
 def _naive_args(align: MoeAlignment) -> tuple:
@@ -499,7 +501,10 @@ def launch_gemm1(
     tile: GemmTile,
     mul_routed_weight: bool,
     precision: str = "tf32",
+    use_pdl: bool = False,
 ) -> None:
+    """use_pdl (naive plans): launched as the previous launch's programmatic dependent (it waits for it
+    before reading x), and GEMM2 after it as its own."""
     D = hidden_TD.shape[1]
     F = h_PF.shape[1]
     if tile.persistent:
@@ -513,8 +518,8 @@ def launch_gemm1(
         hidden_TD.stride(0), w13_eFD.stride(0), w13_eFD.stride(1), h_PF.stride(0),
         MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=D % tile.block_k == 0, NAIVE=align.naive,
         HAS_EXPERT_MAP=align.expert_map_E is not None, INTERLEAVE=tile.interleave, DOT_PRECISION=precision,
-        BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_PDL=use_pdl,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
 
 
@@ -528,10 +533,14 @@ def launch_gemm2(
     mul_routed_weight: bool,
     precision: str = "tf32",
     fold_k: bool = False,
+    use_pdl: bool = False,
 ) -> None:
+    """use_pdl: launched as GEMM1's programmatic dependent (the launch just before this one must be
+    GEMM1's, with use_pdl too), and the sum after it as this one's."""
     D = y_SD.shape[1]
     F = h_PF.shape[1]
     assert not fold_k or align.naive, "the sum over K folds into GEMM2 on naive plans only"
+    assert not use_pdl or not (tile.persistent or tile.tma), "pdl: naive plans (neither persistent nor tma)"
     if tile.persistent:
         _launch_gemm2_persistent(
             h_PF, w2_eDF, y_SD, topk_weights_TK, align, tile, mul_routed_weight, precision
@@ -548,8 +557,8 @@ def launch_gemm2(
         h_PF.stride(0), w2_eDF.stride(0), w2_eDF.stride(1), y_SD.stride(0),
         MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=F % tile.block_k == 0, NAIVE=align.naive,
         HAS_EXPERT_MAP=align.expert_map_E is not None, FOLD_K=fold_k, DOT_PRECISION=precision,
-        BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_PDL=use_pdl,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
 
 
@@ -633,106 +642,6 @@ def launch_gemv2(
         BLOCK_D=tile.block_n, BLOCK_F=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
         **launch_options,
     )  # fmt: skip
-
-
-# The one-launch decode path (`GemvTiles.one_launch`): both GEMVs in one grid with a barrier between.
-
-# Per (device, stream): the barrier's two counters. The kernel leaves them zero, so each launch finds
-# them so; a stream of its own keeps two kernels that might run at once (other streams) from sharing
-# them. Made on first use, before any capture in practice (warm-up); one made during a capture
-# belongs to that graph, which zeroes it when replayed.
-_grid_sync_counters: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _sync_counters(device: torch.device) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device)
-    key = (stream.device_index, stream.cuda_stream)
-    if key not in _grid_sync_counters:
-        _grid_sync_counters[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    return _grid_sync_counters[key]
-
-
-# Resources of one SM of sm_80 / sm_90 (the barrier kernel's only targets: it needs every program
-# resident, so the grid is sized from these and the compiled kernel's own use).
-_SM_REGISTERS = 65536
-_SM_WARPS = 64
-_SM_PROGRAMS = 32
-_SM_SHARED = 233472  # 228 KiB; each program also takes 1 KiB the driver reserves
-_REGISTER_GRANULE = 256  # registers are given to a warp in blocks of 256
-
-
-def resident_programs_per_sm(num_regs: int, num_warps: int, shared_bytes: int) -> int:
-    """How many programs of a compiled kernel one SM holds at once (the CUDA occupancy rules)."""
-    regs_per_warp = -(-max(num_regs, 1) * 32 // _REGISTER_GRANULE) * _REGISTER_GRANULE
-    by_registers = (_SM_REGISTERS // regs_per_warp) // num_warps
-    by_shared = _SM_SHARED // (shared_bytes + 1024) if shared_bytes else _SM_PROGRAMS
-    return max(0, min(by_registers, _SM_WARPS // num_warps, by_shared, _SM_PROGRAMS))
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-# (compiled kernel's cache key) -> programs the grid may have; filled at a plan's first call.
-_one_launch_grid: dict[tuple, int] = {}
-
-
-def launch_gemv_one(
-    hidden_TD: torch.Tensor,
-    w13_eFD: torch.Tensor,
-    w2_eDF: torch.Tensor,
-    h_SF: torch.Tensor,
-    out_TD: torch.Tensor,
-    topk_weights_TK: torch.Tensor,
-    align: MoeAlignment,
-    tiles: GemvTiles,
-    weight_on_input: bool,
-) -> None:
-    """Both decode GEMVs in one launch (`_gemv_one_launch_kernel`); on the interpreter, or a device
-    without the grid barrier's guarantees, the same items as two launches (PHASE 1, then 2)."""
-    assert align.naive, "the GEMVs run naive plans only (one h row per slot)"
-    T, D = out_TD.shape
-    F = h_SF.shape[1]
-    K = align.top_k
-    assert align.num_slots == T * K, "out: one row per token"
-    g1, g2 = tiles.gemm1, tiles.gemm2
-    args = (
-        hidden_TD, w13_eFD, h_SF, w2_eDF, out_TD, topk_weights_TK, align.topk_ids_S, _expert_map_arg(align),
-    )  # fmt: skip
-    ints = (T, K, F, D, hidden_TD.stride(0), w13_eFD.stride(0), w13_eFD.stride(1), h_SF.stride(0),
-            w2_eDF.stride(0), w2_eDF.stride(1), out_TD.stride(0))  # fmt: skip
-    consts = dict(
-        WEIGHT_ON_INPUT=weight_on_input, HAS_EXPERT_MAP=align.expert_map_E is not None,
-        EVEN_D=D % g1.block_k == 0, EVEN_F=F % g2.block_k == 0, K_PAD=_next_pow2(K),
-        STAGES1=g1.num_stages, BLOCK_F1=g1.block_n, BLOCK_D1=g1.block_k,
-        STAGES2=g2.num_stages, BLOCK_D2=g2.block_n, BLOCK_F2=g2.block_k,
-        num_warps=max(g1.num_warps, g2.num_warps),
-    )  # fmt: skip
-    items = max(T * K * triton.cdiv(F, g1.block_n), T * triton.cdiv(D, g2.block_n))
-    kernel = kernels._gemv_one_launch_kernel
-    if hidden_TD.device.type != "cuda" or _interpreting():
-        # Programs run one after another here: a barrier would wait forever. A few programs, so the
-        # items' strided loops are exercised as on the GPU.
-        grid = (min(items, 3),)
-        kernel[grid](*args, args[0], *ints, PHASE=1, **consts)
-        kernel[grid](*args, args[0], *ints, PHASE=2, **consts)
-        return
-    counters = _sync_counters(hidden_TD.device)
-    key = (hidden_TD.device.index, hidden_TD.dtype, tuple(sorted((k, v) for k, v in consts.items())))
-    if key not in _one_launch_grid:
-        # The grid's size from the compiled kernel (compiled here, not launched: a grid too large
-        # to be resident at once would hang at the barrier).
-        compiled = kernel.warmup(*args, counters, *ints, PHASE=0, grid=(1,), **consts)
-        compiled._init_handles()
-        # No register count reported: assume the most a thread can have (255).
-        num_regs = getattr(compiled, "n_regs", None) or 255
-        per_sm = resident_programs_per_sm(num_regs, consts["num_warps"], compiled.metadata.shared)
-        if per_sm < 1:
-            raise RuntimeError(f"one-launch GEMV {tiles}: no program fits an SM ({compiled.n_regs} registers)")
-        _one_launch_grid[key] = per_sm * _sm_count(hidden_TD.device.index)
-    grid = (min(items, _one_launch_grid[key]),)
-    kernel[grid](*args, counters, *ints, PHASE=0, **consts)
 
 
 def _gemm2_descriptors(
@@ -869,13 +778,19 @@ def _launch_gemm2_persistent(
 
 
 def launch_sum(
-    y_SD: torch.Tensor, out_TD: torch.Tensor, topk_ids_TK: torch.Tensor, expert_map_E: torch.Tensor | None
+    y_SD: torch.Tensor,
+    out_TD: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    expert_map_E: torch.Tensor | None,
+    use_pdl: bool = False,
 ) -> None:
+    """use_pdl: launched as GEMM2's programmatic dependent (GEMM2 launched with use_pdl just before)."""
     T, K = topk_ids_TK.shape
     D = out_TD.shape[1]
     block_d = min(1024, _next_pow2(D))
     kernels._moe_sum_kernel[(T, triton.cdiv(D, block_d))](
         y_SD, out_TD, topk_ids_TK, expert_map_E if expert_map_E is not None else topk_ids_TK,
         D, y_SD.stride(0), out_TD.stride(0),
-        TOP_K=K, HAS_EXPERT_MAP=expert_map_E is not None, BLOCK_D=block_d, num_warps=4,
+        TOP_K=K, HAS_EXPERT_MAP=expert_map_E is not None, BLOCK_D=block_d, USE_PDL=use_pdl, num_warps=4,
+        **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip

@@ -106,16 +106,11 @@ class GemvTiles:
     option): its programs start while GEMM1's last ones run and load their first weight step before
     they wait for h. Where the device or Triton lacks it (the interpreter) the same kernels run
     without it.
-    one_launch: both GEMVs in one launch (`_gemv_one_launch_kernel`): a grid the SMs hold at once walks
-    GEMM1's items, meets at a grid barrier, then walks GEMM2's, so a call is one kernel and GEMM2's
-    first weights stream before the barrier. Excludes pdl (there is no second launch to overlap).
-    Under the interpreter the same items run as two launches.
     """
 
     gemm1: GemmTile
     gemm2: GemmTile
     pdl: bool = False
-    one_launch: bool = False
 
     def __post_init__(self) -> None:
         for name, tile in (("gemm1", self.gemm1), ("gemm2", self.gemm2)):
@@ -123,27 +118,20 @@ class GemvTiles:
                 raise ValueError(f"gemv.{name}: group_m and {GemmTile.FLAGS} mean nothing to a GEMV ({tile})")
             if not (_power_of_two(tile.block_n) and _power_of_two(tile.block_k)):
                 raise ValueError(f"gemv.{name}: block sizes must be powers of two (tl.arange), got {tile}")
-        if self.pdl and self.one_launch:
-            raise ValueError("gemv: pdl and one_launch exclude each other (one launch has no dependent to start)")
 
     def to_json(self) -> dict:
-        body = {"gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2), "pdl": self.pdl}
-        if self.one_launch:  # only when set: files written before it stay byte for byte
-            body["one_launch"] = True
-        return body
+        return {"gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2), "pdl": self.pdl}
 
     @classmethod
     def from_json(cls, data: dict) -> GemvTiles:
-        _check_keys(data, {"gemm1", "gemm2", "pdl", "one_launch"}, "GemvTiles")
+        _check_keys(data, {"gemm1", "gemm2", "pdl"}, "GemvTiles")
         missing = {"gemm1", "gemm2"} - set(data)
         if missing:
             raise ValueError(f"GemvTiles: missing keys {sorted(missing)}")
-        flags = {}
-        for flag in ("pdl", "one_launch"):
-            flags[flag] = data.get(flag, False)
-            if not isinstance(flags[flag], bool):
-                raise ValueError(f"GemvTiles: {flag} must be true or false, got {flags[flag]!r}")
-        return cls(GemmTile.from_json(data["gemm1"]), GemmTile.from_json(data["gemm2"]), **flags)
+        pdl = data.get("pdl", False)
+        if not isinstance(pdl, bool):
+            raise ValueError(f"GemvTiles: pdl must be true or false, got {pdl!r}")
+        return cls(GemmTile.from_json(data["gemm1"]), GemmTile.from_json(data["gemm2"]), pdl)
 
 
 @dataclass(frozen=True)
@@ -156,6 +144,10 @@ class MoeTileConfig:
     gemv (needs naive): on those calls both GEMMs run as GEMVs instead (`GemvTiles`; GEMM2 always
     sums the K slots itself, so fold_k stays False); the calls that do not qualify run the aligned
     GEMMs with gemm1 / gemm2 as before.
+    pdl (needs naive, not gemv, which has its own): on naive calls GEMM1, GEMM2 and the sum are launched
+    as programmatic dependents (sm_90+), each of the launch before it: each is put on the SMs while that
+    launch finishes and waits for it (griddepcontrol.wait) before reading anything. The same kernels,
+    the same bits; a decode call's launch gaps go. Where the device or Triton lacks it they run without.
     """
 
     block_m: int
@@ -164,11 +156,16 @@ class MoeTileConfig:
     naive: bool = False
     fold_k: bool = False
     gemv: GemvTiles | None = None
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         # A field the code would ignore is an error (house style).
         if self.gemv is not None and not self.naive:
             raise ValueError("gemv needs naive: the GEMVs run on the calls that skip the alignment")
+        if self.pdl and not self.naive:
+            raise ValueError("pdl needs naive: the dependent launches are the naive calls' GEMM2 and sum")
+        if self.pdl and self.gemv is not None:
+            raise ValueError("pdl is the tl.dot naive calls'; a gemv config says it in gemv.pdl")
         if self.gemv is not None and self.fold_k:
             raise ValueError(
                 "gemv always sums over K in its GEMM2; fold_k (the tl.dot GEMM2's) would be ignored"
@@ -199,11 +196,16 @@ class MoeTileConfig:
                 "naive": self.naive, "fold_k": self.fold_k}  # fmt: skip
         if self.gemv is not None:  # only when set: files written before it stay byte for byte
             body["gemv"] = self.gemv.to_json()
+        if self.pdl:  # the same
+            body["pdl"] = True
         return body
 
     @classmethod
     def from_json(cls, data: dict) -> MoeTileConfig:
-        _check_keys(data, {"block_m", "gemm1", "gemm2", "naive", "fold_k", "gemv"}, "MoeTileConfig")
+        _check_keys(data, {"block_m", "gemm1", "gemm2", "naive", "fold_k", "gemv", "pdl"}, "MoeTileConfig")
+        pdl = data.get("pdl", False)
+        if not isinstance(pdl, bool):
+            raise ValueError(f"MoeTileConfig: pdl must be true or false, got {pdl!r}")
         return cls(
             block_m=int(data["block_m"]),
             gemm1=GemmTile.from_json(data["gemm1"]),
@@ -212,6 +214,7 @@ class MoeTileConfig:
             fold_k=bool(data.get("fold_k", False)),
             # Absent or null: no GEMV; anything else must be whole GemvTiles ({} is an error, not "off").
             gemv=GemvTiles.from_json(data["gemv"]) if data.get("gemv") is not None else None,
+            pdl=pdl,
         )
 
 
@@ -300,7 +303,7 @@ def nearest_m(available: list[int], num_tokens: int) -> int:
 GEMV_ELEMENTS_PER_THREAD = 64
 
 
-def default_gemv_tiles(F: int, D: int, top_k: int, pdl: bool = False, one_launch: bool = False) -> GemvTiles:
+def default_gemv_tiles(F: int, D: int, top_k: int, pdl: bool = False) -> GemvTiles:
     """A starting point for the decode GEMVs of one shape (the probe sweeps around it; nothing ships it).
 
     4 warps; each step loads GEMV_ELEMENTS_PER_THREAD weights a thread: GEMM1 2 x block_n rows of
@@ -315,7 +318,7 @@ def default_gemv_tiles(F: int, D: int, top_k: int, pdl: bool = False, one_launch
     slots = 1 << max(top_k - 1, 0).bit_length()
     gemm1 = GemmTile(max(1, per_step // (2 * k1)), k1, num_warps=4, num_stages=1)
     gemm2 = GemmTile(max(1, per_step // (slots * k2)), k2, num_warps=4, num_stages=1)
-    return GemvTiles(gemm1, gemm2, pdl=pdl, one_launch=one_launch)
+    return GemvTiles(gemm1, gemm2, pdl=pdl)
 
 
 def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoeTileConfig:

@@ -115,23 +115,17 @@ GEMV_PIPELINED = MoeTileConfig(
     naive=True,
     gemv=GemvTiles(GemmTile(4, 32, num_warps=2, num_stages=2), GemmTile(1, 32, num_stages=3), pdl=True),
 )
-# Both GEMVs in one launch (a grid barrier between them on a GPU; two launches of the same items on the
-# interpreter), 8-row GEMM2 items so a program walks several.
-GEMV_ONE_LAUNCH = MoeTileConfig(
-    block_m=16,
-    gemm1=GemmTile(block_n=32, block_k=32),
-    gemm2=GemmTile(block_n=32, block_k=32),
-    naive=True,
-    gemv=GemvTiles(GemmTile(4, 16, num_stages=1), GemmTile(8, 32, num_stages=2), one_launch=True),
-)
+# The tl.dot naive chain with GEMM2 and the sum as programmatic dependents (on a GPU with PDL; the
+# interpreter runs the same kernels without it).
+NAIVE_PDL = dataclasses.replace(NAIVE, pdl=True)
 NAIVE_CONFIGS = [
     pytest.param(NAIVE_FOLD, id="naive-fold"),
     pytest.param(NAIVE, id="naive-interleaved"),
+    pytest.param(NAIVE_PDL, id="naive-interleaved-pdl"),
+    pytest.param(dataclasses.replace(NAIVE_FOLD, pdl=True), id="naive-fold-pdl"),
     pytest.param(GEMV, id="naive-gemv"),
     pytest.param(GEMV_PIPELINED, id="naive-gemv-pipelined-pdl"),
-    pytest.param(GEMV_ONE_LAUNCH, id="naive-gemv-one-launch"),
 ]
-GEMV_CONFIGS = [pytest.param(GEMV, id="two-launches"), pytest.param(GEMV_ONE_LAUNCH, id="one-launch")]
 
 
 def test_triton_can_run_here():
@@ -362,41 +356,18 @@ GEMV_CASES = [
 ]
 
 
-@pytest.mark.parametrize("config", GEMV_CONFIGS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("T", "E", "K", "D", "F", "local", "on_input"), GEMV_CASES)
-def test_gemv_agrees_with_the_tl_dot_naive_plan(T, E, K, D, F, local, on_input, dtype, config, device):
+def test_gemv_agrees_with_the_tl_dot_naive_plan(T, E, K, D, F, local, on_input, dtype, device):
     # Same rounding points as the tl.dot naive plan with its separate sum: only fp32 summation order differs.
     case = make_case(T, E, K, D, F, dtype=dtype, device=device, seed=180 + T + K, local_experts=local,
                      apply_router_weight_on_input=on_input)  # fmt: skip
     e = E if local is None else len(local)
-    assert fused_moe_module.launch_plan(T, e, F, D, K, "test", config).gemv is not None, "must run the GEMVs"
-    _check(case, config)
-    gemv = fused_moe(*case.args(), **case.kwargs(), config=config)
+    assert fused_moe_module.launch_plan(T, e, F, D, K, "test", GEMV).gemv is not None, "must run the GEMVs"
+    _check(case, GEMV)
+    gemv = fused_moe(*case.args(), **case.kwargs(), config=GEMV)
     tl_dot = fused_moe(*case.args(), **case.kwargs(), config=NAIVE)
     assert rel_err(gemv, tl_dot) <= AGREEMENT[dtype]
-
-
-def test_one_launch_computes_the_two_launches_bits(device):
-    # The same items in one grid: the barrier changes when GEMM2 starts, never what it computes. Tiles
-    # made equal so only the launch differs.
-    tiles = GEMV_ONE_LAUNCH.gemv
-    two = dataclasses.replace(GEMV_ONE_LAUNCH, gemv=dataclasses.replace(tiles, one_launch=False))
-    for T, local in ((1, None), (3, [0, 5, 2, 7])):
-        case = make_case(T, 8, 3, 96, 80, dtype=DTYPES[0], device=device, seed=210 + T, local_experts=local)
-        one_out = fused_moe(*case.args(), **case.kwargs(), config=GEMV_ONE_LAUNCH)
-        assert torch.equal(one_out, fused_moe(*case.args(), **case.kwargs(), config=two))
-
-
-def test_resident_programs_per_sm_follows_the_occupancy_rules():
-    per_sm = fused_moe_module.resident_programs_per_sm
-    assert per_sm(32, 4, 0) == 16  # 64 warps an SM
-    assert per_sm(32, 1, 0) == 32  # 32 programs an SM
-    assert per_sm(128, 4, 0) == 4  # 65536 / (128 * 32) = 16 warps
-    assert per_sm(130, 4, 0) == 3  # 130 * 32 rounds up to 4352 registers a warp: 15 warps
-    assert per_sm(255, 8, 0) == 1  # 255 * 32 rounds up to 8192 a warp: 8 warps, one program of 8
-    assert per_sm(255, 4, 0) == 2
-    assert per_sm(32, 4, 100 * 1024) == 2  # shared memory: 2 x (100 KiB + 1 KiB) of 228 KiB
 
 
 @pytest.mark.parametrize(("T", "E", "K", "D", "F", "local", "on_input"), GEMV_CASES)
@@ -408,7 +379,6 @@ def test_gemv_rounds_where_the_incumbent_does(T, E, K, D, F, local, on_input, de
                      apply_router_weight_on_input=on_input)  # fmt: skip
     incumbent = _incumbent(case)
     assert rel_err(fused_moe(*case.args(), **case.kwargs(), config=GEMV), incumbent) <= AGREEMENT[dtype]
-    assert rel_err(fused_moe(*case.args(), **case.kwargs(), config=GEMV_ONE_LAUNCH), incumbent) <= AGREEMENT[dtype]
     if K > 1 and local is None and not HAS_GPU:
         # The line can see a missing rounding: the tl.dot fold_k GEMM2 sums the K slots unrounded (with a
         # map a token may have one local slot, where that rounding does not show).
@@ -425,6 +395,33 @@ def test_gemv_config_outside_naive_calls_runs_the_aligned_gemms(dtype, device):
     _check(make_case(20, 8, 2, 32, 32, dtype=dtype, device=device, seed=200), GEMV)
 
 
+def test_pdl_config_rules():
+    tile = GemmTile(32, 32)
+    with pytest.raises(ValueError, match="pdl needs naive"):
+        MoeTileConfig(16, tile, tile, pdl=True)
+    with pytest.raises(ValueError, match="a gemv config says it in gemv.pdl"):
+        dataclasses.replace(GEMV, pdl=True)
+    # JSON: round-trips; a config without it writes no "pdl" key (the shipped files stay as they were).
+    assert MoeTileConfig.from_json(NAIVE_PDL.to_json()) == NAIVE_PDL
+    assert "pdl" not in NAIVE.to_json()
+    with pytest.raises(ValueError, match="pdl must be true or false"):
+        MoeTileConfig.from_json(NAIVE.to_json() | {"pdl": "yes"})
+    # The plan carries it on naive calls only (aligned calls of the same config launch plainly).
+    assert fused_moe_module.launch_plan(1, 8, 32, 32, 2, "test", NAIVE_PDL).pdl
+    assert not fused_moe_module.launch_plan(20, 8, 32, 32, 2, "test", NAIVE_PDL).pdl
+
+
+def test_pdl_computes_the_same_bits(device):
+    # PDL changes when GEMM2 and the sum start, never what they compute (with and without a sum launch,
+    # with an expert map).
+    for config in (NAIVE, NAIVE_FOLD):
+        for T, local in ((1, None), (2, [0, 5, 2, 7])):
+            case = make_case(T, 8, 3, 96, 80, dtype=DTYPES[0], device=device, seed=220 + T, local_experts=local)
+            plain = fused_moe(*case.args(), **case.kwargs(), config=config)
+            with_pdl = fused_moe(*case.args(), **case.kwargs(), config=dataclasses.replace(config, pdl=True))
+            assert torch.equal(plain, with_pdl)
+
+
 def test_gemv_config_rules():
     tile = GemmTile(32, 32)
     gemv = GemvTiles(GemmTile(4, 64, num_stages=1), GemmTile(2, 64, num_stages=1))
@@ -438,12 +435,6 @@ def test_gemv_config_rules():
         GemvTiles(gemv.gemm1, GemmTile(4, 64, group_m=8))
     with pytest.raises(ValueError, match="powers of two"):
         GemvTiles(GemmTile(3, 64), gemv.gemm2)
-    with pytest.raises(ValueError, match="pdl and one_launch exclude each other"):
-        GemvTiles(gemv.gemm1, gemv.gemm2, pdl=True, one_launch=True)
-    one = dataclasses.replace(gemv, one_launch=True)
-    assert GemvTiles.from_json(one.to_json()) == one and "one_launch" not in gemv.to_json()
-    with pytest.raises(ValueError, match="one_launch must be true or false"):
-        GemvTiles.from_json(one.to_json() | {"one_launch": 1})
     # JSON: the field round-trips; a config without it writes no "gemv" key (files stay as they were).
     config = MoeTileConfig(16, tile, tile, naive=True, gemv=dataclasses.replace(gemv, pdl=True))
     assert MoeTileConfig.from_json(json.loads(json.dumps(config.to_json()))) == config
@@ -498,8 +489,8 @@ def test_config_fields_the_code_would_ignore_are_errors():
 
 @pytest.mark.parametrize(
     "config",
-    [SWIZZLED, INTERLEAVED, NAIVE_FOLD, GEMV, GEMV_PIPELINED, GEMV_ONE_LAUNCH],
-    ids=["aligned", "interleaved", "naive-fold", "naive-gemv", "naive-gemv-pipelined-pdl", "naive-gemv-one-launch"],
+    [SWIZZLED, INTERLEAVED, NAIVE_FOLD, GEMV, GEMV_PIPELINED],
+    ids=["aligned", "interleaved", "naive-fold", "naive-gemv", "naive-gemv-pipelined-pdl"],
 )
 def test_bitwise_repeatable(config, device, monkeypatch):
     # No atomics touch the values: the alignment's atomics only order slots inside an expert, and each
@@ -646,7 +637,6 @@ FP32_CONFIGS = [
     pytest.param(INTERLEAVED, id="interleaved"),
     pytest.param(NAIVE_FOLD, id="naive-fold"),
     pytest.param(GEMV_PIPELINED, id="naive-gemv-pipelined-pdl"),  # IEEE with no tl.dot at all
-    pytest.param(GEMV_ONE_LAUNCH, id="naive-gemv-one-launch"),
 ]
 
 
@@ -793,6 +783,45 @@ def test_real_shape_prefill_path_forced(shape, M, variant):
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("M", [1, 2, 4])  # the token counts the tuned M = 1 entry serves (nearest in log2)
 @pytest.mark.parametrize("shape", SHIPPED_SHAPES, ids=lambda s: s.name.replace(" ", "-"))
+def test_real_shape_pdl_bf16(shape, M):
+    """The tuned plan's naive calls with GEMM2 and the sum as programmatic dependents: the bits of the
+    plain launches, eager and replayed from a CUDA graph (as vLLM serves decode), many times."""
+    case = shape_case(shape, M, seed=M + 3)
+    tuned = fused_moe_module.launch_plan(M, shape.local_experts, shape.F, shape.D, shape.top_k,
+                                         torch.cuda.get_device_name()).config  # fmt: skip
+    if not tuned.naive:
+        pytest.skip(f"{shape.name}'s tuned plan at M={M} is not naive: pdl does not apply")
+    plain_config = dataclasses.replace(tuned, pdl=False)
+    pdl_config = dataclasses.replace(tuned, pdl=True)
+    plan = fused_moe_module.launch_plan(M, shape.local_experts, shape.F, shape.D, shape.top_k,
+                                        torch.cuda.get_device_name(), pdl_config)  # fmt: skip
+    if not plan.pdl:
+        pytest.skip(f"naive does not qualify at {shape.name} M={M}")
+    assert fused_moe_module.pdl_available(case.hidden_TD.device), "an H200 with triton 3.6 has PDL"
+    plain = fused_moe(*case.args(), **case.kwargs(), config=plain_config)
+    assert rel_err(plain, case.reference_fp32()) <= TOLERANCE[torch.bfloat16]
+    assert torch.equal(fused_moe(*case.args(), **case.kwargs(), config=pdl_config), plain)
+    out = torch.empty_like(plain)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_moe(*case.args(), **case.kwargs(), out=out, config=pdl_config)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(3):  # back to back, as a model's layers follow each other
+                fused_moe(*case.args(), **case.kwargs(), out=out, config=pdl_config)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(20):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 2, 4])  # the token counts the tuned M = 1 entry serves (nearest in log2)
+@pytest.mark.parametrize("shape", SHIPPED_SHAPES, ids=lambda s: s.name.replace(" ", "-"))
 def test_real_shape_gemv_bf16(shape, M, ieee_torch_matmul):
     """The decode GEMVs (default_gemv_tiles, the probe's starting point) in place of the tuned plan's naive
     calls: bf16 error as the tuned plan's, bitwise repeatable, the same bits with and without PDL, and
@@ -803,62 +832,26 @@ def test_real_shape_gemv_bf16(shape, M, ieee_torch_matmul):
     tuned = fused_moe_module.launch_plan(M, shape.local_experts, shape.F, shape.D, shape.top_k,
                                          torch.cuda.get_device_name()).config  # fmt: skip
     outs = {}
-    for launch in ("two", "pdl", "one"):
-        gemv = default_gemv_tiles(shape.F, shape.D, shape.top_k, pdl=launch == "pdl", one_launch=launch == "one")
+    for pdl in (False, True):
+        gemv = default_gemv_tiles(shape.F, shape.D, shape.top_k, pdl=pdl)
         config = dataclasses.replace(tuned, naive=True, fold_k=False, gemv=gemv)
         out_TD = torch.full_like(case.hidden_TD, float("nan"))
         fused_moe(*case.args(), **case.kwargs(), out=out_TD, config=config)
         assert not torch.isnan(out_TD).any()
         err = rel_err(out_TD, case.reference_fp32())
-        assert err <= TOLERANCE[torch.bfloat16], f"{shape.name} M={M} {launch}: relative error {err:.2e}"
+        assert err <= TOLERANCE[torch.bfloat16], f"{shape.name} M={M} pdl={pdl}: relative error {err:.2e}"
         assert torch.equal(out_TD, fused_moe(*case.args(), **case.kwargs(), config=config)), "not repeatable"
-        outs[launch] = out_TD
+        outs[pdl] = out_TD
         log_path = os.environ.get("MOE_EVAL_CORRECTNESS_LOG")
         if log_path:
             with open(log_path, "a") as f:
                 f.write(
-                    json.dumps({"shape": shape.name, "M": M, "plan": f"gemv launch={launch}", "rel_err": err})
+                    json.dumps({"shape": shape.name, "M": M, "plan": f"gemv pdl={pdl}", "rel_err": err})
                     + "\n"
                 )
     if fused_moe_module.naive_qualifies(M, shape.top_k, shape.local_experts):
-        # The GEMVs ran (elsewhere every run takes the same aligned tl.dot path and compares nothing).
+        # The GEMVs ran (elsewhere both runs take the same aligned tl.dot path and compare nothing).
         assert fused_moe_module.pdl_available(case.hidden_TD.device), "an H200 with triton 3.6 has PDL"
-        assert torch.equal(outs["two"], outs["pdl"]), "PDL changes when GEMM2 starts, never what it computes"
-        assert torch.equal(outs["two"], outs["one"]), "one launch runs the same items: the same bits"
+        assert torch.equal(outs[False], outs[True]), "PDL changes when GEMM2 starts, never what it computes"
     # Not the tuned plan itself: its tl.dot fold_k (Mixtral at M = 1) skips the per-slot rounding.
-    assert rel_err(outs["pdl"], _incumbent(case)) <= AGREEMENT[torch.bfloat16], "rounds elsewhere"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("shape", SHIPPED_SHAPES[:1], ids=lambda s: s.name.replace(" ", "-"))
-def test_one_launch_in_a_cuda_graph_leaves_its_barrier_clean(shape):
-    """The one-launch GEMVs captured in a CUDA graph and replayed many times (as vLLM serves decode):
-    every replay the eager bits, the grid no larger than the SMs hold, the barrier's counters zero
-    after each call (a counter left behind would hang or break the next launch)."""
-    case = shape_case(shape, 1, seed=41)
-    tuned = fused_moe_module.launch_plan(1, shape.local_experts, shape.F, shape.D, shape.top_k,
-                                         torch.cuda.get_device_name()).config  # fmt: skip
-    gemv = default_gemv_tiles(shape.F, shape.D, shape.top_k, one_launch=True)
-    config = dataclasses.replace(tuned, naive=True, fold_k=False, gemv=gemv)
-    eager = fused_moe(*case.args(), **case.kwargs(), config=config)
-    counters = fused_moe_module._sync_counters(case.hidden_TD.device)
-    assert counters.tolist() == [0, 0]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert all(0 < p <= 32 * sms for p in fused_moe_module._one_launch_grid.values())
-    out = torch.empty_like(eager)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fused_moe(*case.args(), **case.kwargs(), out=out, config=config)  # the side stream's counters
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            fused_moe(*case.args(), **case.kwargs(), out=out, config=config)
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(50):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-    for key, tensor in fused_moe_module._grid_sync_counters.items():
-        assert tensor.tolist() == [0, 0], key
+    assert rel_err(outs[True], _incumbent(case)) <= AGREEMENT[torch.bfloat16], "rounds elsewhere"
