@@ -14,8 +14,8 @@ Peers (--peers), interleaved replay by replay so they share the card's thermal a
               alignment and one-pass Triton stand-ins for its CUDA activation and top-k sum), or
               from the installed vLLM when there is no folder. CUDA graph
   vllm_installed  the installed vLLM's own fused_experts (its CUDA alignment, activation and sum)
-  triton_pdl  the tuned plan with GEMM2 and the sum launched as programmatic dependents on its naive
-              calls (`MoeTileConfig.pdl`), CUDA graph
+  triton_pdl, triton_nopdl, triton_naive_pdl  the tuned plan with `MoeTileConfig.pdl` asked for on
+              its naive calls, dropped, or the call made naive and pdl asked for; M <= 16 only
   triton_gemv*  issue 34's decode GEMVs: the shape's tuned config with `gemv` tiles on its naive calls
               (GEMV_VARIANTS: tile_configs.default_gemv_tiles and a few variations of it), CUDA graph;
               with --gemv-force the GEMVs run every call (also where naive does not qualify: one
@@ -265,17 +265,32 @@ def triton_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCal
     return [_call(fused_moe, c) for c in cases], {"config": json.dumps(plan.config.to_json())}
 
 
-def triton_pdl_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
-    """The tuned plan with `pdl` asked for (GEMM2 and the sum as programmatic dependents on naive calls;
-    the same plan as `triton` where the call is not naive or the tuned file already asks for it)."""
-    configs = []
-    for c in cases:
-        tuned = _triton_plan(shape, c).config
-        configs.append(dataclasses.replace(tuned, pdl=tuned.naive and tuned.gemv is None))
+def _decode_variant(variant: str) -> Callable[[MoeShape, list[MoeCase], list[int]], PeerCalls]:
+    """The tuned plan with `pdl` (`MoeTileConfig.pdl`) set otherwise, at decode sizes (M <= 16) only:
+    triton_pdl asks for it on naive calls, triton_nopdl drops it, triton_naive_pdl makes the call naive
+    with the tuned tiles and asks for it (where the tuner chose the aligned plan at M = 1)."""
+
+    def peer_calls(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
+        T = cases[0].hidden_TD.shape[0]
+        if T > 16:
+            raise ValueError(f"{variant} is a decode comparison (M <= 16), not M={T}")
+        configs = []
+        for c in cases:
+            tuned = _triton_plan(shape, c).config
+            naive = tuned.naive or (variant == "triton_naive_pdl" and tuned.gemv is None)
+            pdl = variant != "triton_nopdl" and naive and tuned.gemv is None
+            fold_k = tuned.fold_k if tuned.naive else False
+            configs.append(dataclasses.replace(tuned, naive=naive, fold_k=fold_k, pdl=pdl))
+        return _configured_calls(shape, cases, configs)
+
+    return peer_calls
+
+
+def _configured_calls(shape: MoeShape, cases: list[MoeCase], configs: list[MoeTileConfig]) -> PeerCalls:
     calls = [lambda c=c, cfg=cfg: fused_moe(*c.args(), **c.kwargs(), config=cfg) for c, cfg in zip(cases, configs)]
     T = cases[0].hidden_TD.shape[0]
     plan = launch_plan(T, shape.local_experts, shape.F, shape.D, shape.top_k, _device_name(cases[0]), configs[0])
-    return calls, {"config": json.dumps(configs[0].to_json()), "pdl_ran": plan.pdl}
+    return calls, {"config": json.dumps(configs[0].to_json()), "pdl_ran": plan.pdl, "naive_ran": plan.align.naive}
 
 
 def grouped_mm_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
@@ -496,7 +511,7 @@ def _gemv_peer(variant: str) -> Callable[[MoeShape, list[MoeCase], list[int]], P
 
 GRAPH_PEERS: dict[str, Callable[[MoeShape, list[MoeCase], list[int]], PeerCalls]] = {
     "triton": triton_peer,
-    "triton_pdl": triton_pdl_peer,
+    **{name: _decode_variant(name) for name in ("triton_pdl", "triton_nopdl", "triton_naive_pdl")},
     "grouped_mm": grouped_mm_peer,
     "flashinfer_cutlass": flashinfer_cutlass_peer,
     "vllm_triton": _vllm_whole("vllm_triton"),
@@ -943,7 +958,27 @@ def prefill_tables(rows: list[dict]) -> tuple[str, bool]:
             lines.append(f"| {shape} | " + " | ".join(cells) + " |")
         lines.append("")
     latency, met = latency_lines(by, PREFILL_LATENCY_US, "Decode")
-    return "\n".join(lines + latency), all_ok and met
+    return "\n".join(lines + latency + bound_lines(by, shapes, roof_Ms)), all_ok and met
+
+
+def bound_lines(by: dict, shapes: list[str], Ms: list[int]) -> list[str]:
+    """The practical bounds of the run (benchmarks/bounds.py), where it timed them: the bundled whole call
+    against torch's grouped GEMMs of the same work alone, and both against the roofline; no target."""
+    bound = "bound:grouped_mm_gemms"
+    if not Ms or not any(k[2] == bound for k in by):
+        return []
+    lines = ["", "#### bundled whole call / torch grouped GEMMs alone (< 1.00: the bundled call, routing, SiLU "
+             "and top-k sum included, takes less than the two vendor GEMMs alone); in brackets the grouped "
+             "GEMMs' own fraction of the roofline", "",
+             "| shape | " + " | ".join(f"M={m}" for m in Ms) + " |", "|---|" + "---:|" * len(Ms)]  # fmt: skip
+    for shape in shapes:
+        cells = []
+        for M in Ms:
+            ours, gemms = by.get((shape, M, "triton")), by.get((shape, M, bound))
+            cells.append(f"{ours['median_us'] / gemms['median_us']:.2f} ({gemms['frac_roofline']:.0%})"
+                         if ours and gemms else "-")  # fmt: skip
+        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 # --- issue 34: decode within 1.25 x the copy floor ---------------------------------------------------
@@ -1076,7 +1111,7 @@ def _precompile_worker(shape_index: int, Ms: list[int], peers: tuple[str, ...], 
         case = shape_case(shape, M, seed=M, weights_from=weights)
         for name in peers:
             try:
-                if name in ("triton", "triton_pdl") + VLLM_PEER_NAMES + tuple(GEMV_VARIANTS):
+                if name in ("triton",) + VLLM_PEER_NAMES + tuple(GEMV_VARIANTS):
                     GRAPH_PEERS[name](shape, [case], Ms)[0][0]()
                 if gemms_alone and name in GEMM_PEERS:
                     calls, finishes, _ = GEMM_PEERS[name](shape, [case])
