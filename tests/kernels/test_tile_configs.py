@@ -169,6 +169,20 @@ def test_prefill_seed_shapes_are_all_shipped():
     assert len(PREFILL_SEED_SHAPES) == 7
 
 
+def test_shipped_naive_entries_launch_with_pdl():
+    """Every shipped tl.dot naive entry asks for programmatic dependent launch (issue 34: the same bits,
+    the decode launch gaps gone; the tuner writes it on every naive winner), and only those do."""
+    naive_entries = 0
+    for path in sorted(TUNED_DIR.glob("*.json")):
+        for M, config in read_tuned_file(path).items():
+            if config.naive and config.gemv is None:
+                naive_entries += 1
+                assert config.pdl, f"{path.name} M={M}: a naive entry without pdl"
+            else:
+                assert not config.pdl, f"{path.name} M={M}"
+    assert naive_entries >= 5
+
+
 @pytest.mark.parametrize("shape", PREFILL_SEED_SHAPES, ids=lambda s: s.name.replace(" ", "-"))
 def test_launch_plan_takes_the_prefill_path_where_it_won(shape):
     """The plan a server builds at warm-up (get_tile_config, as fused_moe calls it) selects the persistent
