@@ -94,7 +94,8 @@ if has tests; then
   # 4 processes on the one GPU when pytest-xdist is there (the image has it): most of the time compiles.
   XDIST=(); python3 -c "import xdist" 2> /dev/null && XDIST=(-n 4)
   PYT="python3 -m pytest -q -p no:cacheprovider -W ignore::RuntimeWarning ${XDIST[*]}"
-  timeout "${TESTS_TIMEOUT:-150}" $PYT tests/kernels/test_fused_moe.py -k "prefill or persistent or real_shape or fp32 or pdl" \
+  MOE_EVAL_CORRECTNESS_LOG="$RUN/logs/correctness.jsonl" timeout "${TESTS_TIMEOUT:-150}" $PYT tests/kernels/test_fused_moe.py \
+    -k "prefill or persistent or real_shape or fp32 or pdl" \
     > "$RUN/logs/tests_fused_moe.txt" 2>&1; R1=$?
   timeout 90 $PYT tests/kernels/test_flashinfer_cutlass.py tests/kernels/test_tile_configs.py \
     > "$RUN/logs/tests_fi_tiles.txt" 2>&1; R2=$?

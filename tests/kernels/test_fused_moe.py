@@ -820,6 +820,32 @@ def test_real_shape_pdl_bf16(shape, M):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", SHIPPED_SHAPES, ids=lambda s: s.name.replace(" ", "-"))
+def test_real_shape_naive_pdl_computes_the_aligned_bits(shape):
+    """Where the tuned M = 1 entry is aligned (Qwen3 TP2 and TEP2), the same tiles run naive with pdl give
+    the aligned plan's bits: each row's MMAs are the same whatever rows share its block, so such an entry
+    could switch to the decode launches without moving what the layer check compares."""
+    M = 1
+    if not fused_moe_module.naive_qualifies(M, shape.top_k, shape.local_experts):
+        pytest.skip("naive does not qualify")
+    case = shape_case(shape, M, seed=5)
+    tuned = fused_moe_module.launch_plan(M, shape.local_experts, shape.F, shape.D, shape.top_k,
+                                         torch.cuda.get_device_name()).config  # fmt: skip
+    aligned = dataclasses.replace(tuned, naive=False, fold_k=False, pdl=False, gemv=None)
+    naive = dataclasses.replace(aligned, naive=True, pdl=True)
+    out_aligned = fused_moe(*case.args(), **case.kwargs(), config=aligned)
+    out_naive = fused_moe(*case.args(), **case.kwargs(), config=naive)
+    log_path = os.environ.get("MOE_EVAL_CORRECTNESS_LOG")
+    if log_path:
+        with open(log_path, "a") as f:
+            f.write(json.dumps({"shape": shape.name, "M": M, "plan": "naive+pdl vs aligned, same tiles",
+                                "equal": bool(torch.equal(out_aligned, out_naive)),
+                                "rel_diff": rel_err(out_naive, out_aligned)}) + "\n")  # fmt: skip
+    assert torch.equal(out_aligned, out_naive)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("M", [1, 2, 4])  # the token counts the tuned M = 1 entry serves (nearest in log2)
 @pytest.mark.parametrize("shape", SHIPPED_SHAPES, ids=lambda s: s.name.replace(" ", "-"))
 def test_real_shape_gemv_bf16(shape, M, ieee_torch_matmul):
