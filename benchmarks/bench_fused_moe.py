@@ -287,10 +287,18 @@ def _decode_variant(variant: str) -> Callable[[MoeShape, list[MoeCase], list[int
 
 
 def _configured_calls(shape: MoeShape, cases: list[MoeCase], configs: list[MoeTileConfig]) -> PeerCalls:
-    calls = [lambda c=c, cfg=cfg: fused_moe(*c.args(), **c.kwargs(), config=cfg) for c, cfg in zip(cases, configs)]
+    calls = [
+        lambda c=c, cfg=cfg: fused_moe(*c.args(), **c.kwargs(), config=cfg) for c, cfg in zip(cases, configs)
+    ]
     T = cases[0].hidden_TD.shape[0]
-    plan = launch_plan(T, shape.local_experts, shape.F, shape.D, shape.top_k, _device_name(cases[0]), configs[0])
-    return calls, {"config": json.dumps(configs[0].to_json()), "pdl_ran": plan.pdl, "naive_ran": plan.align.naive}
+    plan = launch_plan(
+        T, shape.local_experts, shape.F, shape.D, shape.top_k, _device_name(cases[0]), configs[0]
+    )
+    return calls, {
+        "config": json.dumps(configs[0].to_json()),
+        "pdl_ran": plan.pdl,
+        "naive_ran": plan.align.naive,
+    }
 
 
 def grouped_mm_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
@@ -967,10 +975,11 @@ def bound_lines(by: dict, shapes: list[str], Ms: list[int]) -> list[str]:
     bound = "bound:grouped_mm_gemms"
     if not Ms or not any(k[2] == bound for k in by):
         return []
-    lines = ["", "#### bundled whole call / torch grouped GEMMs alone (< 1.00: the bundled call, routing, SiLU "
+    title = ("#### bundled whole call / torch grouped GEMMs alone (< 1.00: the bundled call, routing, SiLU "
              "and top-k sum included, takes less than the two vendor GEMMs alone); in brackets the grouped "
-             "GEMMs' own fraction of the roofline", "",
-             "| shape | " + " | ".join(f"M={m}" for m in Ms) + " |", "|---|" + "---:|" * len(Ms)]  # fmt: skip
+             "GEMMs' own fraction of the roofline")  # fmt: skip
+    header = "| shape | " + " | ".join(f"M={m}" for m in Ms) + " |"
+    lines = ["", title, "", header, "|---|" + "---:|" * len(Ms)]
     for shape in shapes:
         cells = []
         for M in Ms:

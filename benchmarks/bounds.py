@@ -74,7 +74,9 @@ def _read_experts_kernel(w13_ptr, w2_ptr, experts_ptr, out_ptr, w13_numel, w2_nu
     tl.store(out_ptr + slot * tl.num_programs(0) + pid, tl.sum(acc))
 
 
-def weights_read(case: MoeCase, chunk: int = 16384, block: int = 2048, num_warps: int = 4) -> Callable[[], object]:
+def weights_read(
+    case: MoeCase, chunk: int = 16384, block: int = 2048, num_warps: int = 4
+) -> Callable[[], object]:
     """One launch reading each hit expert's w13 and w2 once (the experts found here, outside the timing)."""
     e = case.w13_eFD.shape[0]
     local_S = _local_slots(case)
@@ -86,8 +88,10 @@ def weights_read(case: MoeCase, chunk: int = 16384, block: int = 2048, num_warps
 
     def call() -> None:
         if len(experts):
-            _read_experts_kernel[(chunks, len(experts))](w13, w2, experts, out, n13, n2, w13.stride(0),
-                                                         w2.stride(0), CHUNK=chunk, BLOCK=block, num_warps=num_warps)  # fmt: skip
+            _read_experts_kernel[(chunks, len(experts))](
+                w13, w2, experts, out, n13, n2, w13.stride(0), w2.stride(0),
+                CHUNK=chunk, BLOCK=block, num_warps=num_warps,
+            )  # fmt: skip
 
     return call
 

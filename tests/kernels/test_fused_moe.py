@@ -416,7 +416,9 @@ def test_pdl_computes_the_same_bits(device):
     # with an expert map).
     for config in (NAIVE, NAIVE_FOLD):
         for T, local in ((1, None), (2, [0, 5, 2, 7])):
-            case = make_case(T, 8, 3, 96, 80, dtype=DTYPES[0], device=device, seed=220 + T, local_experts=local)
+            case = make_case(
+                T, 8, 3, 96, 80, dtype=DTYPES[0], device=device, seed=220 + T, local_experts=local
+            )
             plain = fused_moe(*case.args(), **case.kwargs(), config=config)
             with_pdl = fused_moe(*case.args(), **case.kwargs(), config=dataclasses.replace(config, pdl=True))
             assert torch.equal(plain, with_pdl)
