@@ -113,7 +113,7 @@ if has bench; then
   # Beside the three peers, the practical bounds of benchmarks/bounds.py in the same replays.
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/bench_fused_moe.py --out-dir "$RUN/bench" --shapes "${SHAPES[@]}" \
-    --peers triton ${DECODE_PEERS:-triton_nopdl triton_naive_pdl} vllm_triton flashinfer_cutlass --bounds ${BOUNDS:-grouped_mm_gemms weights_read} \
+    --peers triton ${DECODE_PEERS-triton_nopdl triton_naive_pdl} vllm_triton flashinfer_cutlass --bounds ${BOUNDS:-grouped_mm_gemms weights_read} \
     --no-gemms-alone --skip-eager --skip-alignment \
     --replays "${BENCH_REPLAYS:-10}" --repeats 3 --precompile-workers 12 --deadline-s "${BENCH_DEADLINE:-290}" \
     --prefill-targets 2> "$RUN/logs/bench_stderr.txt" > "$RUN/logs/bench_stdout.txt"
