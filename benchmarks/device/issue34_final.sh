@@ -22,6 +22,8 @@ PEERS="triton triton_nopdl triton_naive_pdl triton_gemv_pdl" BOUNDS="weights_rea
   OUT="$W/decode" bash benchmarks/device/decode_probe.sh > "$W/decode_stdout.txt" 2>&1
 echo "decode stage done at $(date -u +%T)"
 grep -E "^M=1|tests rc" "$W/decode_stdout.txt" "$W/decode/stages.txt" | cut -c1-200
+# FI_PEER="" (no FlashInfer: nothing carried, no tactic tuning) and BENCH_M="1024 4096 16384" make this stage the
+# prefill cells against vLLM's Triton and the grouped-GEMM bound alone (~120 s).
 DECODE_PEERS="" BOUNDS="grouped_mm_gemms" BENCH_TIMEOUT="${FULL_BENCH:-260}" BENCH_DEADLINE="${FULL_DEADLINE:-225}" \
   OUT="$W/full" STAGES="bench" bash benchmarks/device/kernel_bench.sh > "$W/full_stdout.txt" 2>&1
 echo "full stage done at $(date -u +%T)"
