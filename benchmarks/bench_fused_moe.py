@@ -480,7 +480,7 @@ def gemv_config(shape: MoeShape, case: MoeCase, variant: str) -> MoeTileConfig:
     """The tuned config of this call with the variant's GEMVs on its naive calls (its tl.dot tiles serve
     the others); fold_k off, as `gemv` requires."""
     tuned = _triton_plan(shape, case).config
-    return dataclasses.replace(tuned, naive=True, fold_k=False, gemv=gemv_tiles(shape, variant))
+    return dataclasses.replace(tuned, naive=True, fold_k=False, pdl=False, gemv=gemv_tiles(shape, variant))
 
 
 def _forced_gemv_call(shape: MoeShape, case: MoeCase, config: MoeTileConfig) -> Callable[[], torch.Tensor]:

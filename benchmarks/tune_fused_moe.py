@@ -524,10 +524,11 @@ def tune_cell(shape: MoeShape, M: int, base) -> tuple[MoeTileConfig, dict, dict]
                 results.append(_gemv_result(shape, M, bufs, g1[0], g2[0], results, replays, note))
                 continue
             total = align_us + g1[0][0] + g2[0][0] + (0.0 if fold else sum_us)
-            # pdl on every naive plan: the same kernels and bits with the launch gaps gone (benchmarks
-            # time it: `triton` against `triton_nopdl`, docs/perf.md); the stages here are timed apart.
+            # No pdl: the stages here are timed apart and cannot see it; it is set in a file where the
+            # benchmark measured it faster (`triton` against `triton_nopdl`: faster at some shapes, 11-19 %
+            # slower at others on the H200, docs/perf.md).
             config = MoeTileConfig(block_m=plan.block_m, gemm1=g1[0][1], gemm2=g2[0][1], naive=plan.naive,
-                                   fold_k=fold, pdl=plan.naive)  # fmt: skip
+                                   fold_k=fold)  # fmt: skip
             stages = {"align_us": round(align_us, 2), "gemm1_us": round(g1[0][0], 2),
                       "gemm2_us": round(g2[0][0], 2), "sum_us": round(0.0 if fold else sum_us, 2),
                       "total_us": round(total, 2)}  # fmt: skip
