@@ -84,6 +84,21 @@ def test_three_peer_report_is_the_docs_table():
     assert table in (rows_path.parents[1] / "perf.md").read_text()
 
 
+def test_bounds_report_is_the_docs_table():
+    # Issue 34's prefill run (docs/perf.md, "Prefill: the cells under 75 %"): the tables, the grouped-GEMM
+    # bound's among them, are `--report-only --prefill-targets` of the committed rows, verbatim.
+    data = Path(__file__).resolve().parents[2] / "docs/data"
+    rows = [
+        json.loads(line)
+        for line in (data / "prefill_bounds_h200_rows.jsonl").read_text().splitlines()
+        if line
+    ]
+    table, ok = bench.prefill_tables(rows)
+    assert not ok and "21 of 21 cells at >= 1.00" in table
+    assert "| Qwen3-30B-A3B TP2 | 0.92 (64%) | 0.99 (49%) | 1.07 (68%) |" in table
+    assert table.strip() in (data.parent / "perf.md").read_text()
+
+
 def test_miss_causes_are_the_docs_table():
     # docs/perf.md's table of the misses' causes is `prefill_misses.py` of the committed rows and meta
     # with the shipped tuned files (their tiles and stage timings).
