@@ -8,7 +8,8 @@ costs a vendor GEMM, and what reading the same weights costs one launch.
   bound:weights_read      one Triton launch reading the weights of the experts the call hits once
                           each (w13 and w2, 16-byte loads, a sum kept so nothing is optimised away):
                           the copy floor as one launch of this size really reaches it (ramp and tail
-                          included), the decode target's practical form.
+                          included), the decode target's practical form; `weights_read_c4k` and
+                          `weights_read_c64k` cut it in other chunks (take the best of them).
 
 No output of these is checked: they compute no MoE. Rows are named `bound:<name>`.
 """

@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# Issue 34 on one lent H200, in one call (~200-270 s with compiles): the decode GEMVs (`MoeTileConfig.gemv`)
-# against the tuned plan at M = 1, 2, 4, 8, 16 and the shapes of tile_configs.PREFILL_SHAPES.
-#   1. env: GPU, versions, whether PDL is available to the GEMVs
-#   2. tests: test_fused_moe.py -k "gemv or naive" (bf16 on the GPU: the naive and GEMV plans at small
-#      shapes, the GEMVs at every shipped shape at M = 1, 2, 4 with and without PDL, fp32 odd shapes)
-#   3. bench: bench_fused_moe.py, CUDA graphs over rotated input sets, replays interleaved: the tuned
-#      plan (`triton`), the GEMVs at default_gemv_tiles and five variations (`triton_gemv*`, run at
-#      every M by --gemv-force, so M = 8 and 16 show one expert stream per slot), and vLLM's Triton
-#      kernel (`vllm_triton`, when .vllm-peer/ is carried); the table of issue 34 (us, TB/s on the
-#      weights, x the copy floor) in decode.md and on stdout
+# Issue 34 on one lent H200, in one call (~90-130 s with compiles): the decode plans at M = 1, 2, 4, 8, 16 and
+# the shapes of tile_configs.PREFILL_SHAPES.
+#   1. env: GPU, versions, whether PDL is available
+#   2. tests: test_fused_moe.py -k "gemv or naive or pdl" (bf16 on the GPU: the naive and GEMV plans at small
+#      shapes, the GEMVs at every shipped shape at M = 1, 2, 4 with and without PDL, the tl.dot naive chain
+#      with pdl (its bits eager and from a CUDA graph; naive + pdl against the aligned M = 1 entries' bits),
+#      fp32 odd shapes)
+#   3. bench: bench_fused_moe.py, CUDA graphs over rotated input sets, replays interleaved: PEERS (default:
+#      the shipped plan `triton`, `triton_pdl` (pdl asked for), the GEMVs `triton_gemv*`, run at every M by
+#      --gemv-force), vLLM's Triton kernel (`vllm_triton`, when .vllm-peer/ is carried) and BOUNDS (default:
+#      benchmarks/bounds.py's one-launch weight reads); the table of issue 34 (us, TB/s on the weights, x the
+#      copy floor) in decode.md and on stdout
 # Usage (repo root on the device; carried: .vllm-peer/ from benchmarks/extract_vllm_moe_peer.py, optional):
 #   OUT=/some/dir bash benchmarks/device/decode_probe.sh
 # The kernels need only the image's torch and triton, so the checkout is imported as is (PYTHONPATH),
 # as kernel_bench.sh does; PY="bash .vgpu/device_env.sh python3" runs it through the vLLM kit instead.
-# Budgets (seconds, wall; ~270 at most in all): TESTS_TIMEOUT (90), BENCH_TIMEOUT (170), BENCH_DEADLINE
-# (no new cell after, 125). Results in $OUT (at most 8 files come back): decode.md, bench_rows.jsonl,
+# Budgets (seconds, wall; ~350 at most in all): TESTS_TIMEOUT (120), BENCH_TIMEOUT (200), BENCH_DEADLINE
+# (no new cell after, 150). Results in $OUT (at most 8 files come back): decode.md, bench_rows.jsonl,
 # bench.json, stages.txt, and logs.tgz (env.txt, stages.txt, tests.txt, correctness.jsonl, bench_stderr.txt,
 # clocks.csv: nvidia-smi's SM / memory clock and power every 250 ms through the benchmark).
 set -u

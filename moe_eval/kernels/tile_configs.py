@@ -147,7 +147,9 @@ class MoeTileConfig:
     pdl (needs naive, not gemv, which has its own): on naive calls GEMM1, GEMM2 and the sum are launched
     as programmatic dependents (sm_90+), each of the launch before it: each is put on the SMs while that
     launch finishes and waits for it (griddepcontrol.wait) before reading anything. The same kernels,
-    the same bits; a decode call's launch gaps go. Where the device or Triton lacks it they run without.
+    the same bits; a decode call's launch gaps go, but where GEMM1's grid is more than a wave GEMM2's early
+    programs crowd it (slower at Mixtral on the H200), so a file asks for it only where it measured faster.
+    Where the device or Triton lacks it they run without.
     """
 
     block_m: int
