@@ -79,6 +79,7 @@ from moe_eval.kernels.fused_moe import (
     launch_experts,
     launch_plan,
     launch_sum,
+    pdl_available,
 )
 from moe_eval.kernels.testing import MoeCase, rel_err, shape_case
 from moe_eval.kernels.tile_configs import (
@@ -296,7 +297,7 @@ def _configured_calls(shape: MoeShape, cases: list[MoeCase], configs: list[MoeTi
     )
     return calls, {
         "config": json.dumps(configs[0].to_json()),
-        "pdl_ran": plan.pdl,
+        "pdl_ran": plan.pdl and pdl_available(cases[0].hidden_TD.device),
         "naive_ran": plan.align.naive,
     }
 

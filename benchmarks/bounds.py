@@ -83,6 +83,9 @@ def weights_read(
     local_S = _local_slots(case)
     experts = torch.unique(local_S[local_S < e]).to(torch.int32)
     w13, w2 = case.w13_eFD, case.w2_eDF
+    assert w13[0].is_contiguous() and w2[0].is_contiguous(), (
+        "the read walks each expert's weights as one block"
+    )
     n13, n2 = w13[0].numel(), w2[0].numel()
     chunks = triton.cdiv(n13 + n2, chunk)
     out = torch.empty(max(len(experts), 1) * chunks, device=w13.device, dtype=torch.float32)

@@ -16,8 +16,9 @@
 #   OUT=/some/dir STAGES="fi-build" bash benchmarks/device/kernel_bench.sh
 #   OUT=/some/dir STAGES="tests bench" bash benchmarks/device/kernel_bench.sh
 # Budgets (seconds, wall): BUILD_TIMEOUT, TUNE_DEADLINE / TUNE_TIMEOUT, TESTS_TIMEOUT,
-# BENCH_DEADLINE / BENCH_TIMEOUT. The bench's peers and sizes: DECODE_PEERS, FI_PEER ("" leaves FlashInfer
-# out), BOUNDS, BENCH_M (default: the benchmark's M = 1 .. 16384). Results: $OUT/*.txt, $OUT/*.md, $OUT/tuned.tgz, $OUT/results.tgz
+# BENCH_DEADLINE / BENCH_TIMEOUT. The bench's peers and sizes: DECODE_PEERS (none by default; e.g. "triton_nopdl
+# triton_naive_pdl", timed at M <= 16 only), FI_PEER ("" leaves FlashInfer out), BOUNDS, BENCH_M (default: the
+# benchmark's M = 1 .. 16384). Results: $OUT/*.txt, $OUT/*.md, $OUT/tuned.tgz, $OUT/results.tgz
 # (the run tool does not bring back files whose names hold '=' or ',', such as the tuned files).
 set -u
 OUT="${OUT:?set OUT}"
@@ -114,7 +115,7 @@ if has bench; then
   # Beside the three peers, the practical bounds of benchmarks/bounds.py in the same replays.
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/bench_fused_moe.py --out-dir "$RUN/bench" --shapes "${SHAPES[@]}" \
-    --peers triton ${DECODE_PEERS-triton_nopdl triton_naive_pdl} vllm_triton ${FI_PEER-flashinfer_cutlass} \
+    --peers triton ${DECODE_PEERS:-} vllm_triton ${FI_PEER-flashinfer_cutlass} \
     --bounds ${BOUNDS:-grouped_mm_gemms weights_read} ${BENCH_M:+--m $BENCH_M} \
     --no-gemms-alone --skip-eager --skip-alignment \
     --replays "${BENCH_REPLAYS:-10}" --repeats 3 --precompile-workers 12 --deadline-s "${BENCH_DEADLINE:-290}" \

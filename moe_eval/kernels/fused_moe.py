@@ -580,8 +580,9 @@ def _pdl_supported(device_index: int) -> bool:
 
 
 def pdl_available(device: torch.device) -> bool:
-    """Whether a GEMV plan asking for PDL gets it here. Never under the interpreter (no grid to depend
-    on): there the same kernels run without it, which is what they compute either way."""
+    """Whether a plan asking for PDL (`GemvTiles.pdl`, `MoeTileConfig.pdl`) gets it here. Never under the
+    interpreter (no grid to depend on): there the same kernels run without it, which is what they compute
+    either way."""
     if device.type != "cuda" or _interpreting():
         return False
     return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())

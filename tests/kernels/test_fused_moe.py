@@ -413,7 +413,8 @@ def test_pdl_config_rules():
 
 def test_pdl_computes_the_same_bits(device):
     # PDL changes when GEMM2 and the sum start, never what they compute (with and without a sum launch,
-    # with an expert map).
+    # with an expert map). On the CPU this holds the plumbing only (the interpreter runs the kernels without
+    # PDL: pdl_available is False); test_real_shape_pdl_bf16 holds the GPU.
     for config in (NAIVE, NAIVE_FOLD):
         for T, local in ((1, None), (2, [0, 5, 2, 7])):
             case = make_case(
@@ -803,35 +804,44 @@ def test_real_shape_pdl_bf16(shape, M):
     plain = fused_moe(*case.args(), **case.kwargs(), config=plain_config)
     assert rel_err(plain, case.reference_fp32()) <= TOLERANCE[torch.bfloat16]
     assert torch.equal(fused_moe(*case.args(), **case.kwargs(), config=pdl_config), plain)
-    out = torch.empty_like(plain)
+    # Three calls back to back in one graph, as a model's layers follow each other, each on other inputs
+    # (tokens and routing) and with its own output: a launch that read before its wait would find the
+    # previous call's h or y in the reused buffers, which differ from its own.
+    cases = [shape_case(shape, M, seed=M + 3 + 10 * i) for i in range(3)]
+    plains = [fused_moe(*c.args(), **c.kwargs(), config=plain_config) for c in cases]
+    assert not torch.equal(plains[0], plains[1])
+    outs = [torch.empty_like(p) for p in plains]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused_moe(*case.args(), **case.kwargs(), out=out, config=pdl_config)
+        for c, o in zip(cases, outs):
+            fused_moe(*c.args(), **c.kwargs(), out=o, config=pdl_config)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            for _ in range(3):  # back to back, as a model's layers follow each other
-                fused_moe(*case.args(), **case.kwargs(), out=out, config=pdl_config)
+            for c, o in zip(cases, outs):
+                fused_moe(*c.args(), **c.kwargs(), out=o, config=pdl_config)
     torch.cuda.current_stream().wait_stream(stream)
     for _ in range(20):
-        out.fill_(float("nan"))
+        for o in outs:
+            o.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, plain)
+        for o, p in zip(outs, plains):
+            assert torch.equal(o, p)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 2, 4])  # the token counts the M = 1 entry serves
 @pytest.mark.parametrize("shape", SHIPPED_SHAPES, ids=lambda s: s.name.replace(" ", "-"))
-def test_real_shape_naive_pdl_computes_the_aligned_bits(shape):
-    """Where the tuned M = 1 entry is aligned (Qwen3 TP2 and TEP2), the same tiles run naive with pdl give
-    the aligned plan's bits: each row's MMAs are the same whatever rows share its block, so such an entry
-    could switch to the decode launches without moving what the layer check compares."""
-    M = 1
+def test_real_shape_naive_pdl_computes_the_aligned_bits(shape, M):
+    """The M = 1 entry's tiles run naive with pdl give the aligned plan's bits (Qwen3 TP2 and TEP2 ship so):
+    each row's MMAs are the same whatever rows share its block, so such an entry can switch to the decode
+    launches without moving what the layer check compares."""
     if not fused_moe_module.naive_qualifies(M, shape.top_k, shape.local_experts):
         pytest.skip("naive does not qualify")
-    case = shape_case(shape, M, seed=5)
-    tuned = fused_moe_module.launch_plan(M, shape.local_experts, shape.F, shape.D, shape.top_k,
+    case = shape_case(shape, M, seed=5 + M)
+    tuned = fused_moe_module.launch_plan(1, shape.local_experts, shape.F, shape.D, shape.top_k,
                                          torch.cuda.get_device_name()).config  # fmt: skip
     aligned = dataclasses.replace(tuned, naive=False, fold_k=False, pdl=False, gemv=None)
     naive = dataclasses.replace(aligned, naive=True, pdl=True)
