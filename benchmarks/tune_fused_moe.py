@@ -584,9 +584,8 @@ def write_shape(path: Path, shape: MoeShape, configs: dict, timings: dict, famil
         configs = {**read_tuned_file(path), **configs}
         meta["timings_us"] = {**old["meta"].get("timings_us", {}), **timings}
         meta["variants_us"] = {**old["meta"].get("variants_us", {}), **families}
-        if (
-            "edits" in old["meta"]
-        ):  # hand edits of entries the merge keeps (read_tuned_file keeps their fields)
+        # A hand edit's note stays with the entries the merge keeps (read_tuned_file keeps their fields).
+        if "edits" in old["meta"]:
             meta["edits"] = old["meta"]["edits"]
         previous = old["meta"].get("command", "")
         if meta["command"] not in previous:

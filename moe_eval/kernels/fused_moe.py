@@ -287,7 +287,7 @@ class LaunchPlan:
 
     @property
     def pdl(self) -> bool:
-        """GEMM2 and the sum launched as programmatic dependents (naive tl.dot plans that ask for it)."""
+        """GEMM1, GEMM2 and the sum as programmatic dependents (naive tl.dot plans that ask for it)."""
         return self.align is not None and self.align.naive and self.config.pdl
 
     @property
@@ -519,7 +519,7 @@ def launch_gemm1(
         MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=D % tile.block_k == 0, NAIVE=align.naive,
         HAS_EXPERT_MAP=align.expert_map_E is not None, INTERLEAVE=tile.interleave, DOT_PRECISION=precision,
         BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_PDL=use_pdl,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **({"launch_pdl": True} if use_pdl else {}),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **_pdl_launch(use_pdl),
     )  # fmt: skip
 
 
@@ -558,7 +558,7 @@ def launch_gemm2(
         MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=F % tile.block_k == 0, NAIVE=align.naive,
         HAS_EXPERT_MAP=align.expert_map_E is not None, FOLD_K=fold_k, DOT_PRECISION=precision,
         BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_PDL=use_pdl,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **({"launch_pdl": True} if use_pdl else {}),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **_pdl_launch(use_pdl),
     )  # fmt: skip
 
 
@@ -586,6 +586,11 @@ def pdl_available(device: torch.device) -> bool:
     if device.type != "cuda" or _interpreting():
         return False
     return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _pdl_launch(use_pdl: bool) -> dict:
+    """Triton's launch option that makes a launch the programmatic dependent of the one before it."""
+    return {"launch_pdl": True} if use_pdl else {}
 
 
 def _expert_map_arg(align: MoeAlignment) -> torch.Tensor:
@@ -634,14 +639,13 @@ def launch_gemv2(
     F = h_SF.shape[1]
     K = align.top_k
     assert align.num_slots == T * K, "out: one row per token"
-    launch_options = {"launch_pdl": True} if use_pdl else {}
     kernels._gemv2_sum_kernel[(triton.cdiv(D, tile.block_n), T)](
         h_SF, w2_eDF, out_TD, topk_weights_TK, align.topk_ids_S, _expert_map_arg(align),
         K, D, F, h_SF.stride(0), w2_eDF.stride(0), w2_eDF.stride(1), out_TD.stride(0),
         MUL_ROUTED_WEIGHT=mul_routed_weight, HAS_EXPERT_MAP=align.expert_map_E is not None,
         EVEN_F=F % tile.block_k == 0, USE_PDL=use_pdl, NUM_STAGES=tile.num_stages, K_PAD=_next_pow2(K),
         BLOCK_D=tile.block_n, BLOCK_F=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **launch_options,
+        **_pdl_launch(use_pdl),
     )  # fmt: skip
 
 
@@ -793,5 +797,5 @@ def launch_sum(
         y_SD, out_TD, topk_ids_TK, expert_map_E if expert_map_E is not None else topk_ids_TK,
         D, y_SD.stride(0), out_TD.stride(0),
         TOP_K=K, HAS_EXPERT_MAP=expert_map_E is not None, BLOCK_D=block_d, USE_PDL=use_pdl, num_warps=4,
-        **({"launch_pdl": True} if use_pdl else {}),
+        **_pdl_launch(use_pdl),
     )  # fmt: skip
