@@ -30,7 +30,14 @@ from typing import Self
 import requests
 
 from moe_eval.core.errors import InfraError
-from moe_eval.core.plugin_protocol import BACKEND_ENV, LAYER_CHECK_ENV, MUTATION_ENV, PLUGIN_NAME, RUN_DIR_ENV
+from moe_eval.core.plugin_protocol import (
+    BACKEND_ENV,
+    LAYER_CHECK_ENV,
+    LAYER_CHECK_SLOTS_ENV,
+    MUTATION_ENV,
+    PLUGIN_NAME,
+    RUN_DIR_ENV,
+)
 from moe_eval.serve import cancel
 from moe_eval.serve.process_tree import group_alive, signal_group
 
@@ -144,6 +151,7 @@ def server_environment(
     env.pop(BACKEND_ENV, None)  # only the config decides whether the plugin is active
     env.pop(MUTATION_ENV, None)
     env.pop(LAYER_CHECK_ENV, None)
+    env.pop(LAYER_CHECK_SLOTS_ENV, None)
     if not layer_check:
         env[LAYER_CHECK_ENV] = "0"
     if mutation is not None:

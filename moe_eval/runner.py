@@ -18,6 +18,7 @@ from pathlib import Path
 
 import requests
 
+from moe_eval.core import layer_cells
 from moe_eval.core.check import VERDICTS, Check
 from moe_eval.core.errors import ConfigError, InfraError, MoeEvalError
 from moe_eval.core.layout import LayoutKind
@@ -49,8 +50,8 @@ from moe_eval.gates.checks import (
     first_response,
     per_question,
 )
-from moe_eval.gates.judge import Answers, Measurements, judge
-from moe_eval.gates.layer_gate import read_layer_files, summarize
+from moe_eval.gates.judge import Answers, Measurements, judge, layer_check_limits
+from moe_eval.gates.layer_gate import summarize
 from moe_eval.models.builtin import resolve_model
 from moe_eval.plan.config import EvalConfig
 from moe_eval.serve import cancel
@@ -351,13 +352,19 @@ def _serve_and_evaluate(
         if config.layer_checked:
             _stage(options, "layer check: reaching every dispatch range")
             clock = time.monotonic()
-            per_call = max((int(r.get("max_tokens", 0)) for r in read_layer_files(run_dir)), default=0)
-            record.captures.layer_sweep = reach_every_range(config, data, server.base_url, model, per_call)
+            files, _ = layer_cells.read_folder(run_dir)
+            per_call = max((int(f.meta.get("max_tokens", 0)) for f in files), default=0)
+            record.captures.layer_sweep = reach_every_range(
+                config, data, server.base_url, model, per_call, run_dir=run_dir
+            )
             timings["layer_sweep_seconds"] = time.monotonic() - clock
         # Read while the server still runs: the counters' flusher thread wrote them within its interval.
         time.sleep(2 * STATS_INTERVAL_SECONDS)
         record.serving.bundled_kernel_calls = kernel_call_counts(run_dir)
-        layer_summary = summarize(read_layer_files(run_dir)) if config.layer_checked else None
+        layer_summary = None
+        if config.layer_checked:
+            files, problems = layer_cells.read_folder(run_dir)
+            layer_summary = summarize(files, layer_check_limits(config), config.layout.world_size, problems)
         _stage(options, "stopping the server")
     write_samples(run_dir / "samples.jsonl", result.samples)
     stats = answer_stats(result.samples, token_counts, config.max_tokens)

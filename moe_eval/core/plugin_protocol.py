@@ -29,9 +29,13 @@ STATS_INTERVAL_SECONDS = 0.5  # a flusher thread rewrites the counters at most t
 
 # The layer check (kernels/layer_check.py, read by gates/layer_gate.py): each bundled-kernel process
 # samples the MoE calls it serves, compares the served output with the exact MoE of the same inputs and
-# writes per-range, per-expert sums to <run dir>/layer-check/<pid>.json. Off with MOE_EVAL_LAYER_CHECK=0.
+# writes per-layer, per-range, per-expert sums to <run dir>/layer-check/<pid>.npz.
+# Off with MOE_EVAL_LAYER_CHECK=0.
 LAYER_CHECK_ENV = "MOE_EVAL_LAYER_CHECK"  # "0": off; else on (the launcher sets it from the config)
-LAYER_CHECK_DIR = "layer-check"
+LAYER_CHECK_SLOTS_ENV = (
+    "MOE_EVAL_LAYER_CHECK_SLOTS"  # slots a cell collects before rows stop being picked for it
+)
+LAYER_CHECK_DIR = "layer-check"  # <run dir>/layer-check/<pid>.npz (core/layer_cells.py)
 # Dispatch ranges by the call's token count M: the lower edge of each range. They follow the bundled Triton
 # kernel's launch plan: M = 1 (one decode sequence), the small-BLOCK_M decode batches up to 16 and up to 64
 # (CUDA-graph sizes), mid batches, single-text prefills, and the persistent prefill path from M = 1024

@@ -9,7 +9,13 @@ server:
 2. when the server's calls can carry more than one prompt fits (its batched-token limit above
    max_model_len), enough long prompts at once to fill steps at that limit (chunked prefill's largest calls);
 3. DECODE_BATCHES concurrent short prompts, each generating DECODE_TOKENS tokens (ignore_eos): decode
-   calls of about that many tokens (with CUDA graphs, the captured size at or above it).
+   calls of about that many tokens (with CUDA graphs, the captured size at or above it);
+4. then rounds: the processes' layer-check tables (<run>/layer-check/) say which ranges still hold cells
+   (layer, range, expert) with fewer slots than the server's target, and each round sends one more unit of
+   each such range's workload (RANGE_UNITS), until no cell lacks slots, a round adds none to the cells that
+   lack them (their experts are not routed there), or the config's layer_check_sweep_seconds are spent.
+   The server picks the rows that fill those cells (kernels/layer_check.py), so a round costs what the
+   missing evidence costs.
 
 Prompts are token ids cut from a pool (the tokenized scoring texts), each starting at another offset so
 that prefix caching never shortens a call. What was sent is returned for results.json.
@@ -18,12 +24,20 @@ that prefix caching never shortens a call. What was sent is returned for results
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import requests
 
+from moe_eval.core import layer_cells
 from moe_eval.core.errors import InfraError
-from moe_eval.core.plugin_protocol import DEFAULT_MAX_TOKENS, LAYER_RANGE_EDGES
+from moe_eval.core.plugin_protocol import (
+    DEFAULT_MAX_TOKENS,
+    LAYER_RANGE_EDGES,
+    STATS_INTERVAL_SECONDS,
+    layer_range_names,
+)
 from moe_eval.evaluate.gsm8k import Gsm8kData
 from moe_eval.evaluate.logprobs import post_completions, scoring_texts
 from moe_eval.plan.config import EvalConfig
@@ -33,6 +47,18 @@ PREFILL_REPEATS = 3
 DECODE_BATCHES = (1, 8, 40, 100)  # concurrent sequences: M=1, 2-16, 17-64, 65-256 when decoding together
 DECODE_TOKENS = 12
 DECODE_PROMPT_TOKENS = 16
+# One unit of each range's workload, for the rounds: (concurrent prompts, prompt tokens, tokens generated).
+# Decode units make calls of about their concurrency; prefill units one call of about their prompt length.
+RANGE_UNITS = (
+    (1, DECODE_PROMPT_TOKENS, 96),  # M=1: one sequence decoding
+    (8, DECODE_PROMPT_TOKENS, 48),  # M=2-16
+    (40, DECODE_PROMPT_TOKENS, 24),  # M=17-64
+    (100, DECODE_PROMPT_TOKENS, 12),  # M=65-256 (and the 100 short prompts' prefill)
+    (1, 600, 1),  # M=257-1023
+    (1, 1500, 1),  # M=1024-4095
+    (0, 0, 0),  # M>=4096: the batched long prompts of step 2
+)
+MAX_ROUNDS = 64
 FALLBACK_TEXT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May? Weng earns $12 an hour for babysitting. "
@@ -40,23 +66,140 @@ FALLBACK_TEXT = (
 
 
 def reach_every_range(
-    config: EvalConfig, data: Gsm8kData, base_url: str, model: str, max_tokens_per_call: int | None
+    config: EvalConfig,
+    data: Gsm8kData,
+    base_url: str,
+    model: str,
+    max_tokens_per_call: int | None,
+    run_dir: Path | None = None,
 ) -> dict[str, Any]:
     """The whole workload for a config's server: the pool from its scoring texts, the server's model length,
-    then `sweep`. max_tokens_per_call: the largest call the server's processes said they make (None or 0:
-    vLLM's default batched-token limit)."""
+    then `sweep`, then (with run_dir) the rounds until the cells hold their slots. max_tokens_per_call: the
+    largest call the server's processes said they make (None or 0: vLLM's default batched-token limit)."""
     train, test = data.train_rows(), data.test_rows()
     texts = scoring_texts(train, test, config.num_fewshot, min(16, len(test))) if test else []
     timeout = config.request_timeout_seconds
-    return sweep(
+    started = time.monotonic()
+    pool = token_pool(base_url, model, texts, timeout)
+    model_len = max_model_len(base_url, timeout)
+    per_call = max_tokens_per_call or DEFAULT_MAX_TOKENS
+    sent = sweep(
         base_url,
         model,
-        token_pool(base_url, model, texts, timeout),
-        max_tokens_per_call=max_tokens_per_call or DEFAULT_MAX_TOKENS,
-        model_len=max_model_len(base_url, timeout),
+        pool,
+        max_tokens_per_call=per_call,
+        model_len=model_len,
         timeout=timeout,
         retries=max(config.max_retries, 1),
     )
+    if run_dir is not None:
+        sent["rounds"] = fill_cells(
+            base_url,
+            model,
+            pool,
+            run_dir,
+            target=config.layer_check_slots,
+            deadline=started + config.layer_check_sweep_seconds,
+            max_tokens_per_call=per_call,
+            model_len=model_len,
+            timeout=timeout,
+            retries=max(config.max_retries, 1),
+            first_index=sent["requests"],
+        )
+        sent["seconds"] = round(time.monotonic() - started, 2)
+    return sent
+
+
+def lacking_cells(run_dir: Path, target: int) -> dict[str, tuple[int, int]]:
+    """Per range: (cells with fewer than `target` slots, their slots) over every rank's layers and the
+    experts it holds, as the processes' last flush wrote them."""
+    files, _ = layer_cells.read_folder(run_dir)
+    lacking: dict[str, tuple[int, int]] = {}
+    for f in files:
+        held = f.meta.get("experts_held")
+        slots = f.cells[..., 0] if held is None else f.cells[:, :, [int(e) for e in held], 0]
+        for i, name in enumerate(layer_range_names()):
+            short = slots[:, i][slots[:, i] < target]
+            count, have = lacking.get(name, (0, 0))
+            lacking[name] = (count + int(short.size), have + int(np.sum(short)))
+    return lacking
+
+
+def fill_cells(
+    base_url: str,
+    model: str,
+    pool: list[int],
+    run_dir: Path,
+    *,
+    target: int,
+    deadline: float,
+    max_tokens_per_call: int,
+    model_len: int,
+    timeout: float,
+    retries: int,
+    first_index: int,
+) -> list[dict[str, Any]]:
+    """Step 4 of the module docstring; what each round found lacking and sent, for results.json."""
+    rounds: list[dict[str, Any]] = []
+    index = first_index
+    reachable = [
+        name
+        for name, low in zip(layer_range_names(), LAYER_RANGE_EDGES, strict=True)
+        if low <= max_tokens_per_call
+    ]
+    last: dict[str, int] = {}  # per range, the slots its lacking cells still missed after the last round
+
+    def missing(name: str, lacking: dict[str, tuple[int, int]]) -> int:
+        count, have = lacking.get(name, (0, 0))
+        return count * target - have
+
+    while len(rounds) < MAX_ROUNDS:
+        time.sleep(2 * STATS_INTERVAL_SECONDS)  # the processes' flushers write within their interval
+        lacking = lacking_cells(run_dir, target)
+        # A range is driven again while it lacks slots and its last unit brought some.
+        wanted = {
+            name: lacking[name]
+            for name in reachable
+            if missing(name, lacking) > 0 and missing(name, lacking) < last.get(name, 1 << 62)
+        }
+        if rounds:
+            rounds[-1]["lacking_after"] = {name: lacking.get(name, (0, 0))[0] for name in reachable}
+        if not wanted or time.monotonic() >= deadline:
+            break
+        last = {name: missing(name, lacking) for name in reachable}
+        sent_units = []
+        for name in wanted:
+            i = layer_range_names().index(name)
+            concurrent, length, tokens = RANGE_UNITS[i]
+            room = model_len - tokens - 1
+            if concurrent == 0 or length > min(room, max_tokens_per_call):
+                continue
+            payloads = []
+            for _ in range(concurrent):
+                index += 1
+                payloads.append(
+                    {
+                        "model": model,
+                        "prompt": _prompt(pool, length, index),
+                        "max_tokens": tokens,
+                        "temperature": 0.0,
+                        "ignore_eos": True,
+                    }
+                )
+            post_completions(
+                base_url,
+                payloads,
+                lambda reply, i: reply.get("usage", {}),
+                concurrency=concurrent,
+                timeout=timeout,
+                retries=retries,
+                backoff=1.0,
+            )
+            sent_units.append(name)
+        rounds.append({"lacking": {name: count for name, (count, _) in wanted.items()}, "sent": sent_units})
+        if not sent_units:
+            break
+    return rounds
 
 
 def token_pool(base_url: str, model: str, texts: list[str], timeout: float) -> list[int]:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from moe_eval import launch
 from moe_eval.core.layout import layout_from_server_args
+from moe_eval.core.plugin_protocol import LAYER_CHECK_SLOTS_ENV
 from moe_eval.core.record import ServerInfo
 from moe_eval.evaluate.gsm8k import Gsm8kData
 from moe_eval.evaluate.logprobs import (
@@ -85,6 +86,8 @@ def server_launch(
         devices=devices,
         layer_check=layer_check,
     )
+    if layer_check:
+        env[LAYER_CHECK_SLOTS_ENV] = str(config.layer_check_slots)
     env.update(extra_env or {})
     spec = launch.ServerSpec(
         model=model,

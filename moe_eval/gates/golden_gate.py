@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from moe_eval.evaluate.logprobs import TextLogprobs, divergence_of_pairs, paired_texts
+from moe_eval.gates.stats import student_t_sf  # noqa: F401  (re-exported: the golden tests read it here)
 
 DEFAULT_MARGIN = 0.10  # docs/logprob-gate.md: correct kernels measured at ratios 0.93-1.05
 DEFAULT_ALPHA = 0.01
@@ -96,44 +97,6 @@ def paired_t_greater(diffs: np.ndarray) -> tuple[float, float]:
         return (math.inf, 0.0) if mean > 0 else (-math.inf if mean < 0 else 0.0, 1.0)
     t = mean / (sd / math.sqrt(n))
     return t, student_t_sf(t, n - 1)
-
-
-def student_t_sf(t: float, df: int) -> float:
-    """P(T > t) for Student's t with df degrees of freedom: I_x(df/2, 1/2) / 2 with x = df / (df + t^2),
-    the regularized incomplete beta by its continued fraction (Numerical Recipes' betacf, Lentz's method).
-    Written out so the gate needs no SciPy on the GPU image; tests check it against SciPy."""
-    if t == 0.0:
-        return 0.5
-    x = df / (df + t * t)
-    a, b = df / 2.0, 0.5
-    front = math.exp(
-        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    )
-    if x < (a + 1) / (a + b + 2):
-        tail = front * _beta_cf(a, b, x) / a
-    else:
-        tail = 1.0 - front * _beta_cf(b, a, 1.0 - x) / b
-    return tail / 2 if t > 0 else 1.0 - tail / 2
-
-
-def _beta_cf(a: float, b: float, x: float) -> float:
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 300):
-        for num in (
-            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
-        ):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return h
 
 
 @dataclass(frozen=True)

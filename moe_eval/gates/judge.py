@@ -249,10 +249,21 @@ def _kernel_calls(config: EvalConfig, m: Measurements, out: Judgement) -> str | 
     return None
 
 
+def layer_check_limits(config: EvalConfig) -> LayerCheckLimits:
+    return LayerCheckLimits(
+        margin=config.layer_check_margin,
+        scale_bound=config.layer_check_scale_bound,
+        z=config.layer_check_z,
+        activation_bound=config.layer_check_activation_bound,
+        power=config.layer_check_power,
+        min_judged=config.layer_check_min_judged,
+    )
+
+
 def _layer_check(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
     if m.layer is None:
         return "the processes' layer-check sums were not read"
-    limits = LayerCheckLimits(config.layer_check_margin, config.layer_check_scale_bound, config.layer_check_z)
+    limits = layer_check_limits(config)
     out.checks += layer_checks(m.layer, limits)
     out.sections["layer_check"] = summary_record(m.layer, limits)
     return None

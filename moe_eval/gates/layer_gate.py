@@ -1,60 +1,154 @@
-"""The layer check's verdict: the served MoE calls against the exact MoE, per dispatch range and per expert.
+"""The layer check's verdict: the served MoE calls against the exact MoE, per layer, dispatch range, expert
+and rank, with what it could not judge counted.
 
-Reads the sums every bundled-kernel process wrote (moe_eval.kernels.layer_check: <run>/layer-check/<pid>.json)
-and judges them with three checks:
+Reads the tables every bundled-kernel process wrote (core/layer_cells.py; moe_eval.kernels.layer_check makes
+them) and judges them at three levels: each (layer, range, expert) cell of each rank, the same pooled over
+the layers (where a bug confined to a range but in every layer reads at full size with all the evidence),
+and pooled over the ranks too. Five checks:
 
-- `layer_check_coverage`: every dispatch range the server can produce (a call of up to its batched-token
-  limit) was sampled, at least MIN_ROWS rows: a range nobody compared is not a pass.
-- `layer_check_ranges`: per range and rank, the served output's RMS error against the exact MoE is no worse
-  than the incumbent's arithmetic on the same rows (layer_check.py says what stands in for vLLM's kernel)
-  by more than the margin: error / incumbent's error <= 1 + layer_check_margin.
-- `layer_check_experts`: per range, rank and expert, the scale estimate s = sum a / sum b (a kernel whose
-  expert e is off by a factor 1 + s gives s). It fails when |s| > layer_check_scale_bound, |s| is above the
-  incumbent arithmetic's own estimate on the same slots, and their difference is at least layer_check_z
-  standard errors (the variance the rows' own served - incumbent residuals imply). Against the incumbent,
-  not against zero: an expert that carries a tiny share of its rows is estimated from rounding alone, and a
-  kernel rounding like the incumbent then has the incumbent's estimate (seen on the H200: a correct
-  kernel's s = -0.32 +- 0.07 over 4 slots, judged against zero, was 0.5 standard errors from failing).
-  The same cells pooled over ranks are judged too.
+- `layer_check_coverage`: every rank of the layout wrote its tables (a missing one is "not run", never a
+  smaller pool), and every dispatch range the server can produce (up to its batched-token limit) was
+  compared on at least MIN_ROWS rows.
+- `layer_check_ranges`: per range (and per layer in it) and rank, the served output's RMS error against the
+  exact MoE is no worse than the incumbent's arithmetic on the same rows by more than the margin; no
+  served NaN where the exact MoE is finite. A whole layer off by a few % fails here.
+- `layer_check_experts`: each cell's scale s (the joint least squares of layer_check_ref: a kernel whose
+  expert e is off by 1 + s reads s in e's cells and nothing in another's). A cell fails when |s| is above
+  layer_check_scale_bound, above the incumbent arithmetic's own estimate on the same slots, and their
+  difference is at least t standard errors, t the Student quantile, at the cell's degrees of freedom, of the
+  tail layer_check_z standard normal errors leave. Against the incumbent, not zero: an expert carrying a
+  tiny share of its rows is estimated from rounding alone.
+- `layer_check_activation`: the same rule for the SiLU slope direction per layer and range (a systematic
+  error of every expert's activation, which no single expert's scale reads at its size).
+- `layer_check_power`: per reachable range and rank, the share of (range, expert) cells that resolve a
+  layer_check_power one-expert error with 80 % probability; under layer_check_min_judged the row is not
+  passed (incomplete), the unjudged cells named.
 
-No torch: plain arithmetic on the JSON sums.
+The degrees of freedom. A cell's variance estimate is a sum of one-term squares (each element's
+y~^2 diff^2); where a few elements carry it (a trained model's outlier dimensions, a handful of slots) it is
+a draw of few degrees of freedom and can read several times too small: the CPU canary's correct kernel had
+a 9-slot cell at z = 4.5 against the incumbent. Kish's effective count nu = (sum v)^2 / sum v^2 measures
+that concentration (it counts one-degree terms of equal weight exactly, and undercounts Gaussian terms up
+to 3x: conservative), and the cell's threshold is the t quantile at nu: 12.4 at nu = 9, 6.3 at 30, 5.2 at
+200 for z = 5. So the old fixed floor of 20 slots is gone: a thin cell is judged when its own numbers
+say it can be, and counted as unjudged when they say it cannot.
+
+The power of a cell: the smallest true scale error d caught with 80 % probability by the rule above,
+d80 = max((t + 0.84) se_diff, bound + 0.84 se, |s_incumbent| + 0.84 se_diff).
+
+No torch: numpy on the tables.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from moe_eval.core.check import Check
-from moe_eval.core.plugin_protocol import LAYER_CHECK_DIR, LAYER_RANGE_EDGES, layer_range_names
+import numpy as np
 
-MIN_ROWS = 8  # rows a range needs before its error ratio is judged (and before it counts as covered)
-# Slots of one expert in one range before its scale estimate is judged. Each slot's variance comes from its
-# own row's residuals, one draw per element; where an expert's output sits in a few outlier dimensions of a
-# trained model that is a draw of few degrees of freedom, and with a handful of slots it can read several
-# times too small. Measured on the CPU canary, correct kernel: an expert with 9 slots in M=1024-4095 read
-# z = 4.5 (s = +0.16, a tiny share of its rows), another with 6 slots z = 4.1; no cell of 20 slots or more
-# was off the bound and beyond the incumbent at all (CPU TP1 and TEP, H200 TP1). The 1% bugs' cells had 25 to
-# 855 slots.
-MIN_SLOTS = 20
+from moe_eval.core.check import Check
+from moe_eval.core.layer_cells import CELL, ROW, LayerFile
+from moe_eval.core.plugin_protocol import LAYER_RANGE_EDGES, layer_range_names
+from moe_eval.gates.stats import normal_two_sided_p, student_t_quantile
+
+MIN_ROWS = (
+    8  # rows a range (or a layer in it) needs before its error ratio is judged and it counts as covered
+)
+POWER_Z = 0.8416  # the normal quantile of 80 %: the power lines are "caught with 80 % probability"
+NAMED = 12  # cells or layers a check's line names at most
 
 
 @dataclass(frozen=True)
 class LayerCheckLimits:
     margin: float  # error / incumbent's error may reach 1 + margin
     scale_bound: float  # |s| above this fails (with the z below)
-    z: float  # ... when |s| / se is at least this
+    z: float  # ... when |s - s_incumbent| reaches the t quantile of this normal tail
+    activation_bound: float = 0.002  # the SiLU slope error's bound
+    power: float = 0.01  # a cell is judged when it resolves a one-expert error this large
+    min_judged: float = 0.95  # share of each reachable range's cells judged on every rank
+
+
+class _Quantiles:
+    """t quantiles of one two-sided tail for many degrees of freedom at once: exact on a log grid of nu,
+    interpolated between (t falls smoothly with nu)."""
+
+    def __init__(self, z: float) -> None:
+        self.z = z
+        self.grid = np.geomspace(0.5, 1e7, 240)
+        p = normal_two_sided_p(z)
+        self.values = np.array([student_t_quantile(p, nu) for nu in self.grid])
+
+    def __call__(self, nu: np.ndarray) -> np.ndarray:
+        nu = np.asarray(nu, dtype=float)
+        out = np.interp(
+            np.log(np.clip(nu, self.grid[0], self.grid[-1])), np.log(self.grid), np.log(self.values)
+        )
+        out = np.exp(out)
+        out = np.where(nu >= self.grid[-1], self.z, out)
+        return np.where(np.isfinite(nu) & (nu > 0), out, np.where(np.isinf(nu), self.z, np.inf))
+
+
+_QUANTILES: dict[float, _Quantiles] = {}
+
+
+def t_threshold(z: float, nu: np.ndarray) -> np.ndarray:
+    if z not in _QUANTILES:
+        _QUANTILES[z] = _Quantiles(z)
+    return _QUANTILES[z](nu)
+
+
+@dataclass
+class Estimates:
+    """A direction's estimate over any array of pooled sums (the last axis: a, b, vb, a_inc, vd, vd2)."""
+
+    scale: np.ndarray
+    stderr: np.ndarray
+    incumbent: np.ndarray
+    diff_stderr: np.ndarray
+    dof: np.ndarray
+    z: np.ndarray  # |scale - incumbent| / diff_stderr
+    threshold: np.ndarray  # the t quantile at dof
+    detectable: np.ndarray  # d80: the smallest error caught with 80 % probability
+
+    @classmethod
+    def of(cls, sums: np.ndarray, bound: float, z: float) -> Estimates:
+        a, b, vb, a_inc, vd, vd2 = (sums[..., i] for i in range(6))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            has = b > 0
+            scale = np.where(has, a / b, 0.0)
+            stderr = np.where(has, np.sqrt(np.maximum(vb, 0)) / b, np.inf)
+            incumbent = np.where(has, a_inc / b, 0.0)
+            diff_stderr = np.where(has, np.sqrt(np.maximum(vd, 0)) / b, np.inf)
+            dof = np.where(vd2 > 0, vd * vd / vd2, np.inf)
+            gap = np.abs(scale - incumbent)
+            zs = np.where(gap == 0, 0.0, np.where(diff_stderr > 0, gap / diff_stderr, np.inf))
+        threshold = t_threshold(z, dof)
+        detectable = np.maximum.reduce(
+            [
+                (threshold + POWER_Z) * diff_stderr,
+                bound + POWER_Z * stderr,
+                np.abs(incumbent) + POWER_Z * diff_stderr,
+            ]
+        )
+        detectable = np.where(has, detectable, np.inf)
+        return cls(scale, stderr, incumbent, diff_stderr, dof, zs, threshold, detectable)
+
+    def off(self, bound: float) -> np.ndarray:
+        return (
+            (np.abs(self.scale) > bound)
+            & (np.abs(self.scale) > np.abs(self.incumbent))
+            & (self.z >= self.threshold)
+        )
 
 
 @dataclass
 class RangeRow:
-    """One dispatch range on one rank ('all' pooled over ranks)."""
+    """One dispatch range (layer None: pooled over the layers) on one rank ('all': pooled over ranks)."""
 
     range: str
     rank: str
+    layer: int | None
     calls_seen: int
     calls_sampled: int
     rows: int
@@ -65,54 +159,61 @@ class RangeRow:
 
 
 @dataclass
-class ExpertCell:
+class Cell:
+    """A scale estimate: an expert's (ExpertCell) or the activation's (layer, range)."""
+
     range: str
     rank: str
-    expert: int
+    layer: int | None  # None: pooled over the layers
     slots: int
-    scale: float  # s: the expert's output is (1 + s) times the exact one
-    stderr: float  # of s, from the served residuals
-    incumbent_scale: float  # the incumbent arithmetic's s on the same slots
-    diff_stderr: float  # of scale - incumbent_scale
+    scale: float
+    stderr: float | None
+    incumbent_scale: float
+    diff_stderr: float | None
+    dof: float | None
+    z: float | None
+    threshold: float | None
+    detectable: float | None  # d80
 
-    @property
-    def z(self) -> float:
-        """|s - s_incumbent| in standard errors of the difference (0 when they agree exactly)."""
-        diff = abs(self.scale - self.incumbent_scale)
-        if diff == 0:
-            return 0.0
-        return diff / self.diff_stderr if self.diff_stderr > 0 else math.inf
 
-    def off(self, limits: LayerCheckLimits) -> bool:
-        return (
-            abs(self.scale) > limits.scale_bound
-            and abs(self.scale) > abs(self.incumbent_scale)
-            and self.z >= limits.z
-        )
+@dataclass
+class ExpertCell(Cell):
+    expert: int = -1
+
+
+@dataclass
+class PowerRow:
+    """How much of one range one rank's check could judge: (range, expert) cells pooled over the layers, and
+    (layer, range, expert) cells."""
+
+    range: str
+    rank: str
+    cells: int  # experts this rank holds
+    judged: int  # ... resolving a `power` one-expert error
+    detectable_95: (
+        float | None
+    )  # the error that 95 % of the cells resolve (None: fewer than 95 % resolve any)
+    layer_cells: int
+    layer_judged: int
+    unjudged: list[int] = field(default_factory=list)  # the experts not judged
 
 
 @dataclass
 class LayerSummary:
     processes: int
+    world_size: int  # the processes the layout has
     counted_on: list[str]
     max_tokens: int  # the most tokens one call can carry (the server's batched-token limit)
+    layers: int
     ranges: list[RangeRow] = field(default_factory=list)
-    experts: list[ExpertCell] = field(default_factory=list)
+    experts: list[ExpertCell] = field(default_factory=list)  # off cells, and each (range, rank)'s largest
+    activation: list[Cell] = field(default_factory=list)  # per range (pooled and per layer) and rank
+    power: list[PowerRow] = field(default_factory=list)
+    off_experts: int = 0
+    problems: list[str] = field(default_factory=list)  # files that could not be read, missing ranks
 
 
-def read_layer_files(run_dir: Path) -> list[dict[str, Any]]:
-    folder = Path(run_dir) / LAYER_CHECK_DIR
-    records = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue  # a flusher caught mid-rename cannot happen (atomic), but a foreign file is no record
-    return records
-
-
-def _rank_name(record: dict[str, Any]) -> str:
-    rank = record.get("rank") or {}
+def rank_name(rank: dict[str, Any]) -> str:
     if rank.get("use_ep"):
         return f"EP{rank.get('ep_rank', 0)}/{rank.get('ep_size', 1)}"
     return f"TP{rank.get('tp_rank', 0)}/{rank.get('tp_size', 1)}" + (
@@ -120,22 +221,13 @@ def _rank_name(record: dict[str, Any]) -> str:
     )
 
 
-def _cell(name: str, rank: str, expert: int, sums: list[float]) -> ExpertCell:
-    """s = sum a / sum b with its standard error sqrt(sum vb) / sum b, the incumbent's s, and the standard
-    error of the difference, sqrt(sum vd) / sum b: each slot's variance implied by its own row's residual
-    (layer_check.py). Not the spread of a / b over slots: where one slot carries most of sum b, that spread
-    is near zero while the estimate is one slot's noise (a correct kernel's -0.021 +- 0.002 over 10 slots on
-    the CPU canary, when it was used)."""
-    n, a, b, vb, a_inc, vd = sums
-    if b <= 0:
-        return ExpertCell(name, rank, expert, int(n), 0.0, math.inf, 0.0, math.inf)
-    return ExpertCell(
-        name, rank, expert, int(n), a / b, math.sqrt(max(vb, 0.0)) / b, a_inc / b, math.sqrt(max(vd, 0.0)) / b
-    )
+def _finite(value: Any) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
 
 
-def _range_row(name: str, rank: str, seen: int, sums: list[float]) -> RangeRow:
-    calls, rows, sq_res, sq_exact, sq_ref, nonfinite = sums
+def _range_row(name: str, rank: str, layer: int | None, seen: int, sums: np.ndarray) -> RangeRow:
+    sq_res, sq_exact, sq_ref = sums[ROW["sq_res"]], sums[ROW["sq_exact"]], sums[ROW["sq_ref"]]
     error = math.sqrt(sq_res / sq_exact) if sq_exact > 0 else None
     incumbent = math.sqrt(sq_ref / sq_exact) if sq_exact > 0 else None
     if error is None or incumbent is None:
@@ -144,41 +236,18 @@ def _range_row(name: str, rank: str, seen: int, sums: list[float]) -> RangeRow:
         ratio = error / incumbent
     else:
         ratio = 1.0 if error == 0 else math.inf
-    return RangeRow(name, rank, seen, int(calls), int(rows), error, incumbent, ratio, int(nonfinite))
+    return RangeRow(
+        name, rank, layer, seen, int(sums[ROW["calls"]]), int(sums[ROW["rows"]]), error, incumbent, ratio,
+        int(sums[ROW["nonfinite"]]),
+    )  # fmt: skip
 
 
-def summarize(records: list[dict[str, Any]]) -> LayerSummary:
-    names = layer_range_names()
-    summary = LayerSummary(
-        processes=len(records),
-        counted_on=sorted({r.get("counted_on", "?") for r in records}),
-        max_tokens=max((int(r.get("max_tokens", 0)) for r in records), default=0),
-    )
-    pooled_range = [[0.0] * 6 for _ in names]
-    pooled_seen = [0] * len(names)
-    pooled_expert: dict[tuple[int, int], list[float]] = {}
-    for record in sorted(records, key=_rank_name):
-        rank = _rank_name(record)
-        for i, name in enumerate(names):
-            sums = record["range_sums"][i]
-            seen = int(record["seen"][i])
-            pooled_seen[i] += seen
-            pooled_range[i] = [x + y for x, y in zip(pooled_range[i], sums, strict=True)]
-            if len(records) > 1 and sums[0] > 0:
-                summary.ranges.append(_range_row(name, rank, seen, sums))
-            for expert, cell in record["expert_sums"][i].items():
-                key = (i, int(expert))
-                pooled_expert[key] = [
-                    x + y for x, y in zip(pooled_expert.get(key, [0.0] * 6), cell, strict=True)
-                ]
-                if len(records) > 1:
-                    summary.experts.append(_cell(name, rank, int(expert), cell))
-    for i, name in enumerate(names):
-        if pooled_range[i][0] > 0 or pooled_seen[i] > 0:
-            summary.ranges.append(_range_row(name, "all", pooled_seen[i], pooled_range[i]))
-    for (i, expert), cell in sorted(pooled_expert.items()):
-        summary.experts.append(_cell(names[i], "all", expert, cell))
-    return summary
+def _cell(est: Estimates, index: tuple, name: str, rank: str, layer: int | None, slots: int) -> Cell:
+    return Cell(
+        name, rank, layer, slots, float(est.scale[index]), _finite(est.stderr[index]),
+        float(est.incumbent[index]), _finite(est.diff_stderr[index]), _finite(est.dof[index]),
+        _finite(est.z[index]), _finite(est.threshold[index]), _finite(est.detectable[index]),
+    )  # fmt: skip
 
 
 def reachable_ranges(max_tokens: int) -> list[str]:
@@ -188,110 +257,319 @@ def reachable_ranges(max_tokens: int) -> list[str]:
     ]
 
 
+def summarize(
+    files: list[LayerFile], limits: LayerCheckLimits, world_size: int = 1, problems: list[str] | None = None
+) -> LayerSummary:
+    names = layer_range_names()
+    summary = LayerSummary(
+        processes=len(files),
+        world_size=world_size,
+        counted_on=sorted({str(f.meta.get("counted_on", "?")) for f in files}),
+        max_tokens=max((int(f.meta.get("max_tokens", 0)) for f in files), default=0),
+        layers=max((f.cells.shape[0] for f in files), default=0),
+        problems=list(problems or []),
+    )
+    if not files:
+        return summary
+    files = sorted(files, key=lambda f: rank_name(f.rank))
+    ranks = [rank_name(f.rank) for f in files]
+    pools: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, list[int]]] = []
+    for f, rank in zip(files, ranks, strict=True):
+        held = f.meta.get("experts_held")
+        held = list(range(f.cells.shape[2])) if held is None else [int(e) for e in held]
+        pools.append((rank, f.cells, f.rows, f.seen, held))
+    if len(files) > 1 and len({f.cells.shape for f in files}) == 1:
+        held_all = sorted({e for p in pools for e in p[4]})
+        total = (sum(f.cells for f in files), sum(f.rows for f in files), sum(f.seen for f in files))
+        pools.append(("all", *total, held_all))
+    for rank, cells, rows, seen, held in pools:
+        _judge_pool(summary, limits, names, rank, cells, rows, seen, held)
+    return summary
+
+
+def _judge_pool(
+    summary: LayerSummary,
+    limits: LayerCheckLimits,
+    names: tuple[str, ...],
+    rank: str,
+    cells: np.ndarray,  # (L, NR, E, NF)
+    rows: np.ndarray,  # (L, NR, NRF)
+    seen: np.ndarray,  # (L, NR)
+    held: list[int],
+) -> None:
+    L = cells.shape[0]
+    # Ranges, pooled over layers and per layer.
+    for i, name in enumerate(names):
+        pooled = rows[:, i].sum(0)
+        if pooled[ROW["calls"]] > 0 or seen[:, i].sum() > 0:
+            summary.ranges.append(_range_row(name, rank, None, int(seen[:, i].sum()), pooled))
+        if L > 1:
+            for layer in range(L):
+                if rows[layer, i, ROW["calls"]] > 0:
+                    summary.ranges.append(_range_row(name, rank, layer, int(seen[layer, i]), rows[layer, i]))
+    # The activation direction, pooled and per layer.
+    act_sums = rows[..., ROW["sa"] : ROW["svd2"] + 1]
+    for layer, sums in [(None, act_sums.sum(0))] + ([(j, act_sums[j]) for j in range(L)] if L > 1 else []):
+        est = Estimates.of(sums, limits.activation_bound, limits.z)
+        source = rows[:, :, ROW["rows"]].sum(0) if layer is None else rows[layer, :, ROW["rows"]]
+        for i, name in enumerate(names):
+            if sums[i, 1] > 0:
+                summary.activation.append(_cell(est, (i,), name, rank, layer, int(source[i])))
+    # Expert cells: per layer (judged, counted) and pooled over the layers.
+    expert_sums = cells[..., CELL["a"] :]
+    per_layer = Estimates.of(expert_sums, limits.scale_bound, limits.z)
+    pooled_sums = expert_sums.sum(0)
+    pooled = Estimates.of(pooled_sums, limits.scale_bound, limits.z)
+    slots_layer, slots_pooled = cells[..., CELL["n"]], cells[..., CELL["n"]].sum(0)
+    off_layer = per_layer.off(limits.scale_bound) & (slots_layer > 0)
+    off_pooled = pooled.off(limits.scale_bound) & (slots_pooled > 0)
+    summary.off_experts += int(off_layer.sum()) + int(off_pooled.sum())
+    shown: list[ExpertCell] = []
+    for layer, i, e in zip(*np.nonzero(off_layer), strict=True):
+        shown.append(
+            _expert(per_layer, (layer, i, e), names[i], rank, int(layer), int(slots_layer[layer, i, e]), e)
+        )
+    for i, e in zip(*np.nonzero(off_pooled), strict=True):
+        shown.append(_expert(pooled, (i, e), names[i], rank, None, int(slots_pooled[i, e]), e))
+    judged_pooled = (pooled.detectable <= limits.power) & (slots_pooled > 0)
+    for i, name in enumerate(names):
+        candidates = np.nonzero((slots_pooled[i] > 0) & judged_pooled[i])[0]
+        if len(candidates):  # the range's largest judged estimate, when nothing is off: what "passed" means
+            e = candidates[np.argmax(np.abs(pooled.scale[i, candidates]))]
+            if not off_pooled[i, e]:
+                shown.append(_expert(pooled, (i, e), name, rank, None, int(slots_pooled[i, e]), e))
+        if slots_pooled[i].sum() == 0:
+            continue
+        d = np.sort(pooled.detectable[i, held])
+        k = max(int(math.ceil(0.95 * len(d))) - 1, 0)
+        layer_detect = per_layer.detectable[:, i, held]
+        summary.power.append(
+            PowerRow(
+                name,
+                rank,
+                len(held),
+                int(judged_pooled[i, held].sum()),
+                _finite(d[k]) if len(d) else None,
+                int(layer_detect.size),
+                int((layer_detect <= limits.power).sum()),
+                [int(e) for e in held if not judged_pooled[i, e]],
+            )
+        )
+    summary.experts += shown
+
+
+def _expert(
+    est: Estimates, index: tuple, name: str, rank: str, layer: int | None, slots: int, e: Any
+) -> ExpertCell:
+    cell = _cell(est, index, name, rank, layer, slots)
+    return ExpertCell(**asdict(cell), expert=int(e))
+
+
+def _where(layer: int | None) -> str:
+    return "" if layer is None else f" layer {layer}"
+
+
 def layer_checks(summary: LayerSummary, limits: LayerCheckLimits) -> list[Check]:
     if summary.processes == 0:
+        why = "; ".join(summary.problems) or "(<run>/layer-check/ holds no file)"
         return [
             Check(
                 "layer_check_coverage",
                 False,
-                "no process of the server wrote layer-check sums (<run>/layer-check/): the MoE calls were "
+                f"not run: no process of the server wrote layer-check tables {why}: the MoE calls were "
                 "compared with nothing",
+                ran=False,
             )
         ]
-    pooled = {row.range: row for row in summary.ranges if row.rank == "all"}
+    return [
+        _coverage(summary),
+        _ranges(summary, limits),
+        _experts(summary, limits),
+        _activation(summary, limits),
+        _power(summary, limits),
+    ]
+
+
+def _coverage(summary: LayerSummary) -> Check:
+    pooled = {row.range: row for row in summary.ranges if row.rank == "all" and row.layer is None}
+    if summary.processes == 1:
+        pooled = {row.range: row for row in summary.ranges if row.layer is None}
     wanted = reachable_ranges(summary.max_tokens)
     missing = [name for name in wanted if pooled.get(name) is None or pooled[name].rows < MIN_ROWS]
     covered = ", ".join(f"{name} {pooled[name].rows} rows" for name in wanted if name not in missing)
-    coverage = Check(
-        "layer_check_coverage",
-        not missing,
-        f"dispatch ranges up to the server's {summary.max_tokens} tokens per call: "
-        f"{covered or 'none'} sampled"
-        + (f"; NOT SAMPLED (< {MIN_ROWS} rows): {', '.join(missing)}" if missing else ""),
+    detail = (
+        f"{summary.processes} of {summary.world_size} rank(s), {summary.layers} MoE layer(s); dispatch "
+        f"ranges up to the server's {summary.max_tokens} tokens per call: {covered or 'none'} compared"
+        + (f"; NOT COMPARED (< {MIN_ROWS} rows): {', '.join(missing)}" if missing else "")
     )
+    if summary.processes < summary.world_size or summary.problems:
+        lost = "; ".join(summary.problems)
+        return Check(
+            "layer_check_coverage",
+            False,
+            f"not run: {summary.world_size - summary.processes} rank(s) wrote no layer-check tables"
+            + (f" ({lost})" if lost else "")
+            + f": their calls were compared with nothing. {detail}",
+            ran=False,
+        )
+    return Check("layer_check_coverage", not missing, detail)
+
+
+def _ranges(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
     judged = [row for row in summary.ranges if row.rows >= MIN_ROWS and row.ratio is not None]
     worse = [row for row in judged if row.ratio > 1 + limits.margin or row.nonfinite]
-    worst = max(judged, key=lambda row: row.ratio, default=None)
-    ranges = Check(
+    worst = max((r for r in judged if r.layer is None), key=lambda row: row.ratio, default=None)
+    worse.sort(key=lambda r: -(r.ratio or 0))
+    text = (
+        "; ".join(_describe_range(row) for row in worse[:NAMED])
+        + (f" (+{len(worse) - NAMED} more)" if len(worse) > NAMED else "")
+        if worse
+        else f"worst {_describe_range(worst)}"
+        if worst
+        else "no range judged"
+    )
+    return Check(
         "layer_check_ranges",
         not worse,
-        (
-            f"error against the exact MoE / the incumbent's, limit {1 + limits.margin:.2f}: "
-            + (
-                "; ".join(_describe_range(row) for row in worse)
-                if worse
-                else f"worst {_describe_range(worst)}"
-                if worst
-                else "no range judged"
-            )
-        ),
+        f"error against the exact MoE / the incumbent's, per range and per layer, "
+        f"limit {1 + limits.margin:.2f}: " + text,
     )
-    cells = [cell for cell in summary.experts if cell.slots >= MIN_SLOTS]
-    off = [c for c in cells if c.off(limits)]
-    biggest = max(cells, key=lambda c: abs(c.scale), default=None)
-    experts = Check(
-        "layer_check_experts",
+
+
+def _experts(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
+    off = [c for c in summary.experts if _is_off(c, limits.scale_bound)]
+    off.sort(key=lambda c: -abs(c.scale))
+    biggest = max((c for c in summary.experts if c not in off), key=lambda c: abs(c.scale), default=None)
+    head = (
+        f"per-expert scale of the served output against the exact MoE (joint over each row's slots), limit "
+        f"+-{limits.scale_bound:g} and beyond the incumbent's by t(dof) at z = {limits.z:g}, per layer and "
+        f"pooled over layers: "
+    )
+    if off:
+        text = "; ".join(_describe_cell(c) for c in off[:NAMED])
+        text += f" (+{summary.off_experts - NAMED} more)" if summary.off_experts > NAMED else ""
+    else:
+        text = f"none off; largest judged {_describe_cell(biggest)}" if biggest else "none off"
+    return Check("layer_check_experts", not off, head + text)
+
+
+def _is_off(c: Cell, bound: float) -> bool:
+    """The rule on a stored cell (None: infinite, as results.json writes it)."""
+    z = math.inf if c.z is None else c.z
+    threshold = math.inf if c.threshold is None else c.threshold
+    return c.slots > 0 and abs(c.scale) > bound and abs(c.scale) > abs(c.incumbent_scale) and z >= threshold
+
+
+def _activation(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
+    cells = summary.activation
+    off = sorted((c for c in cells if _is_off(c, limits.activation_bound)), key=lambda c: -abs(c.scale))
+    pooled = [c for c in cells if c.layer is None]
+    largest = max(pooled, key=lambda c: abs(c.scale), default=None)
+    text = (
+        "; ".join(_describe_activation(c) for c in off[:NAMED])
+        if off
+        else f"largest {_describe_activation(largest)}"
+        if largest
+        else "nothing measured"
+    )
+    return Check(
+        "layer_check_activation",
         not off,
-        (
-            f"per-expert scale of the served output against the exact MoE, limit +-{limits.scale_bound:g} "
-            f"and beyond the incumbent's by z >= {limits.z:g}, over {len(cells)} cells: "
-            + (
-                "; ".join(_describe_cell(c) for c in sorted(off, key=lambda c: -abs(c.scale))[:6])
-                + (f" (+{len(off) - 6} more)" if len(off) > 6 else "")
-                if off
-                else f"largest {_describe_cell(biggest)}"
-                if biggest
-                else "no cell judged"
-            )
-        ),
+        f"SiLU slope error of the served output (every expert's activation), "
+        f"limit +-{limits.activation_bound:g} "
+        f"and beyond the incumbent's by t(dof) at z = {limits.z:g}: " + text,
     )
-    return [coverage, ranges, experts]
 
 
-def _finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None
+def _power(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
+    wanted = set(reachable_ranges(summary.max_tokens))
+    rows = [p for p in summary.power if p.range in wanted and (p.rank != "all" or summary.processes == 1)]
+    if summary.processes == 1:
+        rows = [p for p in summary.power if p.range in wanted]
+    short = [p for p in rows if p.cells and p.judged < limits.min_judged * p.cells]
+    seen_ranges = {p.range for p in rows}
+    never = sorted(wanted - seen_ranges, key=list(layer_range_names()).index)
+    total = sum(p.cells for p in rows)
+    judged = sum(p.judged for p in rows)
+    detail = (
+        f"one-expert error of {limits.power:.1%} resolved (80 % power) in {judged} of {total} "
+        f"(range, expert) cells; per range: " + ", ".join(_describe_power(p) for p in rows)
+    )
+    if short or never:
+        named = "; ".join(
+            f"{p.range} ({p.rank}) {p.judged}/{p.cells}, unjudged experts "
+            + ", ".join(map(str, p.unjudged[:NAMED]))
+            + (f" (+{len(p.unjudged) - NAMED})" if len(p.unjudged) > NAMED else "")
+            for p in short
+        )
+        if never:
+            named = (named + "; " if named else "") + f"no cell at all in {', '.join(never)}"
+        return Check(
+            "layer_check_power",
+            False,
+            f"not run: under {limits.min_judged:.0%} of the cells judged: {named}. {detail}",
+            ran=False,
+        )
+    return Check("layer_check_power", True, detail)
+
+
+def _describe_power(p: PowerRow) -> str:
+    d95 = f"95% resolve {p.detectable_95:.2%}" if p.detectable_95 is not None else "95% resolve none"
+    return f"{p.range} ({p.rank}) {p.judged}/{p.cells} ({d95}; per layer {p.layer_judged}/{p.layer_cells})"
 
 
 def _describe_range(row: RangeRow) -> str:
     errors = f"{row.error:.2e} vs {row.incumbent_error:.2e}"
     bad = f"; {row.nonfinite} served values NaN/inf where the exact MoE is finite" if row.nonfinite else ""
-    return f"{row.range} ({row.rank}) {row.ratio:.3f} ({errors}, {row.rows} rows{bad})"
+    return f"{row.range}{_where(row.layer)} ({row.rank}) {row.ratio:.3f} ({errors}, {row.rows} rows{bad})"
 
 
-def _describe_cell(cell: ExpertCell) -> str:
+def _stat(c: Cell) -> str:
+    z = "inf" if c.z is None else f"{c.z:.1f}"
+    t = "inf" if c.threshold is None else f"{c.threshold:.1f}"
+    return f"z = {z} vs t {t}"
+
+
+def _describe_cell(c: ExpertCell) -> str:
+    se = "inf" if c.stderr is None else f"{c.stderr:.4f}"
     return (
-        f"expert {cell.expert} {cell.range} ({cell.rank}) s = {cell.scale:+.4f} +- {cell.stderr:.4f} "
-        f"(incumbent {cell.incumbent_scale:+.4f}, z = {cell.z:.1f}, {cell.slots} slots)"
+        f"expert {c.expert} {c.range}{_where(c.layer)} ({c.rank}) s = {c.scale:+.4f} +- {se} "
+        f"(incumbent {c.incumbent_scale:+.4f}, {_stat(c)}, {c.slots} slots)"
+    )
+
+
+def _describe_activation(c: Cell) -> str:
+    return (
+        f"{c.range}{_where(c.layer)} ({c.rank}) {c.scale:+.4f} (incumbent {c.incumbent_scale:+.4f}, "
+        f"{_stat(c)}, {c.slots} rows)"
     )
 
 
 def summary_record(summary: LayerSummary, limits: LayerCheckLimits) -> dict[str, Any]:
-    """results.json's "layer_check": every range row, and the expert cells worth reading (the judged ones
-    off by more than half the bound, and each range's largest)."""
-    cells = [c for c in summary.experts if c.slots >= MIN_SLOTS]
-    largest: dict[tuple[str, str], ExpertCell] = {}
-    for cell in cells:
-        key = (cell.range, cell.rank)
-        if key not in largest or abs(cell.scale) > abs(largest[key].scale):
-            largest[key] = cell
-    shown = {id(c): c for c in cells if abs(c.scale) > limits.scale_bound / 2} | {
-        id(c): c for c in largest.values()
-    }
+    """results.json's "layer_check": the ranges (pooled over layers; per layer only where judged off), the
+    power per range and rank, the activation per range, and the expert cells worth reading (the off ones,
+    and each range's largest judged)."""
+    layer_rows = [
+        r for r in summary.ranges if r.layer is not None and r.ratio is not None and r.rows >= MIN_ROWS
+        and (r.ratio > 1 + limits.margin or r.nonfinite)
+    ]  # fmt: skip
     return {
         "processes": summary.processes,
+        "world_size": summary.world_size,
+        "layers": summary.layers,
         "counted_on": summary.counted_on,
         "max_tokens_per_call": summary.max_tokens,
         "limits": asdict(limits),
         "min_rows": MIN_ROWS,
-        "min_slots": MIN_SLOTS,
-        "ranges": [asdict(row) for row in summary.ranges],
-        "expert_cells_judged": len(cells),
-        "expert_cells": [
+        "problems": summary.problems,
+        "ranges": [asdict(r) for r in summary.ranges if r.layer is None] + [asdict(r) for r in layer_rows],
+        "power": [asdict(p) for p in summary.power],
+        "activation": [asdict(c) for c in summary.activation if c.layer is None]
+        + [
             asdict(c)
-            | {
-                "stderr": c.stderr if math.isfinite(c.stderr) else None,
-                "z": c.z if math.isfinite(c.z) else None,
-            }
-            for c in shown.values()
+            for c in summary.activation
+            if c.layer is not None and _is_off(c, limits.activation_bound)
         ],
+        "expert_cells_off": summary.off_experts,
+        "expert_cells": [asdict(c) for c in summary.experts],
     }

@@ -164,3 +164,66 @@ def describe_power(n: int, accuracy: float, floor: float, power: float = 0.8) ->
         f"at n={n} the gate (floor {floor:.4f}) catches a drop of >= {drop:.3f} from {accuracy:.3f} "
         f"with {power:.0%} probability"
     )
+
+
+def student_t_sf(t: float, df: float) -> float:
+    """P(T > t) for Student's t with df degrees of freedom: I_x(df/2, 1/2) / 2 with x = df / (df + t^2),
+    the regularized incomplete beta by its continued fraction (Numerical Recipes' betacf, Lentz's method).
+    Written out so the gate needs no SciPy on the GPU image; tests check it against SciPy."""
+    if t == 0.0:
+        return 0.5
+    x = df / (df + t * t)
+    a, b = df / 2.0, 0.5
+    front = math.exp(
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
+    if x < (a + 1) / (a + b + 2):
+        tail = front * _beta_cf(a, b, x) / a
+    else:
+        tail = 1.0 - front * _beta_cf(b, a, 1.0 - x) / b
+    return tail / 2 if t > 0 else 1.0 - tail / 2
+
+
+def _beta_cf(a: float, b: float, x: float) -> float:
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        for num in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def normal_two_sided_p(z: float) -> float:
+    """P(|Z| > z) for a standard normal Z."""
+    return math.erfc(z / math.sqrt(2.0))
+
+
+def student_t_quantile(p_two_sided: float, df: float) -> float:
+    """t with P(|T| > t) = p_two_sided for Student's t with df (> 0, not necessarily whole) degrees of
+    freedom: bisection on student_t_sf (monotone), to 1e-9 relative."""
+    target = p_two_sided / 2
+    low, high = 0.0, 1.0
+    while student_t_sf(high, df) > target:
+        high *= 2
+        if high > 1e300:
+            return math.inf
+    for _ in range(200):
+        mid = (low + high) / 2
+        if student_t_sf(mid, df) > target:
+            low = mid
+        else:
+            high = mid
+        if high - low <= 1e-9 * high:
+            break
+    return high

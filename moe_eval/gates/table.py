@@ -95,10 +95,17 @@ GATES: tuple[Gate, ...] = (
     ),
     Gate(
         "layer_check",
-        ("layer_check_coverage", "layer_check_ranges", "layer_check_experts"),
+        (
+            "layer_check_coverage",
+            "layer_check_ranges",
+            "layer_check_experts",
+            "layer_check_activation",
+            "layer_check_power",
+        ),
         lambda c, _: c.layer_checked,
         False,
-        "the served MoE calls of every dispatch range against the exact MoE, per range and per expert",
+        "the served MoE calls of every layer, dispatch range, expert and rank against the exact MoE, "
+        "with the cells it could not judge counted",
     ),
 )
 

@@ -47,6 +47,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _silu_mul(gate, up, SILU_SLOPE: tl.constexpr):
+    """silu(gate) * up. SILU_SLOPE != 1 (`--mutate silu_slope` only, a deliberate bug) computes
+    gate * sigmoid(SILU_SLOPE * gate) * up; the default compiles the plain SiLU."""
+    if SILU_SLOPE != 1.0:
+        return gate / (1.0 + tl.exp(-gate * SILU_SLOPE)) * up
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _expert_bins(
     topk_ids_ptr,  # (T*K,) int32 global expert ids
     expert_map_ptr,  # (E,) int32 global -> local slot, -1 = not on this rank
@@ -290,6 +299,7 @@ def _gemm1_silu_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # a programmatic dependent of the launch before, GEMM2 one of this
+    SILU_SLOPE: tl.constexpr = 1.0,
 ):
     if USE_PDL:
         # GEMM2 may be put on the SMs now: it waits for this grid before reading h. This grid waits
@@ -375,7 +385,7 @@ def _gemm1_silu_kernel(
         w = tl.load(topk_weights_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
         acc_gate = acc_gate * w[:, None]
         acc_up = acc_up * w[:, None]
-    h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    h = _silu_mul(acc_gate, acc_up, SILU_SLOPE)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_n[None, :]
     if NAIVE:
@@ -601,6 +611,7 @@ def _gemm1_persistent_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SILU_SLOPE: tl.constexpr = 1.0,
 ):
     """GEMM1 + SiLU-and-mul of an aligned plan as a persistent grouped GEMM (tile field `gemm1.persistent`).
 
@@ -654,7 +665,7 @@ def _gemm1_persistent_kernel(
             rw = tl.load(topk_weights_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)
             acc_gate = acc_gate * rw[:, None]
             acc_up = acc_up * rw[:, None]
-        h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+        h = _silu_mul(acc_gate, acc_up, SILU_SLOPE)
         # Padding rows are stored too (0: their x rows loaded as 0), as in the pointer kernel.
         h_desc.store([pid_m * BLOCK_M, n], h.to(h_desc.dtype))
 
@@ -791,6 +802,7 @@ def _gemv1_silu_kernel(
     NUM_STAGES: tl.constexpr,  # > 1: the D loop's loads software-pipelined
     BLOCK_F: tl.constexpr,  # F rows of gate and of up per program
     BLOCK_D: tl.constexpr,  # D columns per step
+    SILU_SLOPE: tl.constexpr = 1.0,
 ):
     """Program (F block, slot): h[slot, F block] = silu(x W_gate^T) * (x W_up^T) of the slot's expert.
 
@@ -838,7 +850,7 @@ def _gemv1_silu_kernel(
         w = tl.load(topk_weights_ptr + slot).to(tl.float32)
         acc_gate = acc_gate * w
         acc_up = acc_up * w
-    h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    h = _silu_mul(acc_gate, acc_up, SILU_SLOPE)
     tl.store(h_ptr + slot.to(tl.int64) * stride_hm + offs_f, h.to(h_ptr.dtype.element_ty), mask=f_ok)
 
 

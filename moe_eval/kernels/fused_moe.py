@@ -343,8 +343,10 @@ def fused_moe(
     out: torch.Tensor | None = None,
     config: MoeTileConfig | None = None,
     allow_tf32: bool = False,
+    silu_slope: float = 1.0,
 ) -> torch.Tensor:
     """Triton fused MoE; same contract as `fused_moe_ref`. `config` overrides the tuned tiles.
+    silu_slope != 1: a deliberate SiLU slope bug (`--mutate silu_slope`; kernels._silu_mul).
 
     allow_tf32: fp32 inputs only; multiply them in TF32 instead of IEEE fp32 (faster, ~3e-4). The
     decode GEMVs (`MoeTileConfig.gemv`) have no tl.dot and stay IEEE fp32 either way.
@@ -401,7 +403,7 @@ def fused_moe(
     launch_experts(
         hidden_TD, w13_eFD, w2_eDF, topk_weights_TK, topk_ids_TK, align, plan, h_PF, y_SD, out,
         expert_map_E=expert_map_E, apply_router_weight_on_input=apply_router_weight_on_input,
-        precision=dot_precision(dtype, allow_tf32),
+        precision=dot_precision(dtype, allow_tf32), silu_slope=silu_slope,
     )  # fmt: skip
     return out
 
@@ -445,6 +447,7 @@ def launch_experts(
     apply_router_weight_on_input: bool,
     precision: str,
     with_sum: bool = True,
+    silu_slope: float = 1.0,
 ) -> None:
     """GEMM1 + SiLU-and-mul, GEMM2 + routing weight, then the sum over K (unless `with_sum` is False
     or GEMM2 folded it in). The alignment is already done: `align` (from `assign_slots`)."""
@@ -454,7 +457,7 @@ def launch_experts(
         # Two launches and nothing else: GEMM2 writes every token's row (zeros where no slot is local).
         use_pdl = plan.gemv.pdl and pdl_available(hidden_TD.device)
         launch_gemv1(hidden_TD, w13_eFD, h_PF, topk_weights_TK, align, plan.gemv.gemm1,
-                     apply_router_weight_on_input, use_pdl)  # fmt: skip
+                     apply_router_weight_on_input, use_pdl, silu_slope=silu_slope)  # fmt: skip
         launch_gemv2(h_PF, w2_eDF, out_TD, topk_weights_TK, align, plan.gemv.gemm2,
                      not apply_router_weight_on_input, use_pdl)  # fmt: skip
         return
@@ -474,6 +477,7 @@ def launch_experts(
         apply_router_weight_on_input,
         precision,
         use_pdl=use_pdl,
+        silu_slope=silu_slope,
     )
     launch_gemm2(h_PF, w2_eDF, y_SD, topk_weights_TK, align, config.gemm2, not apply_router_weight_on_input,
                  precision, fold_k=plan.fold_k, use_pdl=use_pdl)  # fmt: skip
@@ -502,6 +506,7 @@ def launch_gemm1(
     mul_routed_weight: bool,
     precision: str = "tf32",
     use_pdl: bool = False,
+    silu_slope: float = 1.0,
 ) -> None:
     """use_pdl (naive plans): launched as the previous launch's programmatic dependent (it waits for it
     before reading x), and GEMM2 after it as its own."""
@@ -509,7 +514,7 @@ def launch_gemm1(
     F = h_PF.shape[1]
     if tile.persistent:
         _launch_gemm1_persistent(hidden_TD, w13_eFD, h_PF, topk_weights_TK, align, top_k, tile,
-                                 mul_routed_weight, precision)  # fmt: skip
+                                 mul_routed_weight, precision, silu_slope)  # fmt: skip
         return
     num_pid_m = align.max_blocks
     kernels._gemm1_silu_kernel[(num_pid_m * triton.cdiv(F, tile.block_n),)](
@@ -519,7 +524,7 @@ def launch_gemm1(
         MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=D % tile.block_k == 0, NAIVE=align.naive,
         HAS_EXPERT_MAP=align.expert_map_E is not None, INTERLEAVE=tile.interleave, DOT_PRECISION=precision,
         BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_PDL=use_pdl,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **_pdl_launch(use_pdl),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **_pdl_launch(use_pdl), **_slope(silu_slope),
     )  # fmt: skip
 
 
@@ -607,6 +612,7 @@ def launch_gemv1(
     tile: GemmTile,
     mul_routed_weight: bool,
     use_pdl: bool = False,
+    silu_slope: float = 1.0,
 ) -> None:
     """GEMM1 + SiLU-and-mul as a GEMV: one program per (block of tile.block_n F rows, slot)."""
     assert align.naive, "the GEMVs run naive plans only (one h row per slot)"
@@ -618,7 +624,13 @@ def launch_gemv1(
         MUL_ROUTED_WEIGHT=mul_routed_weight, HAS_EXPERT_MAP=align.expert_map_E is not None,
         EVEN_D=D % tile.block_k == 0, USE_PDL=use_pdl, NUM_STAGES=tile.num_stages,
         BLOCK_F=tile.block_n, BLOCK_D=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **_slope(silu_slope),
     )  # fmt: skip
+
+
+def _slope(silu_slope: float) -> dict:
+    """The SILU_SLOPE constexpr only when it is not the default: the shipped launches stay as they were."""
+    return {} if silu_slope == 1.0 else {"SILU_SLOPE": float(silu_slope)}
 
 
 def launch_gemv2(
@@ -733,6 +745,7 @@ def _launch_gemm1_persistent(
     tile: GemmTile,
     mul_routed_weight: bool,
     precision: str,
+    silu_slope: float = 1.0,
 ) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -755,7 +768,7 @@ def _launch_gemm1_persistent(
         MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=D % tile.block_k == 0, INTERLEAVE=tile.interleave,
         DOT_PRECISION=precision, FLATTEN=not tile.warp_specialize, WARP_SPECIALIZE=tile.warp_specialize,
         BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **_slope(silu_slope),
     )  # fmt: skip
 
 

@@ -1,163 +1,92 @@
 """The layer check: the MoE calls a server really makes, compared with the exact MoE of the same inputs.
 
-Inside every vLLM process that runs a bundled kernel, `LayerCheck.observe` looks at the calls as the plugin
-serves them: vLLM's hidden states, routing (top-k ids and weights) and expert map as handed to apply(), the
-layer's weights as vLLM loaded them (before any conversion to the kernel's layout and before a `--mutate`
-bug), and the output the served path returned (so a plugin, layout or routing bug counts like a kernel bug).
-For a sampled call it takes R rows spread over the call (row_r = r (T-1) // (R-1); R = 4, or 16 from 64
-tokens), computes each slot's exact contribution y (fp32, IEEE, routing weight included) and sums per
-dispatch range (the call's token count M, plugin_protocol.LAYER_RANGE_EDGES) and per global expert:
+Inside every vLLM process that runs a bundled kernel, `LayerCheck.observe` looks at each MoE layer's calls
+as the plugin serves them: vLLM's hidden states, routing and expert map as handed to apply(), the layer's
+weights as vLLM loaded them (before any conversion to the kernel's layout and before a `--mutate` bug), and
+the output the served path returned (so a plugin, layout or routing bug counts like a kernel bug).
 
-- per range: sampled calls and rows, sum |served - exact|^2, sum |exact|^2, and sum |incumbent - exact|^2
-  where "incumbent" is vLLM's fused_experts' arithmetic on the same rows, computed here: bf16 operands, fp32
-  sums, h rounded to bf16, each slot's weighted output rounded to bf16, the K slots summed in fp32 and
-  rounded once. vLLM's kernel itself cannot run here (inside a CUDA graph it would run at every replay; on
-  the CPU its packed weights belong to its own method), so its rounding model stands in for it;
-- per (range, expert): n slots and the sums of a = <served - exact, y>, b = <y, y>,
-  vb = sum_d y_d^2 (served - exact)_d^2, a_inc = <incumbent - exact, y> and
-  vd = sum_d y_d^2 (served - incumbent)_d^2. A kernel whose expert e is off by a factor (1 + s) leaves
-  served - exact = s y_e + rounding, so sum a / sum b estimates s; a_inc gives the same estimate for the
-  incumbent's arithmetic on the same slots (its rounding alone), and vd the variance of their difference
-  that the rows' own residuals imply (moe_eval.gates.layer_gate: an expert fails when it is off beyond a
-  bound, further off than the incumbent, and the difference is not noise).
+Evidence per cell, not per call. A cell is (layer, dispatch range, global expert) on this rank; each holds
+the sums of core/layer_cells.CELL_FIELDS over the slots compared there, and each (layer, range) the row sums
+of ROW_FIELDS. Which rows a call compares (layer_check_ref.pick_rows): on a background call (the layer's
+first `burst` calls of a range, then every `period`-th) up to `cap` rows spread over the call; on any other
+call, up to `cap` of its rows that hold an expert whose cell has fewer than `target` slots. So decode-size
+calls are compared row by row while their cells fill, every expert the model routes to gets its slots, and
+once the cells hold them the check costs a background sample now and then. The arithmetic of a compared row
+(joint least squares over its slots, the incumbent's rounding, the SiLU slope direction):
+moe_eval.kernels.layer_check_ref.
 
-Sampling: the first `burst` calls of each range, then every `period`-th (period 7 is prime to any layer
-count a model has, so the sampled layer rotates). On a CUDA device the decision, the exact MoE and the sums
-all run on the device (moe_eval.kernels._layer_check_kernels): a captured call is checked when its graph is
-replayed, with no host work per call, and a call not sampled costs four near-empty launches. On the CPU
-(eager servers) the same arithmetic runs in torch (`call_sums`, also the definition the GPU kernels are
-tested against). A flusher thread (kernels/stats_file.py) writes <run dir>/layer-check/<pid>.json.
+On a CUDA device the decision, the exact MoE and the sums run on the device (_layer_check_kernels.py): a
+captured call is checked when its graph replays, with no host work per call. On the CPU (eager servers) the
+torch definition runs. A flusher thread (kernels/stats_file.py) writes <run dir>/layer-check/<pid>.npz
+(core/layer_cells.py) from host copies the device keeps current.
 
-T tokens, D hidden, F intermediate per rank, E experts (global), e local experts, K top-k, R sampled rows,
-NR dispatch ranges, V slots of this rank among the sampled ones.
+T tokens, D hidden, F intermediate per rank, E experts (global), e local experts, K top-k, R compared rows,
+L layers of this process, NR dispatch ranges.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-import torch.nn.functional as F_nn
 
+from moe_eval.core import layer_cells
+from moe_eval.core.layer_cells import CELL_FIELDS, ROW_FIELDS
 from moe_eval.core.plugin_protocol import LAYER_RANGE_EDGES, layer_range_index, layer_range_names
+from moe_eval.kernels import layer_check_ref as ref
 from moe_eval.kernels.stats_file import StatsFile
 
-# Rows compared per sampled call: the first, the last and some between; more in large calls, which are few
-# (a sweep makes a handful of >= 1024-token calls) and where one expert needs enough slots to be judged.
-ROWS_SMALL_CALL, ROWS_LARGE_CALL, LARGE_CALL = 4, 16, 64
-SAMPLE_BURST = 28  # every call of a range is sampled until it has seen this many (7 steps of a 4-layer model)
-SAMPLE_PERIOD = 7  # then every 7th: prime to the layer count, so the sampled layer rotates
-RANGE_FIELDS = ("calls", "rows", "sq_res", "sq_exact", "sq_ref", "nonfinite")
-EXPERT_FIELDS = ("n", "a", "b", "vb", "a_inc", "vd")
+ROWS_CAP = 64  # rows one call compares at most (the device scratch is sized for it)
+# Slots a cell (layer, range, expert) collects before its rows stop being picked for it. The per-slot
+# estimate's standard error makes a 1 % scale error resolvable from one slot at random-weight real shapes
+# and from a few on the trained canary (docs/logprob-gate.md, "Power"); 16 leaves room for heavy tails.
+SLOT_TARGET = 16
+SAMPLE_BURST = 4  # a layer's first calls of each range are compared spread over their rows ...
+SAMPLE_PERIOD = 16  # ... then every 16th: every part of the calls stays looked at after the cells are full
 NUM_RANGES = len(LAYER_RANGE_EDGES)
+NUM_CELL_FIELDS, NUM_ROW_FIELDS = len(CELL_FIELDS), len(ROW_FIELDS)
 
 
-def rows_per_call(tokens: int) -> int:
-    """R for a call of `tokens` tokens (a kernel constant: two variants, both compiled at warm-up)."""
-    return ROWS_LARGE_CALL if tokens >= LARGE_CALL else ROWS_SMALL_CALL
+def result_width(top_k: int) -> int:
+    """Per compared row: K x 6 slot sums, K valid flags, 11 row sums (_row_stats_kernel's layout)."""
+    return 7 * top_k + NUM_ROW_FIELDS - 1
 
 
-def sample_rows(tokens: int) -> list[int]:
-    """The rows a sampled call of `tokens` tokens compares: r (T-1) // (R-1), each row once."""
-    if tokens <= 0:
-        return []
-    count = rows_per_call(tokens)
-    rows = [r * (tokens - 1) // (count - 1) for r in range(count)]
-    return list(dict.fromkeys(rows))
+class _LayerTables:
+    """One MoE layer's sums: on the host (torch fp64), or on the device with pinned host mirrors."""
 
+    def __init__(self, name: str, num_experts: int, device: torch.device | None, pin: bool) -> None:
+        self.name = name
+        shapes = ((NUM_RANGES, num_experts, NUM_CELL_FIELDS), (NUM_RANGES, NUM_ROW_FIELDS))
+        where = device if device is not None else torch.device("cpu")
+        self.cells = torch.zeros(shapes[0], dtype=torch.float64, device=where)
+        self.rows = torch.zeros(shapes[1], dtype=torch.float64, device=where)
+        self.seen = torch.zeros(NUM_RANGES, dtype=torch.int64, device=where)
+        self.mirrors: tuple[torch.Tensor, ...] | None = None
+        if device is not None:
+            mirrors = (
+                torch.zeros(shapes[0], dtype=torch.float64),
+                torch.zeros(shapes[1], dtype=torch.float64),
+            )
+            mirrors += (torch.zeros(NUM_RANGES, dtype=torch.int64),)
+            # The device writes them directly; the flusher only reads.
+            self.mirrors = tuple(m.pin_memory() for m in mirrors) if pin else mirrors
 
-@dataclass
-class CallSums:
-    """One call's contribution: `range_sums` (RANGE_FIELDS, calls = 1) and per global expert the
-    EXPERT_FIELDS (fp64 on the host)."""
+    def host_view(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        tables = self.mirrors if self.mirrors is not None else (self.cells, self.rows, self.seen)
+        return tuple(t.numpy().copy() for t in tables)
 
-    range_sums: list[float]
-    expert_sums: dict[int, list[float]]
-
-
-def call_sums(
-    hidden_TD: torch.Tensor,
-    out_TD: torch.Tensor,
-    topk_weights_TK: torch.Tensor,
-    topk_ids_TK: torch.Tensor,
-    expert_map_E: torch.Tensor | None,
-    w13_eFD: torch.Tensor,
-    w2_eDF: torch.Tensor,
-    apply_router_weight_on_input: bool,
-) -> CallSums:
-    """The layer check's arithmetic for one call, in torch (the CPU path and the GPU kernels' definition)."""
-    T = hidden_TD.shape[0]
-    rows = sample_rows(T)
-    F = w2_eDF.shape[2]
-    index_R = torch.tensor(rows, dtype=torch.long, device=hidden_TD.device)
-    x_RD = hidden_TD[index_R].float()
-    ids_RK = topk_ids_TK[index_R].long()
-    weights_RK = topk_weights_TK[index_R].float()
-    local_RK = expert_map_E.long()[ids_RK] if expert_map_E is not None else ids_RK
-    R, K = ids_RK.shape
-    D = x_RD.shape[1]
-    y_RKD = torch.zeros(R, K, D, dtype=torch.float32, device=x_RD.device)
-    q_RKD = torch.zeros_like(y_RKD)
-    for r in range(R):
-        for k in range(K):
-            local = int(local_RK[r, k])
-            if local < 0:  # another rank's expert: its contribution is served there
-                continue
-            x_D = x_RD[r] * weights_RK[r, k] if apply_router_weight_on_input else x_RD[r]
-            gate_up_2F = w13_eFD[local].float() @ x_D
-            h_F = F_nn.silu(gate_up_2F[:F]) * gate_up_2F[F:]
-            w2_DF = w2_eDF[local].float()
-            y_D = w2_DF @ h_F
-            q_D = w2_DF @ h_F.to(hidden_TD.dtype).float()  # the incumbent's rounded GEMM2 input
-            if not apply_router_weight_on_input:
-                y_D, q_D = y_D * weights_RK[r, k], q_D * weights_RK[r, k]
-            y_RKD[r, k], q_RKD[r, k] = y_D, q_D.to(hidden_TD.dtype).float()  # each slot's output rounded
-    exact_RD = y_RKD.sum(1)
-    ref_RD = q_RKD.sum(1).to(hidden_TD.dtype).float()
-    served_RD = out_TD[index_R].float()
-    # Elements whose exact value is not finite come from rows of garbage input (a CUDA graph's padding rows
-    # can hold NaN hidden states): left out. A served value that is not finite where the exact one is, is a
-    # kernel bug: counted ("nonfinite"), and the range fails on it.
-    exact_ok = torch.isfinite(exact_RD)
-    served_ok = torch.isfinite(served_RD)
-    keep = exact_ok & served_ok
-    zero = torch.zeros((), dtype=torch.float32)
-    res_RD = torch.where(keep, served_RD - exact_RD, zero)
-    inc_RD = torch.where(exact_ok, ref_RD - exact_RD, zero)
-    diff_RD = torch.where(keep, served_RD - ref_RD, zero)
-    exact_RD = torch.where(exact_ok, exact_RD, zero)
-    y_RKD = torch.where(exact_ok[:, None, :], y_RKD, zero).double()
-    a_RK = (y_RKD * res_RD.double()[:, None, :]).sum(-1)
-    b_RK = (y_RKD * y_RKD).sum(-1)
-    vb_RK = (y_RKD**2 * res_RD.double()[:, None, :] ** 2).sum(-1)
-    a_inc_RK = (y_RKD * inc_RD.double()[:, None, :]).sum(-1)
-    vd_RK = (y_RKD**2 * diff_RD.double()[:, None, :] ** 2).sum(-1)
-    range_sums = [
-        1.0,
-        float(R),
-        float(res_RD.double().pow(2).sum()),
-        float(exact_RD.double().pow(2).sum()),
-        float(inc_RD.double().pow(2).sum()),
-        float((exact_ok & ~served_ok).sum()),
-    ]
-    expert_sums: dict[int, list[float]] = {}
-    for r in range(R):
-        for k in range(K):
-            if int(local_RK[r, k]) < 0:
-                continue
-            cell = expert_sums.setdefault(int(ids_RK[r, k]), [0.0] * len(EXPERT_FIELDS))
-            values = (a_RK[r, k], b_RK[r, k], vb_RK[r, k], a_inc_RK[r, k], vd_RK[r, k])
-            for i, value in enumerate((1.0, *map(float, values))):
-                cell[i] += value
-    return CallSums(range_sums, expert_sums)
+    def zero(self) -> None:
+        for t in (self.cells, self.rows, self.seen, *(self.mirrors or ())):
+            t.zero_()
 
 
 class LayerCheck:
-    """One per process (vLLM runs one per rank), shared by every MoE layer of the model."""
+    """One per process (vLLM runs one per rank), one table per MoE layer registered with it."""
 
     def __init__(
         self,
@@ -166,29 +95,68 @@ class LayerCheck:
         path: Path | None,
         rank: dict[str, Any],
         max_tokens: int,
-        period: int = SAMPLE_PERIOD,
+        *,
+        target: int = SLOT_TARGET,
+        cap: int = ROWS_CAP,
         burst: int = SAMPLE_BURST,
+        period: int = SAMPLE_PERIOD,
     ) -> None:
         self.backend = backend
         self.num_experts = num_experts
         self.rank = rank
         self.max_tokens = max_tokens
-        self.period = period
-        self.burst = burst
-        self.device = None  # set by attach_device (CUDA); None: the torch path on the host
-        self.seen = [0] * NUM_RANGES
-        self.range_sums = [[0.0] * len(RANGE_FIELDS) for _ in range(NUM_RANGES)]
-        self.expert_sums = [
-            [[0.0] * len(EXPERT_FIELDS) for _ in range(num_experts)] for _ in range(NUM_RANGES)
-        ]
+        self.target, self.cap, self.burst, self.period = target, cap, burst, period
+        self.device: torch.device | None = None  # set by attach_device (CUDA); None: torch on the host
+        self.pin = True
+        self.layers: list[_LayerTables] = []
+        self.experts_held: list[int] | None = None  # global experts this rank holds (None: every one)
         self._lock = threading.Lock()
-        self.file = StatsFile(path, self.snapshot, "moe-eval-layer-check")
         self._scratch: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self.file = StatsFile(path, self.snapshot, "moe-eval-layer-check", write=_write, same=_same)
+
+    # --- set-up (weight loading, before vLLM's warm-up and graph capture) ---
+
+    def attach_device(self, device: torch.device, pin: bool = True) -> None:
+        """Device tables for the layers registered from now on. pin=False: plain host mirrors (Triton's
+        interpreter on a machine without CUDA)."""
+        assert not self.layers, "attach the device before the first layer registers"
+        self.device, self.pin = device, pin
+
+    def register_layer(self, name: str | None = None) -> int:
+        """A new MoE layer's tables; its index is what `observe` takes."""
+        index = len(self.layers)
+        self.layers.append(_LayerTables(name or f"layer{index}", self.num_experts, self.device, self.pin))
+        return index
+
+    def prepare(
+        self, w13_eFD: torch.Tensor, w2_eDF: torch.Tensor, top_k: int, expert_map_E: Any, on_input: bool
+    ) -> None:
+        """Scratch for one layer shape and the kernels compiled for it (calls on random inputs into a
+        throwaway table, both branches of the pick): nothing compiles while the server serves."""
+        if self.device is None:
+            return
+        D = w2_eDF.shape[1]
+        throwaway = _LayerTables("warm-up", self.num_experts, self.device, self.pin)
+        for T, seen in ((3, 0), (ROWS_CAP + 5, self.burst + 1)):  # a background call, then a needy one
+            throwaway.seen.fill_(seen)
+            hidden = torch.randn(T, D, device=self.device).to(w13_eFD.dtype)
+            ids = torch.stack(
+                [torch.randperm(self.num_experts, device=self.device)[:top_k] for _ in range(T)]
+            )
+            ids = ids.to(torch.int32)
+            weights = torch.rand(T, top_k, device=self.device, dtype=torch.float32)
+            out = torch.zeros(T, D, device=self.device, dtype=w13_eFD.dtype)
+            self._observe_on_device(
+                throwaway, 0, hidden, out, weights, ids, expert_map_E, w13_eFD, w2_eDF, on_input
+            )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # --- observing (hot path) ---
 
     def observe(
         self,
+        layer: int,
         hidden_TD: torch.Tensor,
         out_TD: torch.Tensor,
         topk_weights_TK: torch.Tensor,
@@ -202,96 +170,79 @@ class LayerCheck:
         if T == 0:
             return
         range_index = layer_range_index(T)
+        tables = self.layers[layer]
+        args = (hidden_TD, out_TD, topk_weights_TK, topk_ids_TK, expert_map_E, w13_eFD, w2_eDF)
         if self.device is not None:
-            self._observe_on_device(
-                range_index,
-                hidden_TD,
-                out_TD,
-                topk_weights_TK,
-                topk_ids_TK,
-                expert_map_E,
-                w13_eFD,
-                w2_eDF,
-                apply_router_weight_on_input,
-            )
+            self._observe_on_device(tables, range_index, *args, apply_router_weight_on_input)
         else:
-            seen = self.seen[range_index]
-            self.seen[range_index] = seen + 1
-            if seen < self.burst or seen % self.period == 0:
-                sums = call_sums(
-                    hidden_TD,
-                    out_TD,
-                    topk_weights_TK,
-                    topk_ids_TK,
-                    expert_map_E,
-                    w13_eFD,
-                    w2_eDF,
-                    apply_router_weight_on_input,
-                )
-                with self._lock:
-                    self._add(range_index, sums)
+            self._observe_on_host(tables, range_index, *args, apply_router_weight_on_input)
         self.file.start()
 
-    def _add(self, range_index: int, sums: CallSums) -> None:
-        for i, value in enumerate(sums.range_sums):
-            self.range_sums[range_index][i] += value
-        for expert, cell in sums.expert_sums.items():
-            for i, value in enumerate(cell):
-                self.expert_sums[range_index][expert][i] += value
+    def _observe_on_host(
+        self,
+        tables: _LayerTables,
+        range_index: int,
+        hidden_TD: torch.Tensor,
+        out_TD: torch.Tensor,
+        topk_weights_TK: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        expert_map_E: torch.Tensor | None,
+        w13_eFD: torch.Tensor,
+        w2_eDF: torch.Tensor,
+        on_input: bool,
+    ) -> None:
+        seen = int(tables.seen[range_index])
+        tables.seen[range_index] += 1
+        rows = ref.pick_rows(
+            hidden_TD.shape[0],
+            seen,
+            self.needy_rows(tables.cells[range_index], topk_ids_TK, expert_map_E),
+            self.cap,
+            self.burst,
+            self.period,
+        )
+        if not rows:
+            return
+        sums = ref.call_row_sums(
+            hidden_TD, out_TD, topk_weights_TK, topk_ids_TK, expert_map_E, w13_eFD, w2_eDF, on_input, rows
+        )
+        with self._lock:
+            add(tables, range_index, sums)
+
+    def needy_rows(
+        self, cells_EF: torch.Tensor, topk_ids_TK: torch.Tensor, expert_map_E: torch.Tensor | None
+    ) -> torch.Tensor:
+        """(T,) bool: the rows with a slot of this rank whose expert's cell has fewer than `target` slots."""
+        ids = topk_ids_TK.long().cpu()
+        held = (
+            expert_map_E.long().cpu()[ids] >= 0
+            if expert_map_E is not None
+            else torch.ones_like(ids, dtype=torch.bool)
+        )
+        return (held & (cells_EF[:, 0].cpu()[ids] < self.target)).any(-1)
 
     # --- the CUDA path ---
-
-    def attach_device(self, device: torch.device, pin: bool = True) -> None:
-        """Device tables and the host mirror the kernels write; before vLLM's warm-up and graph capture.
-        pin=False: a plain host tensor for the mirror (Triton's interpreter on a machine without CUDA)."""
-        self.device = device
-        self.d_seen = torch.zeros(NUM_RANGES, dtype=torch.int64, device=device)
-        self.d_flag = torch.zeros(1, dtype=torch.int32, device=device)
-        self.d_range = torch.zeros(NUM_RANGES, len(RANGE_FIELDS), dtype=torch.float64, device=device)
-        self.d_expert = torch.zeros(
-            NUM_RANGES, self.num_experts, len(EXPERT_FIELDS), dtype=torch.float64, device=device
-        )
-        size = self.d_range.numel() + self.d_expert.numel() + NUM_RANGES
-        self.mirror = torch.zeros(size, dtype=torch.float64)
-        if pin:
-            self.mirror = self.mirror.pin_memory()  # the device writes it directly; the flusher only reads
-
-    def prepare(
-        self, w13_eFD: torch.Tensor, w2_eDF: torch.Tensor, top_k: int, expert_map_E: Any, on_input: bool
-    ) -> None:
-        """Scratch for one layer shape and the kernels compiled for it (a sampled call on random inputs,
-        then the tables zeroed): nothing compiles while the server serves."""
-        if self.device is None:
-            return
-        D, F = w2_eDF.shape[1], w2_eDF.shape[2]
-        self._buffers(F, D, top_k)
-        for T in (3, LARGE_CALL):  # both row counts
-            hidden = torch.randn(T, D, device=self.device).to(w13_eFD.dtype)
-            ids = torch.randint(0, self.num_experts, (T, top_k), device=self.device, dtype=torch.int32)
-            weights = torch.rand(T, top_k, device=self.device, dtype=torch.float32)
-            out = torch.zeros(T, D, device=self.device, dtype=w13_eFD.dtype)
-            self._observe_on_device(0, hidden, out, weights, ids, expert_map_E, w13_eFD, w2_eDF, on_input)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        for table in (self.d_seen, self.d_flag, self.d_range, self.d_expert):
-            table.zero_()
-        self.mirror.zero_()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def _buffers(self, F: int, D: int, K: int) -> tuple[torch.Tensor, ...]:
         key = (F, D, K)
         if key not in self._scratch:
-            R = ROWS_LARGE_CALL
+            cap, dev = self.cap, self.device
             self._scratch[key] = (
-                torch.zeros(R * K * F, dtype=torch.float32, device=self.device),
-                torch.zeros(R * K * D, dtype=torch.float32, device=self.device),
-                torch.zeros(R * K * D, dtype=torch.float32, device=self.device),
+                torch.zeros(cap, dtype=torch.int32, device=dev),  # rows
+                torch.zeros(1, dtype=torch.int32, device=dev),  # count
+                torch.zeros(cap * K * F, dtype=torch.float32, device=dev),  # h
+                torch.zeros(cap * K * F, dtype=torch.float32, device=dev),  # slope direction of h
+                torch.zeros(cap * K * D, dtype=torch.float32, device=dev),  # y
+                torch.zeros(cap * K * D, dtype=torch.float32, device=dev),  # q
+                torch.zeros(cap * K * D, dtype=torch.float32, device=dev),  # v
+                torch.zeros(cap * result_width(K), dtype=torch.float64, device=dev),  # per-row sums
+                torch.full((1,), -1, dtype=torch.int32, device=dev),  # stands in for a missing expert map
             )
         return self._scratch[key]
 
     def _observe_on_device(
         self,
+        tables: _LayerTables,
         range_index: int,
         hidden_TD: torch.Tensor,
         out_TD: torch.Tensor,
@@ -304,138 +255,92 @@ class LayerCheck:
     ) -> None:
         import triton
 
-        from moe_eval.kernels._layer_check_kernels import (
-            _exact_h_kernel,
-            _exact_y_kernel,
-            _stats_kernel,
-            _tick_kernel,
-        )
+        from moe_eval.kernels import _layer_check_kernels as kernels
 
         T, D = hidden_TD.shape
         K = topk_ids_TK.shape[1]
         F = w2_eDF.shape[2]
-        R = rows_per_call(T)
+        E = self.num_experts
+        R = min(T, self.cap)  # the grids: programs beyond the picked count return at once
         assert hidden_TD.is_contiguous() and out_TD.is_contiguous(), "hidden and output must be contiguous"
         assert w13_eFD.stride(2) == 1 and w2_eDF.stride(2) == 1, "weights must be row-major in their last dim"
         # No-ops when vLLM already hands int32 ids and fp32 weights (it does): one kernel variant each.
         ids = topk_ids_TK.to(torch.int32).contiguous()
         weights = topk_weights_TK.to(torch.float32).contiguous()
-        emap = expert_map_E.to(torch.int32) if expert_map_E is not None else self.d_flag
-        h, y, q = self._buffers(F, D, K)
-        _tick_kernel[(1,)](self.d_seen, self.d_flag, range_index, self.period, self.burst, num_warps=1)
-        block_f, block_d = 32, 128
-        _exact_h_kernel[(R * K, triton.cdiv(F, block_f))](
-            self.d_flag,
-            hidden_TD,
-            ids,
-            weights,
-            emap,
-            w13_eFD,
-            h,
-            T,
-            D,
-            F,
-            w13_eFD.stride(0),
-            w13_eFD.stride(1),
-            K=K,
-            R=R,
-            HAS_MAP=expert_map_E is not None,
-            WEIGHT_ON_INPUT=on_input,
-            BLOCK_F=block_f,
-            BLOCK_D=block_d,
-            num_warps=4,
-        )
-        _exact_y_kernel[(R * K, triton.cdiv(D, 64))](
-            self.d_flag,
-            ids,
-            weights,
-            emap,
-            w2_eDF,
-            h,
-            y,
-            q,
-            T,
-            D,
-            F,
-            w2_eDF.stride(0),
-            w2_eDF.stride(1),
-            K=K,
-            R=R,
-            HAS_MAP=expert_map_E is not None,
-            WEIGHT_ON_INPUT=on_input,
-            BLOCK_F=64,
-            BLOCK_D=64,
-            num_warps=4,
-        )
-        _stats_kernel[(1,)](
-            self.d_flag,
-            out_TD,
-            ids,
-            emap,
-            y,
-            q,
-            self.d_range,
-            self.d_expert,
-            self.d_seen,
-            self.mirror,
-            T,
-            D,
-            self.num_experts,
-            range_index,
-            K=K,
-            R=R,
-            NR=NUM_RANGES,
-            HAS_MAP=expert_map_E is not None,
-            BLOCK_D=128,
-            BLOCK_K=triton.next_power_of_2(K),
-            BLOCK_COPY=1024,
-            num_warps=4,
-        )
+        rows, count, h, hs, y, q, v, result, no_map = self._buffers(F, D, K)
+        emap = expert_map_E.to(torch.int32) if expert_map_E is not None else no_map
+        has_map = expert_map_E is not None
+        block_k = max(2, triton.next_power_of_2(K))
+        _, _, seen_mirror = tables.mirrors
+        kernels._pick_rows_kernel[(1,)](
+            tables.seen, seen_mirror, tables.cells, ids, emap, rows, count,
+            T, E, range_index, self.cap, self.burst, self.period, self.target,
+            K=K, NF=NUM_CELL_FIELDS, HAS_MAP=has_map, BLOCK_K=block_k, BLOCK_T=128,
+            BLOCK_CAP=triton.next_power_of_2(self.cap), num_warps=4,
+        )  # fmt: skip
+        kernels._exact_h_kernel[(R * K, triton.cdiv(F, 32))](
+            count, rows, hidden_TD, ids, weights, emap, w13_eFD, h, hs,
+            T, D, F, w13_eFD.stride(0), w13_eFD.stride(1),
+            K=K, HAS_MAP=has_map, WEIGHT_ON_INPUT=on_input, BLOCK_F=32, BLOCK_D=128, num_warps=4,
+        )  # fmt: skip
+        kernels._exact_y_kernel[(R * K, triton.cdiv(D, 64))](
+            count, rows, ids, weights, emap, w2_eDF, h, hs, y, q, v,
+            T, D, F, w2_eDF.stride(0), w2_eDF.stride(1),
+            K=K, HAS_MAP=has_map, WEIGHT_ON_INPUT=on_input, BLOCK_F=64, BLOCK_D=64, num_warps=4,
+        )  # fmt: skip
+        kernels._row_stats_kernel[(R,)](
+            count, rows, out_TD, ids, emap, y, q, v, result, T, D,
+            K=K, NRES=result_width(K), HAS_MAP=has_map, BLOCK_K=block_k, BLOCK_D=32, num_warps=4,
+        )  # fmt: skip
+        cells_mirror, rows_mirror, _ = tables.mirrors
+        kernels._accumulate_kernel[(1,)](
+            count, rows, ids, result, tables.cells, tables.rows, cells_mirror, rows_mirror, E, range_index,
+            K=K, NF=NUM_CELL_FIELDS, NRF=NUM_ROW_FIELDS, NRES=result_width(K), BLOCK_K=block_k, num_warps=1,
+        )  # fmt: skip
 
     # --- reading ---
 
-    def snapshot(self) -> dict[str, Any]:
-        if self.device is not None:
-            values = self.mirror.tolist()  # plain host memory the device wrote: no CUDA call
-            n_range = NUM_RANGES * len(RANGE_FIELDS)
-            n_expert = NUM_RANGES * self.num_experts * len(EXPERT_FIELDS)
-            width_r, width_e = len(RANGE_FIELDS), len(EXPERT_FIELDS)
-            range_sums = [values[i * width_r : (i + 1) * width_r] for i in range(NUM_RANGES)]
-            flat = values[n_range : n_range + n_expert]
-            expert_sums = [
-                [
-                    flat[(i * self.num_experts + e) * width_e : (i * self.num_experts + e + 1) * width_e]
-                    for e in range(self.num_experts)
-                ]
-                for i in range(NUM_RANGES)
-            ]
-            seen = [int(v) for v in values[n_range + n_expert :]]
-            counted_on = "device"
-        else:
-            with self._lock:
-                range_sums = [list(row) for row in self.range_sums]
-                expert_sums = [[list(cell) for cell in row] for row in self.expert_sums]
-                seen = list(self.seen)
-            counted_on = "host"
-        return {
+    def snapshot(self) -> tuple[dict[str, Any], np.ndarray, np.ndarray, np.ndarray]:
+        with self._lock:
+            views = [tables.host_view() for tables in self.layers]
+        E = self.num_experts
+        cells = np.stack([v[0] for v in views]) if views else np.zeros((0, NUM_RANGES, E, NUM_CELL_FIELDS))
+        rows = np.stack([v[1] for v in views]) if views else np.zeros((0, NUM_RANGES, NUM_ROW_FIELDS))
+        seen = np.stack([v[2] for v in views]) if views else np.zeros((0, NUM_RANGES), dtype=np.int64)
+        meta = {
             "backend": self.backend,
             "pid": os.getpid(),
             "rank": self.rank,
             "max_tokens": self.max_tokens,
-            "rows_per_call": [ROWS_SMALL_CALL, ROWS_LARGE_CALL, LARGE_CALL],
-            "burst": self.burst,
-            "period": self.period,
-            "counted_on": counted_on,
+            "num_experts": E,
+            "layers": [tables.name for tables in self.layers],
+            "experts_held": self.experts_held,
             "ranges": list(layer_range_names()),
-            "range_fields": list(RANGE_FIELDS),
-            "expert_fields": list(EXPERT_FIELDS),
-            "seen": seen,
-            "range_sums": range_sums,
-            # Only the experts this rank sampled (n > 0): the file stays small at 128 experts.
-            "expert_sums": [
-                {str(e): cell for e, cell in enumerate(row) if cell[0] > 0} for row in expert_sums
-            ],
+            "sampling": {"target": self.target, "cap": self.cap, "burst": self.burst, "period": self.period},
+            "counted_on": "device" if self.device is not None else "host",
         }
+        return meta, cells, rows, seen
 
     def flush(self) -> None:
         self.file.flush()
+
+
+def add(tables: _LayerTables, range_index: int, sums: ref.RowSums) -> None:
+    """One call's row sums into a layer's host tables (what _accumulate_kernel does on the device)."""
+    valid = sums.valid_RK.cpu()
+    experts = sums.experts_RK.cpu()[valid]
+    slot = sums.slot_RK6.cpu()[valid]
+    cells = tables.cells[range_index]
+    cells[:, 0].index_add_(0, experts, torch.ones(len(experts), dtype=torch.float64))
+    cells[:, 1:].index_add_(0, experts, slot)
+    tables.rows[range_index, 0] += 1
+    tables.rows[range_index, 1:] += sums.row_R11.cpu().sum(0)
+
+
+def _write(path: Path, snapshot: tuple) -> None:
+    layer_cells.write(path, *snapshot)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Every call moves `seen` and every compared row moves `rows`: equal tables need no rewrite."""
+    return np.array_equal(a[3], b[3]) and np.array_equal(a[2], b[2]) and a[0]["layers"] == b[0]["layers"]

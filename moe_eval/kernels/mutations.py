@@ -10,6 +10,13 @@ moe_eval.kernels.plugin.BundledExperts:
 - `mutate_kernel(name, kernel)`: once, wraps the backend's kernel callable;
 - `mutate_call(name, topk_weights, topk_ids, expert_map, e)`: every call, to vLLM's routing.
 
+Two take parameters, so calibration can sweep targets (`parse_mutation`): `scale_expert:expert=E,layer=L,
+range=R,scale=S` scales one global expert's output in the calls of one dispatch range (R: a layer-check range
+name such as `M=1` or `M>=4096`, or `LOW-HIGH` tokens, `LOW-` for no upper end; default every call), in one
+MoE layer (L: the model's layer index; default every layer), by S (default 0.99); the four scale_expert_*
+names are fixed targets of it. `silu_slope:slope=S` computes every expert's SiLU as
+gate * sigmoid(S * gate) (default S = 1.005) inside the Triton and torch kernels.
+
 The weight mutations of one expert (ONE_EXPERT_MUTATIONS) hit global expert TARGET_EXPERT under
 every layout: each rank looks it up in its expert map and changes that local slot, or nothing when
 another rank holds it, so TP and EP runs of one mutation carry the same bug (one expert, not one
@@ -38,6 +45,7 @@ T tokens, D hidden, F intermediate per rank, E experts (global), e local experts
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, replace
 from typing import Any
 
 MUTATIONS = {
@@ -59,6 +67,10 @@ MUTATIONS = {
     "scale_expert_mid": "global expert 0's output 1% short in calls of 65-256 tokens only (one mid bucket)",
     "scale_expert_large": "global expert 0's output 1% short in calls of >= 1024 tokens only (large prefill)",
     "scale_expert_last_rank": "the last global expert's output 1% short on the last rank only (one EP rank)",
+    "scale_expert": "one expert's output scaled: scale_expert:expert=E,layer=L,range=R,scale=S (defaults: "
+    "expert 0, every layer, every call, 0.99)",
+    "silu_slope": "every expert's SiLU as gate * sigmoid(S * gate): silu_slope:slope=S (default 1.005; "
+    "Triton and torch kernels)",
 }
 # Bugs confined to one dispatch range or one rank, 1% in one expert: the layer check's target
 # (docs/logprob-gate.md, "Coverage"). name -> (lowest, highest) token count of the calls it hits (None: no
@@ -71,6 +83,8 @@ RANGE_MUTATIONS: dict[str, tuple[int, int | None]] = {
     "scale_expert_last_rank": (1, None),
 }
 RANGE_EXPERT_SCALE = 0.99  # the range-confined mutations: one expert's output 1% short
+DEFAULT_SILU_SLOPE = 1.005  # silu_slope: a +0.5 % slope error of the activation
+PARAMETERS = {"scale_expert": ("expert", "layer", "range", "scale"), "silu_slope": ("slope",)}
 # The mutations that leave the canary's answers right (accuracy >= 0.98 through vLLM) but move its
 # numbers: what only the log-probability gate sees (docs/logprob-gate.md has the measurements of the
 # first three; the last three are measured in-process only, see the module docstring).
@@ -95,12 +109,90 @@ DOWN_CHUNKS = 4  # bf16_down_accumulation: chunks of F, each one kernel call
 TAIL_BLOCK_M = 16  # skip_tail_block: the Triton kernel's smallest BLOCK_M (tile_configs: few rows per expert)
 
 
+@dataclass(frozen=True)
+class Mutation:
+    """A parsed `--mutate` value: its name and, for the scaling ones, the target."""
+
+    name: str
+    expert: int | None = TARGET_EXPERT  # None: the last global expert (scale_expert_last_rank)
+    layer: int | None = None  # the model's layer index; None: every layer
+    low: int = 1  # the calls it hits: low <= tokens <= high
+    high: int | None = None
+    scale: float = RANGE_EXPERT_SCALE
+    last_rank_only: bool = False
+    slope: float = DEFAULT_SILU_SLOPE
+
+    @property
+    def scales_an_expert(self) -> bool:
+        return self.name == "scale_expert" or self.name in RANGE_MUTATIONS
+
+
+def parse_mutation(text: str) -> Mutation:
+    """NAME or NAME:key=value,...; ConfigError naming the value and the key that is wrong."""
+    from moe_eval.core.errors import ConfigError
+
+    name, _, rest = text.partition(":")
+    if name not in MUTATIONS:
+        raise ConfigError(f"--mutate: value '{text}': '{name}' is not one of {', '.join(MUTATIONS)}")
+    if name in RANGE_MUTATIONS:
+        low, high = RANGE_MUTATIONS[name]
+        last = name == "scale_expert_last_rank"
+        spec = Mutation(name, None if last else TARGET_EXPERT, None, low, high, last_rank_only=last)
+    else:
+        spec = Mutation(name)
+    if not rest:
+        return spec
+    allowed = PARAMETERS.get(name, ())
+    values: dict[str, Any] = {}
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or key not in allowed:
+            known = ", ".join(f"{k}=..." for k in allowed) or f"none ({name} takes no parameters)"
+            raise ConfigError(f"--mutate: value '{text}': parameter '{item}' is not one of {known}")
+        try:
+            if key in ("expert", "layer"):
+                values[key] = int(value)
+                if values[key] < 0:
+                    raise ValueError
+            elif key == "range":
+                values["low"], values["high"] = _parse_range(value)
+            else:
+                values[key] = float(value)
+                if not 0 < values[key] < 10:
+                    raise ValueError
+        except ValueError:
+            raise ConfigError(f"--mutate: value '{text}': parameter {key}={value!r} is not valid") from None
+    return replace(spec, **values)
+
+
+def _parse_range(value: str) -> tuple[int, int | None]:
+    """'M=1', 'M=2-16', 'M>=4096' (the layer check's names), 'LOW-HIGH', 'LOW-' or 'all'."""
+    if value == "all":
+        return 1, None
+    text = value.removeprefix("M>=").removeprefix("M=")
+    if value.startswith("M>="):
+        return int(text), None
+    low, dash, high = text.partition("-")
+    if not dash:
+        return int(low), int(low)
+    if high == "":
+        return int(low), None
+    if int(high) < int(low):
+        raise ValueError(value)
+    return int(low), int(high)
+
+
 def check_mutation(name: str, config: Any) -> None:
     """Refuse (ConfigError) a mutation that cannot apply to this config."""
     from moe_eval.core.errors import ConfigError
 
-    if name not in MUTATIONS:
-        raise ConfigError(f"--mutate: value '{name}' is not one of {', '.join(MUTATIONS)}")
+    spec = parse_mutation(name)
+    name = spec.name
+    if name == "silu_slope" and config.moe_backend not in ("triton", "torch"):
+        raise ConfigError(
+            f"--mutate silu_slope: {config.path} runs moe_backend {config.moe_backend!r}; the slope bug is "
+            "built into the Triton and torch kernels only"
+        )
     if config.moe_backend is None:
         raise ConfigError(
             f"--mutate {name}: {config.path} runs vLLM's own MoE kernel (no moe_backend); "
@@ -187,6 +279,13 @@ def routing_temperature_slip(topk_weights_TK: Any) -> Any:
 
 def mutate_kernel(name: str | None, kernel: Any) -> Any:
     """Applied once, to the backend's kernel callable (oracle.make_moe_kernel's contract)."""
+    if name is not None and name.partition(":")[0] == "silu_slope":
+        import functools
+
+        slope = parse_mutation(name).slope
+        wrapped = functools.partial(kernel, silu_slope=slope)
+        wrapped.__name__ = f"{getattr(kernel, '__name__', 'kernel')}_silu_slope"  # type: ignore[attr-defined]
+        return wrapped
     if name != "bf16_down_accumulation":
         return kernel
     return _chunked_bf16_sum(kernel)
@@ -286,18 +385,22 @@ def tail_block_slots(topk_ids_TK: Any, expert_map_E: Any, num_local_experts: int
     return skip_S.reshape(topk_ids_TK.shape)
 
 
-def range_target(name: str, tokens: int, num_experts: int, last_rank: bool) -> int | None:
-    """The global expert a RANGE_MUTATIONS bug hits in a call of `tokens` tokens on this rank (None: the
-    call is outside its range or on another rank). A host-side decision on the call's shape: a CUDA graph
-    captured at one batch size replays the same decision."""
-    low, high = RANGE_MUTATIONS[name]
-    if tokens < low or (high is not None and tokens > high):
+def range_target(
+    name: str | Mutation, tokens: int, num_experts: int, last_rank: bool, layer: int | None = None
+) -> int | None:
+    """The global expert a scaling mutation hits in a call of `tokens` tokens of MoE layer `layer` on this
+    rank (None: the call is outside its range, layer or rank). A host-side decision on the call's shape: a
+    CUDA graph captured at one batch size replays the same decision."""
+    spec = name if isinstance(name, Mutation) else parse_mutation(name)
+    if tokens < spec.low or (spec.high is not None and tokens > spec.high):
         return None
-    if name == "scale_expert_last_rank":
+    if spec.layer is not None and layer != spec.layer:
+        return None
+    if spec.last_rank_only and not last_rank:
         # The last global expert, on the last rank only: under EP that rank holds it, under TP1 the one rank
         # is the last, under TP2 without EP the last rank holds half of its F.
-        return num_experts - 1 if last_rank else None
-    return TARGET_EXPERT
+        return None
+    return num_experts - 1 if spec.expert is None else spec.expert
 
 
 def mutate_call(
@@ -307,16 +410,19 @@ def mutate_call(
     expert_map_E: Any,
     num_local_experts: int,
     last_rank: bool = True,
+    layer: int | None = None,
 ) -> tuple[Any, Any, Any]:
     """Applied on every call, to the routing vLLM hands apply(). `last_rank`: this process is the last rank
-    of the experts' split (plugin.is_last_rank)."""
+    of the experts' split (plugin.is_last_rank); `layer`: the model's index of this MoE layer."""
     import torch
 
-    if name in RANGE_MUTATIONS:
+    spec = name if isinstance(name, Mutation) else parse_mutation(name) if name else None
+    name = spec.name if spec else None
+    if spec is not None and spec.scales_an_expert:
         num_experts = expert_map_E.numel() if expert_map_E is not None else num_local_experts
-        target = range_target(name, topk_ids_TK.shape[0], num_experts, last_rank)
+        target = range_target(spec, topk_ids_TK.shape[0], num_experts, last_rank, layer)
         if target is not None:
-            scale_TK = torch.where(topk_ids_TK == target, RANGE_EXPERT_SCALE, 1.0)
+            scale_TK = torch.where(topk_ids_TK == target, spec.scale, 1.0)
             topk_weights_TK = (topk_weights_TK.float() * scale_TK).to(topk_weights_TK.dtype)
     elif name == "ignore_routing_weights":
         topk_weights_TK = torch.ones_like(topk_weights_TK)

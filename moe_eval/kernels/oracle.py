@@ -245,12 +245,15 @@ def make_moe_kernel(backend: MoeBackend) -> MoeKernel:
         topk_ids_TK: torch.Tensor,
         expert_map_E: torch.Tensor | None,
         apply_router_weight_on_input: bool,
+        silu_slope: float = 1.0,
     ) -> torch.Tensor:
         if weights.backend is not backend:
             raise ValueError(f"weights are in {weights.backend.value} format; this kernel is {backend.value}")
+        # silu_slope: `--mutate silu_slope` only; the Triton and torch kernels take it (check_mutation).
+        extra = {} if silu_slope == 1.0 else {"silu_slope": silu_slope}
         return impl(
             hidden_TD, weights.w13_eFD, weights.w2_eDF, topk_weights_TK, topk_ids_TK,
-            expert_map_E=expert_map_E, apply_router_weight_on_input=apply_router_weight_on_input,
+            expert_map_E=expert_map_E, apply_router_weight_on_input=apply_router_weight_on_input, **extra,
         )  # fmt: skip
 
     kernel.__name__ = f"moe_kernel_{backend.value}"

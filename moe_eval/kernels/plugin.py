@@ -15,7 +15,7 @@ in <run dir>/kernel-stats/<pid>.json (MOE_EVAL_RUN_DIR; moe_eval.kernels.call_co
 replays too). On a GPU it compiles every variant of the Triton kernels a layer can run before vLLM's
 warm-up ends (moe_eval.kernels.warmup), so nothing compiles while the server serves. Every call is also
 handed to the layer check (moe_eval.kernels.layer_check: sampled calls against the exact MoE of the same
-inputs and the weights as loaded, sums in <run dir>/layer-check/<pid>.json), unless MOE_EVAL_LAYER_CHECK=0.
+inputs and the weights as loaded, sums in <run dir>/layer-check/<pid>.npz), unless MOE_EVAL_LAYER_CHECK=0.
 
 Supported vLLM releases: SUPPORTED_VLLM in moe_eval.core.plugin_protocol (0.26 through 0.32: 0.26.0 is the
 newest release the lent H200s' torch 2.11 runs, 0.32.0 is the install pin). A server on any other
@@ -38,6 +38,7 @@ from moe_eval.core.plugin_protocol import (
     GOLDEN_PROBE_MUTATION,
     LAYER_CHECK_DIR,
     LAYER_CHECK_ENV,
+    LAYER_CHECK_SLOTS_ENV,
     LOG_PREFIX,
     MUTATION_ENV,
     RUN_DIR_ENV,
@@ -113,6 +114,12 @@ def _rank_from_moe_config(moe: Any) -> dict[str, Any]:
     return rank
 
 
+def model_layer_index(name: str | None) -> int | None:
+    """The model's index of a MoE layer from vLLM's layer name ('model.layers.3.mlp.experts' -> 3)."""
+    match = re.search(r"(?:^|\.)layers\.(\d+)\.", name or "")
+    return int(match.group(1)) if match else None
+
+
 def is_last_rank(rank: dict[str, Any] | None) -> bool:
     """The last rank of the experts' split: EP rank ep_size - 1 under EP, else TP rank tp_size - 1."""
     if not rank:
@@ -142,14 +149,15 @@ def _counter(backend: str) -> Any:
 
 
 def _layer_check(backend: str, num_experts: int, rank: dict[str, Any] | None, max_tokens: int) -> Any:
-    from moe_eval.kernels.layer_check import LayerCheck
+    from moe_eval.kernels.layer_check import SLOT_TARGET, LayerCheck
 
     key = (backend, num_experts)
     if key not in _LAYER_CHECKS:
         run_dir = os.environ.get(RUN_DIR_ENV)
-        name = f"{os.getpid()}.json" if not _LAYER_CHECKS else f"{os.getpid()}-{len(_LAYER_CHECKS)}.json"
+        name = f"{os.getpid()}.npz" if not _LAYER_CHECKS else f"{os.getpid()}-{len(_LAYER_CHECKS)}.npz"
         path = Path(run_dir) / LAYER_CHECK_DIR / name if run_dir else None
-        _LAYER_CHECKS[key] = LayerCheck(backend, num_experts, path, rank or {}, max_tokens)
+        target = int(os.environ.get(LAYER_CHECK_SLOTS_ENV) or SLOT_TARGET)
+        _LAYER_CHECKS[key] = LayerCheck(backend, num_experts, path, rank or {}, max_tokens, target=target)
     return _LAYER_CHECKS[key]
 
 
@@ -202,6 +210,8 @@ class BundledExperts:
             MoeBackend(requested) is not MoeBackend.REFERENCE and os.environ.get(LAYER_CHECK_ENV, "1") != "0"
         )
         self.check: Any = None
+        self.check_layer = -1  # this layer's index in the process's check
+        self.layer_index: int | None = None  # the model's index of this MoE layer (a mutation's target)
         self.check_weights: tuple[Any, Any] | None = None  # (w13, w2) as vLLM loaded them
 
     def process_weights(self, layer: Any, global_experts: int, top_k: int) -> None:
@@ -209,6 +219,17 @@ class BundledExperts:
         from moe_eval.kernels.oracle import MoeBackend, convert_to_kernel_format
 
         self.expert_map = getattr(layer, "expert_map", None)
+        self.layer_index = model_layer_index(getattr(layer, "layer_name", None))
+        if self.mutation is not None:
+            from moe_eval.kernels.mutations import parse_mutation
+
+            spec = parse_mutation(self.mutation)
+            if spec.scales_an_expert and spec.expert is not None and spec.expert >= global_experts:
+                # A target the model does not have would leave the kernel right: a "caught" nothing.
+                raise ValueError(
+                    f"moe-eval: --mutate {self.mutation}: expert {spec.expert} is not one of the model's "
+                    f"{global_experts} experts (0..{global_experts - 1})"
+                )
         loaded = (layer.w13_weight.data, layer.w2_weight.data)  # the layer check's reference weights
         w13 = mutate_weights(self.mutation, layer.w13_weight.data, self.expert_map)
         self.weights = convert_to_kernel_format(self.choice.backend, w13, layer.w2_weight.data)
@@ -222,12 +243,17 @@ class BundledExperts:
             # originals stay alive for the check (FlashInfer's layout: one more copy of w13).
             self.check_weights = loaded
             self.check = _layer_check(self.choice.backend.value, global_experts, self.rank, self.max_tokens)
+            on_cuda = self.weights.w13_eFD.device.type == "cuda"
+            if on_cuda and self.check.device is None:
+                self.check.attach_device(self.weights.w13_eFD.device)
+            self.check_layer = self.check.register_layer(getattr(layer, "layer_name", None))
+            if self.expert_map is not None and self.check.experts_held is None:
+                # Read to the host once, at weight loading: which cells this rank can fill.
+                self.check.experts_held = (self.expert_map >= 0).nonzero().flatten().tolist()
         warmup = None
         if self.weights.w13_eFD.device.type == "cuda":
             self.counter.attach_device()  # compiled and checked now, not in the first (maybe captured) call
             if self.check is not None:
-                if self.check.device is None:
-                    self.check.attach_device(self.weights.w13_eFD.device)
                 self.check.prepare(
                     loaded[0], loaded[1], top_k, self.expert_map, bool(layer.apply_router_weight_on_input)
                 )
@@ -240,8 +266,12 @@ class BundledExperts:
 
         if self.choice.backend is not MoeBackend.TRITON:
             return None  # FlashInfer's module is prebuilt (or built at its first call); torch has no JIT
-        from moe_eval.kernels.mutations import down_chunks
+        from moe_eval.kernels.mutations import down_chunks, parse_mutation
         from moe_eval.kernels.warmup import precompile_fused_moe
+
+        slope = 1.0
+        if self.mutation is not None and parse_mutation(self.mutation).name == "silu_slope":
+            slope = parse_mutation(self.mutation).slope  # the kernels that server runs
 
         expert_map = getattr(layer, "expert_map", None)
         # bf16_down_accumulation runs the kernel on chunks of F: those shapes are what serves.
@@ -257,6 +287,7 @@ class BundledExperts:
                 expert_map is not None,
                 bool(layer.apply_router_weight_on_input),
                 self.max_tokens,
+                slope,
             )
             if key not in _WARMED_UP:
                 _WARMED_UP[key] = precompile_fused_moe(
@@ -267,6 +298,7 @@ class BundledExperts:
                     expert_map_E=expert_map,
                     apply_router_weight_on_input=bool(layer.apply_router_weight_on_input),
                     max_tokens=self.max_tokens,
+                    silu_slope=slope,
                 )
             reports.append(_WARMED_UP[key])
         return reports[0]
@@ -338,12 +370,15 @@ class BundledExperts:
                 expert_map,
                 self.weights.w13_eFD.shape[0],
                 last_rank=is_last_rank(self.rank),
+                layer=self.layer_index,
             )
         on_input = bool(layer.apply_router_weight_on_input)
         out = self.kernel(x, self.weights, served_weights, served_ids, expert_map, on_input)
         if self.check is not None:
             # What vLLM handed apply() and what apply() returns: a bug anywhere in between counts.
-            self.check.observe(x, out, topk_weights, topk_ids, loaded_map, *self.check_weights, on_input)
+            self.check.observe(
+                self.check_layer, x, out, topk_weights, topk_ids, loaded_map, *self.check_weights, on_input
+            )
         return out
 
 

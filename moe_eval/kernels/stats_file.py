@@ -18,13 +18,32 @@ from typing import Any
 from moe_eval.core.plugin_protocol import STATS_INTERVAL_SECONDS
 
 
+def _write_json(path: Path, record: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
 class StatsFile:
-    def __init__(self, path: Path | None, snapshot: Callable[[], dict[str, Any]], name: str) -> None:
+    """`write(path, record)` writes atomically (JSON by default); `same(a, b)` says two snapshots need no
+    rewrite (equality by default)."""
+
+    def __init__(
+        self,
+        path: Path | None,
+        snapshot: Callable[[], Any],
+        name: str,
+        write: Callable[[Path, Any], None] = _write_json,
+        same: Callable[[Any, Any], bool] = lambda a, b: a == b,
+    ) -> None:
         self.path = path
         self.snapshot = snapshot
         self.name = name  # the flusher thread's name
+        self.write = write
+        self.same = same
         self._lock = threading.Lock()
-        self._last_written: dict | None = None
+        self._last_written: Any = None
         self._flusher: threading.Thread | None = None
 
     def flush(self) -> None:
@@ -32,12 +51,9 @@ class StatsFile:
             return
         with self._lock:
             record = self.snapshot()
-            if record == self._last_written:
+            if self._last_written is not None and self.same(record, self._last_written):
                 return
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, self.path)
+            self.write(self.path, record)
             self._last_written = record
 
     def start(self) -> None:

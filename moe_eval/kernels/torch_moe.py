@@ -26,7 +26,9 @@ def torch_moe(
     *,
     expert_map_E: torch.Tensor | None = None,
     apply_router_weight_on_input: bool = False,
+    silu_slope: float = 1.0,
 ) -> torch.Tensor:
+    """silu_slope != 1: a deliberate bug (`--mutate silu_slope`): gate * sigmoid(silu_slope * gate) * up."""
     T, D = hidden_TD.shape
     e, F2, _ = w13_eFD.shape
     F = F2 // 2
@@ -64,7 +66,9 @@ def torch_moe(
             continue
         rows = slice(start, start + n)
         gate_up_N2F = x_VD[rows].float() @ w13_eFD[expert].float().T
-        h_NF = (F_nn.silu(gate_up_N2F[:, :F]) * gate_up_N2F[:, F:]).to(dtype)
+        gate_NF = gate_up_N2F[:, :F]
+        act_NF = F_nn.silu(gate_NF) if silu_slope == 1.0 else gate_NF * torch.sigmoid(silu_slope * gate_NF)
+        h_NF = (act_NF * gate_up_N2F[:, F:]).to(dtype)
         torch.matmul(h_NF.float(), w2_eDF[expert].float().T, out=y_VD[rows])
         start += n
 

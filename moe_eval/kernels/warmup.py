@@ -66,8 +66,10 @@ def precompile_fused_moe(
     expert_map_E: torch.Tensor | None,
     apply_router_weight_on_input: bool,
     max_tokens: int,
+    silu_slope: float = 1.0,
 ) -> WarmupReport:
-    """Run `fused_moe` once per distinct plan on random routing (the outputs are thrown away)."""
+    """Run `fused_moe` once per distinct plan on random routing (the outputs are thrown away). silu_slope:
+    the kernels a `--mutate silu_slope` server runs."""
     started = time.monotonic()
     device = w13_eFD.device
     e, F2, D = w13_eFD.shape
@@ -87,6 +89,7 @@ def precompile_fused_moe(
             ids_TK.to(torch.int32).contiguous(),
             expert_map_E=expert_map_E,
             apply_router_weight_on_input=apply_router_weight_on_input,
+            silu_slope=silu_slope,
         )
     torch.cuda.synchronize(device)
     # The buffers of the largest calls would otherwise stay reserved by the caching allocator and

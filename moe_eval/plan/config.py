@@ -260,7 +260,46 @@ CONFIG_KEYS: dict[str, KeySpec] = {
         "layer check: fail an expert whose output scale in one range is off by more than this (z agreeing)",
     ),
     "layer_check_z": KeySpec(
-        NUMBER, 5.0, _positive, "layer check: an expert's scale error must be this many standard errors"
+        NUMBER,
+        5.0,
+        _positive,
+        "layer check: an error must be this many standard errors (the normal quantile; a cell whose variance "
+        "estimate has few degrees of freedom needs the Student t quantile of the same tail)",
+    ),
+    "layer_check_activation_bound": KeySpec(
+        NUMBER,
+        0.002,
+        _between(0.0, 1.0),
+        "layer check: fail a layer or range whose SiLU slope error (the served output along the direction a "
+        "slope change of every expert's activation moves it) is beyond this (z agreeing)",
+    ),
+    "layer_check_power": KeySpec(
+        NUMBER,
+        0.01,
+        _between(0.0, 1.0),
+        "layer check: a (range, expert) cell is judged when it resolves a one-expert scale error of this "
+        "size with 80% probability",
+    ),
+    "layer_check_min_judged": KeySpec(
+        NUMBER,
+        0.95,
+        _between(0.0, 1.0),
+        "layer check: each reachable range needs this share of its (range, expert) cells judged on every "
+        "rank; less ends the row not passed (incomplete, exit 6), the unjudged cells named",
+    ),
+    "layer_check_slots": KeySpec(
+        (int,),
+        16,
+        _between(1, 100000),
+        "layer check: slots each (layer, range, expert) cell collects before the server stops picking rows "
+        "for it (rows are still compared now and then)",
+    ),
+    "layer_check_sweep_seconds": KeySpec(
+        NUMBER,
+        120.0,
+        _between(0.0, 86400.0),
+        "layer check: the most time the sweep spends driving calls until every range's cells have their "
+        "slots (it stops sooner when they have, or when a round adds none)",
     ),
     "optional_gates": KeySpec(
         (list,),
@@ -331,6 +370,11 @@ class EvalConfig:
     layer_check_margin: float = 0.25
     layer_check_scale_bound: float = 0.005
     layer_check_z: float = 5.0
+    layer_check_activation_bound: float = 0.002
+    layer_check_power: float = 0.01
+    layer_check_min_judged: float = 0.95
+    layer_check_slots: int = 16
+    layer_check_sweep_seconds: float = 120.0
     optional_gates: tuple[str, ...] = ()
     # The file's text as parsed: what travels to the worker process (moe_eval.worker), which parses the
     # same bytes instead of reading the file again (an edit meanwhile cannot split a run's configs).

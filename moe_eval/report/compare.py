@@ -35,7 +35,7 @@ from moe_eval.evaluate.gsm8k import FILTERS
 from moe_eval.evaluate.logprobs import LOGPROBS_FILE, TextLogprobs, divergence, read_logprobs
 from moe_eval.gates.checks import correctness
 from moe_eval.gates.stats import paired_compare
-from moe_eval.report.table import divergence_cell, markdown_table, rich_table
+from moe_eval.report.table import divergence_cell, markdown_table, power_counts, rich_table
 
 DEFAULT_REFERENCE = "vllm"
 GOLDEN_PREFILL = (
@@ -224,8 +224,11 @@ def _layer_rows(members: list[RunResult]) -> list[list[str]]:
         return []
     by_range: dict[str, dict[int, dict]] = {}
     for i, check in enumerate(checked):
+        pooled = "all" if (check or {}).get("processes", 1) > 1 else None
         for row in (check or {}).get("ranges", []):
-            if row.get("rank") == "all" and row.get("error") is not None:
+            if row.get("layer") is not None or row.get("error") is None:
+                continue
+            if pooled is None or row.get("rank") == pooled:
                 by_range.setdefault(row["range"], {})[i] = row
     rows = []
     for name in layer_range_names():
@@ -236,15 +239,32 @@ def _layer_rows(members: list[RunResult]) -> list[list[str]]:
             row = by_range[name].get(i)
             cells.append("-" if row is None else f"{row['error']:.2e} (x{row['ratio']:.2f})")
         rows.append([f"layer error {name}", "", "RMS vs exact (x incumbent)", *cells])
-    largest = []
+    largest, judged, activation = [], [], []
     for check in checked:
-        cells = [c for c in (check or {}).get("expert_cells", []) if c.get("rank") == "all"]
+        cells = [c for c in (check or {}).get("expert_cells", []) if c.get("layer") is None]
         worst = max(cells, key=lambda c: abs(c["scale"]), default=None)
         largest.append(
             "-" if worst is None else f"{worst['scale']:+.4f} (expert {worst['expert']}, {worst['range']})"
         )
+        judged.append(_judged_cell(check))
+        slopes = [c for c in (check or {}).get("activation", []) if c.get("layer") is None]
+        steepest = max(slopes, key=lambda c: abs(c["scale"]), default=None)
+        activation.append("-" if steepest is None else f"{steepest['scale']:+.4f} ({steepest['range']})")
     rows.append(["layer expert scale", "", "largest |s|", *largest])
+    rows.append(["layer cells judged", "", "(range, expert) at the power target", *judged])
+    rows.append(["layer SiLU slope", "", "largest error", *activation])
     return rows
+
+
+def _judged_cell(check: dict | None) -> str:
+    """'890/896 at 1% (95%: 0.62%)': how much of the (range, expert) cells the check could judge."""
+    if not check or not check.get("power"):
+        return "-"
+    judged, total = power_counts(check)
+    per_rank = [p for p in check["power"] if p.get("rank") != "all" or check.get("processes") == 1]
+    d95 = [p["detectable_95"] for p in per_rank]
+    worst = "none" if any(d is None for d in d95) else f"{max(d95):.2%}"
+    return f"{judged}/{total} at {check['limits']['power']:.0%} (95% of cells resolve {worst})"
 
 
 def _divergence(base: list[TextLogprobs] | None, other: list[TextLogprobs] | None) -> str:

@@ -70,18 +70,30 @@ def golden_cell(gate: dict | None) -> str:
 
 
 def layer_cell(check: dict | None) -> str:
-    """'x0.85 worst (M=1); |s| <= 0.0005': the served MoE calls against the exact MoE (gates/layer_gate.py),
-    the worst range's error ratio to the incumbent's arithmetic and the largest per-expert scale error."""
+    """'x0.85 worst (M=1); 890/896 cells at 1%; |s| <= 0.0005': the served MoE calls against the exact MoE
+    (gates/layer_gate.py): the worst range's error ratio to the incumbent's arithmetic, the (range, expert)
+    cells that resolve the power target of the total, and the largest per-expert scale error."""
     if not check:
         return "-"
-    ranges = [r for r in check.get("ranges", []) if r.get("ratio") is not None and r.get("rank") == "all"]
+    ranges = [
+        r for r in check.get("ranges", []) if r.get("ratio") is not None and r.get("layer") is None
+        and (r.get("rank") == "all" or check.get("processes") == 1)
+    ]  # fmt: skip
     worst = max(ranges, key=lambda r: r["ratio"], default=None)
-    cells = check.get("expert_cells", [])
-    largest = max((abs(c["scale"]) for c in cells), default=None)
     parts = [f"x{worst['ratio']:.2f} worst ({worst['range']})" if worst else "no range"]
+    judged, total = power_counts(check)
+    if total:
+        parts.append(f"{judged}/{total} cells at {check['limits']['power']:.0%}")
+    largest = max((abs(c["scale"]) for c in check.get("expert_cells", [])), default=None)
     if largest is not None:
         parts.append(f"|s| <= {largest:.4f}")
     return "; ".join(parts)
+
+
+def power_counts(check: dict) -> tuple[int, int]:
+    """(judged, total) (range, expert) cells over the ranges and the ranks (not their pool)."""
+    rows = [p for p in check.get("power", []) if p.get("rank") != "all" or check.get("processes") == 1]
+    return sum(p["judged"] for p in rows), sum(p["cells"] for p in rows)
 
 
 def _floor(config: EvalConfig) -> str:

@@ -1,12 +1,17 @@
-"""The layer check's verdict from the processes' sums (gates/layer_gate.py): a table of cases, each check
-passing, failing and not judged; plus the report's and compare's cells."""
+"""The layer check's verdict from the processes' tables (gates/layer_gate.py): a table of cases, each check
+passing, failing and not judged (per layer, pooled, per rank, the activation, the power); plus the file
+format's round trip and the report's and compare's cells."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
+from moe_eval.core import layer_cells
+from moe_eval.core.check import verdict
+from moe_eval.core.layer_cells import CELL_FIELDS, ROW, ROW_FIELDS, LayerFile
 from moe_eval.core.plugin_protocol import LAYER_RANGE_EDGES
 from moe_eval.gates.layer_gate import (
     MIN_ROWS,
@@ -15,133 +20,257 @@ from moe_eval.gates.layer_gate import (
     reachable_ranges,
     summarize,
     summary_record,
+    t_threshold,
 )
 from moe_eval.report.table import layer_cell
 
-LIMITS = LayerCheckLimits(margin=0.25, scale_bound=0.005, z=5.0)
+LIMITS = LayerCheckLimits(margin=0.25, scale_bound=0.005, z=5.0, activation_bound=0.002, power=0.01)
 NR = len(LAYER_RANGE_EDGES)
+B = 10.0  # every synthetic slot direction's |y~|^2
 
 
-def _record(rank=None, max_tokens=2048, rows=40, ratio=0.85, experts=None, skip=(), nonfinite=0):
-    """One process's file: every range up to max_tokens sampled with `rows` rows, errors in `ratio`; experts
-    {(range index, expert): (slots, scale, stderr[, incumbent's scale])} as the sums that give them (the
-    difference's standard error taken equal to the scale's)."""
-    range_sums, seen = [], []
-    for i, low in enumerate(LAYER_RANGE_EDGES):
-        if low > max_tokens or i in skip:
-            range_sums.append([0.0] * 6)
-            seen.append(0)
-            continue
-        sq_exact = 100.0
-        sq_ref = sq_exact * 1e-5
-        range_sums.append([rows / 4, rows, sq_ref * ratio**2, sq_exact, sq_ref, nonfinite])
-        seen.append(rows)
-    expert_sums = [{} for _ in range(NR)]
-    for (i, expert), (slots, scale, stderr, *incumbent) in (experts or {}).items():
-        b = 10.0
-        inc = incumbent[0] if incumbent else 0.0
-        expert_sums[i][str(expert)] = [slots, scale * b, b, (stderr * b) ** 2, inc * b, (stderr * b) ** 2]
-    return {
+def _file(
+    *,
+    layers: int = 1,
+    experts: int = 32,
+    max_tokens: int = 2048,
+    rows: int = 40,
+    ratio: float = 0.85,
+    cells: dict | None = None,
+    skip: tuple = (),
+    nonfinite: int = 0,
+    activation: dict | None = None,
+    rank: dict | None = None,
+    held: list[int] | None = None,
+    stderr: float = 0.0005,
+    slots: int = 20,
+) -> LayerFile:
+    """One process's tables. Every held expert of every reachable range and layer gets `slots` slots whose
+    estimate is 0 +- `stderr` with many degrees of freedom; `cells` {(layer, range, expert): (slots, scale,
+    stderr, incumbent's scale, dof)} overrides some. `activation` {(layer, range): (eps, stderr, incumbent,
+    dof)} likewise for the SiLU slope direction (default 0 +- 1e-5)."""
+    cell = np.zeros((layers, NR, experts, len(CELL_FIELDS)))
+    table = np.zeros((layers, NR, len(ROW_FIELDS)))
+    seen = np.zeros((layers, NR), dtype=np.int64)
+
+    def put_cell(layer, i, e, n, scale, se, inc, dof):
+        vd = (se * B) ** 2
+        cell[layer, i, e] = [n, scale * B, B, vd, inc * B, vd, vd * vd / dof] if n else 0.0
+
+    def put_act(layer, i, eps, se, inc, dof):
+        vd = (se * B) ** 2
+        table[layer, i, ROW["sa"] :] = [eps * B, B, vd, inc * B, vd, vd * vd / dof]
+
+    for layer in range(layers):
+        for i, low in enumerate(LAYER_RANGE_EDGES):
+            if low > max_tokens or i in skip:
+                continue
+            sq_exact = 100.0
+            sq_ref = sq_exact * 1e-5
+            table[layer, i, : ROW["nonfinite"] + 1] = [
+                rows / 4,
+                rows,
+                sq_ref * ratio**2,
+                sq_exact,
+                sq_ref,
+                nonfinite,
+            ]
+            seen[layer, i] = rows
+            for e in held if held is not None else range(experts):
+                put_cell(layer, i, e, slots, 0.0, stderr, 0.0, 1e4)
+            put_act(layer, i, 0.0, 1e-5, 0.0, 1e4)
+    for (layer, i, e), (n, scale, se, inc, dof) in (cells or {}).items():
+        put_cell(layer, i, e, n, scale, se, inc, dof)
+    for (layer, i), (eps, se, inc, dof) in (activation or {}).items():
+        put_act(layer, i, eps, se, inc, dof)
+    meta = {
         "rank": rank or {"tp_rank": 0, "tp_size": 1},
         "max_tokens": max_tokens,
         "counted_on": "host",
-        "seen": seen,
-        "range_sums": range_sums,
-        "expert_sums": expert_sums,
+        "experts_held": held,
+        "layers": [f"model.layers.{j}.mlp.experts" for j in range(layers)],
     }
+    return LayerFile(meta, cell, table, seen)
 
 
-def _verdicts(records):
-    return {c.name: c.passed for c in layer_checks(summarize(records), LIMITS)}
+def _checks(files, world_size=1):
+    return {c.name: c for c in layer_checks(summarize(files, LIMITS, world_size), LIMITS)}
 
 
-ALL_PASS = {"layer_check_coverage": True, "layer_check_ranges": True, "layer_check_experts": True}
+def _verdicts(files, world_size=1):
+    return {name: c.passed for name, c in _checks(files, world_size).items()}
+
+
+ALL_PASS = dict.fromkeys(
+    (
+        "layer_check_coverage",
+        "layer_check_ranges",
+        "layer_check_experts",
+        "layer_check_activation",
+        "layer_check_power",
+    ),
+    True,
+)
 
 
 @pytest.mark.parametrize(
-    ("records", "expected"),
+    ("files", "expected"),
     [
-        ([_record()], ALL_PASS),  # a correct kernel: every range sampled, ratio 0.85, no expert off
-        ([_record(ratio=1.24)], ALL_PASS),  # just under the margin
-        ([_record(ratio=1.30)], ALL_PASS | {"layer_check_ranges": False}),  # over it
+        ([_file()], ALL_PASS),  # a correct kernel: every range compared, ratio 0.85, nothing off, all judged
+        ([_file(ratio=1.24)], ALL_PASS),  # just under the margin
+        ([_file(ratio=1.30)], ALL_PASS | {"layer_check_ranges": False}),  # over it
+        ([_file(skip=(5,))], ALL_PASS | {"layer_check_coverage": False, "layer_check_power": False}),
+        ([_file(max_tokens=512)], ALL_PASS),  # a server whose calls stop at 512: nothing above is owed
         (
-            [_record(skip={5})],
-            ALL_PASS | {"layer_check_coverage": False},
-        ),  # M=1024-4095 reachable, not sampled
-        ([_record(max_tokens=512)], ALL_PASS),  # a server whose calls stop at 512: nothing above is owed
-        (
-            [_record(rows=MIN_ROWS - 1, ratio=3.0)],
+            [_file(rows=MIN_ROWS - 1, ratio=3.0)],
             ALL_PASS | {"layer_check_coverage": False},
         ),  # too few to judge
-        ([_record(experts={(1, 0): (40, -0.0100, 0.0005)})], ALL_PASS | {"layer_check_experts": False}),
-        ([_record(experts={(1, 0): (40, -0.0100, 0.0030)})], ALL_PASS),  # 3.3 standard errors: noise
-        ([_record(experts={(1, 0): (40, -0.0040, 0.0001)})], ALL_PASS),  # significant but within the bound
-        ([_record(experts={(1, 0): (19, -0.0500, 0.0001)})], ALL_PASS),  # 19 slots: not judged
-        # Off by 32% but so is the incumbent's arithmetic on the same slots (rounding of a tiny share): pass.
-        ([_record(experts={(0, 5): (40, -0.3175, 0.0709, -0.3175)})], ALL_PASS),
-        # Off by 1% where the incumbent is off by 0.1%: the difference is 18 standard errors.
         (
-            [_record(experts={(0, 5): (40, -0.0100, 0.0005, -0.0010)})],
+            [_file(cells={(0, 1, 0): (40, -0.0100, 0.0005, 0.0, 1e4)})],
+            ALL_PASS | {"layer_check_experts": False},
+        ),
+        ([_file(cells={(0, 1, 0): (40, -0.0100, 0.0030, 0.0, 1e4)})], ALL_PASS),  # 3.3 standard errors: noise
+        (
+            [_file(cells={(0, 1, 0): (40, -0.0040, 0.0001, 0.0, 1e4)})],
+            ALL_PASS,
+        ),  # beyond noise, within the bound
+        # The CPU canary's near miss: 9 slots, s = +0.16 at z = 4.5 against the incumbent, its variance held
+        # in a few elements (dof 9): t(9) = 12.4 at z = 5's tail. Not off, and not judged at 1 % either.
+        ([_file(cells={(0, 5, 3): (9, 0.16, 0.0355, 0.0, 9.0)})], ALL_PASS),
+        # The same z with many degrees of freedom is off.
+        ([_file(cells={(0, 5, 3): (9, 0.16, 0.0300, 0.0, 1e4)})], ALL_PASS | {"layer_check_experts": False}),
+        # Off by 32 % but so is the incumbent's arithmetic on the same slots (rounding of a tiny share): pass.
+        ([_file(cells={(0, 0, 5): (40, -0.3175, 0.0709, -0.3175, 1e4)})], ALL_PASS),
+        # Off by 1 % where the incumbent is off by 0.1 %: the difference is 18 standard errors.
+        (
+            [_file(cells={(0, 0, 5): (40, -0.0100, 0.0005, -0.0010, 1e4)})],
             ALL_PASS | {"layer_check_experts": False},
         ),
         # Served values NaN where the exact MoE is finite: the range fails whatever its error ratio.
-        ([_record(nonfinite=3)], ALL_PASS | {"layer_check_ranges": False}),
-        ([], {"layer_check_coverage": False}),  # no process wrote sums: never a pass
+        ([_file(nonfinite=3)], ALL_PASS | {"layer_check_ranges": False}),
+        # The activation's slope error of every expert: +0.5 % where the incumbent reads 0.
+        ([_file(activation={(0, 3): (0.005, 1e-4, 0.0, 1e4)})], ALL_PASS | {"layer_check_activation": False}),
+        ([_file(activation={(0, 3): (0.0015, 1e-5, 0.0, 1e4)})], ALL_PASS),  # within the bound
+        # One expert of 32 has no slot in M=1 (never routed there): 31/32 >= 95 %, judged, the cell listed.
+        ([_file(cells={(0, 0, 6): (0, 0.0, 0.0005, 0.0, 1e4)})], ALL_PASS),
+        # Two: 30/32 < 95 %: the range is not judged (the row not passed), the cells named.
+        (
+            [_file(cells={(0, 0, 6): (0, 0.0, 0.0005, 0.0, 1e4), (0, 0, 9): (0, 0.0, 0.0005, 0.0, 1e4)})],
+            ALL_PASS | {"layer_check_power": False},
+        ),
+        # Every cell too noisy to resolve 1 %: not judged (never a silent pass).
+        ([_file(stderr=0.01)], ALL_PASS | {"layer_check_power": False}),
     ],
 )
-def test_layer_checks_table(records, expected):
-    assert _verdicts(records) == expected
+def test_layer_checks_table(files, expected):
+    assert _verdicts(files) == expected
+
+
+def test_no_file_is_not_run_never_a_pass():
+    checks = layer_checks(summarize([], LIMITS, 1), LIMITS)
+    assert [(c.name, c.passed, c.ran) for c in checks] == [("layer_check_coverage", False, False)]
+    assert verdict(checks) == "incomplete"
+
+
+def test_a_missing_rank_is_not_run_not_a_smaller_pool():
+    """TEP2: rank 1's file gone. The row cannot pass on rank 0's half of the experts."""
+    tep = {"use_ep": True, "ep_size": 2}
+    rank0 = _file(rank=tep | {"ep_rank": 0}, held=[0, 1, 2, 3])
+    checks = _checks([rank0], world_size=2)
+    coverage = checks["layer_check_coverage"]
+    assert (
+        not coverage.passed
+        and not coverage.ran
+        and "1 rank(s) wrote no layer-check tables" in coverage.detail
+    )
+    assert verdict(list(checks.values())) == "incomplete"
+    rank1 = _file(rank=tep | {"ep_rank": 1}, held=[4, 5, 6, 7])
+    assert verdict(list(_checks([rank0, rank1], world_size=2).values())) == "passed"
+
+
+def test_one_layer_off_fails_in_its_layer_though_the_pool_dilutes_it():
+    """2 % in expert 3 of layer 1 of 4: the layer's cell reads 2 %, the pool over layers 0.5 % (the bound)."""
+    cells = {(1, 2, 3): (20, -0.02, 0.0005, 0.0, 1e4)}
+    checks = _checks([_file(layers=4, cells=cells)])
+    assert not checks["layer_check_experts"].passed
+    assert "expert 3 M=17-64 layer 1" in checks["layer_check_experts"].detail
 
 
 def test_one_rank_off_fails_on_that_rank_even_when_the_pool_dilutes_it():
-    """TP2 without EP: rank 1 holds half of the expert; its own cell shows the 1% while the pooled estimate
-    (both ranks' sums) is near half of it."""
-    rank0 = _record(rank={"tp_rank": 0, "tp_size": 2}, experts={(2, 7): (40, 0.0, 0.0003)})
-    rank1 = _record(rank={"tp_rank": 1, "tp_size": 2}, experts={(2, 7): (40, -0.0100, 0.0003)})
-    summary = summarize([rank0, rank1])
-    cells = {(c.rank, c.expert): c for c in summary.experts}
-    assert cells[("TP1/2", 7)].scale == pytest.approx(-0.01)
-    assert cells[("all", 7)].scale == pytest.approx(-0.005)
-    assert not {c.name: c.passed for c in layer_checks(summary, LIMITS)}["layer_check_experts"]
+    tp = {"tp_size": 2}
+    bad = _file(rank=tp | {"tp_rank": 1}, cells={(0, 1, 0): (40, -0.01, 0.0005, 0.0, 1e4)})
+    good = _file(rank=tp | {"tp_rank": 0}, cells={(0, 1, 0): (40, 0.0, 0.0005, 0.0, 1e4)})
+    check = _checks([good, bad], world_size=2)["layer_check_experts"]
+    assert not check.passed and "(TP1/2)" in check.detail
+
+
+def test_the_power_line_counts_and_names_the_unjudged_cells():
+    files = [
+        _file(experts=8, cells={(0, 0, 6): (0, 0.0, 0.0005, 0.0, 1e4), (0, 0, 2): (3, 0.0, 0.02, 0.0, 3)})
+    ]
+    check = _checks(files)["layer_check_power"]
+    assert not check.ran and "M=1 (TP0/1) 6/8, unjudged experts 2, 6" in check.detail
+    summary = summarize(files, LIMITS, 1)
+    m1 = next(p for p in summary.power if p.range == "M=1")
+    assert (m1.judged, m1.cells, m1.unjudged) == (6, 8, [2, 6]) and m1.detectable_95 is None
+    m2 = next(p for p in summary.power if p.range == "M=2-16")
+    # d80 = max((t + 0.84) se, bound + 0.84 se): the bound's side at se = 0.0005.
+    assert m2.judged == 8 and m2.detectable_95 == pytest.approx(0.005 + 0.8416 * 0.0005, rel=1e-3)
+
+
+def test_the_threshold_is_the_t_quantile_of_the_normal_tail():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    p = 2 * scipy_stats.norm.sf(5.0)
+    for nu in (1.0, 2.5, 9.0, 30.0, 200.0, 5e4):
+        assert t_threshold(5.0, np.array([nu]))[0] == pytest.approx(scipy_stats.t.isf(p / 2, nu), rel=1e-2)
+    assert t_threshold(5.0, np.array([np.inf]))[0] == 5.0
 
 
 def test_reachable_ranges_follow_the_batched_token_limit():
-    assert reachable_ranges(1) == ["M=1"]
-    assert reachable_ranges(2048)[-1] == "M=1024-4095" and len(reachable_ranges(8192)) == NR
+    assert reachable_ranges(2048) == ["M=1", "M=2-16", "M=17-64", "M=65-256", "M=257-1023", "M=1024-4095"]
+    assert reachable_ranges(8192)[-1] == "M>=4096"
 
 
-def test_the_record_and_the_report_cell_say_the_worst_range_and_the_largest_scale():
-    summary = summarize([_record(ratio=0.9, experts={(3, 2): (20, -0.0012, 0.0002)})])
-    record = summary_record(summary, LIMITS)
-    assert record["processes"] == 1 and record["limits"]["scale_bound"] == 0.005
-    assert {r["range"] for r in record["ranges"]} == set(reachable_ranges(2048))
-    assert record["expert_cells"][0]["scale"] == pytest.approx(-0.0012)
-    assert layer_cell(record) == "x0.90 worst (M=1); |s| <= 0.0012"
-    assert layer_cell(None) == "-"
+def test_the_record_and_the_report_cell_say_the_worst_range_the_cells_judged_and_the_largest_scale():
+    files = [_file(cells={(0, 1, 0): (40, -0.0100, 0.0005, 0.0, 1e4)})]
+    record = summary_record(summarize(files, LIMITS, 1), LIMITS)
+    assert record["layers"] == 1 and record["world_size"] == 1
+    assert {p["range"] for p in record["power"]} == set(reachable_ranges(2048))
+    cell = layer_cell(record)
+    assert cell.startswith("x0.85 worst") and "192/192 cells at 1%" in cell and "|s| <= 0.0100" in cell
 
 
-def test_infinite_stderr_is_written_as_null():
-    record = _record()
-    record["expert_sums"][0]["3"] = [40, 0.0, 0.0, 0.0, 0.0, 0.0]  # b = 0: its slots all had weight 0
-    out = summary_record(summarize([record]), LIMITS)
-    cell = next(c for c in out["expert_cells"] if c["expert"] == 3)
-    assert cell["stderr"] is None and not math.isnan(cell["scale"])
+def test_infinite_values_are_written_as_null():
+    files = [_file(cells={(0, 1, 0): (40, -0.0100, 0.0, 0.0, 1e4)})]  # a zero standard error: z infinite
+    record = summary_record(summarize(files, LIMITS, 1), LIMITS)
+    off = [c for c in record["expert_cells"] if c["scale"] == pytest.approx(-0.01)]
+    assert off and all(c["z"] is None for c in off)
+    assert not _checks(files)["layer_check_experts"].passed
 
 
-def test_compare_shows_each_backend_per_range_side_by_side(tmp_path):
-    """`moe-eval compare`: a row per dispatch range with each run's error against the exact MoE (x its
-    incumbent arithmetic's), then each run's largest expert scale; vLLM's own kernel runs no check ("-")."""
-    from moe_eval.report.compare import RunResult, _layer_rows
+def test_the_file_round_trips_and_a_foreign_file_is_a_problem_not_a_crash(tmp_path):
+    f = _file(layers=2)
+    path = tmp_path / "layer-check" / "7.npz"
+    layer_cells.write(path, f.meta, f.cells, f.rows, f.seen)
+    (tmp_path / "layer-check" / "8.npz").write_bytes(b"not a table")
+    files, problems = layer_cells.read_folder(tmp_path)
+    assert (
+        len(files) == 1
+        and np.array_equal(files[0].cells, f.cells)
+        and files[0].meta["layers"] == f.meta["layers"]
+    )
+    assert len(problems) == 1 and "8.npz" in problems[0]
+    # The unreadable file counts: a rank whose tables cannot be read is not judged on the others.
+    summary = summarize(files, LIMITS, 2, problems)
+    assert not layer_checks(summary, LIMITS)[0].ran
 
-    def run(label, check):
-        return RunResult(tmp_path, "m", label, 5, {}, "PASSED", {}, layer_check=check)
 
-    triton = summary_record(summarize([_record(ratio=1.0)]), LIMITS)
-    mutated = summary_record(summarize([_record(ratio=1.7, experts={(5, 0): (40, -0.0101, 0.0005)})]), LIMITS)
-    rows = {r[0]: r[3:] for r in _layer_rows([run("vllm", None), run("triton", triton), run("bug", mutated)])}
-    assert rows["layer error M=1024-4095"][0] == "-"
-    assert rows["layer error M=1024-4095"][1].endswith("(x1.00)") and rows["layer error M=1024-4095"][
-        2
-    ].endswith("(x1.70)")
-    assert rows["layer expert scale"] == ["-", "-", "-0.0101 (expert 0, M=1024-4095)"]
-    assert _layer_rows([run("vllm", None)]) == []
+def test_compare_shows_each_backend_per_range_and_the_cells_judged(tmp_path):
+    from moe_eval.report.compare import _layer_rows
+
+    record = summary_record(summarize([_file()], LIMITS, 1), LIMITS)
+    members = [type("M", (), {"layer_check": record})(), type("M", (), {"layer_check": None})()]
+    rows = {r[0]: r[3:] for r in _layer_rows(members)}
+    assert rows["layer error M=1"][0].endswith("(x0.85)") and rows["layer error M=1"][1] == "-"
+    assert rows["layer cells judged"][0].startswith("192/192 at 1%") and rows["layer cells judged"][1] == "-"
+    assert math.isfinite(float(rows["layer SiLU slope"][0].split()[0]))
