@@ -51,7 +51,7 @@ from moe_eval.gates.checks import (
     per_question,
 )
 from moe_eval.gates.judge import Answers, Measurements, judge, layer_check_limits
-from moe_eval.gates.layer_gate import summarize
+from moe_eval.gates.layer_gate import MIN_ROWS, reachable_ranges, summarize
 from moe_eval.models.builtin import resolve_model
 from moe_eval.plan.config import EvalConfig
 from moe_eval.serve import cancel
@@ -355,7 +355,7 @@ def _serve_and_evaluate(
             files, _ = layer_cells.read_folder(run_dir)
             per_call = max((int(f.meta.get("max_tokens", 0)) for f in files), default=0)
             record.captures.layer_sweep = reach_every_range(
-                config, data, server.base_url, model, per_call, run_dir=run_dir
+                config, data, server.base_url, model, per_call, owed=lambda: owed_cells(config, run_dir)
             )
             timings["layer_sweep_seconds"] = time.monotonic() - clock
         # Read while the server still runs: the counters' flusher thread wrote them within its interval.
@@ -404,6 +404,25 @@ def _serve_and_evaluate(
     record.judged = Judged(**judgement.sections)
     record.verdict.checks = judgement.checks
     record.verdict.status = judgement.verdict
+
+
+def owed_cells(config: EvalConfig, run_dir: Path) -> dict[str, int]:
+    """Per reachable range, the (range, expert) cells the layer check cannot judge yet, as the processes'
+    last flush has them, where the range falls short of layer_check_min_judged (what the sweep still owes)."""
+    files, problems = layer_cells.read_folder(run_dir)
+    limits = layer_check_limits(config)
+    summary = summarize(files, limits, config.layout.world_size, problems)
+    owed: dict[str, int] = {}
+    for row in summary.power:
+        if row.rank == "all" and summary.processes > 1:
+            continue
+        if row.judged < limits.min_judged * row.cells or not row.cells:
+            owed[row.range] = owed.get(row.range, 0) + max(row.cells - row.judged, 1)
+    compared = {row.range for row in summary.ranges if row.rows >= MIN_ROWS}
+    for name in reachable_ranges(summary.max_tokens):
+        if name not in compared:
+            owed[name] = owed.get(name, 0) + 1
+    return owed
 
 
 def _read_if(path: Path | None) -> list[TextLogprobs] | None:

@@ -8,6 +8,7 @@ process), rewritten atomically while the server serves:
 - `rows`   float64 (L, NR, len(ROW_FIELDS)): per layer and range, the row sums (errors, and the activation
   direction's sums);
 - `seen`   int64 (L, NR): the calls each layer made in each range, compared or not;
+- `routed` int64 (L, NR, E): the slots routed to each expert of this rank, compared or not;
 - `meta`   a JSON string: backend, pid, rank (its place in the layout), world_size, max_tokens, layer names,
   the sampling parameters, where the sums were counted (device or host), the field names.
 
@@ -67,6 +68,7 @@ class LayerFile:
     cells: np.ndarray  # (L, NR, E, len(CELL_FIELDS))
     rows: np.ndarray  # (L, NR, len(ROW_FIELDS))
     seen: np.ndarray  # (L, NR)
+    routed: np.ndarray | None = None  # (L, NR, E); None: not counted (a synthetic table)
     path: Path | None = None
 
     @property
@@ -74,14 +76,21 @@ class LayerFile:
         return self.meta.get("rank") or {}
 
 
-def write(path: Path, meta: dict[str, Any], cells: np.ndarray, rows: np.ndarray, seen: np.ndarray) -> None:
+def write(
+    path: Path,
+    meta: dict[str, Any],
+    cells: np.ndarray,
+    rows: np.ndarray,
+    seen: np.ndarray,
+    routed: np.ndarray,
+) -> None:
     """Atomically (a temporary name, then a rename): a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     header = json.dumps(
         meta | {"format": FORMAT_VERSION, "cell_fields": CELL_FIELDS, "row_fields": ROW_FIELDS}
     )
-    np.savez(buffer, meta=np.array(header), cells=cells, rows=rows, seen=seen)
+    np.savez(buffer, meta=np.array(header), cells=cells, rows=rows, seen=seen, routed=routed)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_bytes(buffer.getvalue())
     os.replace(tmp, path)
@@ -92,16 +101,17 @@ def read(path: Path) -> LayerFile:
     try:
         with np.load(path, allow_pickle=False) as data:
             meta = json.loads(str(data["meta"]))
-            cells, rows, seen = data["cells"], data["rows"], data["seen"]
+            cells, rows, seen, routed = data["cells"], data["rows"], data["seen"], data["routed"]
     except (OSError, KeyError, ValueError, EOFError) as exc:
         raise ValueError(f"{path}: not a layer-check file ({exc})") from None
     if meta.get("format") != FORMAT_VERSION or tuple(meta.get("cell_fields", ())) != CELL_FIELDS:
         raise ValueError(
             f"{path}: layer-check format {meta.get('format')}, this moe-eval reads {FORMAT_VERSION}"
         )
-    if cells.ndim != 4 or rows.shape[:2] != cells.shape[:2] or seen.shape != cells.shape[:2]:
-        raise ValueError(f"{path}: tables of mismatched shapes {cells.shape}, {rows.shape}, {seen.shape}")
-    return LayerFile(meta, cells, rows, seen, path)
+    shapes = (rows.shape[:2], seen.shape, routed.shape[:2], routed.shape[2:] or (0,))
+    if cells.ndim != 4 or shapes != (cells.shape[:2], cells.shape[:2], cells.shape[:2], cells.shape[2:3]):
+        raise ValueError(f"{path}: tables of mismatched shapes {cells.shape}, {rows.shape}, {routed.shape}")
+    return LayerFile(meta, cells, rows, seen, routed, path)
 
 
 def read_folder(run_dir: Path) -> tuple[list[LayerFile], list[str]]:

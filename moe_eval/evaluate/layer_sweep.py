@@ -10,12 +10,12 @@ server:
    max_model_len), enough long prompts at once to fill steps at that limit (chunked prefill's largest calls);
 3. DECODE_BATCHES concurrent short prompts, each generating DECODE_TOKENS tokens (ignore_eos): decode
    calls of about that many tokens (with CUDA graphs, the captured size at or above it);
-4. then rounds: the processes' layer-check tables (<run>/layer-check/) say which ranges still hold cells
-   (layer, range, expert) with fewer slots than the server's target, and each round sends one more unit of
-   each such range's workload (RANGE_UNITS), until no cell lacks slots, a round adds none to the cells that
-   lack them (their experts are not routed there), or the config's layer_check_sweep_seconds are spent.
-   The server picks the rows that fill those cells (kernels/layer_check.py), so a round costs what the
-   missing evidence costs.
+4. then rounds: the layer check's own reading of the processes' tables (the runner's `owed`: per range, the
+   (range, expert) cells it cannot judge yet where the config asks for them) says which ranges still lack
+   evidence, and each round sends one more unit of each such range's workload (RANGE_UNITS), until none
+   lacks any, three rounds in a row judged nothing more (the experts left are not routed there often enough),
+   or the config's layer_check_sweep_seconds are spent. The server picks the rows that fill the cells still
+   short of slots (kernels/layer_check.py), so a round costs what the missing evidence costs.
 
 Prompts are token ids cut from a pool (the tokenized scoring texts), each starting at another offset so
 that prefix caching never shortens a call. What was sent is returned for results.json.
@@ -24,13 +24,11 @@ that prefix caching never shortens a call. What was sent is returned for results
 from __future__ import annotations
 
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import requests
 
-from moe_eval.core import layer_cells
 from moe_eval.core.errors import InfraError
 from moe_eval.core.plugin_protocol import (
     DEFAULT_MAX_TOKENS,
@@ -59,6 +57,7 @@ RANGE_UNITS = (
     (0, 0, 0),  # M>=4096: the batched long prompts of step 2
 )
 MAX_ROUNDS = 64
+STALLED_ROUNDS = 3
 FALLBACK_TEXT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May? Weng earns $12 an hour for babysitting. "
@@ -71,11 +70,12 @@ def reach_every_range(
     base_url: str,
     model: str,
     max_tokens_per_call: int | None,
-    run_dir: Path | None = None,
+    owed: Callable[[], dict[str, int]] | None = None,
 ) -> dict[str, Any]:
     """The whole workload for a config's server: the pool from its scoring texts, the server's model length,
-    then `sweep`, then (with run_dir) the rounds until the cells hold their slots. max_tokens_per_call: the
-    largest call the server's processes said they make (None or 0: vLLM's default batched-token limit)."""
+    then `sweep`, then (with `owed`, fill_cells) the rounds until the check can judge its cells.
+    max_tokens_per_call: the largest call the server's processes said they make (None or 0: vLLM's default
+    batched-token limit)."""
     train, test = data.train_rows(), data.test_rows()
     texts = scoring_texts(train, test, config.num_fewshot, min(16, len(test))) if test else []
     timeout = config.request_timeout_seconds
@@ -92,13 +92,12 @@ def reach_every_range(
         timeout=timeout,
         retries=max(config.max_retries, 1),
     )
-    if run_dir is not None:
+    if owed is not None:
         sent["rounds"] = fill_cells(
             base_url,
             model,
             pool,
-            run_dir,
-            target=config.layer_check_slots,
+            owed,
             deadline=started + config.layer_check_sweep_seconds,
             max_tokens_per_call=per_call,
             model_len=model_len,
@@ -110,28 +109,12 @@ def reach_every_range(
     return sent
 
 
-def lacking_cells(run_dir: Path, target: int) -> dict[str, tuple[int, int]]:
-    """Per range: (cells with fewer than `target` slots, their slots) over every rank's layers and the
-    experts it holds, as the processes' last flush wrote them."""
-    files, _ = layer_cells.read_folder(run_dir)
-    lacking: dict[str, tuple[int, int]] = {}
-    for f in files:
-        held = f.meta.get("experts_held")
-        slots = f.cells[..., 0] if held is None else f.cells[:, :, [int(e) for e in held], 0]
-        for i, name in enumerate(layer_range_names()):
-            short = slots[:, i][slots[:, i] < target]
-            count, have = lacking.get(name, (0, 0))
-            lacking[name] = (count + int(short.size), have + int(np.sum(short)))
-    return lacking
-
-
 def fill_cells(
     base_url: str,
     model: str,
     pool: list[int],
-    run_dir: Path,
+    owed: Callable[[], dict[str, int]],
     *,
-    target: int,
     deadline: float,
     max_tokens_per_call: int,
     model_len: int,
@@ -139,67 +122,75 @@ def fill_cells(
     retries: int,
     first_index: int,
 ) -> list[dict[str, Any]]:
-    """Step 4 of the module docstring; what each round found lacking and sent, for results.json."""
+    """Step 4 of the module docstring. owed(): per range, the cells the layer check still cannot judge where
+    the check needs them (the runner reads the processes' tables); what each round found and sent, for
+    results.json."""
     rounds: list[dict[str, Any]] = []
     index = first_index
-    reachable = [
-        name
-        for name, low in zip(layer_range_names(), LAYER_RANGE_EDGES, strict=True)
-        if low <= max_tokens_per_call
-    ]
-    last: dict[str, int] = {}  # per range, the slots its lacking cells still missed after the last round
-
-    def missing(name: str, lacking: dict[str, tuple[int, int]]) -> int:
-        count, have = lacking.get(name, (0, 0))
-        return count * target - have
-
+    best, stalled = None, 0
     while len(rounds) < MAX_ROUNDS:
         time.sleep(2 * STATS_INTERVAL_SECONDS)  # the processes' flushers write within their interval
-        lacking = lacking_cells(run_dir, target)
-        # A range is driven again while it lacks slots and its last unit brought some.
-        wanted = {
-            name: lacking[name]
-            for name in reachable
-            if missing(name, lacking) > 0 and missing(name, lacking) < last.get(name, 1 << 62)
-        }
+        wanted = owed()
         if rounds:
-            rounds[-1]["lacking_after"] = {name: lacking.get(name, (0, 0))[0] for name in reachable}
-        if not wanted or time.monotonic() >= deadline:
+            rounds[-1]["owed_after"] = wanted
+        total = sum(wanted.values())
+        if best is None or total < best:
+            best, stalled = total, 0
+        else:
+            stalled += 1
+        # Three rounds in a row that judged nothing more: the cells left are not reachable this way.
+        if not wanted or stalled >= STALLED_ROUNDS or time.monotonic() >= deadline:
             break
-        last = {name: missing(name, lacking) for name in reachable}
         sent_units = []
         for name in wanted:
-            i = layer_range_names().index(name)
-            concurrent, length, tokens = RANGE_UNITS[i]
-            room = model_len - tokens - 1
-            if concurrent == 0 or length > min(room, max_tokens_per_call):
-                continue
-            payloads = []
-            for _ in range(concurrent):
-                index += 1
-                payloads.append(
-                    {
-                        "model": model,
-                        "prompt": _prompt(pool, length, index),
-                        "max_tokens": tokens,
-                        "temperature": 0.0,
-                        "ignore_eos": True,
-                    }
-                )
-            post_completions(
-                base_url,
-                payloads,
-                lambda reply, i: reply.get("usage", {}),
-                concurrency=concurrent,
-                timeout=timeout,
-                retries=retries,
-                backoff=1.0,
-            )
-            sent_units.append(name)
-        rounds.append({"lacking": {name: count for name, (count, _) in wanted.items()}, "sent": sent_units})
+            payloads = _unit(name, pool, index, model, max_tokens_per_call, model_len)
+            index += len(payloads)
+            if payloads:
+                _post(base_url, payloads, timeout, retries)
+                sent_units.append(name)
+        rounds.append({"owed": wanted, "sent": sent_units})
         if not sent_units:
             break
     return rounds
+
+
+def _unit(
+    name: str, pool: list[int], index: int, model: str, max_tokens_per_call: int, model_len: int
+) -> list[dict]:
+    """One unit of a range's workload (RANGE_UNITS; >= 4096: prompts that fill a step at the batched-token
+    limit); [] when the server cannot make such calls."""
+    i = layer_range_names().index(name)
+    concurrent, length, tokens = RANGE_UNITS[i]
+    room = model_len - DECODE_TOKENS - 1
+    if concurrent == 0:  # the largest calls: long prompts sent together, packed by chunked prefill
+        length = min(room, max(PREFILL_LENGTHS))
+        if length <= 0 or max_tokens_per_call <= length:
+            return []
+        concurrent, tokens = -(-max_tokens_per_call // length) + 1, 1
+    if length > min(model_len - tokens - 1, max_tokens_per_call):
+        return []
+    return [
+        {
+            "model": model,
+            "prompt": _prompt(pool, length, index + j + 1),
+            "max_tokens": tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        for j in range(concurrent)
+    ]
+
+
+def _post(base_url: str, payloads: list[dict], timeout: float, retries: int) -> None:
+    post_completions(
+        base_url,
+        payloads,
+        lambda reply, i: reply.get("usage", {}),
+        concurrency=len(payloads),
+        timeout=timeout,
+        retries=retries,
+        backoff=1.0,
+    )
 
 
 def token_pool(base_url: str, model: str, texts: list[str], timeout: float) -> list[int]:

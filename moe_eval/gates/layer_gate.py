@@ -188,14 +188,16 @@ class PowerRow:
 
     range: str
     rank: str
-    cells: int  # experts this rank holds
+    cells: int  # experts this rank holds that were routed in this range (the cells owed)
     judged: int  # ... resolving a `power` one-expert error
     detectable_95: (
         float | None
     )  # the error that 95 % of the cells resolve (None: fewer than 95 % resolve any)
     layer_cells: int
     layer_judged: int
-    unjudged: list[int] = field(default_factory=list)  # the experts not judged
+    unjudged: list[int] = field(default_factory=list)  # the routed experts not judged
+    not_routed: list[int] = field(default_factory=list)  # held, never routed in this range: nothing to judge
+    least_routed: list[int] | None = None  # [expert, slots routed]: the rarest routed expert of the range
 
 
 @dataclass
@@ -250,6 +252,12 @@ def _cell(est: Estimates, index: tuple, name: str, rank: str, layer: int | None,
     )  # fmt: skip
 
 
+def _routed(f: LayerFile) -> np.ndarray:
+    """Slots routed per (layer, range, expert); a table without the count (synthetic) counts every compared
+    slot as routed."""
+    return f.routed if f.routed is not None else f.cells[..., CELL["n"]].astype(np.int64)
+
+
 def reachable_ranges(max_tokens: int) -> list[str]:
     """The ranges a server whose calls carry up to max_tokens tokens can produce."""
     return [
@@ -273,17 +281,17 @@ def summarize(
         return summary
     files = sorted(files, key=lambda f: rank_name(f.rank))
     ranks = [rank_name(f.rank) for f in files]
-    pools: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, list[int]]] = []
+    pools: list[tuple] = []
     for f, rank in zip(files, ranks, strict=True):
         held = f.meta.get("experts_held")
         held = list(range(f.cells.shape[2])) if held is None else [int(e) for e in held]
-        pools.append((rank, f.cells, f.rows, f.seen, held))
+        pools.append((rank, f.cells, f.rows, f.seen, _routed(f), held))
     if len(files) > 1 and len({f.cells.shape for f in files}) == 1:
-        held_all = sorted({e for p in pools for e in p[4]})
-        total = (sum(f.cells for f in files), sum(f.rows for f in files), sum(f.seen for f in files))
+        held_all = sorted({e for p in pools for e in p[5]})
+        total = [sum(p[i] for p in pools) for i in range(1, 5)]
         pools.append(("all", *total, held_all))
-    for rank, cells, rows, seen, held in pools:
-        _judge_pool(summary, limits, names, rank, cells, rows, seen, held)
+    for rank, cells, rows, seen, routed, held in pools:
+        _judge_pool(summary, limits, names, rank, cells, rows, seen, routed, held)
     return summary
 
 
@@ -295,6 +303,7 @@ def _judge_pool(
     cells: np.ndarray,  # (L, NR, E, NF)
     rows: np.ndarray,  # (L, NR, NRF)
     seen: np.ndarray,  # (L, NR)
+    routed: np.ndarray,  # (L, NR, E)
     held: list[int],
 ) -> None:
     L = cells.shape[0]
@@ -338,21 +347,27 @@ def _judge_pool(
             e = candidates[np.argmax(np.abs(pooled.scale[i, candidates]))]
             if not off_pooled[i, e]:
                 shown.append(_expert(pooled, (i, e), name, rank, None, int(slots_pooled[i, e]), e))
-        if slots_pooled[i].sum() == 0:
+        routed_here = routed[:, i].sum(0)
+        if slots_pooled[i].sum() == 0 and routed_here.sum() == 0:
             continue
-        d = np.sort(pooled.detectable[i, held])
+        owed = [e for e in held if routed_here[e] > 0]
+        d = np.sort(pooled.detectable[i, owed])
         k = max(int(math.ceil(0.95 * len(d))) - 1, 0)
-        layer_detect = per_layer.detectable[:, i, held]
+        layer_owed = routed[:, i][:, owed] > 0
+        layer_detect = per_layer.detectable[:, i][:, owed][layer_owed]
+        rarest = min(owed, key=lambda e: routed_here[e], default=None)
         summary.power.append(
             PowerRow(
                 name,
                 rank,
-                len(held),
-                int(judged_pooled[i, held].sum()),
+                len(owed),
+                int(judged_pooled[i, owed].sum()),
                 _finite(d[k]) if len(d) else None,
                 int(layer_detect.size),
                 int((layer_detect <= limits.power).sum()),
-                [int(e) for e in held if not judged_pooled[i, e]],
+                [int(e) for e in owed if not judged_pooled[i, e]],
+                [int(e) for e in held if routed_here[e] == 0],
+                None if rarest is None else [int(rarest), int(routed_here[rarest])],
             )
         )
     summary.experts += shown
@@ -486,7 +501,7 @@ def _power(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
     rows = [p for p in summary.power if p.range in wanted and (p.rank != "all" or summary.processes == 1)]
     if summary.processes == 1:
         rows = [p for p in summary.power if p.range in wanted]
-    short = [p for p in rows if p.cells and p.judged < limits.min_judged * p.cells]
+    short = [p for p in rows if p.judged < limits.min_judged * p.cells or not p.cells]
     seen_ranges = {p.range for p in rows}
     never = sorted(wanted - seen_ranges, key=list(layer_range_names()).index)
     total = sum(p.cells for p in rows)
@@ -515,7 +530,9 @@ def _power(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
 
 def _describe_power(p: PowerRow) -> str:
     d95 = f"95% resolve {p.detectable_95:.2%}" if p.detectable_95 is not None else "95% resolve none"
-    return f"{p.range} ({p.rank}) {p.judged}/{p.cells} ({d95}; per layer {p.layer_judged}/{p.layer_cells})"
+    quiet = f"; not routed: {', '.join(map(str, p.not_routed[:NAMED]))}" if p.not_routed else ""
+    layers = f"per layer {p.layer_judged}/{p.layer_cells}"
+    return f"{p.range} ({p.rank}) {p.judged}/{p.cells} ({d95}; {layers}{quiet})"
 
 
 def _describe_range(row: RangeRow) -> str:

@@ -37,6 +37,8 @@ def _pick_rows_kernel(
     seen_ptr,  # (NR,) int64: this layer's calls per range, every call
     seen_mirror_ptr,  # (NR,) int64 pinned host copy
     cells_ptr,  # (NR, E, NF) fp64: this layer's cells (field 0: slots)
+    routed_ptr,  # (NR, E) int64: this layer's routed slots per expert, every call
+    routed_mirror_ptr,  # (NR, E) int64 pinned host copy
     topk_ids_ptr,  # (T, K) int32, global expert ids
     expert_map_ptr,  # (E,) int32, local slot or -1 (unused without HAS_MAP)
     rows_ptr,  # (CAP,) int32 out: the compared rows
@@ -54,42 +56,50 @@ def _pick_rows_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_CAP: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # > E: the histogram's last bins take the slots of other ranks
 ):
-    # One program, one stream: the layers' calls run in order, so the counter needs no atomic.
+    # One program, one stream: the layers' calls run in order, so the counters need no atomic.
     seen = tl.load(seen_ptr + range_index)
     tl.store(seen_ptr + range_index, seen + 1)
     tl.store(seen_mirror_ptr + range_index, seen + 1)
     count = tl.minimum(T, cap)
-    if (seen < burst) | ((seen % period) == 0):
+    searching = (seen >= burst) & ((seen % period) != 0)  # not a background call: needy rows
+    start = (seen * ROW_STRIDE) % T
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    offs_e = tl.arange(0, BLOCK_E)
+    routed = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    room = tl.where(searching, count, 0)  # rows the search may write (none on a background call)
+    picked = 0
+    # Every row: the routing counts; on a call that is not a background one, also the needy rows in order
+    # from `start` (layer_check_ref.pick_rows).
+    for c0 in range(0, T, BLOCK_T):
+        pos = c0 + tl.arange(0, BLOCK_T)
+        in_call = pos < T
+        t = ((start + pos) % T).to(tl.int32)
+        mask = in_call[:, None] & mask_k[None, :]
+        experts = tl.load(topk_ids_ptr + t[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=0)
+        held = mask
+        if HAS_MAP:
+            local = tl.load(expert_map_ptr + experts, mask=mask, other=-1)
+            held = mask & (local >= 0)
+        routed += tl.histogram(tl.reshape(tl.where(held, experts, E), (BLOCK_T * BLOCK_K,)), BLOCK_E)
+        slots = tl.load(cells_ptr + (range_index * E + experts) * NF, mask=held, other=1e300)
+        needy = (tl.max((held & (slots < target)).to(tl.int32), axis=1) > 0) & in_call
+        position = tl.cumsum(needy.to(tl.int32), axis=0) - 1 + picked
+        tl.store(rows_ptr + position, t, mask=needy & (position < room))
+        picked += tl.sum(needy.to(tl.int32), axis=0)
+    routed64 = routed.to(tl.int64)
+    old = tl.atomic_add(routed_ptr + range_index * E + offs_e, routed64, mask=offs_e < E)
+    tl.store(routed_mirror_ptr + range_index * E + offs_e, old + routed64, mask=offs_e < E)
+    if searching:
+        tl.store(count_ptr, tl.minimum(picked, count))
+    else:
         offs = tl.arange(0, BLOCK_CAP)
         step = tl.maximum(count - 1, 1)
         spread = tl.where(count > 1, (offs * (T - 1)) // step, 0)
         tl.store(rows_ptr + offs, spread.to(tl.int32), mask=offs < count)
         tl.store(count_ptr, count)
-    else:
-        start = (seen * ROW_STRIDE) % T
-        offs_k = tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        picked = 0
-        for c0 in range(0, T, BLOCK_T):
-            pos = c0 + tl.arange(0, BLOCK_T)
-            in_call = pos < T
-            t = ((start + pos) % T).to(tl.int32)
-            mask = in_call[:, None] & mask_k[None, :]
-            experts = tl.load(
-                topk_ids_ptr + t[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=0
-            )
-            held = mask
-            if HAS_MAP:
-                local = tl.load(expert_map_ptr + experts, mask=mask, other=-1)
-                held = mask & (local >= 0)
-            slots = tl.load(cells_ptr + (range_index * E + experts) * NF, mask=held, other=1e300)
-            needy = tl.max((held & (slots < target)).to(tl.int32), axis=1) > 0
-            needy = needy & in_call
-            position = tl.cumsum(needy.to(tl.int32), axis=0) - 1 + picked
-            tl.store(rows_ptr + position, t, mask=needy & (position < count))
-            picked += tl.sum(needy.to(tl.int32), axis=0)
-        tl.store(count_ptr, tl.minimum(picked, count))
 
 
 @triton.jit

@@ -41,10 +41,11 @@ from moe_eval.kernels import layer_check_ref as ref
 from moe_eval.kernels.stats_file import StatsFile
 
 ROWS_CAP = 64  # rows one call compares at most (the device scratch is sized for it)
-# Slots a cell (layer, range, expert) collects before its rows stop being picked for it. The per-slot
-# estimate's standard error makes a 1 % scale error resolvable from one slot at random-weight real shapes
-# and from a few on the trained canary (docs/logprob-gate.md, "Power"); 16 leaves room for heavy tails.
-SLOT_TARGET = 16
+# Slots a cell (layer, range, expert) collects before its rows stop being picked for it (the config's
+# layer_check_slots sets it in a server). At random-weight real shapes one slot resolves a 1 % scale error;
+# on the trained CPU canary 16 a layer left a rarely routed expert's pooled cell at 1.05 % (its incumbent's
+# own estimate sits at -0.4 % there), 32 brings it under 1 % (docs/logprob-gate.md, "Power").
+SLOT_TARGET = 32
 SAMPLE_BURST = 4  # a layer's first calls of each range are compared spread over their rows ...
 SAMPLE_PERIOD = 16  # ... then every 16th: every part of the calls stays looked at after the cells are full
 NUM_RANGES = len(LAYER_RANGE_EDGES)
@@ -66,23 +67,22 @@ class _LayerTables:
         self.cells = torch.zeros(shapes[0], dtype=torch.float64, device=where)
         self.rows = torch.zeros(shapes[1], dtype=torch.float64, device=where)
         self.seen = torch.zeros(NUM_RANGES, dtype=torch.int64, device=where)
+        self.routed = torch.zeros(NUM_RANGES, num_experts, dtype=torch.int64, device=where)
         self.mirrors: tuple[torch.Tensor, ...] | None = None
         if device is not None:
             mirrors = (
                 torch.zeros(shapes[0], dtype=torch.float64),
                 torch.zeros(shapes[1], dtype=torch.float64),
+                torch.zeros(NUM_RANGES, dtype=torch.int64),
+                torch.zeros(NUM_RANGES, num_experts, dtype=torch.int64),
             )
-            mirrors += (torch.zeros(NUM_RANGES, dtype=torch.int64),)
             # The device writes them directly; the flusher only reads.
             self.mirrors = tuple(m.pin_memory() for m in mirrors) if pin else mirrors
 
-    def host_view(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        tables = self.mirrors if self.mirrors is not None else (self.cells, self.rows, self.seen)
+    def host_view(self) -> tuple[np.ndarray, ...]:
+        """cells, rows, seen, routed as the host sees them."""
+        tables = self.mirrors if self.mirrors is not None else (self.cells, self.rows, self.seen, self.routed)
         return tuple(t.numpy().copy() for t in tables)
-
-    def zero(self) -> None:
-        for t in (self.cells, self.rows, self.seen, *(self.mirrors or ())):
-            t.zero_()
 
 
 class LayerCheck:
@@ -193,6 +193,10 @@ class LayerCheck:
     ) -> None:
         seen = int(tables.seen[range_index])
         tables.seen[range_index] += 1
+        ids = topk_ids_TK.long().cpu().reshape(-1)
+        if expert_map_E is not None:
+            ids = ids[expert_map_E.long().cpu()[ids] >= 0]
+        tables.routed[range_index].index_add_(0, ids, torch.ones_like(ids))
         rows = ref.pick_rows(
             hidden_TD.shape[0],
             seen,
@@ -271,12 +275,12 @@ class LayerCheck:
         emap = expert_map_E.to(torch.int32) if expert_map_E is not None else no_map
         has_map = expert_map_E is not None
         block_k = max(2, triton.next_power_of_2(K))
-        _, _, seen_mirror = tables.mirrors
+        _, _, seen_mirror, routed_mirror = tables.mirrors
         kernels._pick_rows_kernel[(1,)](
-            tables.seen, seen_mirror, tables.cells, ids, emap, rows, count,
+            tables.seen, seen_mirror, tables.cells, tables.routed, routed_mirror, ids, emap, rows, count,
             T, E, range_index, self.cap, self.burst, self.period, self.target,
-            K=K, NF=NUM_CELL_FIELDS, HAS_MAP=has_map, BLOCK_K=block_k, BLOCK_T=128,
-            BLOCK_CAP=triton.next_power_of_2(self.cap), num_warps=4,
+            K=K, NF=NUM_CELL_FIELDS, HAS_MAP=has_map, BLOCK_K=block_k, BLOCK_T=max(16, 256 // block_k),
+            BLOCK_CAP=triton.next_power_of_2(self.cap), BLOCK_E=triton.next_power_of_2(E + 1), num_warps=4,
         )  # fmt: skip
         kernels._exact_h_kernel[(R * K, triton.cdiv(F, 32))](
             count, rows, hidden_TD, ids, weights, emap, w13_eFD, h, hs,
@@ -292,7 +296,7 @@ class LayerCheck:
             count, rows, out_TD, ids, emap, y, q, v, result, T, D,
             K=K, NRES=result_width(K), HAS_MAP=has_map, BLOCK_K=block_k, BLOCK_D=32, num_warps=4,
         )  # fmt: skip
-        cells_mirror, rows_mirror, _ = tables.mirrors
+        cells_mirror, rows_mirror, _, _ = tables.mirrors
         kernels._accumulate_kernel[(1,)](
             count, rows, ids, result, tables.cells, tables.rows, cells_mirror, rows_mirror, E, range_index,
             K=K, NF=NUM_CELL_FIELDS, NRF=NUM_ROW_FIELDS, NRES=result_width(K), BLOCK_K=block_k, num_warps=1,
@@ -300,13 +304,18 @@ class LayerCheck:
 
     # --- reading ---
 
-    def snapshot(self) -> tuple[dict[str, Any], np.ndarray, np.ndarray, np.ndarray]:
+    def snapshot(self) -> tuple[dict[str, Any], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """meta, cells, rows, seen, routed (core/layer_cells.py)."""
         with self._lock:
             views = [tables.host_view() for tables in self.layers]
-        E = self.num_experts
-        cells = np.stack([v[0] for v in views]) if views else np.zeros((0, NUM_RANGES, E, NUM_CELL_FIELDS))
-        rows = np.stack([v[1] for v in views]) if views else np.zeros((0, NUM_RANGES, NUM_ROW_FIELDS))
-        seen = np.stack([v[2] for v in views]) if views else np.zeros((0, NUM_RANGES), dtype=np.int64)
+        E, L = self.num_experts, len(views)
+        empty = {
+            0: np.zeros((0, NUM_RANGES, E, NUM_CELL_FIELDS)),
+            1: np.zeros((0, NUM_RANGES, NUM_ROW_FIELDS)),
+            2: np.zeros((0, NUM_RANGES), dtype=np.int64),
+            3: np.zeros((0, NUM_RANGES, E), dtype=np.int64),
+        }
+        cells, rows, seen, routed = (np.stack([v[i] for v in views]) if L else empty[i] for i in range(4))
         meta = {
             "backend": self.backend,
             "pid": os.getpid(),
@@ -319,7 +328,7 @@ class LayerCheck:
             "sampling": {"target": self.target, "cap": self.cap, "burst": self.burst, "period": self.period},
             "counted_on": "device" if self.device is not None else "host",
         }
-        return meta, cells, rows, seen
+        return meta, cells, rows, seen, routed
 
     def flush(self) -> None:
         self.file.flush()

@@ -289,7 +289,7 @@ CONFIG_KEYS: dict[str, KeySpec] = {
     ),
     "layer_check_slots": KeySpec(
         (int,),
-        16,
+        32,
         _between(1, 100000),
         "layer check: slots each (layer, range, expert) cell collects before the server stops picking rows "
         "for it (rows are still compared now and then)",
@@ -373,7 +373,7 @@ class EvalConfig:
     layer_check_activation_bound: float = 0.002
     layer_check_power: float = 0.01
     layer_check_min_judged: float = 0.95
-    layer_check_slots: int = 16
+    layer_check_slots: int = 32
     layer_check_sweep_seconds: float = 120.0
     optional_gates: tuple[str, ...] = ()
     # The file's text as parsed: what travels to the worker process (moe_eval.worker), which parses the

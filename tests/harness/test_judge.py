@@ -18,7 +18,7 @@ from moe_eval.gates.table import GATE_BY_NAME, GATES, NOT_RUN_SUFFIX, describe_p
 from moe_eval.plan.config import load_config
 from moe_eval.plan.selection import read_list, with_baselines
 from tests.golden.test_golden_gate import capture
-from tests.harness.test_layer_gate import _record
+from tests.harness.test_layer_gate import LIMITS, _file
 
 REPO = Path(__file__).resolve().parents[2]
 TORCH_TP1 = REPO / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml"
@@ -61,7 +61,7 @@ def measured(config, *, run_noise=0.02, answers_right=QUESTIONS, **changes) -> M
         ),
         jit={"monitored_processes": 1, "count": 0, "kernels": [], "events": []},
         kernel_calls={"processes": 1, "calls": 100, "tokens": 1000, "counted_on": ["host"]},
-        layer=summarize([_record()]),
+        layer=summarize([_file()], LIMITS, 1),
         logprobs=capture(run),
         decode=_decode(0.0),
         incumbent=Baseline(
@@ -106,7 +106,7 @@ def test_a_correct_row_passes_every_gate_it_calls_for(config):
             {"kernel_calls": {"processes": 0, "calls": 0, "tokens": 0, "counted_on": []}},
             {"bundled_kernel_calls"},
         ),
-        ({"layer": summarize([_record(ratio=1.5)])}, {"layer_check_ranges"}),
+        ({"layer": summarize([_file(ratio=1.5)], LIMITS, 1)}, {"layer_check_ranges"}),
         ({"decode": _decode(0.3)}, {"golden_gate_decode"}),
         ({"answers": "garbage"}, {"max_empty_rate"}),
     ],

@@ -44,11 +44,13 @@ def _file(
     held: list[int] | None = None,
     stderr: float = 0.0005,
     slots: int = 20,
+    routed: dict | None = None,
 ) -> LayerFile:
     """One process's tables. Every held expert of every reachable range and layer gets `slots` slots whose
     estimate is 0 +- `stderr` with many degrees of freedom; `cells` {(layer, range, expert): (slots, scale,
     stderr, incumbent's scale, dof)} overrides some. `activation` {(layer, range): (eps, stderr, incumbent,
-    dof)} likewise for the SiLU slope direction (default 0 +- 1e-5)."""
+    dof)} likewise for the SiLU slope direction (default 0 +- 1e-5). Routed slots: 3x the compared ones,
+    `routed` {(layer, range, expert): slots} overrides some."""
     cell = np.zeros((layers, NR, experts, len(CELL_FIELDS)))
     table = np.zeros((layers, NR, len(ROW_FIELDS)))
     seen = np.zeros((layers, NR), dtype=np.int64)
@@ -83,6 +85,9 @@ def _file(
         put_cell(layer, i, e, n, scale, se, inc, dof)
     for (layer, i), (eps, se, inc, dof) in (activation or {}).items():
         put_act(layer, i, eps, se, inc, dof)
+    counts = (3 * cell[..., 0]).astype(np.int64)
+    for (layer, i, e), n in (routed or {}).items():
+        counts[layer, i, e] = n
     meta = {
         "rank": rank or {"tp_rank": 0, "tp_size": 1},
         "max_tokens": max_tokens,
@@ -90,7 +95,7 @@ def _file(
         "experts_held": held,
         "layers": [f"model.layers.{j}.mlp.experts" for j in range(layers)],
     }
-    return LayerFile(meta, cell, table, seen)
+    return LayerFile(meta, cell, table, seen, counts)
 
 
 def _checks(files, world_size=1):
@@ -151,12 +156,22 @@ ALL_PASS = dict.fromkeys(
         # The activation's slope error of every expert: +0.5 % where the incumbent reads 0.
         ([_file(activation={(0, 3): (0.005, 1e-4, 0.0, 1e4)})], ALL_PASS | {"layer_check_activation": False}),
         ([_file(activation={(0, 3): (0.0015, 1e-5, 0.0, 1e4)})], ALL_PASS),  # within the bound
-        # One expert of 32 has no slot in M=1 (never routed there): 31/32 >= 95 %, judged, the cell listed.
-        ([_file(cells={(0, 0, 6): (0, 0.0, 0.0005, 0.0, 1e4)})], ALL_PASS),
+        # One routed expert of 32 never compared in M=1: 31/32 >= 95 %, judged, the cell listed.
+        ([_file(cells={(0, 0, 6): (0, 0.0, 0.0005, 0.0, 1e4)}, routed={(0, 0, 6): 5})], ALL_PASS),
         # Two: 30/32 < 95 %: the range is not judged (the row not passed), the cells named.
         (
-            [_file(cells={(0, 0, 6): (0, 0.0, 0.0005, 0.0, 1e4), (0, 0, 9): (0, 0.0, 0.0005, 0.0, 1e4)})],
+            [
+                _file(
+                    cells={(0, 0, 6): (0, 0.0, 0.0005, 0.0, 1e4), (0, 0, 9): (0, 0.0, 0.0005, 0.0, 1e4)},
+                    routed={(0, 0, 6): 5, (0, 0, 9): 2},
+                )
+            ],
             ALL_PASS | {"layer_check_power": False},
+        ),
+        # Experts the model never routes in a range owe no cell there (listed as not routed): judged 30/30.
+        (
+            [_file(cells={(0, 0, 6): (0, 0.0, 0.0005, 0.0, 1e4), (0, 0, 9): (0, 0.0, 0.0005, 0.0, 1e4)})],
+            ALL_PASS,
         ),
         # Every cell too noisy to resolve 1 %: not judged (never a silent pass).
         ([_file(stderr=0.01)], ALL_PASS | {"layer_check_power": False}),
@@ -206,13 +221,18 @@ def test_one_rank_off_fails_on_that_rank_even_when_the_pool_dilutes_it():
 
 def test_the_power_line_counts_and_names_the_unjudged_cells():
     files = [
-        _file(experts=8, cells={(0, 0, 6): (0, 0.0, 0.0005, 0.0, 1e4), (0, 0, 2): (3, 0.0, 0.02, 0.0, 3)})
+        _file(
+            experts=8,
+            cells={(0, 0, 6): (0, 0.0, 0.0005, 0.0, 1e4), (0, 0, 2): (3, 0.0, 0.02, 0.0, 3)},
+            routed={(0, 0, 6): 4, (0, 0, 3): 1},
+        )
     ]
     check = _checks(files)["layer_check_power"]
     assert not check.ran and "M=1 (TP0/1) 6/8, unjudged experts 2, 6" in check.detail
     summary = summarize(files, LIMITS, 1)
     m1 = next(p for p in summary.power if p.range == "M=1")
     assert (m1.judged, m1.cells, m1.unjudged) == (6, 8, [2, 6]) and m1.detectable_95 is None
+    assert m1.least_routed == [3, 1] and m1.not_routed == []
     m2 = next(p for p in summary.power if p.range == "M=2-16")
     # d80 = max((t + 0.84) se, bound + 0.84 se): the bound's side at se = 0.0005.
     assert m2.judged == 8 and m2.detectable_95 == pytest.approx(0.005 + 0.8416 * 0.0005, rel=1e-3)
@@ -251,7 +271,7 @@ def test_infinite_values_are_written_as_null():
 def test_the_file_round_trips_and_a_foreign_file_is_a_problem_not_a_crash(tmp_path):
     f = _file(layers=2)
     path = tmp_path / "layer-check" / "7.npz"
-    layer_cells.write(path, f.meta, f.cells, f.rows, f.seen)
+    layer_cells.write(path, f.meta, f.cells, f.rows, f.seen, f.routed)
     (tmp_path / "layer-check" / "8.npz").write_bytes(b"not a table")
     files, problems = layer_cells.read_folder(tmp_path)
     assert (

@@ -176,8 +176,8 @@ def test_the_activation_direction_reads_a_silu_slope_error_and_no_expert_is_blam
         weights, ids = _routing(T, E, K, g)
         out = torch_moe(x, w13, w2, weights, ids, silu_slope=1.005)
         check.observe(index, x, out, weights, ids, None, w13, w2, False)
-    meta, cells, rows, seen = check.snapshot()
-    summary = summarize([LayerFile(meta, cells, rows, seen)], LIMITS, 1)
+    meta, cells, rows, seen, routed = check.snapshot()
+    summary = summarize([LayerFile(meta, cells, rows, seen, routed)], LIMITS, 1)
     checks = {c.name: c for c in layer_checks(summary, LIMITS)}
     assert not checks["layer_check_activation"].passed and checks["layer_check_experts"].passed
     pooled = rows[0].sum(0)
@@ -208,8 +208,7 @@ def _run(mutation, sizes, E=8, K=2, D=256, F=128, expert_map=None, rank=None, ca
             for experts, layer in zip(held, built, strict=True):
                 experts.apply(layer, x, weights, ids)
     check = held[0].check
-    meta, cells, rows, seen = check.snapshot()
-    return summarize([LayerFile(meta, cells, rows, seen)], LIMITS, 1), check
+    return summarize([LayerFile(*check.snapshot())], LIMITS, 1), check
 
 
 SIZES = (1, 4, 16, 64, 200, 600, 1500)
@@ -361,8 +360,8 @@ for m in (None, emap):
         for x, w, ids in calls:
             out = torch_moe(x, lw13, lw2, w, ids, expert_map_E=m)
             check.observe(layer, x, out, w, ids, m, lw13, lw2, False)
-        _, cells, rows, seen = check.snapshot()
-        snaps.append([cells.tolist(), rows.tolist(), seen.tolist()])
+        _, cells, rows, seen, routed = check.snapshot()
+        snaps.append([cells.tolist(), rows.tolist(), seen.tolist(), routed.tolist()])
     result.append(snaps)
 json.dump(result, sys.stdout)
 """
@@ -378,10 +377,11 @@ def test_triton_kernels_match_the_torch_definition_in_the_interpreter():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     for host, device in json.loads(done.stdout):
-        (h_cells, h_rows, h_seen), (d_cells, d_rows, d_seen) = map(
+        (h_cells, h_rows, h_seen, h_routed), (d_cells, d_rows, d_seen, d_routed) = map(
             lambda s: [np.array(t) for t in s], (host, device)
         )
         assert np.array_equal(h_seen, d_seen) and h_seen.sum() == 11
+        assert np.array_equal(h_routed, d_routed) and h_routed.sum() > 0
         assert np.array_equal(h_cells[..., CELL["n"]], d_cells[..., CELL["n"]])  # the same rows picked
         # a is a signed sum of rounding-sized residuals: fp32 summation order moves it by ~1e-6 (of ~1e-2).
         a_tol = 1e-3 * np.abs(h_cells[..., CELL["a"]]).max()
@@ -435,9 +435,10 @@ def test_device_path_matches_torch_under_cuda_graphs(expert_map):
             graph.replay()
             torch.cuda.synchronize()
             host.observe(h_layer, args[0], args[1], args[2], args[3], emap_d, w13, w2, False)
-    _, h_cells, h_rows, h_seen = host.snapshot()
-    _, d_cells, d_rows, d_seen = device.snapshot()  # the pinned mirrors the flusher reads
+    _, h_cells, h_rows, h_seen, h_routed = host.snapshot()
+    _, d_cells, d_rows, d_seen, d_routed = device.snapshot()  # the pinned mirrors the flusher reads
     assert np.array_equal(h_seen, d_seen) and np.array_equal(h_cells[..., 0], d_cells[..., 0])
+    assert np.array_equal(h_routed, d_routed)
     for field in ("a", "b", "vb"):
         np.testing.assert_allclose(d_cells[..., CELL[field]], h_cells[..., CELL[field]], rtol=1e-2, atol=1e-9)
     for field in ("calls", "rows", "sq_res", "sq_exact", "sq_ref", "sa", "sb"):

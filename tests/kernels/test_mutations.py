@@ -202,8 +202,32 @@ def test_other_mutations_leave_the_kernel_alone():
     assert all(
         mutate_kernel(name, kernel) is kernel
         for name in [None, *MUTATIONS]
-        if name != "bf16_down_accumulation"
+        if name not in ("bf16_down_accumulation", "silu_slope")
     )
+
+
+def test_silu_slope_computes_gate_times_a_steeper_sigmoid_and_nothing_else():
+    """`--mutate silu_slope:slope=1.01`: the torch kernel's h = gate * sigmoid(1.01 gate) * up, against the
+    fp32 reference computed the same way (the Triton kernel's SILU_SLOPE is checked on the GPU)."""
+    torch.manual_seed(0)
+    E, K, D, F, T = 8, 2, 64, 32, 12
+    w13 = (torch.randn(E, 2 * F, D) / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, F) / F**0.5).bfloat16()
+    x = torch.randn(T, D).bfloat16()
+    weights, ids = torch.topk(torch.randn(T, E).softmax(-1), K)
+    weights, ids = weights / weights.sum(-1, keepdim=True), ids.int()
+    weights_obj = MoeWeights(MoeBackend.TORCH, w13, w2)
+    kernel = mutate_kernel("silu_slope:slope=1.01", make_moe_kernel(MoeBackend.TORCH))
+    out = kernel(x, weights_obj, weights, ids, None, False).float()
+    expected = torch.zeros(T, D)
+    for t in range(T):
+        for k in range(K):
+            gu = w13[ids[t, k]].float() @ x[t].float()
+            h = gu[:F] * torch.sigmoid(1.01 * gu[:F]) * gu[F:]
+            expected[t] += weights[t, k] * (w2[ids[t, k]].float() @ h.bfloat16().float())
+    plain = make_moe_kernel(MoeBackend.TORCH)(x, weights_obj, weights, ids, None, False).float()
+    assert (out - expected).norm() / expected.norm() < 1e-2
+    assert (out - plain).norm() / plain.norm() > 1e-3  # it changed something
 
 
 # --- skip_tail_block ---------------------------------------------------------------------------
@@ -504,3 +528,25 @@ def test_subtle_mutations_capture_in_a_cuda_graph(mutation):
         graph.replay()
         eager = experts.apply(layer, x, new_weights, new_ids)
         assert torch.equal(out, eager), f"{mutation} T={T}: replay differs from eager"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", [1, 16, 2048])  # the decode plan, a small-BLOCK_M plan, the prefill plan
+def test_triton_silu_slope_computes_what_the_torch_kernel_does(tokens):
+    """`--mutate silu_slope`: the Triton kernels' SILU_SLOPE (every plan's GEMM1) against the torch kernel's
+    slope at Qwen3-30B-A3B's TP1 shape; the default slope is the shipped kernel, bit for bit."""
+    from moe_eval.kernels.fused_moe import fused_moe
+
+    E, K, D, F = 128, 8, 2048, 768
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(E, 2 * F, D, device="cuda", generator=g) / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, F, device="cuda", generator=g) / F**0.5).bfloat16()
+    x = torch.randn(tokens, D, device="cuda", generator=g).bfloat16()
+    weights, ids = torch.rand(tokens, E, device="cuda", generator=g).softmax(-1).topk(K)
+    weights, ids = (weights / weights.sum(-1, keepdim=True)).contiguous(), ids.int().contiguous()
+    sloped = fused_moe(x, w13, w2, weights, ids, silu_slope=1.01).float()
+    expected = torch_moe(x, w13, w2, weights, ids, silu_slope=1.01).float()
+    plain = fused_moe(x, w13, w2, weights, ids).float()
+    assert torch.equal(fused_moe(x, w13, w2, weights, ids, silu_slope=1.0).float(), plain)
+    assert rel_err(sloped, expected) < 1e-2 and rel_err(sloped, plain) > 1e-3
