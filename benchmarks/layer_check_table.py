@@ -1,12 +1,14 @@
-"""The layer check's calibration table from run folders (docs/logprob-gate.md, "The layer check").
+"""The layer check's calibration and power table from run folders (docs/logprob-gate.md, "The layer check").
 
     python benchmarks/layer_check_table.py RUN_FOLDER... [--json OUT.json]
 
 One row per bundled-kernel config of each run: the mutation, strict-match accuracy, the golden gate's ratio
-and verdict, the layer check's worst range (error / the incumbent arithmetic's), the experts it flags (range:
-scale, the incumbent's, z), the checks that failed when it ran, and the layer check judged again now from the
-processes' sums (<config>/layer-check/*.json) with this checkout's moe_eval.gates.layer_gate and the record's
-limits (so a change of the rule is seen on the same measurements). --json writes the same rows as data.
+and verdict, the layer check judged again now from the processes' tables (<config>/layer-check/*.npz) with
+this checkout's moe_eval.gates.layer_gate and the record's limits (a change of the rule is seen on the same
+measurements): the worst range (error / the incumbent arithmetic's), the (range, expert) cells that resolve
+the power target (a 1 % one-expert error with 80 % probability) of those owed, and the same per layer, the
+SiLU slope direction's largest reading, the experts it flags (range, layer: scale, the incumbent's, z), the
+checks that failed when it ran and those that fail now. --json writes the same rows as data.
 """
 
 from __future__ import annotations
@@ -18,14 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from moe_eval.core import layer_cells  # noqa: E402
 from moe_eval.core.record import RunRecord, result_files  # noqa: E402
-from moe_eval.gates.layer_gate import (  # noqa: E402
-    MIN_SLOTS,
-    LayerCheckLimits,
-    layer_checks,
-    read_layer_files,
-    summarize,
-)
+from moe_eval.gates.layer_gate import LayerCheckLimits, layer_checks, summarize  # noqa: E402
 
 
 def rows(folder: Path) -> list[dict]:
@@ -36,11 +33,27 @@ def rows(folder: Path) -> list[dict]:
         if not isinstance(check, dict) or not (path.parent / "layer-check").is_dir():
             continue  # vLLM's own kernel: no layer check
         limits = LayerCheckLimits(**check["limits"])
-        summary = summarize(read_layer_files(path.parent))
+        files, problems = layer_cells.read_folder(path.parent)
+        summary = summarize(files, limits, int(check.get("world_size", len(files))), problems)
         judged_now = layer_checks(summary, limits)
-        ranges = [r for r in summary.ranges if r.rank == "all" and r.ratio is not None]
+        pooled = "all" if summary.processes > 1 else None
+        ranges = [
+            r
+            for r in summary.ranges
+            if r.layer is None and r.ratio is not None and (pooled is None or r.rank == pooled)
+        ]
         worst = max(ranges, key=lambda r: r.ratio, default=None)
-        flagged = [c for c in summary.experts if c.slots >= MIN_SLOTS and c.off(limits)]
+        power = [p for p in summary.power if pooled is None or p.rank != "all"]
+        activation = [
+            c for c in summary.activation if c.layer is None and (pooled is None or c.rank == pooled)
+        ]
+        steepest = max(activation, key=lambda c: abs(c.scale), default=None)
+        flagged = [
+            c for c in summary.experts if c.z is None or (c.threshold is not None and c.z >= c.threshold)
+        ]
+        flagged = [
+            c for c in flagged if abs(c.scale) > limits.scale_bound and abs(c.scale) > abs(c.incumbent_scale)
+        ]
         golden = record.judged.golden_gate or {}
         out.append(
             {
@@ -51,12 +64,32 @@ def rows(folder: Path) -> list[dict]:
                 "accuracy": record.accuracy,
                 "golden_ratio": golden.get("ratio"),
                 "golden_failed": (golden.get("rule") or {}).get("failed"),
+                "layers": summary.layers,
                 "worst_range": worst and {"range": worst.range, "ratio": worst.ratio, "rows": worst.rows},
-                "ranges_covered": [r.range for r in summary.ranges if r.rank == "all"],
+                "cells": sum(p.cells for p in power),
+                "cells_judged": sum(p.judged for p in power),
+                "layer_cells": sum(p.layer_cells for p in power),
+                "layer_cells_judged": sum(p.layer_judged for p in power),
+                "power": [
+                    {
+                        "range": p.range,
+                        "rank": p.rank,
+                        "judged": p.judged,
+                        "cells": p.cells,
+                        "detectable_95": p.detectable_95,
+                        "unjudged": p.unjudged,
+                        "not_routed": p.not_routed,
+                        "least_routed": p.least_routed,
+                    }
+                    for p in power
+                ],
+                "activation": steepest
+                and {"range": steepest.range, "eps": steepest.scale, "incumbent": steepest.incumbent_scale},
                 "flagged": [
                     {
                         "range": c.range,
                         "rank": c.rank,
+                        "layer": c.layer,
                         "expert": c.expert,
                         "slots": c.slots,
                         "scale": c.scale,
@@ -75,17 +108,23 @@ def rows(folder: Path) -> list[dict]:
 def markdown(all_rows: list[dict]) -> str:
     lines = [
         "| run | config | mutation | strict-match | golden ratio | worst range (x incumbent) "
-        "| experts flagged (range: s, incumbent's, z) | failed checks | layer checks failed, judged now |",
-        "|---|---|---|---:|---:|---|---|---|---|",
+        "| cells judged at 1 % (per layer) | SiLU slope (incumbent) "
+        "| experts flagged (range, layer: s, incumbent's, z) | failed checks "
+        "| layer checks failed, judged now |",
+        "|---|---|---|---:|---:|---|---|---|---|---|---|",
     ]
     for r in all_rows:
         worst = r["worst_range"]
+        shown = sorted(r["flagged"], key=lambda c: -abs(c["scale"]))[:6]
         flagged = "; ".join(
-            f"{c['expert']} {c['range']}{'' if c['rank'] == 'all' else ' ' + c['rank']}: {c['scale']:+.4f}, "
-            f"{c['incumbent_scale']:+.4f}, {c['z']:.0f}"
-            for c in sorted(r["flagged"], key=lambda c: -abs(c["scale"]))
-            if c["rank"] == "all"
-        )
+            f"{c['expert']} {c['range']}{'' if c['layer'] is None else ' L' + str(c['layer'])}"
+            f"{'' if c['rank'] in ('all', 'TP0/1') else ' ' + c['rank']}: {c['scale']:+.4f}, "
+            f"{c['incumbent_scale']:+.4f}, {'inf' if c['z'] is None else format(c['z'], '.0f')}"
+            for c in shown
+        ) + (f" (+{len(r['flagged']) - 6})" if len(r["flagged"]) > 6 else "")
+        judged = f"{r['cells_judged']}/{r['cells']} ({r['layer_cells_judged']}/{r['layer_cells']})"
+        act = r["activation"]
+        slope = "-" if act is None else f"{act['eps']:+.4f} ({act['incumbent']:+.4f}, {act['range']})"
         golden = (
             "-"
             if r["golden_ratio"] is None
@@ -94,7 +133,7 @@ def markdown(all_rows: list[dict]) -> str:
         accuracy = "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}"
         lines.append(
             f"| {r['run']} | {r['config']} | {r['mutation'] or 'none'} | {accuracy} | {golden} | "
-            f"{worst['ratio']:.3f} ({worst['range']}) | {flagged or 'none'} | "
+            f"{worst['ratio']:.3f} ({worst['range']}) | {judged} | {slope} | {flagged or 'none'} | "
             f"{', '.join(r['failed_checks']) or 'none'} | "
             f"{', '.join(r['layer_checks_failed_now']) or 'none'} |"
         )

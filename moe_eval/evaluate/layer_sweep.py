@@ -160,6 +160,8 @@ def _unit(
     """One unit of a range's workload (RANGE_UNITS; >= 4096: prompts that fill a step at the batched-token
     limit); [] when the server cannot make such calls."""
     i = layer_range_names().index(name)
+    if LAYER_RANGE_EDGES[i] > max_tokens_per_call:
+        return []
     concurrent, length, tokens = RANGE_UNITS[i]
     room = model_len - DECODE_TOKENS - 1
     if concurrent == 0:  # the largest calls: long prompts sent together, packed by chunked prefill

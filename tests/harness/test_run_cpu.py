@@ -29,6 +29,8 @@ from tests.conftest import (
 from tests.harness.running import evaluating, left_running, server_log, start_run, wait_for
 
 pytestmark = pytest.mark.server
+# 2 % in expert 3 of the canary's layer 1 (of 4), every call: 0.5 % pooled over the layers, at the bound.
+ONE_LAYER_MUTATION = "scale_expert:expert=3,layer=1,scale=0.98"
 
 
 def _results(tmp_path: Path) -> dict[str, dict]:
@@ -110,20 +112,31 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         assert 0 < gate["run"]["mean_abs"] and gate["ratio"] <= 1 + gate["margin"]
         assert 0 < gate["power"]["scale_error"] < 0.05, "a 5% expert bug must be within the gate's reach"
         assert Path(record["golden"]["path"]).parent == goldens
-        # The layer check: every rank compared its served MoE calls with the exact MoE in every dispatch
-        # range the server can produce, and passed.
+        # The layer check: every rank compared its served MoE calls with the exact MoE in every layer and
+        # dispatch range the server can produce, judged its (range, expert) cells at 1 %, and passed.
         layer = record["layer_check"]
-        assert (
-            checks["layer_check_coverage"] and checks["layer_check_ranges"] and checks["layer_check_experts"]
-        )
-        assert layer["processes"] == ranks and layer["counted_on"] == ["host"]
+        assert all(checks[name] for name in checks if name.startswith("layer_check")), checks
+        assert {name for name in checks if name.startswith("layer_check")} == {
+            "layer_check_coverage",
+            "layer_check_ranges",
+            "layer_check_experts",
+            "layer_check_activation",
+            "layer_check_power",
+        }
+        assert layer["processes"] == layer["world_size"] == ranks and layer["counted_on"] == ["host"]
+        assert layer["layers"] == 4  # the canary's four MoE layers, each with its own cells
+        pooled = "all" if ranks > 1 else "TP0/1"
         covered = {
-            r["range"] for r in layer["ranges"] if r["rank"] == "all" and r["rows"] >= layer["min_rows"]
+            r["range"]
+            for r in layer["ranges"]
+            if r["rank"] == pooled and r["layer"] is None and r["rows"] >= layer["min_rows"]
         }
         assert {"M=1", "M=2-16", "M=17-64", "M=65-256", "M=257-1023", "M=1024-4095"} <= covered
+        power = [p for p in layer["power"] if p["rank"] != "all"]
+        assert sum(p["judged"] for p in power) >= 0.95 * sum(p["cells"] for p in power) > 0
         assert record["layer_sweep"]["decode_batches"] == [1, 8, 40, 100]
         config_dir = Path(record["server"]["log"]).parent
-        assert len(list((config_dir / "layer-check").glob("*.json"))) == ranks
+        assert len(list((config_dir / "layer-check").glob("*.npz"))) == ranks
     made = [r["golden"]["made_now"] for r in records.values()]
     assert sorted(made) == [False, True], "one row makes the golden, the other finds it in the cache"
     assert len(list(goldens.glob("*/golden.json"))) == 1, "TP and TEP rows share one golden (TP1, eager)"
@@ -192,11 +205,19 @@ def test_the_subtle_mutation_fails_the_tep_row_too(subtle_mutation_run, tmp_path
     )
 
 
-# Bugs confined to one dispatch range or one rank (1% in one expert): every gate but the layer check passes
+# Bugs confined to one dispatch range, one rank (1% in one expert) or one layer (2% in one expert of layer 1
+# of the canary's 4, every range: 0.5 % pooled over the layers): every gate but the layer check passes
 # them (docs/logprob-gate.md, "The layer check"), so the list as shipped must fail by it, at TP1 and at TEP.
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "mutation", ["scale_expert_decode", "scale_expert_mid", "scale_expert_large", "scale_expert_last_rank"]
+    "mutation",
+    [
+        "scale_expert_decode",
+        "scale_expert_mid",
+        "scale_expert_large",
+        "scale_expert_last_rank",
+        ONE_LAYER_MUTATION,
+    ],
 )
 def test_range_confined_mutations_fail_every_bundled_row_by_the_layer_check(
     mutation, embedded_default_run, tmp_path, repo_root, gsm8k_dir
@@ -217,10 +238,16 @@ def test_range_confined_mutations_fail_every_bundled_row_by_the_layer_check(
         assert record["mutation"] == mutation and record["status"] == "failed"
         assert checks["accuracy_gate"] and checks["paired_gate"], checks  # no answer-level gate sees it
         assert checks["layer_check_coverage"] and not checks["layer_check_experts"], checks
-        # The expert it names is the one the bug hits: global expert 0, or the last one for the one-rank bug.
-        target = 7 if mutation == "scale_expert_last_rank" else 0
-        off = [c for c in record["layer_check"]["expert_cells"] if c["expert"] == target]
-        assert any(c["scale"] == pytest.approx(-0.01, abs=2e-3) and c["z"] >= 5 for c in off), off
+        # The expert it names is the one the bug hits (global expert 0, the last one for the one-rank bug,
+        # expert 3 in layer 1 for the one-layer bug) at the bug's size.
+        target, size, layer = {
+            "scale_expert_last_rank": (7, -0.01, None),
+            ONE_LAYER_MUTATION: (3, -0.02, 1),
+        }.get(mutation, (0, -0.01, None))
+        cells = record["layer_check"]["expert_cells"]
+        off = [c for c in cells if c["expert"] == target and (layer is None or c["layer"] == layer)]
+        assert any(c["scale"] == pytest.approx(size, abs=2e-3) and (c["z"] or 1e9) >= 5 for c in off), off
+        assert all(c["expert"] == target for c in cells if c["z"] is None or c["z"] >= c["threshold"]), cells
     assert "layer_check_experts" in result.stdout and "FAIL" in result.stdout
 
 
@@ -408,3 +435,33 @@ def test_golden_command_makes_the_runs_golden_bit_for_bit_then_reuses_it(
     assert again.returncode == 0 and "\tcached\t" in again.stdout, again.stdout
     assert "making the golden" not in again.stderr
     assert not processes_with_env("MOE_EVAL_RUN_DIR", str(tmp_path)), "golden server processes survived"
+
+
+def test_a_tep_row_missing_one_ranks_tables_is_not_passed(embedded_default_run, tmp_path, repo_root):
+    """The TEP row of the embedded default, judged again with one rank's layer-check tables removed: the
+    check says which ranks wrote nothing and the row ends incomplete, never judged on the other half."""
+    from moe_eval.core import layer_cells
+    from moe_eval.core.check import verdict
+    from moe_eval.gates.judge import layer_check_limits
+    from moe_eval.gates.layer_gate import layer_checks, summarize
+    from moe_eval.plan.config import load_config
+
+    row = next(
+        p.parent
+        for p in embedded_default_run.out.rglob("results.json")
+        if p.parent.parent.name == "canary-tep"
+    )
+    copy = tmp_path / "row"
+    shutil.copytree(row, copy)
+    tables = sorted((copy / "layer-check").glob("*.npz"))
+    config = load_config(repo_root / "configs" / "canary-tep" / "Canary-Qwen3-MoE-BF16-torch.yaml")
+    limits = layer_check_limits(config)
+    files, problems = layer_cells.read_folder(copy)
+    assert len(tables) == config.layout.world_size == 2 and not problems
+    assert verdict(layer_checks(summarize(files, limits, 2, problems), limits)) == "passed"
+    tables[1].unlink()
+    files, problems = layer_cells.read_folder(copy)
+    checks = layer_checks(summarize(files, limits, 2, problems), limits)
+    coverage = next(c for c in checks if c.name == "layer_check_coverage")
+    assert not coverage.ran and "1 rank(s) wrote no layer-check tables" in coverage.detail
+    assert verdict(checks) == "incomplete"
