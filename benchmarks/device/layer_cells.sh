@@ -59,7 +59,7 @@ row() {  # NAME LOGNAME [moe-eval run options]: one run, its checks' lines print
   grep -h "layer_check\|jit_while\|: \(PASS\|FAIL\|INCOMPLETE\|ERROR\)" "$work/$log.log" | cut -c1-700
   pack
 }
-shipped_dir() { ls -d "$work/runs/$1"/*/ | head -1; }
+shipped_dir() { find "$work/runs/$1" -mindepth 1 -maxdepth 1 -type d | sort | head -1; }
 resume() {  # NAME LOGNAME MUTATION: the shipped run copied, then run again mutated
   local name=$1 log=$2 mutation=$3
   rm -rf "$work/runs/$log" && mkdir -p "$work/runs/$log" && cp -r "$(shipped_dir "$name")" "$work/runs/$log/"
