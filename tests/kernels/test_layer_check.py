@@ -439,9 +439,15 @@ def test_device_path_matches_torch_under_cuda_graphs(expert_map):
     _, d_cells, d_rows, d_seen, d_routed = device.snapshot()  # the pinned mirrors the flusher reads
     assert np.array_equal(h_seen, d_seen) and np.array_equal(h_cells[..., 0], d_cells[..., 0])
     assert np.array_equal(h_routed, d_routed)
-    for field in ("a", "b", "vb"):
+    # a is a signed sum of rounding-sized residuals: fp32 summation order moved one cell by 2.6 % of itself
+    # (2e-6 of a largest |a| of 1e-3, H200): held to 1 % of the largest.
+    a_tol = 1e-2 * np.abs(h_cells[..., CELL["a"]]).max()
+    np.testing.assert_allclose(d_cells[..., CELL["a"]], h_cells[..., CELL["a"]], rtol=0, atol=a_tol)
+    for field in ("b", "vb"):
         np.testing.assert_allclose(d_cells[..., CELL[field]], h_cells[..., CELL[field]], rtol=1e-2, atol=1e-9)
-    for field in ("calls", "rows", "sq_res", "sq_exact", "sq_ref", "sa", "sb"):
+    sa_tol = 1e-2 * np.abs(h_rows[..., ROW["sa"]]).max()
+    np.testing.assert_allclose(d_rows[..., ROW["sa"]], h_rows[..., ROW["sa"]], rtol=0, atol=sa_tol)
+    for field in ("calls", "rows", "sq_res", "sq_exact", "sq_ref", "sb"):
         np.testing.assert_allclose(d_rows[..., ROW[field]], h_rows[..., ROW[field]], rtol=1e-2, atol=1e-9)
     # The incumbent's: a bf16 rounding that falls the other way on one element (summation order) moves the
     # signed sum a_inc relatively more, so compare the scale it gives where a cell has evidence.
