@@ -407,8 +407,9 @@ def _serve_and_evaluate(
 
 
 def owed_cells(config: EvalConfig, run_dir: Path) -> dict[str, int]:
-    """Per reachable range, the (range, expert) cells the layer check cannot judge yet, as the processes'
-    last flush has them, where the range falls short of layer_check_min_judged (what the sweep still owes)."""
+    """Per reachable range, as the processes' last flush has them: the (range, expert) cells the layer check
+    cannot judge yet, and the experts a rank holds that no call of the range has routed to (what the sweep
+    still owes; the rounds end when they stop shrinking)."""
     files, problems = layer_cells.read_folder(run_dir)
     limits = layer_check_limits(config)
     summary = summarize(files, limits, config.layout.world_size, problems)
@@ -416,8 +417,9 @@ def owed_cells(config: EvalConfig, run_dir: Path) -> dict[str, int]:
     for row in summary.power:
         if row.rank == "all" and summary.processes > 1:
             continue
-        if row.judged < limits.min_judged * row.cells or not row.cells:
-            owed[row.range] = owed.get(row.range, 0) + max(row.cells - row.judged, 1)
+        missing = row.cells - row.judged + len(row.not_routed)
+        if missing:
+            owed[row.range] = owed.get(row.range, 0) + missing
     compared = {row.range for row in summary.ranges if row.rows >= MIN_ROWS}
     for name in reachable_ranges(summary.max_tokens):
         if name not in compared:

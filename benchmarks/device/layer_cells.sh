@@ -14,7 +14,8 @@
 #   layer:NAME:L:S        twin NAME again, expert 0 scaled by S in layer L only, every range
 #   silu:NAME:N           NAME (a twin or canary) again N times with --mutate silu_slope (+0.5 %)
 # Each step's output folder and log go to $OUT/layer-cells.tar.xz (tables, results.json, logs; no weights),
-# re-packed after every step, so a call cut short keeps what finished. RUN_TIMEOUT (s) bounds one step.
+# re-packed after every step, so a call cut short keeps what finished. RUN_TIMEOUT (s) bounds one step;
+# ROW_OPTS go to every `moe-eval run` (e.g. "--limit 40": the canary's questions, shipped and resumed alike).
 set -u
 out="${OUT:-/tmp/lc-out}"; work="/tmp/lc"
 export MOE_EVAL_CACHE=/tmp/moe-eval-cache
@@ -53,7 +54,8 @@ config_of() {
 row() {  # NAME LOGNAME [moe-eval run options]: one run, its checks' lines printed
   local name=$1 log=$2; shift 2
   local t0; t0=$(date +%s)
-  moe_eval run --hw h200 --gsm8k-dir .gsm8k "$@" "$(config_of "$name")" > "$work/$log.log" 2>&1
+  # shellcheck disable=SC2086
+  moe_eval run --hw h200 --gsm8k-dir .gsm8k ${ROW_OPTS:-} "$@" "$(config_of "$name")" > "$work/$log.log" 2>&1
   local rc=$?
   echo "== $log: exit $rc in $(( $(date +%s) - t0 )) s"
   grep -h "layer_check\|jit_while\|: \(PASS\|FAIL\|INCOMPLETE\|ERROR\)" "$work/$log.log" | cut -c1-700

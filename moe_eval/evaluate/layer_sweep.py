@@ -45,16 +45,19 @@ PREFILL_REPEATS = 3
 DECODE_BATCHES = (1, 8, 40, 100)  # concurrent sequences: M=1, 2-16, 17-64, 65-256 when decoding together
 DECODE_TOKENS = 12
 DECODE_PROMPT_TOKENS = 16
-# One unit of each range's workload, for the rounds: (concurrent prompts, prompt tokens, tokens generated).
-# Decode units make calls of about their concurrency; prefill units one call of about their prompt length.
+# One unit of each range's workload, for the rounds: (prompts, sent at once, prompt tokens, tokens generated).
+# Decode units make calls of about their concurrency, each prompt from its own offset and only a few tokens
+# long: greedy decoding of random weights repeats its tokens, so one long continuation keeps routing to the
+# same experts (seen on the Qwen3 twin: 96 tokens of one prompt left 36 of 128 experts unrouted at M = 1).
+# Prefill units make one call of about their prompt length each.
 RANGE_UNITS = (
-    (1, DECODE_PROMPT_TOKENS, 96),  # M=1: one sequence decoding
-    (8, DECODE_PROMPT_TOKENS, 48),  # M=2-16
-    (40, DECODE_PROMPT_TOKENS, 24),  # M=17-64
-    (100, DECODE_PROMPT_TOKENS, 12),  # M=65-256 (and the 100 short prompts' prefill)
-    (1, 600, 1),  # M=257-1023
-    (1, 1500, 1),  # M=1024-4095
-    (0, 0, 0),  # M>=4096: the batched long prompts of step 2
+    (8, 1, DECODE_PROMPT_TOKENS, DECODE_TOKENS),  # M=1: one sequence at a time
+    (32, 8, DECODE_PROMPT_TOKENS, DECODE_TOKENS),  # M=2-16
+    (80, 40, DECODE_PROMPT_TOKENS, DECODE_TOKENS),  # M=17-64
+    (100, 100, DECODE_PROMPT_TOKENS, DECODE_TOKENS),  # M=65-256 (and the 100 short prompts' prefill)
+    (2, 1, 600, 1),  # M=257-1023
+    (2, 1, 1500, 1),  # M=1024-4095
+    (0, 0, 0, 0),  # M>=4096: long prompts sent together, packed into steps at the batched-token limit
 )
 MAX_ROUNDS = 64
 STALLED_ROUNDS = 3
@@ -105,6 +108,7 @@ def reach_every_range(
             retries=max(config.max_retries, 1),
             first_index=sent["requests"],
         )
+        sent["requests"] += sum(r["requests"] for r in sent["rounds"])
         sent["seconds"] = round(time.monotonic() - started, 2)
     return sent
 
@@ -143,12 +147,18 @@ def fill_cells(
             break
         sent_units = []
         for name in wanted:
-            payloads = _unit(name, pool, index, model, max_tokens_per_call, model_len)
+            payloads, concurrency = _unit(name, pool, index, model, max_tokens_per_call, model_len)
             index += len(payloads)
             if payloads:
-                _post(base_url, payloads, timeout, retries)
+                _post(base_url, payloads, concurrency, timeout, retries)
                 sent_units.append(name)
-        rounds.append({"owed": wanted, "sent": sent_units})
+        rounds.append(
+            {
+                "owed": wanted,
+                "sent": sent_units,
+                "requests": index - first_index - sum(r["requests"] for r in rounds),
+            }
+        )
         if not sent_units:
             break
     return rounds
@@ -156,21 +166,22 @@ def fill_cells(
 
 def _unit(
     name: str, pool: list[int], index: int, model: str, max_tokens_per_call: int, model_len: int
-) -> list[dict]:
+) -> tuple[list[dict], int]:
     """One unit of a range's workload (RANGE_UNITS; >= 4096: prompts that fill a step at the batched-token
     limit); [] when the server cannot make such calls."""
     i = layer_range_names().index(name)
     if LAYER_RANGE_EDGES[i] > max_tokens_per_call:
-        return []
-    concurrent, length, tokens = RANGE_UNITS[i]
+        return [], 0
+    prompts, concurrent, length, tokens = RANGE_UNITS[i]
     room = model_len - DECODE_TOKENS - 1
-    if concurrent == 0:  # the largest calls: long prompts sent together, packed by chunked prefill
+    if prompts == 0:  # the largest calls: long prompts sent together, packed by chunked prefill
         length = min(room, max(PREFILL_LENGTHS))
         if length <= 0 or max_tokens_per_call <= length:
-            return []
-        concurrent, tokens = -(-max_tokens_per_call // length) + 1, 1
+            return [], 0
+        prompts, tokens = -(-max_tokens_per_call // length) + 1, 1
+        concurrent = prompts
     if length > min(model_len - tokens - 1, max_tokens_per_call):
-        return []
+        return [], 0
     return [
         {
             "model": model,
@@ -179,16 +190,16 @@ def _unit(
             "temperature": 0.0,
             "ignore_eos": True,
         }
-        for j in range(concurrent)
-    ]
+        for j in range(prompts)
+    ], concurrent
 
 
-def _post(base_url: str, payloads: list[dict], timeout: float, retries: int) -> None:
+def _post(base_url: str, payloads: list[dict], concurrency: int, timeout: float, retries: int) -> None:
     post_completions(
         base_url,
         payloads,
         lambda reply, i: reply.get("usage", {}),
-        concurrency=len(payloads),
+        concurrency=concurrency,
         timeout=timeout,
         retries=retries,
         backoff=1.0,
