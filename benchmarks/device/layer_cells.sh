@@ -12,7 +12,7 @@
 #   least:NAME:RANGE      twin NAME again (--resume), its least-routed expert (read from the shipped run's
 #                         tables) 1 % short in RANGE only: --mutate scale_expert:expert=E,range=RANGE
 #   layer:NAME:L:S        twin NAME again, expert 0 scaled by S in layer L only, every range
-#   silu:NAME:N           NAME (a twin or canary) again N times with --mutate silu_slope (+0.5 %)
+#   silu:NAME:N           NAME (a twin or canary) N times with --mutate silu_slope (+0.5 %), each a new run
 # Each step's output folder and log go to $OUT/layer-cells.tar.xz (tables, results.json, logs; no weights),
 # re-packed after every step, so a call cut short keeps what finished. RUN_TIMEOUT (s) bounds one step;
 # ROW_OPTS go to every `moe-eval run` (e.g. "--limit 40": the canary's questions, shipped and resumed alike).
@@ -85,7 +85,9 @@ for step in ${STEPS:-tests twin:qwen3}; do
     layer)
       resume "$a" "layer-$a-$b" "scale_expert:expert=0,layer=$b,scale=$c" ;;
     silu)
-      for i in $(seq 1 "${b:-1}"); do resume "$a" "silu-$a-$i" "silu_slope"; done ;;
+      for i in $(seq 1 "${b:-1}"); do
+        row "$a" "silu-$a-$i" --output-dir "$work/runs/silu-$a-$i" --mutate silu_slope
+      done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
