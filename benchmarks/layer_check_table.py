@@ -61,7 +61,8 @@ def rows(folder: Path) -> list[dict]:
                 "config": f"{path.parent.parent.name}/{path.parent.name}",
                 "mutation": record.mutation,
                 "status": record.status,
-                "accuracy": record.accuracy,
+                # A random-weight twin's answers mean nothing: n/a, never 0.000.
+                "accuracy": None if "skipped" in (record.judged.gate or {}) else record.accuracy,
                 "golden_ratio": golden.get("ratio"),
                 "golden_failed": (golden.get("rule") or {}).get("failed"),
                 "layers": summary.layers,
@@ -130,7 +131,7 @@ def markdown(all_rows: list[dict]) -> str:
             if r["golden_ratio"] is None
             else f"{r['golden_ratio']:.3f}" + (" FAIL" if r["golden_failed"] else "")
         )
-        accuracy = "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}"
+        accuracy = "n/a" if r["accuracy"] is None else f"{r['accuracy']:.3f}"
         lines.append(
             f"| {r['run']} | {r['config']} | {r['mutation'] or 'none'} | {accuracy} | {golden} | "
             f"{worst['ratio']:.3f} ({worst['range']}) | {judged} | {slope} | {flagged or 'none'} | "
