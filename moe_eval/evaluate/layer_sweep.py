@@ -254,15 +254,7 @@ def sweep(
     sent: dict[str, Any] = {"prefill_lengths": [], "batched_prefill": None, "decode_batches": []}
 
     def post(payloads: list[dict], concurrency: int) -> None:
-        post_completions(
-            base_url,
-            payloads,
-            lambda reply, i: reply.get("usage", {}),
-            concurrency=concurrency,
-            timeout=timeout,
-            retries=retries,
-            backoff=1.0,
-        )
+        _post(base_url, payloads, concurrency, timeout, retries)
 
     def payload(length: int, tokens: int) -> dict:
         nonlocal index

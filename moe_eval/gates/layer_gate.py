@@ -24,14 +24,7 @@ and pooled over the ranks too. Five checks:
   layer_check_power one-expert error with 80 % probability; under layer_check_min_judged the row is not
   passed (incomplete), the unjudged cells named.
 
-The degrees of freedom. A cell's variance estimate is a sum of one-term squares (each element's
-y~^2 diff^2); where a few elements carry it (a trained model's outlier dimensions, a handful of slots) it is
-a draw of few degrees of freedom and can read several times too small: the CPU canary's correct kernel had
-a 9-slot cell at z = 4.5 against the incumbent. Kish's effective count nu = (sum v)^2 / sum v^2 measures
-that concentration (it counts one-degree terms of equal weight exactly, and undercounts Gaussian terms up
-to 3x: conservative), and the cell's threshold is the t quantile at nu: 12.4 at nu = 9, 6.3 at 30, 5.2 at
-200 for z = 5. So the old fixed floor of 20 slots is gone: a thin cell is judged when its own numbers
-say it can be, and counted as unjudged when they say it cannot.
+The degrees of freedom and the t threshold: moe_eval.gates.layer_estimates.
 
 The power of a cell: the smallest true scale error d caught with 80 % probability by the rule above,
 d80 = max((t + 0.84) se_diff, bound + 0.84 se, |s_incumbent| + 0.84 se_diff).
@@ -50,12 +43,11 @@ import numpy as np
 from moe_eval.core.check import Check
 from moe_eval.core.layer_cells import CELL, ROW, LayerFile
 from moe_eval.core.plugin_protocol import LAYER_RANGE_EDGES, layer_range_names
-from moe_eval.gates.stats import normal_two_sided_p, student_t_quantile
+from moe_eval.gates.layer_estimates import Estimates
 
 MIN_ROWS = (
     8  # rows a range (or a layer in it) needs before its error ratio is judged and it counts as covered
 )
-POWER_Z = 0.8416  # the normal quantile of 80 %: the power lines are "caught with 80 % probability"
 NAMED = 12  # cells or layers a check's line names at most
 
 
@@ -67,79 +59,6 @@ class LayerCheckLimits:
     activation_bound: float = 0.002  # the SiLU slope error's bound
     power: float = 0.01  # a cell is judged when it resolves a one-expert error this large
     min_judged: float = 0.95  # share of each reachable range's cells judged on every rank
-
-
-class _Quantiles:
-    """t quantiles of one two-sided tail for many degrees of freedom at once: exact on a log grid of nu,
-    interpolated between (t falls smoothly with nu)."""
-
-    def __init__(self, z: float) -> None:
-        self.z = z
-        self.grid = np.geomspace(0.5, 1e7, 240)
-        p = normal_two_sided_p(z)
-        self.values = np.array([student_t_quantile(p, nu) for nu in self.grid])
-
-    def __call__(self, nu: np.ndarray) -> np.ndarray:
-        nu = np.asarray(nu, dtype=float)
-        out = np.interp(
-            np.log(np.clip(nu, self.grid[0], self.grid[-1])), np.log(self.grid), np.log(self.values)
-        )
-        out = np.exp(out)
-        out = np.where(nu >= self.grid[-1], self.z, out)
-        return np.where(np.isfinite(nu) & (nu > 0), out, np.where(np.isinf(nu), self.z, np.inf))
-
-
-_QUANTILES: dict[float, _Quantiles] = {}
-
-
-def t_threshold(z: float, nu: np.ndarray) -> np.ndarray:
-    if z not in _QUANTILES:
-        _QUANTILES[z] = _Quantiles(z)
-    return _QUANTILES[z](nu)
-
-
-@dataclass
-class Estimates:
-    """A direction's estimate over any array of pooled sums (the last axis: a, b, vb, a_inc, vd, vd2)."""
-
-    scale: np.ndarray
-    stderr: np.ndarray
-    incumbent: np.ndarray
-    diff_stderr: np.ndarray
-    dof: np.ndarray
-    z: np.ndarray  # |scale - incumbent| / diff_stderr
-    threshold: np.ndarray  # the t quantile at dof
-    detectable: np.ndarray  # d80: the smallest error caught with 80 % probability
-
-    @classmethod
-    def of(cls, sums: np.ndarray, bound: float, z: float) -> Estimates:
-        a, b, vb, a_inc, vd, vd2 = (sums[..., i] for i in range(6))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            has = b > 0
-            scale = np.where(has, a / b, 0.0)
-            stderr = np.where(has, np.sqrt(np.maximum(vb, 0)) / b, np.inf)
-            incumbent = np.where(has, a_inc / b, 0.0)
-            diff_stderr = np.where(has, np.sqrt(np.maximum(vd, 0)) / b, np.inf)
-            dof = np.where(vd2 > 0, vd * vd / vd2, np.inf)
-            gap = np.abs(scale - incumbent)
-            zs = np.where(gap == 0, 0.0, np.where(diff_stderr > 0, gap / diff_stderr, np.inf))
-        threshold = t_threshold(z, dof)
-        detectable = np.maximum.reduce(
-            [
-                (threshold + POWER_Z) * diff_stderr,
-                bound + POWER_Z * stderr,
-                np.abs(incumbent) + POWER_Z * diff_stderr,
-            ]
-        )
-        detectable = np.where(has, detectable, np.inf)
-        return cls(scale, stderr, incumbent, diff_stderr, dof, zs, threshold, detectable)
-
-    def off(self, bound: float) -> np.ndarray:
-        return (
-            (np.abs(self.scale) > bound)
-            & (np.abs(self.scale) > np.abs(self.incumbent))
-            & (self.z >= self.threshold)
-        )
 
 
 @dataclass

@@ -13,6 +13,7 @@ from moe_eval.core import layer_cells
 from moe_eval.core.check import verdict
 from moe_eval.core.layer_cells import CELL_FIELDS, ROW, ROW_FIELDS, LayerFile
 from moe_eval.core.plugin_protocol import LAYER_RANGE_EDGES
+from moe_eval.gates.layer_estimates import t_threshold
 from moe_eval.gates.layer_gate import (
     MIN_ROWS,
     LayerCheckLimits,
@@ -20,7 +21,6 @@ from moe_eval.gates.layer_gate import (
     reachable_ranges,
     summarize,
     summary_record,
-    t_threshold,
 )
 from moe_eval.report.table import layer_cell
 
