@@ -1,6 +1,6 @@
 """The layer check's calibration and power table from run folders (docs/logprob-gate.md, "The layer check").
 
-    python benchmarks/layer_check_table.py RUN_FOLDER... [--json OUT.json]
+    python benchmarks/layer_check_table.py RUN_FOLDER... [--json OUT.json] [--power]
 
 One row per bundled-kernel config of each run: the mutation, strict-match accuracy, the golden gate's ratio
 and verdict, the layer check judged again now from the processes' tables (<config>/layer-check/*.npz) with
@@ -8,7 +8,10 @@ this checkout's moe_eval.gates.layer_gate and the record's limits (a change of t
 measurements): the worst range (error / the incumbent arithmetic's), the (range, expert) cells that resolve
 the power target (a 1 % one-expert error with 80 % probability) of those owed, and the same per layer, the
 SiLU slope direction's largest reading, the experts it flags (range, layer: scale, the incumbent's, z), the
-checks that failed when it ran and those that fail now. --json writes the same rows as data.
+checks that failed when it ran and those that fail now. --json writes the same rows as data. --power adds
+the power table: per run and dispatch range, the (range, expert) cells judged at 1 % of those owed (summed
+over the ranks), the error 95 % of them resolve (the worst rank's), and the least-routed expert with its
+routed slots.
 """
 
 from __future__ import annotations
@@ -141,13 +144,42 @@ def markdown(all_rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def power_markdown(all_rows: list[dict]) -> str:
+    from moe_eval.core.plugin_protocol import layer_range_names
+
+    names = list(layer_range_names())
+    lines = ["| run | config | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for r in all_rows:
+        cells = []
+        for name in names:
+            rows = [p for p in r["power"] if p["range"] == name]
+            if not rows:
+                cells.append("-")
+                continue
+            d95 = [p["detectable_95"] for p in rows]
+            worst = "none" if any(d is None for d in d95) else f"{max(d95):.2%}"
+            rare = min(
+                (p["least_routed"] for p in rows if p["least_routed"]), key=lambda x: x[1], default=None
+            )
+            rare_text = f"; rarest {rare[0]} ({rare[1]})" if rare else ""
+            cells.append(
+                f"{sum(p['judged'] for p in rows)}/{sum(p['cells'] for p in rows)} ({worst}{rare_text})"
+            )
+        lines.append(f"| {r['run']} | {r['config']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--power", action="store_true", help="also the per-range power table")
     args = parser.parse_args(argv)
     all_rows = [row for folder in args.runs for row in rows(folder)]
     print(markdown(all_rows))
+    if args.power:
+        print()
+        print(power_markdown(all_rows))
     if args.json:
         args.json.write_text(json.dumps(all_rows, indent=1) + "\n")
     return 0
