@@ -49,6 +49,7 @@ MIN_ROWS = (
     8  # rows a range (or a layer in it) needs before its error ratio is judged and it counts as covered
 )
 NAMED = 12  # cells or layers a check's line names at most
+SHOWN_OFF = 64  # off cells a pool keeps for the record (per layer, and pooled over the layers)
 
 
 @dataclass(frozen=True)
@@ -253,11 +254,13 @@ def _judge_pool(
     off_pooled = pooled.off(limits.scale_bound) & (slots_pooled > 0)
     summary.off_experts += int(off_layer.sum()) + int(off_pooled.sum())
     shown: list[ExpertCell] = []
-    for layer, i, e in zip(*np.nonzero(off_layer), strict=True):
+    # The largest off cells only: a gross bug puts every cell of a 48-layer model off (43,000 of them); the
+    # count says how many there are.
+    for layer, i, e in _largest(off_layer, per_layer.scale):
         shown.append(
             _expert(per_layer, (layer, i, e), names[i], rank, int(layer), int(slots_layer[layer, i, e]), e)
         )
-    for i, e in zip(*np.nonzero(off_pooled), strict=True):
+    for i, e in _largest(off_pooled, pooled.scale):
         shown.append(_expert(pooled, (i, e), names[i], rank, None, int(slots_pooled[i, e]), e))
     judged_pooled = (pooled.detectable <= limits.power) & (slots_pooled > 0)
     for i, name in enumerate(names):
@@ -290,6 +293,13 @@ def _judge_pool(
             )
         )
     summary.experts += shown
+
+
+def _largest(mask: np.ndarray, scale: np.ndarray) -> list[tuple]:
+    """The indices where `mask` holds, largest |scale| first, at most SHOWN_OFF of them."""
+    where = np.nonzero(mask)
+    order = np.argsort(-np.abs(scale[where]), kind="stable")[:SHOWN_OFF]
+    return [tuple(int(axis[j]) for axis in where) for j in order]
 
 
 def _expert(

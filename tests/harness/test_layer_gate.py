@@ -294,3 +294,19 @@ def test_compare_shows_each_backend_per_range_and_the_cells_judged(tmp_path):
     assert rows["layer error M=1"][0].endswith("(x0.85)") and rows["layer error M=1"][1] == "-"
     assert rows["layer cells judged"][0].startswith("192/192 at 1%") and rows["layer cells judged"][1] == "-"
     assert math.isfinite(float(rows["layer SiLU slope"][0].split()[0]))
+
+
+def test_a_gross_bug_keeps_the_largest_off_cells_and_counts_them_all():
+    """Every cell off (4 layers x 6 ranges x 32 experts, and the pools): the record keeps the largest 64 of
+    each pool, the count says how many there are, and the check's line names the largest."""
+    cells = {
+        (j, i, e): (20, -0.05 - 0.001 * e, 0.0005, 0.0, 1e4)
+        for j in range(4)
+        for i in range(6)
+        for e in range(32)
+    }
+    summary = summarize([_file(layers=4, cells=cells)], LIMITS, 1)
+    assert summary.off_experts == 4 * 6 * 32 + 6 * 32
+    assert len([c for c in summary.experts if c.layer is not None]) == 64
+    check = {c.name: c for c in layer_checks(summary, LIMITS)}["layer_check_experts"]
+    assert not check.passed and "expert 31" in check.detail.split(";")[0]
