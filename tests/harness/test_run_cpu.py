@@ -112,7 +112,8 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         assert 0 < gate["run"]["mean_abs"] and gate["ratio"] <= 1 + gate["margin"]
         # Within reach of a 5% expert bug, give or take the incumbent: the gate's power follows vLLM's CPU
         # kernel's own error, which depends on the machine (docs/logprob-gate.md): 5.1% at TEP where that
-        # kernel read 0.024 against the golden (this 2-core machine, 2026-12-03), 4.1-4.6% where it read 0.013.
+        # kernel read 0.024 against the golden (this 2-core machine, 2026-12-03), 4.1-4.6% where it read
+        # 0.013.
         assert 0 < gate["power"]["scale_error"] < 0.06, "a 5% expert bug must be within the gate's reach"
         assert Path(record["golden"]["path"]).parent == goldens
         # The layer check: every rank compared its served MoE calls with the exact MoE in every layer and
