@@ -401,7 +401,7 @@ def _is_off(c: Cell, bound: float) -> bool:
     """The rule on a stored cell (None: infinite, as results.json writes it)."""
     z = math.inf if c.z is None else c.z
     threshold = math.inf if c.threshold is None else c.threshold
-    return c.slots > 0 and abs(c.scale) > bound and abs(c.scale) > abs(c.incumbent_scale) and z >= threshold
+    return c.slots > 0 and abs(c.scale) > bound and z >= threshold
 
 
 def _activation(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
