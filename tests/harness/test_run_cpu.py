@@ -211,32 +211,38 @@ def test_the_subtle_mutation_fails_the_tep_row_too(subtle_mutation_run, tmp_path
 
 # Bugs confined to one dispatch range, one rank (1% in one expert) or one layer (2% in one expert of layer 1
 # of the canary's 4, every range: 0.5 % pooled over the layers): every gate but the layer check passes
-# them (docs/logprob-gate.md, "The layer check"), so the list as shipped must fail by it, at TP1 and at TEP.
+# them (docs/logprob-gate.md, "The layer check"), so the rows must fail by it. CI (the slow tier) runs one
+# target of each kind on the rows where it is confined: the one-layer bug on both bundled rows, the decode
+# range on TP1, the last rank on TEP; the extended tier runs the other ranges and the rest of the pairs.
+TP, TEP = ("canary-tp",), ("canary-tep",)
+BOTH = TP + TEP
+EXTENDED = pytest.mark.extended
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "mutation",
+    ("mutation", "layouts"),
     [
-        "scale_expert_decode",
-        "scale_expert_mid",
-        "scale_expert_large",
-        "scale_expert_last_rank",
-        ONE_LAYER_MUTATION,
+        (ONE_LAYER_MUTATION, BOTH),
+        ("scale_expert_decode", TP),
+        ("scale_expert_last_rank", TEP),
+        pytest.param("scale_expert_decode", TEP, marks=EXTENDED),
+        pytest.param("scale_expert_mid", BOTH, marks=EXTENDED),
+        pytest.param("scale_expert_large", BOTH, marks=EXTENDED),
+        pytest.param("scale_expert_last_rank", TP, marks=EXTENDED),
     ],
 )
 def test_range_confined_mutations_fail_every_bundled_row_by_the_layer_check(
-    mutation, embedded_default_run, tmp_path, repo_root, gsm8k_dir
+    mutation, layouts, embedded_default_run, tmp_path, repo_root, gsm8k_dir
 ):
     copy = tmp_path / "run"
     shutil.copytree(embedded_default_run.folder, copy)
-    configs = [
-        repo_root / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml",
-        repo_root / "configs" / "canary-tep" / "Canary-Qwen3-MoE-BF16-torch.yaml",
-    ]
+    configs = [repo_root / "configs" / layout / "Canary-Qwen3-MoE-BF16-torch.yaml" for layout in layouts]
     args = ["run", "--hw", "cpu", "--resume", str(copy), "--golden-cache", str(embedded_default_run.goldens)]
     args += ["--mutate", mutation, *map(str, configs)] + (["--gsm8k-dir", gsm8k_dir] if gsm8k_dir else [])
     result = run_cli(args, timeout=1500)
     assert result.returncode == 1, result.stderr[-3000:]
-    for layout in ("canary-tp", "canary-tep"):
+    for layout in layouts:
         record = results_json(copy / layout / "Canary-Qwen3-MoE-BF16-torch" / "results.json")
         checks = {c["name"]: c["passed"] for c in record["checks"]}
         assert record["mutation"] == mutation and record["status"] == "failed"
@@ -264,7 +270,14 @@ def test_range_confined_mutations_fail_every_bundled_row_by_the_layer_check(
 # tables; the likely cause is the kernel vLLM picks by the CPU): documented, not asserted (the H200 row
 # catches both).
 @pytest.mark.slow
-@pytest.mark.parametrize("mutation", ["scale_routing_weights", "routing_temperature_slip", "stale_gate_rows"])
+@pytest.mark.parametrize(
+    "mutation",
+    [
+        "scale_routing_weights",
+        pytest.param("routing_temperature_slip", marks=EXTENDED),
+        pytest.param("stale_gate_rows", marks=EXTENDED),
+    ],
+)
 def test_the_other_subtle_mutations_fail_the_tp1_row_by_the_golden_gate(
     mutation, embedded_default_run, tmp_path, repo_root, gsm8k_dir
 ):
