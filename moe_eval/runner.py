@@ -114,6 +114,11 @@ class ConfigOutcome:
     def failed_checks(self) -> list[Check]:
         return [c for c in self.checks if not c.passed]
 
+    @property
+    def skipped_checks(self) -> list[Check]:
+        """Checks of optional gates that could not measure: shown as skipped, never as passed."""
+        return [c for c in self.checks if c.status == "skipped"]
+
     @classmethod
     def from_record(cls, config: EvalConfig, run_dir: Path, record: RunRecord) -> ConfigOutcome:
         """The outcome a results.json describes (written by run_config, maybe in another process)."""

@@ -10,16 +10,28 @@ PASSED, FAILED, INCOMPLETE = "passed", "failed", "incomplete"
 VERDICTS = (PASSED, FAILED, INCOMPLETE)
 STATUSES = (*VERDICTS, "error", "cancelled")  # a config's end; the first three are verdicts
 
+# One status per check. passed / failed: it measured and judged. not_run: it is required and could not
+# measure (the row is incomplete, exit 6). skipped: it is optional here and could not measure (shown as
+# skipped, never as a pass).
+CHECK_PASSED, CHECK_FAILED, CHECK_NOT_RUN, CHECK_SKIPPED = "passed", "failed", "not_run", "skipped"
+CHECK_STATUSES = (CHECK_PASSED, CHECK_FAILED, CHECK_NOT_RUN, CHECK_SKIPPED)
+
 
 @dataclass(frozen=True)
 class Check:
     name: str
-    passed: bool
+    passed: bool  # did not stand in the way of a pass (a skipped check did not either)
     detail: str
-    ran: bool = True  # False: a gate the config calls for could not run ("<gate>_not_run", moe_eval.gates)
+    ran: bool = True  # False: a check the config calls for could not measure (moe_eval.gates)
+
+    @property
+    def status(self) -> str:
+        if self.ran:
+            return CHECK_PASSED if self.passed else CHECK_FAILED
+        return CHECK_SKIPPED if self.passed else CHECK_NOT_RUN
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "passed": self.passed, "detail": self.detail} | (
+        return {"name": self.name, "passed": self.passed, "detail": self.detail, "status": self.status} | (
             {} if self.ran else {"ran": False}
         )
 
@@ -30,10 +42,10 @@ class Check:
 
 def verdict(checks: list[Check]) -> str:
     """A finished config's verdict from its checks, and nothing else: failed when a check that ran failed;
-    else incomplete when a gate that is not optional could not run, or nothing was judged at all; else
-    passed."""
-    if any(c.ran and not c.passed for c in checks):
+    else incomplete when a required check could not run, or no check ran at all (what was skipped proves
+    nothing); else passed."""
+    if any(c.status == CHECK_FAILED for c in checks):
         return FAILED
-    if not checks or any(not c.passed for c in checks):
+    if not any(c.ran for c in checks) or any(c.status == CHECK_NOT_RUN for c in checks):
         return INCOMPLETE
     return PASSED

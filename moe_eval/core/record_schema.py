@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_eval.core import record as rec
-from moe_eval.core.check import VERDICTS, Check
+from moe_eval.core.check import CHECK_STATUSES, VERDICTS, Check
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 GENERATED = (
@@ -56,6 +56,11 @@ def type_schema(hint: Any) -> dict[str, Any]:
                 "name": {"type": "string"},
                 "passed": {"type": "boolean"},
                 "detail": {"type": "string"},
+                "status": {
+                    "enum": list(CHECK_STATUSES),
+                    "description": "passed, failed, not_run (required, could not measure: the row is "
+                    "incomplete) or skipped (optional here, could not measure)",
+                },
                 "ran": {
                     "const": False,
                     "description": "present only for a gate called for that could not run",

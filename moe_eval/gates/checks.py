@@ -73,7 +73,11 @@ def garbage_checks(config: EvalConfig, stats: dict[str, Any]) -> list[Check]:
             continue
         count = stats[count_key]
         if count is None:
-            checks.append(Check(key, False, f"{what}: could not be counted (token counts unavailable)"))
+            checks.append(
+                Check(
+                    key, False, f"not run: {what}: could not be counted (token counts unavailable)", ran=False
+                )
+            )
             continue
         rate = count / n
         checks.append(Check(key, rate <= limit, f"{what}: {count}/{n} = {rate:.3f} (limit {limit:g})"))

@@ -96,17 +96,33 @@ def judge(config: EvalConfig, m: Measurements, optional: frozenset[str] = frozen
     for gate, why in planned(config, m.incumbent is not None):
         why = why or m.not_measured.get(gate.name)
         if why is None:
-            why = _JUDGES[gate.name](config, m, out)
+            made = len(out.checks)
+            try:
+                why = _JUDGES[gate.name](config, m, out)
+            except (InfraError, ArithmeticError, ValueError, KeyError, TypeError) as exc:
+                # The judge never raises: what it could not compute is that gate not run, with the reason,
+                # and the other gates' verdicts stand.
+                del out.checks[made:]
+                why = f"its measurements could not be judged: {type(exc).__name__}: {exc}"
         if why is not None:
-            out.checks.append(not_run(gate, why, gate.name in optional))
+            out.checks.append(not_run(gate, why, False))
+        gate_checks = set(gate.checks) | {f"{gate.name}{NOT_RUN_SUFFIX}"}
+        if gate.name in optional:  # what an optional gate could not measure is skipped, not a pass
+            out.checks = [skipped(c) if c.name in gate_checks and not c.ran else c for c in out.checks]
     out.verdict = verdict(out.checks)
     return out
 
 
 def not_run(gate: Gate, why: str, optional: bool) -> Check:
     """A gate called for that could not run: it stands in the way of a pass unless declared optional."""
-    said = "not run (optional here)" if optional else "not run"
-    return Check(f"{gate.name}{NOT_RUN_SUFFIX}", optional, f"{said}: {why}", ran=False)
+    check = Check(f"{gate.name}{NOT_RUN_SUFFIX}", False, f"not run: {why}", ran=False)
+    return skipped(check) if optional else check
+
+
+def skipped(check: Check) -> Check:
+    """A check of an optional gate that could not measure: status skipped, not in the way of a pass."""
+    detail = check.detail.removeprefix("not run: ").removeprefix("not run")
+    return replace(check, passed=True, detail="not run (optional here): " + detail.lstrip(": "))
 
 
 def _served(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
@@ -223,7 +239,7 @@ def _jit(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
             "vLLM's JIT monitor never started (no 'Kernel JIT monitor activated' in server.log), so "
             "compilations while serving cannot be counted"
         )
-        out.checks.append(Check("jit_while_serving", False, detail))
+        out.checks.append(Check("jit_while_serving", False, "not run: " + detail, ran=False))
         return None
     kernels = f" ({', '.join(jit['kernels'])})" if jit["kernels"] else ""
     detail = (
@@ -351,7 +367,9 @@ def _decode(config: EvalConfig, m: Measurements, gate: dict[str, Any]) -> list[C
             else f"the incumbent ({m.incumbent.results_path})"
         )
         gate["decode"] = {"skipped": f"{missing} made no greedy continuations (decode_texts 0?)"}
-        return []
+        if config.decode_texts == 0:  # not asked for
+            return []
+        return [Check("golden_gate_decode", False, f"not run: {gate['decode']['skipped']}", ran=False)]
     try:
         run = decode_errors(golden_decode, m.decode)
         incumbent = decode_errors(golden_decode, m.incumbent_decode)
@@ -369,8 +387,21 @@ def _decode(config: EvalConfig, m: Measurements, gate: dict[str, Any]) -> list[C
         f"{incumbent.identical_texts}/{incumbent.texts})"
     )
     if rule is None:
+        # Too few continuations start as the golden's to compare errors. A kernel that breaks decoding
+        # produces exactly that: fewer first tokens shared than the incumbent's is a failure, not a pass.
+        mine, theirs = (sum(e is not None for e in d.per_text) for d in (run, incumbent))
+        firsts = (
+            f"{mine} of {run.texts} continuations share a first token with the golden's, the "
+            f"incumbent's {theirs}"
+        )
         gate["decode"]["skipped"] = "fewer than 2 continuations share a first token with the golden's"
-        return []
+        if mine < theirs:
+            return [
+                Check("golden_gate_decode", False, f"decode: {firsts}: fewer than the incumbent; {shared}")
+            ]
+        return [
+            Check("golden_gate_decode", False, f"not run: {firsts}: too few to compare; {shared}", ran=False)
+        ]
     detail = (
         f"decode: {rule.describe()}; error {run.mean_abs:.5f} vs incumbent's {incumbent.mean_abs:.5f}; "
         f"{shared}"

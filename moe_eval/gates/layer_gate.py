@@ -356,7 +356,9 @@ def _coverage(summary: LayerSummary) -> Check:
             + f": their calls were compared with nothing. {detail}",
             ran=False,
         )
-    return Check("layer_check_coverage", not missing, detail)
+    if missing:  # ranges the server can reach that the check did not see: not measured, not a kernel fault
+        return Check("layer_check_coverage", False, f"not run: {detail}", ran=False)
+    return Check("layer_check_coverage", True, detail)
 
 
 def _ranges(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
@@ -372,12 +374,13 @@ def _ranges(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
         if worst
         else "no range judged"
     )
-    return Check(
-        "layer_check_ranges",
-        not worse,
-        f"error against the exact MoE / the incumbent's, per range and per layer, "
-        f"limit {1 + limits.margin:.2f}: " + text,
+    head = (
+        "error against the exact MoE / the incumbent's, per range and per layer, "
+        f"limit {1 + limits.margin:.2f}: "
     )
+    if not judged:
+        return Check("layer_check_ranges", False, "not run: " + head + text, ran=False)
+    return Check("layer_check_ranges", not worse, head + text)
 
 
 def _experts(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
@@ -392,8 +395,10 @@ def _experts(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
     if off:
         text = "; ".join(_describe_cell(c) for c in off[:NAMED])
         text += f" (+{summary.off_experts - NAMED} more)" if summary.off_experts > NAMED else ""
+    elif biggest is None:
+        return Check("layer_check_experts", False, f"not run: {head}no cell judged", ran=False)
     else:
-        text = f"none off; largest judged {_describe_cell(biggest)}" if biggest else "none off"
+        text = f"none off; largest judged {_describe_cell(biggest)}"
     return Check("layer_check_experts", not off, head + text)
 
 
@@ -416,13 +421,13 @@ def _activation(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
         if largest
         else "nothing measured"
     )
-    return Check(
-        "layer_check_activation",
-        not off,
+    head = (
         f"SiLU slope error of the served output (every expert's activation), "
-        f"limit +-{limits.activation_bound:g} "
-        f"and beyond the incumbent's by t(dof) at z = {limits.z:g}: " + text,
+        f"limit +-{limits.activation_bound:g} and beyond the incumbent's by t(dof) at z = {limits.z:g}: "
     )
+    if not off and largest is None:
+        return Check("layer_check_activation", False, "not run: " + head + text, ran=False)
+    return Check("layer_check_activation", not off, head + text)
 
 
 def _power(summary: LayerSummary, limits: LayerCheckLimits) -> Check:

@@ -40,7 +40,8 @@ def _fmt(value: float | None, digits: int = 4) -> str:
 
 def _verdict(o: ConfigOutcome) -> str:
     if o.status == "passed":
-        return "PASS"
+        skipped = o.skipped_checks
+        return "PASS (skipped: " + ", ".join(c.name for c in skipped) + ")" if skipped else "PASS"
     if o.status == "incomplete":  # a gate called for could not run: which, not a failure of the kernel
         return "INCOMPLETE (" + ", ".join(c.name for c in o.failed_checks) + ")"
     return "FAIL (" + ", ".join(c.name for c in o.failed_checks if c.ran) + ")"

@@ -126,8 +126,69 @@ def test_the_jit_gate_fails_on_a_compile_and_on_an_unwatched_server(config):
     jit = {"monitored_processes": 1, "count": 1, "kernels": ["k"], "events": []}
     assert not _by_name(judge(config, measured(config, jit=jit)))["jit_while_serving"].passed
     unwatched = {"monitored_processes": 0, "count": 0, "kernels": [], "events": []}
-    assert not _by_name(judge(config, measured(config, jit=unwatched)))["jit_while_serving"].passed
+    got = judge(config, measured(config, jit=unwatched))
+    # Issue 41: a monitor that never started could not measure: not run (incomplete, exit 6), not a
+    # regression (at 593f15d: failed, exit 1).
+    assert _by_name(got)["jit_while_serving"].status == "not_run" and got.verdict == "incomplete"
     assert _by_name(judge(config, measured(config)))["jit_while_serving"].passed
+
+
+def _decode_from(first_token: int, matching: int) -> list[TextLogprobs]:
+    """8 continuations of which `matching` start with `first_token` as the golden's do (the rest differ)."""
+    return [
+        dataclasses.replace(t, token_ids=(first_token if i < matching else 99,) + t.token_ids[1:])
+        for i, t in enumerate(_decode(0.0))
+    ]
+
+
+def test_decode_that_shares_fewer_first_tokens_than_the_incumbent_fails_and_too_few_is_not_run(config):
+    """Issue 41: when fewer than 2 continuations share a first token with the golden's the decode rule has
+    nothing to compare, and at 593f15d the row passed with only `decode.skipped` said. A kernel that breaks
+    decoding produces exactly that: fewer shared first tokens than the incumbent is a failure."""
+    broken = judge(config, measured(config, decode=_decode_from(1, 1)))
+    check = _by_name(broken)["golden_gate_decode"]
+    assert check.status == "failed" and "1 of 8" in check.detail and broken.verdict == "failed"
+    both = judge(config, measured(config, decode=_decode_from(1, 1), incumbent_decode=_decode_from(1, 1)))
+    assert _by_name(both)["golden_gate_decode"].status == "not_run" and both.verdict == "incomplete"
+    none = judge(config, measured(config, decode=None))
+    assert _by_name(none)["golden_gate_decode"].status == "not_run" and none.verdict == "incomplete"
+
+
+def test_answers_that_could_not_be_counted_are_not_run_not_a_regression(config):
+    """Issue 41: truncated answers with no token counts: at 593f15d the check failed (exit 1)."""
+    right = measured(config).answers
+    m = measured(config, answers=dataclasses.replace(right, stats=right.stats | {"truncated": None}))
+    got = judge(config, m)
+    assert _by_name(got)["max_truncated_rate"].status == "not_run" and got.verdict == "incomplete"
+
+
+def test_the_judge_never_raises_a_gate_it_cannot_compute_is_not_run(config):
+    """Issue 41: the paired check's ValueError (answers of other questions than the incumbent's) ended the
+    row as an internal error at 593f15d, the other gates' verdicts lost."""
+    other = dataclasses.replace(measured(config).incumbent, correctness={100 + i: True for i in range(5)})
+    got = judge(config, measured(config, incumbent=other))
+    assert _by_name(got)["paired_not_run"].status == "not_run"
+    assert "could not be judged" in _by_name(got)["paired_not_run"].detail
+    assert "paired_gate" not in _by_name(got) and _by_name(got)["golden_gate"].passed
+    assert got.verdict == "incomplete"
+    # Log-probabilities of other texts than the golden's: the golden gate not run, not an infra error.
+    short = measured(config).logprobs[:3]
+    got = judge(config, measured(config, logprobs=short))
+    assert _by_name(got)["golden_not_run"].status == "not_run" and got.verdict == "incomplete"
+
+
+def test_an_optional_gate_that_could_not_run_is_skipped_in_the_table_and_junit(config, tmp_path):
+    """Issue 41: at 593f15d an optional gate not run printed a plain PASS and JUnit said skipped="0"."""
+    from moe_eval.report.junit import junit_xml
+    from moe_eval.report.table import _verdict
+    from moe_eval.runner import ConfigOutcome
+
+    got = judge(config, measured(config, golden=None), frozenset({"golden"}))
+    assert got.verdict == "passed" and _by_name(got)["golden_not_run"].status == "skipped"
+    outcome = ConfigOutcome(config, tmp_path, status=got.verdict, checks=got.checks)
+    assert _verdict(outcome) == "PASS (skipped: golden_not_run)"
+    xml = junit_xml([outcome], "cpu", [])
+    assert 'skipped="1"' in xml and 'tests="2"' in xml and '<skipped message="not run (optional here)' in xml
 
 
 @pytest.mark.parametrize(
@@ -178,7 +239,14 @@ def test_verdict_of_nothing_judged_is_not_a_pass():
     assert verdict([Check("a", True, "")]) == "passed"
     assert verdict([Check("a", True, ""), Check("b_not_run", False, "not run: x", ran=False)]) == "incomplete"
     assert verdict([Check("a", False, ""), Check("b_not_run", False, "not run: x", ran=False)]) == "failed"
-    assert verdict([Check("b_not_run", True, "not run (optional here): x", ran=False)]) == "passed"
+    # Issue 41: a row whose every check was skipped (optional, could not measure) proved nothing: at 593f15d
+    # it passed.
+    only_skipped = Check("b_not_run", True, "not run (optional here): x", ran=False)
+    assert only_skipped.status == "skipped" and verdict([only_skipped]) == "incomplete"
+    assert verdict([Check("a", True, ""), only_skipped]) == "passed"
+    statuses = [Check("a", True, ""), Check("a", False, ""), Check("b", False, "", ran=False), only_skipped]
+    assert [c.status for c in statuses] == ["passed", "failed", "not_run", "skipped"]
+    assert [c.as_dict()["status"] for c in statuses] == ["passed", "failed", "not_run", "skipped"]
 
 
 def test_an_incumbent_row_is_judged_by_what_it_served(config):
