@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from moe_eval.core.errors import ConfigError, ExitCode, MoeEvalError
+from moe_eval.core.errors import ConfigError, ExitCode, InfraError, MoeEvalError
 from moe_eval.core.status import progress_line
 from moe_eval.gates.table import describe_plan
 from moe_eval.plan.config import EvalConfig, effective_config, load_config
@@ -264,7 +264,7 @@ def run(
 ) -> None:
     """Serve each selected config with vLLM, run GSM8K through lm-eval, gate, report."""
     from moe_eval.core.results import append_text
-    from moe_eval.evaluate.gsm8k import gsm8k_data
+    from moe_eval.evaluate.gsm8k import gsm8k_data, hub_preflight
     from moe_eval.gates.checks import find_baseline
     from moe_eval.plan.devices import cpu_pool, gpu_pool
     from moe_eval.plan.hardware import gpu_names
@@ -290,6 +290,14 @@ def run(
         )
     for config, config_mutation in effective:
         preflight(config, hw, len(gpu_list), config_mutation)
+    hub_configs = [c for c in selected if c.task != "canary"] if data.dir is None else []
+    why = hub_preflight() if hub_configs else None
+    if why:  # known now, not after a server has started and lm-eval has retried (issue 41)
+        raise InfraError(
+            f"GSM8K for {hub_configs[0].path} ({len(hub_configs)} config(s)) cannot be had: {why}. Pass "
+            "--gsm8k-dir DIR (a folder with GSM8K's train.jsonl and test.jsonl) or run where the hub is "
+            "reachable"
+        )
     if baseline_path:  # refused now, before anything launches, when a config has no baseline there
         for config in selected:
             find_baseline(Path(baseline_path).resolve(), config)

@@ -107,6 +107,31 @@ def hub_split(split: str) -> tuple[tuple[dict, ...], str | None]:
         return (), f"{HUB_DATASET} ({HUB_CONFIG}, {split}) could not be loaded: {type(exc).__name__}: {exc}"
 
 
+def hub_preflight() -> str | None:
+    """Before any server starts: why the hub's GSM8K cannot be had (not in the `datasets` cache, and the
+    hub switched off or not reachable), or None. A cheap look, not a load: the cache's folder for the
+    dataset, then one TCP connection to the hub with a short timeout (loading through `datasets` retries
+    for 25 s when the name does not resolve)."""
+    home = Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
+    cache = Path(os.environ.get("HF_DATASETS_CACHE") or home / "datasets")
+    folder = cache / HUB_DATASET.replace("/", "___") / HUB_CONFIG
+    if any(folder.glob("*/*/dataset_info.json")):
+        return None
+    where = f"{HUB_DATASET} ({HUB_CONFIG}) is not in the datasets cache ({folder})"
+    for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(flag, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{where} and {flag} is set"
+    import socket
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
+    host, _, port = endpoint.partition(":")
+    try:
+        socket.create_connection((host, int(port or 443)), timeout=5).close()
+    except OSError as exc:
+        return f"{where} and the hub ({host}) is not reachable: {exc}"
+    return None
+
+
 def same_questions(recorded: dict[str, Any] | None, current: dict[str, Any]) -> bool:
     """Whether a results file's `gsm8k` description names the questions `current` names: the same
     source and file hashes; where the files lie is not part of it (a resumed run may read the same files

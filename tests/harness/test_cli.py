@@ -172,6 +172,25 @@ def test_port_taken_exits_3_and_keeps_a_results_file(tmp_path, gsm8k_dir):
     assert len(results) == 1 and '"status": "error"' in results[0].read_text()
 
 
+def test_gsm8k_that_cannot_be_had_ends_the_run_before_any_server_starts(tmp_path):
+    """Issue 41: a GSM8K config run offline without --gsm8k-dir started its server and failed after 61 s at
+    593f15d. Known before launch: exit 3 in seconds, naming the config and the fix, and no run folder."""
+    import time
+
+    path = _config(tmp_path)
+    offline = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    started = time.monotonic()
+    result = run_cli(
+        ["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out"), str(path)],
+        env=offline,
+        unset=("MOE_EVAL_GSM8K_DIR",),
+    )
+    assert result.returncode == 3, result.stderr
+    assert time.monotonic() - started < 30
+    assert str(path) in result.stderr and "HF_HUB_OFFLINE is set" in result.stderr
+    assert "--gsm8k-dir" in result.stderr and not (tmp_path / "out").exists()
+
+
 def test_buildkite_parallel_job_selects_the_shard(repo_root):
     """A Buildkite step with `parallelism: 2` sets these on each agent; --shard is not needed."""
     env = {"BUILDKITE_PARALLEL_JOB": "1", "BUILDKITE_PARALLEL_JOB_COUNT": "2"}
