@@ -115,6 +115,30 @@ golden_cache_option = click.option(
     default=None,
     help="Folder of golden references (kept between CI runs); default ~/.cache/moe-eval/goldens.",
 )
+# Options `run` and `list` share: the same values give the same gate plan in both.
+gsm8k_dir_option = click.option(
+    "--gsm8k-dir",
+    envvar="MOE_EVAL_GSM8K_DIR",
+    default=None,
+    help="Folder with GSM8K train.jsonl and test.jsonl; offline. Default: the hub.",
+)
+baseline_option = click.option(
+    "--baseline",
+    "baseline_path",
+    type=click.Path(exists=True),
+    default=None,
+    help="A run folder (or results.json) of the same model and questions: adds the paired gate.",
+)
+optional_gate_option = click.option(
+    "--optional-gate",
+    "optional_gates",
+    multiple=True,
+    type=click.Choice(GATE_NAMES),
+    metavar="GATE",
+    help="A gate (as `moe-eval list` names it) that may end 'not run' without making the run incomplete "
+    "(exit 6); repeatable. Configs declare theirs with the optional_gates key.",
+)
+
 root_option = click.option(
     "--root",
     type=click.Path(file_okay=False),
@@ -164,12 +188,7 @@ def shard_from_environment(shard_text: str | None) -> str | None:
     default=None,
     help="Run shard i of n of the list (i/n, 0-based); default: Buildkite's BUILDKITE_PARALLEL_JOB/_COUNT.",
 )
-@click.option(
-    "--gsm8k-dir",
-    envvar="MOE_EVAL_GSM8K_DIR",
-    default=None,
-    help="Folder with GSM8K train.jsonl and test.jsonl; offline. Default: the hub.",
-)
+@gsm8k_dir_option
 @click.option(
     "--output-dir",
     default="moe-eval-results",
@@ -202,13 +221,7 @@ def shard_from_environment(shard_text: str | None) -> str | None:
     metavar="NAME",
     help="Run the bundled kernel with a deliberate bug (see README) to check that the gates catch it.",
 )
-@click.option(
-    "--baseline",
-    "baseline_path",
-    type=click.Path(exists=True),
-    default=None,
-    help="A run folder (or results.json) of the same model and questions: adds the paired gate.",
-)
+@baseline_option
 @click.option(
     "--jobs",
     "jobs_text",
@@ -226,15 +239,7 @@ def shard_from_environment(shard_text: str | None) -> str | None:
     help="Run a config that ended in an infrastructure error again, with a fresh server, up to N times.",
 )
 @golden_cache_option
-@click.option(
-    "--optional-gate",
-    "optional_gates",
-    multiple=True,
-    type=click.Choice(GATE_NAMES),
-    metavar="GATE",
-    help="A gate (as `moe-eval list` names it) that may end 'not run' without making the run incomplete "
-    "(exit 6); repeatable. Configs declare theirs with the optional_gates key.",
-)
+@optional_gate_option
 @click.option(
     "--resume",
     "resume_dir",
@@ -290,14 +295,6 @@ def run(
         )
     for config, config_mutation in effective:
         preflight(config, hw, len(gpu_list), config_mutation)
-    hub_configs = [c for c in selected if c.task != "canary"] if data.dir is None else []
-    why = hub_preflight() if hub_configs else None
-    if why:  # known now, not after a server has started and lm-eval has retried (issue 41)
-        raise InfraError(
-            f"GSM8K for {hub_configs[0].path} ({len(hub_configs)} config(s)) cannot be had: {why}. Pass "
-            "--gsm8k-dir DIR (a folder with GSM8K's train.jsonl and test.jsonl) or run where the hub is "
-            "reachable"
-        )
     if baseline_path:  # refused now, before anything launches, when a config has no baseline there
         for config in selected:
             find_baseline(Path(baseline_path).resolve(), config)
@@ -308,6 +305,15 @@ def run(
     ]
     if jobs != 1:
         check_fits(planned, pool)
+    hub_configs = [c for c in selected if c.task != "canary"] if data.dir is None else []
+    why = hub_preflight() if hub_configs else None
+    # After the usage checks (exit 4); known now, not after a server has started and lm-eval has retried.
+    if why:
+        raise InfraError(
+            f"GSM8K for {hub_configs[0].path} ({len(hub_configs)} config(s)) cannot be had: {why}. Pass "
+            "--gsm8k-dir DIR (a folder with GSM8K's train.jsonl and test.jsonl) or run where the hub is "
+            "reachable"
+        )
     run_root = Path(resume_dir).resolve() if resume_dir else new_run_root(Path(output_dir).resolve())
     mutations = [config_mutation for _, config_mutation in effective]
     kept = resumable_outcomes(run_root, selected, data, mutations, dependencies) if resume_dir else {}
@@ -573,27 +579,53 @@ def golden(
 @root_option
 @list_option
 @click.option("--shard", "shard_text", default=None, help="Show shard i of n (i/n, 0-based).")
-def list_configs(hw: str, root: str | None, list_path: str | None, shard_text: str | None) -> None:
-    """Show what `run` would run: config, model, layout, devices (GPUs, or CPU ranks) needed, backend,
-    gate."""
+@gsm8k_dir_option
+@baseline_option
+@optional_gate_option
+def list_configs(
+    hw: str,
+    root: str | None,
+    list_path: str | None,
+    shard_text: str | None,
+    gsm8k_dir: str | None,
+    baseline_path: str | None,
+    optional_gates: tuple[str, ...],
+) -> None:
+    """Show what `run` would run, with the same options: config, model, layout, devices (GPUs, or CPU
+    ranks) needed, backend, and each gate as it would run (not run or skipped, and why)."""
+    from moe_eval.evaluate.gsm8k import gsm8k_data, hub_preflight
+    from moe_eval.gates.checks import find_baseline
+
     hw = resolve_hw(hw)
     selected, source = select_configs(hw, (), shard_from_environment(shard_text), root, list_path)
-    selected, dependencies, notes = with_baselines(selected)
+    selected, dependencies, notes = with_baselines(selected) if not baseline_path else (selected, {}, [])
+    if baseline_path:  # as `run`: refused when a config has no row there
+        for config in selected:
+            find_baseline(Path(baseline_path).resolve(), config)
     click.echo(f"# {source}")
     for note in notes:
         click.echo(f"# {note}")
+    data = gsm8k_data(gsm8k_dir)
+    hub_configs = [c for c in selected if c.task != "canary"] if data.dir is None else []
+    why = hub_preflight() if hub_configs else None
+    if why:
+        click.echo(
+            f"# run would stop before any server starts (exit 3): GSM8K cannot be had: {why}", err=True
+        )
     click.echo(
         f"config\tmodel\tlayout\t{'cpu_ranks' if hw == 'cpu' else 'gpus'}\tmoe_backend\tthreshold\tquestions"
         "\tbaseline\tgates"
     )
     for i, c in enumerate(selected):
         baseline = selected[dependencies[i]] if i in dependencies else None
+        has_incumbent = baseline is not None or baseline_path is not None
+        optional = frozenset(c.optional_gates) | set(optional_gates)
         click.echo(
             f"{c.path.parent.name}/{c.path.name}\t{c.model_name}\t{c.layout.describe()}\t{c.layout.world_size}\t"
             f"{c.moe_backend or 'vllm-default'}\t{c.accuracy_threshold if c.answers_gated else 'n/a'}\t"
             f"{c.num_questions}\t"
-            f"{f'{baseline.path.parent.name}/{baseline.path.name}' if baseline else '-'}\t"
-            f"{','.join(describe_plan(c, baseline is not None))}"
+            f"{f'{baseline.path.parent.name}/{baseline.path.name}' if baseline else baseline_path or '-'}\t"
+            f"{','.join(describe_plan(c, has_incumbent, optional))}"
         )
 
 

@@ -133,10 +133,14 @@ def planned(config: EvalConfig, has_incumbent: bool) -> list[tuple[Gate, str | N
     ]
 
 
-def describe_plan(config: EvalConfig, has_incumbent: bool) -> list[str]:
-    """`moe-eval list`'s gates column: a gate's name, or `name(not run: why)`."""
-    names = [
-        gate.name if why is None else f"{gate.name}(not run: no incumbent)"
+def describe_plan(
+    config: EvalConfig, has_incumbent: bool, optional: frozenset[str] = frozenset()
+) -> list[str]:
+    """`moe-eval list`'s gates column: a gate's name, or `name(not run: why)`, or `name(skipped: why)` for
+    one that is optional here (the config's optional_gates, `--optional-gate`)."""
+    return [
+        gate.name
+        if why is None
+        else f"{gate.name}({'skipped' if gate.name in optional else 'not run'}: no incumbent)"
         for gate, why in planned(config, has_incumbent)
     ]
-    return names

@@ -266,22 +266,57 @@ def _shipped_lists() -> list[Path]:
     return sorted(REPO.glob("config-*.txt"))
 
 
+def _listed_gates(list_path: Path, optional: tuple[str, ...]) -> list[list[str]]:
+    """`moe-eval list`'s gates column for a list, as the CLI prints it (in process)."""
+    from click.testing import CliRunner
+
+    from moe_eval.cli import cli
+
+    args = ["list", "--list", str(list_path), "--gsm8k-dir", str(REPO.parent / "shared" / "data" / "gsm8k")]
+    args += [a for gate in optional for a in ("--optional-gate", gate)]
+    result = CliRunner().invoke(cli, args, env={"MOE_EVAL_GSM8K_DIR": None})
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if not line.startswith("#")][1:]
+    return [line.split("\t")[-1].split(",") for line in lines]
+
+
+@pytest.mark.parametrize("optional", [(), ("golden", "divergence", "paired")], ids=["strict", "optional"])
 @pytest.mark.parametrize("list_path", _shipped_lists(), ids=lambda p: p.name)
-def test_list_and_run_name_the_same_gates_for_every_shipped_config(list_path):
+def test_list_and_run_name_the_same_gates_for_every_shipped_config(list_path, optional):
     """`moe-eval list` prints the plan from the table; the run's checks come from the judge over the same
-    table: for every config of every shipped list, the gates named by one are the gates the other checks."""
+    table: for every config of every shipped list, under the same options, the gates `list` names as
+    running, not run or skipped are the ones the judge's checks say ran, were not run or were skipped."""
+    if not (REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl").exists():
+        pytest.skip("no local GSM8K copy for --gsm8k-dir")
     selected, dependencies, _ = with_baselines([load_config(p) for p in read_list(list_path)])
     check_to_gate = {name: gate.name for gate in GATES for name in gate.checks}
-    for i, config in enumerate(selected):
+    for i, (config, listed) in enumerate(zip(selected, _listed_gates(list_path, optional), strict=True)):
         has_incumbent = i in dependencies
-        listed = describe_plan(config, has_incumbent)
+        # An incumbent with nothing scored (what the "not run" rows of a run with --baseline look like too).
         m = measured(config) if has_incumbent else measured(config, incumbent=None, incumbent_logprobs=None)
-        got = judge(config, m)
-        ran = {check_to_gate[c.name] for c in got.checks if c.ran}
-        not_run = {c.name.removesuffix(NOT_RUN_SUFFIX) for c in got.checks if not c.ran}
-        expected_ran = {name for name in listed if "(" not in name}
-        expected_not_run = {name.split("(")[0] for name in listed if "(" in name}
+        got = judge(config, m, frozenset(optional) | frozenset(config.optional_gates))
+        status = {"ran": set(), "not run": set(), "skipped": set()}
+        for c in got.checks:
+            key = "ran" if c.ran else "skipped" if c.status == "skipped" else "not run"
+            status[key].add(check_to_gate.get(c.name) or c.name.removesuffix(NOT_RUN_SUFFIX))
+        expected = {
+            "ran": {name for name in listed if "(" not in name},
+            "not run": {name.split("(")[0] for name in listed if "(not run:" in name},
+            "skipped": {name.split("(")[0] for name in listed if "(skipped:" in name},
+        }
         # A gate listed as running shows at least one check (garbage: one per limit set; divergence: one per
         # limit in force), and no gate the list leaves out appears.
-        assert ran == expected_ran, (config.path, listed, got.checks)
-        assert not_run == expected_not_run, (config.path, listed)
+        assert status == expected, (config.path, listed, got.checks)
+
+
+@pytest.mark.parametrize("optional", [frozenset(), frozenset({"golden"})], ids=["strict", "optional"])
+def test_with_a_baseline_every_config_plans_and_judges_its_incumbent_gates(optional):
+    """`run --baseline` / `list --baseline`: every config has an incumbent; the plan and the judge agree."""
+    for list_path in _shipped_lists():
+        for config in [load_config(p) for p in read_list(list_path)]:
+            listed = describe_plan(config, True, optional)
+            got = judge(config, measured(config, golden=None), optional)
+            golden_status = next((c.status for c in got.checks if c.name == "golden_not_run"), None)
+            if "golden" in listed:
+                assert golden_status == ("skipped" if optional else "not_run"), config.path
+            assert all("(" not in name for name in listed), listed
