@@ -77,8 +77,8 @@ def layer_cell(check: dict | None) -> str:
     if not check:
         return "-"
     ranges = [
-        r for r in check.get("ranges", []) if r.get("ratio") is not None and r.get("layer") is None
-        and (r.get("rank") == "all" or check.get("processes") == 1)
+        r | {"ratio": _ratio(r)} for r in check.get("ranges", []) if _ratio(r) is not None
+        and r.get("layer") is None and (r.get("rank") == "all" or check.get("processes") == 1)
     ]  # fmt: skip
     worst = max(ranges, key=lambda r: r["ratio"], default=None)
     parts = [f"x{worst['ratio']:.2f} worst ({worst['range']})" if worst else "no range"]
@@ -89,6 +89,14 @@ def layer_cell(check: dict | None) -> str:
     if largest is not None:
         parts.append(f"|s| <= {largest:.4f}")
     return "; ".join(parts)
+
+
+def _ratio(row: dict) -> float | None:
+    """A range's error ratio as results.json holds it; null with an error against an exact incumbent is
+    infinite (JSON has no inf), the worst there is, not a range left out."""
+    if row.get("ratio") is not None:
+        return row["ratio"]
+    return math.inf if (row.get("error") or 0) > 0 and row.get("incumbent_error") == 0 else None
 
 
 def power_counts(check: dict) -> tuple[int, int]:

@@ -282,6 +282,37 @@ def test_infinite_values_are_written_as_null():
     assert not _checks(files)["layer_check_experts"].passed
 
 
+def test_an_infinite_range_ratio_is_the_worst_in_the_table_not_left_out():
+    """Issue 41: a range whose incumbent arithmetic was exact (error 0) and whose served error was not has
+    an infinite ratio, written as null; at 593f15d the table's "worst" cell left it out."""
+    from moe_eval.report.table import layer_cell
+
+    record = {
+        "processes": 1,
+        "limits": {"power": 0.01},
+        "power": [],
+        "ranges": [
+            {
+                "range": "M=1",
+                "rank": "TP0/1",
+                "layer": None,
+                "ratio": 0.9,
+                "error": 1e-3,
+                "incumbent_error": 1e-3,
+            },
+            {
+                "range": "M=2-16",
+                "rank": "TP0/1",
+                "layer": None,
+                "ratio": None,
+                "error": 1e-3,
+                "incumbent_error": 0.0,
+            },
+        ],
+    }
+    assert layer_cell(record).startswith("xinf worst (M=2-16)")
+
+
 def test_the_file_round_trips_and_a_foreign_file_is_a_problem_not_a_crash(tmp_path):
     f = _file(layers=2)
     path = tmp_path / "layer-check" / "7.npz"
