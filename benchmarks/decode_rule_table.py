@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from moe_eval.core.logprob_texts import read_logprobs  # noqa: E402
 from moe_eval.core.record import RunRecord, result_files  # noqa: E402
-from moe_eval.evaluate.logprobs import read_logprobs  # noqa: E402
 from moe_eval.gates.golden_gate import decode_errors, decode_rule  # noqa: E402
 
 

@@ -13,10 +13,11 @@ import argparse
 import functools
 from pathlib import Path
 
+from moe_eval.core.logprob_texts import read_logprobs
 from moe_eval.core.record import RunRecord, RunSummary, result_files
 from moe_eval.core.results import atomic_write_json
 from moe_eval.evaluate.golden import PROBE_SCALE_ERROR
-from moe_eval.evaluate.logprobs import divergence, read_logprobs
+from moe_eval.gates.divergence import divergence
 from moe_eval.gates.golden_gate import errors_vs_golden, scale_error_power
 
 

@@ -531,8 +531,8 @@ def golden(
     """Make the golden references the selected configs' golden gate needs (ahead of `run`, e.g. in CI's
     cache step); each is made once per key and kept in the golden cache."""
     from moe_eval.evaluate.golden import GoldenStore, ServerPlace, cache_dir, ensure_golden
+    from moe_eval.evaluate.golden_checks import plan_on
     from moe_eval.evaluate.gsm8k import gsm8k_data
-    from moe_eval.gates.golden_checks import plan_on
     from moe_eval.models.builtin import resolve_model
     from moe_eval.plan.hardware import gpu_names
     from moe_eval.runner import task_data

@@ -22,6 +22,7 @@ from moe_eval.core import layer_cells
 from moe_eval.core.check import VERDICTS, Check
 from moe_eval.core.errors import ConfigError, InfraError, MoeEvalError
 from moe_eval.core.layout import LayoutKind
+from moe_eval.core.logprob_texts import TextLogprobs, read_logprobs
 from moe_eval.core.plugin_protocol import STATS_INTERVAL_SECONDS
 from moe_eval.core.record import (
     RESULTS_FILE,
@@ -40,7 +41,6 @@ from moe_eval.core.results import cpu_model, versions, write_samples
 from moe_eval.core.status import StatusWriter
 from moe_eval.evaluate.gsm8k import Gsm8kData, canary_data, run_gsm8k
 from moe_eval.evaluate.layer_sweep import reach_every_range
-from moe_eval.evaluate.logprobs import TextLogprobs, read_logprobs
 from moe_eval.evaluate.serving import score_texts, server_launch, serving
 from moe_eval.gates.accuracy import GateResult
 from moe_eval.gates.checks import (
@@ -397,7 +397,7 @@ def _serve_and_evaluate(
     )
     # The golden is made (a server) only where the judge can compare with it: both sides scored texts.
     if config.golden_gated and measured.logprobs is not None and measured.incumbent_logprobs is not None:
-        from moe_eval.gates.golden_checks import measure_golden
+        from moe_eval.evaluate.golden_checks import measure_golden
 
         cancel.raise_if_cancelled()  # a signal during the teardown: no golden server starts after it
 

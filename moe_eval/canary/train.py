@@ -26,10 +26,7 @@ from pathlib import Path
 import torch
 
 from moe_eval.evaluate.canary_task import SPLIT_SEED, canary_splits, make_problem
-from moe_eval.evaluate.logprobs import (  # lm-eval's gsm8k layout, kept in one place
-    FEWSHOT_DELIMITER,
-    TARGET_DELIMITER,
-)
+from moe_eval.evaluate.logprobs import FEWSHOT_DELIMITER, TARGET_DELIMITER
 from moe_eval.models.builtin import qwen3_moe_config
 from moe_eval.models.tokenizer import bpe_tokenizer
 

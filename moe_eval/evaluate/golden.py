@@ -42,15 +42,10 @@ from typing import Any
 
 from moe_eval.core.errors import ConfigError, InfraError
 from moe_eval.core.layout import layout_from_server_args
+from moe_eval.core.logprob_texts import TOP_K, TextLogprobs, read_logprobs, write_logprobs
 from moe_eval.core.plugin_protocol import GOLDEN_PROBE_EXTENSION, GOLDEN_PROBE_METHOD, GOLDEN_PROBE_MUTATION
 from moe_eval.core.results import atomic_write_json, versions
 from moe_eval.evaluate.gsm8k import Gsm8kData
-from moe_eval.evaluate.logprobs import (
-    TOP_K,
-    TextLogprobs,
-    read_logprobs,
-    write_logprobs,
-)
 from moe_eval.evaluate.serving import (
     capture_continuations,
     capture_prefill,

@@ -15,8 +15,8 @@ from typing import Any
 
 from moe_eval.core.check import Check
 from moe_eval.core.errors import ConfigError
+from moe_eval.core.logprob_texts import DECODE_FILE, LOGPROBS_FILE
 from moe_eval.core.record import RunRecord, UnreadableRecord, result_files
-from moe_eval.evaluate.logprobs import DECODE_FILE, LOGPROBS_FILE
 from moe_eval.gates.stats import PairedResult, paired_compare
 from moe_eval.plan.config import EvalConfig
 

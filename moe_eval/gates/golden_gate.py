@@ -32,7 +32,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from moe_eval.evaluate.logprobs import TextLogprobs, divergence_of_pairs, paired_texts
+from moe_eval.core.logprob_texts import TextLogprobs
+from moe_eval.gates.divergence import divergence_of_pairs, paired_texts
 from moe_eval.gates.stats import student_t_sf  # noqa: F401  (re-exported: the golden tests read it here)
 
 DEFAULT_MARGIN = 0.10  # docs/logprob-gate.md: correct kernels measured at ratios 0.93-1.05

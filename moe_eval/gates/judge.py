@@ -15,16 +15,10 @@ from typing import Any
 
 from moe_eval.core.check import Check, verdict
 from moe_eval.core.errors import InfraError
-from moe_eval.evaluate.golden import PROBE_SCALE_ERROR
-from moe_eval.evaluate.logprobs import (
-    DivergenceLimits,
-    TextLogprobs,
-    default_limits,
-    divergence,
-    divergence_checks,
-)
+from moe_eval.core.logprob_texts import TextLogprobs
 from moe_eval.gates.accuracy import GateResult
 from moe_eval.gates.checks import Baseline, garbage_checks, paired_check
+from moe_eval.gates.divergence import DivergenceLimits, default_limits, divergence, divergence_checks
 from moe_eval.gates.golden_gate import (
     POWER,
     decode_errors,
@@ -59,6 +53,9 @@ class GoldenRecord:
     prefill: list[TextLogprobs]
     decode: list[TextLogprobs]
     probe: list[TextLogprobs]
+    # The probe's one-expert scale error (its captures were made with expert 0's output this much short):
+    # the golden record says it, so the judge needs nothing of the code that made it.
+    probe_scale_error: float
 
 
 @dataclass
@@ -315,7 +312,7 @@ def _golden(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
     power = scale_error_power(
         golden.prefill,
         golden.probe,
-        PROBE_SCALE_ERROR,
+        golden.probe_scale_error,
         run,
         incumbent,
         config.golden_margin,

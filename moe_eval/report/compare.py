@@ -29,11 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_eval.core.errors import ConfigError
+from moe_eval.core.logprob_texts import LOGPROBS_FILE, TextLogprobs, read_logprobs
 from moe_eval.core.plugin_protocol import layer_range_names
 from moe_eval.core.record import RunRecord, UnreadableRecord, result_files
 from moe_eval.evaluate.gsm8k import FILTERS
-from moe_eval.evaluate.logprobs import LOGPROBS_FILE, TextLogprobs, divergence, read_logprobs
 from moe_eval.gates.checks import correctness
+from moe_eval.gates.divergence import divergence
 from moe_eval.gates.stats import paired_compare
 from moe_eval.report.table import divergence_cell, markdown_table, power_counts, rich_table
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_eval.evaluate.logprobs import TextLogprobs
+from moe_eval.core.logprob_texts import TextLogprobs
 from moe_eval.gates.golden_gate import (
     decode_errors,
     decode_rule,

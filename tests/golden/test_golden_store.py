@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from moe_eval.core.errors import ConfigError
+from moe_eval.core.logprob_texts import TextLogprobs
 from moe_eval.evaluate.golden import (
     GoldenKey,
     GoldenStore,
@@ -16,7 +17,6 @@ from moe_eval.evaluate.golden import (
     model_identity,
     weights_digest,
 )
-from moe_eval.evaluate.logprobs import TextLogprobs
 from moe_eval.plan.config import parse_config
 
 KEY = GoldenKey(

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moe_eval.core.check import Check, verdict
-from moe_eval.evaluate.logprobs import TextLogprobs
+from moe_eval.core.logprob_texts import TextLogprobs
 from moe_eval.gates.checks import Baseline
 from moe_eval.gates.judge import Answers, GoldenRecord, Measurements, judge
 from moe_eval.gates.layer_gate import summarize
@@ -74,7 +74,7 @@ def measured(config, *, run_noise=0.02, answers_right=QUESTIONS, **changes) -> M
         ),
         incumbent_logprobs=capture(incumbent),
         incumbent_decode=_decode(0.0),
-        golden=GoldenRecord("d" * 24, "/goldens/d", capture(golden), _decode(0.0), capture(probe)),
+        golden=GoldenRecord("d" * 24, "/goldens/d", capture(golden), _decode(0.0), capture(probe), 0.05),
     )
     return dataclasses.replace(m, **changes)
 

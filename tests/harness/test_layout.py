@@ -72,4 +72,24 @@ def test_no_two_stages_import_each_other_and_the_bottom_stays_at_the_bottom():
     assert not {b for a, b in edges if a == "core"}, "core/ imports no other stage"
     assert {b for a, b in edges if a == "kernels"} <= {"core"}, "kernels/ imports core/ only"
     # The check reads something: the pipeline's own edges are there.
-    assert {("runner", "evaluate"), ("gates", "evaluate"), ("cli", "plan")} <= edges
+    assert {("runner", "evaluate"), ("evaluate", "gates"), ("runner", "gates"), ("cli", "plan")} <= edges
+
+
+# What does I/O: serving, evaluating through a server, launching processes, the run's own orchestration.
+IO_STAGES = ("evaluate", "serve", "launch", "runner", "worker", "scheduler", "cli")
+
+
+def test_the_gates_reach_no_stage_that_does_io_even_indirectly():
+    """Issue 41: the judge imported moe_eval.evaluate.golden for one constant, and with it the launcher,
+    serving and subprocess code; gates/ started golden servers (golden_checks). Now nothing under gates/
+    reaches evaluate/, serve/, launch.py or the run's orchestration through any chain of imports."""
+    graph = _imports()
+    for start in sorted(m for m in graph if _stage(m) == "gates"):
+        seen, todo = {start}, [start]
+        while todo:
+            for dep in graph.get(todo.pop(), ()):
+                if dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+        reached = sorted(m for m in seen if _stage(m) in IO_STAGES)
+        assert not reached, f"{start} reaches {reached}"

@@ -426,7 +426,8 @@ def test_golden_command_makes_the_runs_golden_bit_for_bit_then_reuses_it(
     probe (switched on in place through vLLM's /collective_rpc, kernels/golden_probe.py); from another empty
     cache it makes the very record the embedded default's run made (the golden's own noise is 0 on the CPU);
     a second call finds it cached and starts no server."""
-    from moe_eval.evaluate.logprobs import divergence, read_logprobs
+    from moe_eval.core.logprob_texts import read_logprobs
+    from moe_eval.gates.divergence import divergence
 
     cache = tmp_path / "goldens"
     args = ["golden", "--hw", "cpu", "--golden-cache", str(cache), "--output-dir", str(tmp_path / "out")]

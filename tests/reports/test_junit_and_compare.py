@@ -174,7 +174,7 @@ def test_compare_refuses_missing_inputs_and_errored_only(tmp_path):
 
 
 def test_compare_shows_the_log_probability_divergence_against_the_first_run(tmp_path):
-    from moe_eval.evaluate.logprobs import TextLogprobs, write_logprobs
+    from moe_eval.core.logprob_texts import TextLogprobs, write_logprobs
 
     def texts(shift: float) -> list[TextLogprobs]:
         # Two texts of 3 positions; position 0 has no log-probability. `shift` moves every reference token.
@@ -204,7 +204,7 @@ def test_compare_shows_the_log_probability_divergence_against_the_first_run(tmp_
 
 
 def _texts(shift: float, first_token: int = 5):
-    from moe_eval.evaluate.logprobs import TextLogprobs
+    from moe_eval.core.logprob_texts import TextLogprobs
 
     # Two texts of 3 positions; position 0 has no log-probability. `shift` moves every reference token, so a
     # run's mean |Δ log p| against the unshifted golden is |shift|.
@@ -221,7 +221,7 @@ def _texts(shift: float, first_token: int = 5):
 
 
 def _golden(root: Path, digest: str, shift: float = 0.0) -> dict:
-    from moe_eval.evaluate.logprobs import write_logprobs
+    from moe_eval.core.logprob_texts import write_logprobs
 
     folder = root / "goldens" / digest
     folder.mkdir(parents=True)
@@ -232,7 +232,7 @@ def _golden(root: Path, digest: str, shift: float = 0.0) -> dict:
 def _scored_run(
     root: Path, run: str, backend: str, layout: str, shift: float | None, correct=None, **extra
 ) -> None:
-    from moe_eval.evaluate.logprobs import write_logprobs
+    from moe_eval.core.logprob_texts import write_logprobs
 
     d = _write_run(root, run, "Q-BF16", "Qwen", backend, layout, correct or [True] * 4, **extra)
     if shift is not None:  # None: the run scored no texts
@@ -342,7 +342,7 @@ def test_compare_golden_row_other_golden_missing_and_unscored(tmp_path):
     _scored_run(tmp_path, "r3", "bundled:torch", "TP (TP1)", None, golden=golden)  # scored no texts
     _scored_run(tmp_path, "r4", "bundled:fi", "TP (TP1)", 0.01)
     d = _write_run(tmp_path, "r5", "Q-BF16", "Qwen", "bundled:x", "TP (TP1)", [True] * 4)
-    from moe_eval.evaluate.logprobs import write_logprobs
+    from moe_eval.core.logprob_texts import write_logprobs
 
     write_logprobs(d / "logprobs.jsonl", _texts(0.0, first_token=8))  # other tokens than the golden's
     runs = [tmp_path / r for r in ("r1", "r2", "r3", "r4", "r5")]

@@ -18,18 +18,9 @@ import pytest
 import yaml
 
 from moe_eval.core.errors import ConfigError, InfraError
-from moe_eval.evaluate.logprobs import (
-    Divergence,
-    DivergenceLimits,
-    TextLogprobs,
-    capture,
-    divergence,
-    divergence_checks,
-    read_logprobs,
-    read_rows,
-    scoring_texts,
-    write_logprobs,
-)
+from moe_eval.core.logprob_texts import TextLogprobs, read_logprobs, write_logprobs
+from moe_eval.evaluate.logprobs import capture, read_rows, scoring_texts
+from moe_eval.gates.divergence import Divergence, DivergenceLimits, divergence, divergence_checks
 from moe_eval.gates.stats import describe_power, detectable_drop, gate_fail_probability
 
 TRAIN = [

@@ -1,4 +1,5 @@
-"""The golden reference inside a config's run: found in the cache or made, for moe_eval.gates.judge.
+"""The golden reference inside a config's run: found in the cache or made, for moe_eval.gates.judge (the
+I/O half of the golden gate: it may start a golden server; the judge only compares).
 
 Called by moe_eval.runner after the config's own server is down (its GPUs or cores then make the
 golden when the cache has none); the comparison and the decision are the judge's (`_golden`).
@@ -12,6 +13,7 @@ from typing import Any
 
 from moe_eval.core.results import cpu_model
 from moe_eval.evaluate.golden import (
+    PROBE_SCALE_ERROR,
     GoldenPlan,
     GoldenStore,
     ServerPlace,
@@ -67,5 +69,5 @@ def measure_golden(
     timings["golden_seconds"] = time.monotonic() - started
     described = golden.describe() | {"made_now": made_now, "seconds": timings["golden_seconds"]}
     return GoldenRecord(
-        golden.key.digest, str(golden.path), golden.prefill, golden.decode, golden.probe
+        golden.key.digest, str(golden.path), golden.prefill, golden.decode, golden.probe, PROBE_SCALE_ERROR
     ), described
