@@ -31,7 +31,13 @@ from tests.harness.running import (
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+# SIGTERM is what CI systems send on cancel; SIGINT (Ctrl-C) at the same moment is the extended tier's (the
+# slow tier's Ctrl-C test in test_run_cpu.py sends it during the evaluation too).
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.extended)],
+    ids=["SIGTERM", "SIGINT"],
+)
 def test_cancel_during_evaluation_is_130_and_the_next_config_never_starts(tmp_path, gsm8k_dir, sig):
     """What Buildkite and GitHub Actions send on cancel (SIGTERM), and Ctrl-C: the same."""
     first = tiny_config(tmp_path, "Tiny-BF16-first", questions=200, concurrency=2)
@@ -153,6 +159,8 @@ def test_retry_after_the_server_was_killed_mid_evaluation_passes(tmp_path, gsm8k
     assert not left_running(tmp_path), left_running(tmp_path)
 
 
+# Three server starts: the extended tier. --resume of a kept run is in the default tier (subtle_mutation_run).
+@pytest.mark.extended
 def test_resume_after_an_interrupted_run_finishes_only_the_rest(tmp_path, gsm8k_dir):
     done = tiny_config(tmp_path, "Tiny-BF16-done")
     rest = tiny_config(tmp_path, "Tiny-BF16-rest", questions=30, concurrency=1)

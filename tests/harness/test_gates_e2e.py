@@ -51,7 +51,7 @@ def _record(run_root: Path, family: str, name: str) -> dict:
     return results_json(run_root / family / name / "results.json")
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # two rows and a golden: beyond what CI's 90 minutes hold (tests/conftest.py)
 def test_the_default_hub_path_scores_texts_and_runs_the_golden_gate(tmp_path, gsm8k_dir):
     if gsm8k_dir is None:
         pytest.skip("no local GSM8K copy to lay the hub's dataset cache from")
@@ -75,7 +75,7 @@ def test_the_default_hub_path_scores_texts_and_runs_the_golden_gate(tmp_path, gs
     assert record["golden_gate"]["ratio"] > 0 and record["status"] == "passed"
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # extended tier: beyond what CI's 90 minutes hold on 2 cores (tests/conftest.py)
 def test_a_gate_that_cannot_run_is_exit_6_unless_declared_optional(embedded_default_run, tmp_path):
     """The canary's TP1 row against an incumbent that scored no log-probabilities (an older run's folder,
     as `--baseline`): its golden and divergence gates cannot run. Without a word from the user that is not a

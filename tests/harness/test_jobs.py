@@ -68,6 +68,7 @@ def test_jobs_2_gives_the_verdicts_and_junit_of_jobs_1(tmp_path, gsm8k_dir):
     )  # jobs 1: the whole machine, as before
 
 
+@pytest.mark.extended  # extended tier: beyond what CI's 90 minutes hold on 2 cores (tests/conftest.py)
 def test_a_crashed_config_leaves_the_others_result_intact(tmp_path, gsm8k_dir):
     crashing = tiny_config(tmp_path, "Tiny-BF16-crash")
     crashing.write_text(crashing.read_text().replace("--enforce-eager", "--no-such-vllm-flag"))
@@ -81,6 +82,7 @@ def test_a_crashed_config_leaves_the_others_result_intact(tmp_path, gsm8k_dir):
     assert not left_running(tmp_path), left_running(tmp_path)
 
 
+@pytest.mark.extended  # extended tier: beyond what CI's 90 minutes hold on 2 cores (tests/conftest.py)
 def test_sigterm_during_a_packed_run_is_130_with_nothing_left(tmp_path, gsm8k_dir):
     first = tiny_config(tmp_path, "Tiny-BF16-one", questions=200, concurrency=1)
     second = tiny_config(tmp_path, "Tiny-BF16-two", questions=200, concurrency=1)
