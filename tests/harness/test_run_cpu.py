@@ -204,9 +204,17 @@ def test_the_subtle_mutation_fails_the_tep_row_too(subtle_mutation_run, tmp_path
         timeout=1200,
     )
     assert result.returncode == 1, result.stderr[-3000:]
-    _assert_failed_by_the_golden_gate_alone(
-        results_json(copy / "canary-tep" / "Canary-Qwen3-MoE-BF16-torch" / "results.json")
-    )
+    # No answer-level gate sees it; the golden gate does, prefill or decode: at TEP its incumbent stands in
+    # from TP1 (margin 1.25) and this machine's vLLM CPU kernel reads 0.024 against the golden, so the prefill
+    # ratio sat at 1.227 (2026-12-03) while the decode read 2.23. The layer check names the bug: expert 0, 5 %.
+    record = results_json(copy / "canary-tep" / "Canary-Qwen3-MoE-BF16-torch" / "results.json")
+    checks = {c["name"]: c["passed"] for c in record["checks"]}
+    assert record["mutation"] == SUBTLE_MUTATION and record["status"] == "failed"
+    assert checks["accuracy_gate"] and checks["paired_gate"] and checks["logprob_mean_abs"], checks
+    assert not (checks["golden_gate"] and checks["golden_gate_decode"]), record["golden_gate"]
+    assert not checks["layer_check_experts"], checks
+    named = [c for c in record["layer_check"]["expert_cells"] if c["expert"] == 0]
+    assert any(c["scale"] == pytest.approx(-0.05, abs=5e-3) for c in named), named
 
 
 # Bugs confined to one dispatch range, one rank (1% in one expert) or one layer (2% in one expert of layer 1
