@@ -206,7 +206,7 @@ def test_the_subtle_mutation_fails_the_tep_row_too(subtle_mutation_run, tmp_path
     assert result.returncode == 1, result.stderr[-3000:]
     # No answer-level gate sees it; the golden gate does, prefill or decode: at TEP its incumbent stands in
     # from TP1 (margin 1.25) and this machine's vLLM CPU kernel reads 0.024 against the golden, so the prefill
-    # ratio sat at 1.227 (2026-12-03) while the decode read 2.23. The layer check names the bug: expert 0, 5 %.
+    # ratio sat at 1.227 (2026-12-03) while the decode read 2.23. The layer check names the bug: expert 0, 5%.
     record = results_json(copy / "canary-tep" / "Canary-Qwen3-MoE-BF16-torch" / "results.json")
     checks = {c["name"]: c["passed"] for c in record["checks"]}
     assert record["mutation"] == SUBTLE_MUTATION and record["status"] == "failed"
