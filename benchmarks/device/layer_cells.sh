@@ -13,6 +13,7 @@
 #                         tables) 1 % short in RANGE only: --mutate scale_expert:expert=E,range=RANGE
 #   layer:NAME:L:S        twin NAME again, expert 0 scaled by S in layer L only, every range
 #   silu:NAME:N           NAME (a twin or canary) N times with --mutate silu_slope (+0.5 %), each a new run
+#   nocheck:NAME:N        NAME N times with `layer_check: false` (the cost's B side: no sampling, no sweep)
 # Each step's output folder and log go to $OUT/layer-cells.tar.xz (tables, results.json, logs; no weights),
 # re-packed after every step, so a call cut short keeps what finished. RUN_TIMEOUT (s) bounds one step;
 # ROW_OPTS go to every `moe-eval run` (e.g. "--limit 40": the canary's questions, shipped and resumed alike).
@@ -37,10 +38,11 @@ moe_eval() {  # device_env.sh execs python, so $child is moe-eval itself
   wait "$child"; local rc=$?; child=0; return "$rc"
 }
 alone() {  # CONFIG -> its copy without an incumbent or golden, in a folder of the same family name
+  # ($EXTRA_LINES added too: the nocheck step's `layer_check: false`)
   local family; family="$(basename "$(dirname "$1")")"
   mkdir -p "$work/configs/$family"
   grep -v '^baseline_config:' "$1" > "$work/configs/$family/$(basename "$1")"
-  echo "golden: false" >> "$work/configs/$family/$(basename "$1")"
+  printf 'golden: false\n%s\n' "${EXTRA_LINES:-}" >> "$work/configs/$family/$(basename "$1")"
   echo "$work/configs/$family/$(basename "$1")"
 }
 config_of() {
@@ -87,6 +89,10 @@ for step in ${STEPS:-tests twin:qwen3}; do
     silu)
       for i in $(seq 1 "${b:-1}"); do
         row "$a" "silu-$a-$i" --output-dir "$work/runs/silu-$a-$i" --mutate silu_slope
+      done ;;
+    nocheck)
+      for i in $(seq 1 "${b:-1}"); do
+        EXTRA_LINES="layer_check: false" row "$a" "nocheck-$a-$i" --output-dir "$work/runs/nocheck-$a-$i"
       done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
