@@ -11,6 +11,16 @@ to 3x: conservative), and the cell's threshold is the t quantile at nu: 12.4 at 
 200 for z = 5. So the old fixed floor of 20 slots is gone: a thin cell is judged when its own numbers
 say it can be, and counted as unjudged when they say it cannot.
 
+The t quantile is capped by a bound that holds whatever the tails. z is a self-normalized sum:
+(a - a_inc) / sqrt(vd) = sum X / sqrt(sum X^2) over the elements' terms X = y~ diff. Where each term is
+symmetric about zero given its size (two correct kernels' rounding differences; their systematic part is
+what the magnitude rule below handles), Hoeffding's inequality over the terms' signs gives
+P(|z| >= x) <= 2 exp(-x^2 / 2) for any distribution of the sizes (Efron 1969; de la Pena 1999): x = 5.49 at
+z = 5's tail. So the threshold is min(t(nu), 5.49) at z = 5: few degrees of freedom cannot push it higher.
+Without the cap the trained GPU canary's cells, whose variance sits in a few outlier elements (nu 2-10 over
+hundreds of slots), read t in the hundreds at nu ~ 1: on the full canary pair (H200, 2026-12-03) 17 of 56
+cells with thousands of slots went unjudged and the correct row ended incomplete.
+
 Beyond the incumbent, in magnitude. Two correct kernels round differently, and in a cell where the expert's
 own part of the output is thin (its slot vector mostly explained by the row's other slots) that difference
 projects to a large, real, reproducible scale: on the CPU canary's correct run, layer 0, vLLM's kernel read
@@ -24,6 +34,7 @@ matters only where |s_incumbent| is near the power target (thin cells, mostly co
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,10 +67,17 @@ class _Quantiles:
 _QUANTILES: dict[float, _Quantiles] = {}
 
 
+def self_normalized_bound(z: float) -> float:
+    """x with 2 exp(-x^2 / 2) equal to the two-sided normal tail beyond z: where the terms of z's sum are
+    symmetric, |z| passes x no more often than a normal z passes z, whatever their tails."""
+    return math.sqrt(2.0 * math.log(2.0 / normal_two_sided_p(z)))
+
+
 def t_threshold(z: float, nu: np.ndarray) -> np.ndarray:
+    """The t quantile of z's normal tail at nu degrees of freedom, capped by self_normalized_bound(z)."""
     if z not in _QUANTILES:
         _QUANTILES[z] = _Quantiles(z)
-    return _QUANTILES[z](nu)
+    return np.minimum(_QUANTILES[z](nu), self_normalized_bound(z))
 
 
 @dataclass

@@ -249,7 +249,7 @@ CONFIG_KEYS: dict[str, KeySpec] = {
     ),
     "layer_check_margin": KeySpec(
         NUMBER,
-        0.25,
+        0.5,
         _between(0.0, 10.0),
         "layer check: fail a dispatch range whose error against the exact MoE / the incumbent's > 1 + this",
     ),
@@ -367,7 +367,10 @@ class EvalConfig:
     decode_tokens: int = 32
     random_weights: bool = False
     layer_check: bool = True
-    layer_check_margin: float = 0.25
+    # 1.5: a legitimate kernel that rounds once more than the incumbent, as finely, adds up to sqrt(2) = 1.41
+    # times its error (FlashInfer CUTLASS reads 1.17-1.26 per layer on the H200 canary); the bugs of
+    # docs/logprob-gate.md read 1.8 and up here, and the expert and activation checks resolve smaller ones.
+    layer_check_margin: float = 0.5
     layer_check_scale_bound: float = 0.005
     layer_check_z: float = 5.0
     layer_check_activation_bound: float = 0.002

@@ -13,7 +13,7 @@ from moe_eval.core import layer_cells
 from moe_eval.core.check import verdict
 from moe_eval.core.layer_cells import CELL_FIELDS, ROW, ROW_FIELDS, LayerFile
 from moe_eval.core.plugin_protocol import LAYER_RANGE_EDGES
-from moe_eval.gates.layer_estimates import t_threshold
+from moe_eval.gates.layer_estimates import self_normalized_bound, t_threshold
 from moe_eval.gates.layer_gate import (
     MIN_ROWS,
     LayerCheckLimits,
@@ -252,12 +252,46 @@ def test_the_power_line_counts_and_names_the_unjudged_cells():
     assert m2.judged == 8 and m2.detectable_95 == pytest.approx(0.005 + 0.8416 * 0.0005, rel=1e-3)
 
 
-def test_the_threshold_is_the_t_quantile_of_the_normal_tail():
+def test_the_threshold_is_the_t_quantile_of_the_normal_tail_capped_by_the_self_normalized_bound():
     scipy_stats = pytest.importorskip("scipy.stats")
     p = 2 * scipy_stats.norm.sf(5.0)
+    cap = self_normalized_bound(5.0)
+    assert cap == pytest.approx(math.sqrt(2 * math.log(2 / p))) and 5.48 < cap < 5.50
     for nu in (1.0, 2.5, 9.0, 30.0, 200.0, 5e4):
-        assert t_threshold(5.0, np.array([nu]))[0] == pytest.approx(scipy_stats.t.isf(p / 2, nu), rel=1e-2)
+        t = scipy_stats.t.isf(p / 2, nu)
+        assert t_threshold(5.0, np.array([nu]))[0] == pytest.approx(min(t, cap), rel=1e-2)
     assert t_threshold(5.0, np.array([np.inf]))[0] == 5.0
+
+
+@pytest.mark.parametrize("sizes", ["equal", "lognormal", "pareto"])
+def test_the_self_normalized_bound_holds_for_heavy_tailed_symmetric_terms(sizes):
+    """z = sum X / sqrt(sum X^2) over few terms of symmetric sign and heavy-tailed size (a trained model's
+    outlier elements): |z| passes the bound at z = 3 no more often than 2 exp(-x^2 / 2) says, where the t
+    quantile at the terms' Kish dof would have asked far more."""
+    rng = np.random.default_rng(0)
+    draws, terms = 400_000, 6
+    size = {
+        "equal": np.ones((draws, terms)),
+        "lognormal": rng.lognormal(0.0, 2.0, (draws, terms)),
+        "pareto": rng.pareto(1.1, (draws, terms)) + 1.0,
+    }[sizes]
+    x = size * rng.choice([-1.0, 1.0], size=(draws, terms))
+    z = x.sum(1) / np.sqrt((x * x).sum(1))
+    bound = self_normalized_bound(3.0)
+    tail = 2 * math.exp(-bound * bound / 2)  # = the normal two-sided tail beyond 3: 0.0027
+    assert np.mean(np.abs(z) >= bound) <= tail
+
+
+def test_a_cell_whose_variance_sits_in_few_elements_is_judged_when_its_evidence_suffices():
+    """The GPU canary's cells (H200, 2026-12-03): hundreds of slots, the variance held in one or two outlier
+    elements (Kish dof ~1), the standard error of the difference 1e-5. t(1) at z = 5's tail is ~5e5, which
+    left them unjudged with all that evidence; under the cap they resolve 0.5 %, and a 1 % bug there is off."""
+    files = [_file(experts=8, cells={(0, 3, e): (300, 0.0, 1e-5, 0.0, 1.0) for e in range(8)})]
+    summary = summarize(files, LIMITS, 1)
+    m65 = next(p for p in summary.power if p.range == "M=65-256")
+    assert (m65.judged, m65.cells) == (8, 8)
+    bug = [_file(experts=8, cells={(0, 3, e): (300, 0.01 * (e == 4), 1e-5, 0.0, 1.0) for e in range(8)})]
+    assert "expert 4 M=65-256" in _checks(bug)["layer_check_experts"].detail
 
 
 def test_reachable_ranges_follow_the_batched_token_limit():
