@@ -16,7 +16,7 @@
 # ROWS (words of config file names) narrows the list to those rows and vLLM's.
 set -u
 layout="${1:?usage: canary_mutations.sh tp|tep|dep}"
-MUTATIONS="${MUTATIONS:-scale_one_expert}"
+MUTATIONS="${MUTATIONS-scale_one_expert}"  # MUTATIONS="": the shipped rows alone
 out="${OUT:-/tmp/golden-out}"; work="/tmp/golden-$layout"
 export MOE_EVAL_GOLDEN_CACHE=/tmp/goldens
 mkdir -p "$out" "$work" "$MOE_EVAL_GOLDEN_CACHE"

@@ -106,7 +106,7 @@ def test_a_correct_row_passes_every_gate_it_calls_for(config):
             {"kernel_calls": {"processes": 0, "calls": 0, "tokens": 0, "counted_on": []}},
             {"bundled_kernel_calls"},
         ),
-        ({"layer": summarize([_file(ratio=1.5)], LIMITS, 1)}, {"layer_check_ranges"}),
+        ({"layer": summarize([_file(ratio=1.6)], LIMITS, 1)}, {"layer_check_ranges"}),  # over 1 + 0.5
         ({"decode": _decode(0.3)}, {"golden_gate_decode"}),
         ({"answers": "garbage"}, {"max_empty_rate"}),
     ],
