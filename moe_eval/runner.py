@@ -50,8 +50,10 @@ from moe_eval.gates.checks import (
     first_response,
     per_question,
 )
-from moe_eval.gates.judge import Answers, Measurements, judge, layer_check_limits
+from moe_eval.gates.judge import judge
 from moe_eval.gates.layer_gate import MIN_ROWS, reachable_ranges, summarize
+from moe_eval.gates.measurements import Answers, Measurements
+from moe_eval.gates.rules import layer_check_limits
 from moe_eval.models.builtin import resolve_model
 from moe_eval.plan.config import EvalConfig
 from moe_eval.serve import cancel

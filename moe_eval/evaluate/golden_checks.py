@@ -22,7 +22,7 @@ from moe_eval.evaluate.golden import (
     golden_plan,
 )
 from moe_eval.evaluate.gsm8k import Gsm8kData
-from moe_eval.gates.judge import GoldenRecord
+from moe_eval.gates.measurements import GoldenRecord
 from moe_eval.plan.config import EvalConfig
 
 

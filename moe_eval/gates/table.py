@@ -1,10 +1,11 @@
-"""The one table of gates: which gates a config gets, the checks each one makes, and when each applies.
+"""The one registry of gates: each gate's name, the checks it makes, when it applies, what it needs, its rule
+(moe_eval.gates.rules) and what it checks.
 
-Both `moe-eval run` (through moe_eval.gates.judge) and `moe-eval list` read this table, so the two cannot
-disagree about a config's gates. A gate is either *called for* by the config (its keys ask for it) or not;
-a gate called for that needs an incumbent and has none, or whose measurement could not be made, is judged
-"not run" (a check of its own, never a silent pass): the config's verdict is then "incomplete" (exit 6)
-unless the config's `optional_gates` or `run --optional-gate` names that gate.
+Both `moe-eval run` (through moe_eval.gates.judge, which calls each gate's rule) and `moe-eval list` read
+this table, so the two cannot disagree about a config's gates. A gate is either *called for* by the config
+(its keys ask for it) or not; a gate called for that needs an incumbent and has none, or whose measurement
+could not be made, is judged "not run" (a check of its own, never a silent pass): the config's verdict is
+then "incomplete" (exit 6) unless the config's `optional_gates` or `run --optional-gate` names that gate.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from moe_eval.gates import rules
 from moe_eval.plan.gate_names import GATE_NAMES
 
 if TYPE_CHECKING:
+    from moe_eval.gates.measurements import Judgement, Measurements
     from moe_eval.plan.config import EvalConfig
 
 GARBAGE_LIMITS = (  # (check name, config key) of the answer checks, each on when its limit is set
@@ -33,6 +36,8 @@ class Gate:
     # the paired and divergence gates exist to compare with one, the golden gate is asked for by the kernel.
     called_for: Callable[[EvalConfig, bool], bool]
     needs_incumbent: bool  # cannot run without one: called for and none is "not run", not a pass
+    # Appends the gate's checks and results.json section; returns why it could not judge (None: judged).
+    rule: Callable[[EvalConfig, Measurements, Judgement], str | None]
     what: str  # what it checks, in one line: the table read as documentation (the README says it at length)
 
 
@@ -42,6 +47,7 @@ GATES: tuple[Gate, ...] = (
         ("served",),
         lambda c, _: True,
         False,
+        rules.judge_served,
         "the server answered every question: what an incumbent row with nothing else to gate proves",
     ),
     Gate(
@@ -49,6 +55,7 @@ GATES: tuple[Gate, ...] = (
         ("accuracy_gate",),
         lambda c, _: c.answers_gated,
         False,
+        rules.judge_accuracy,
         "strict-match accuracy against accuracy_threshold - tolerance (and stderr_gate_k)",
     ),
     Gate(
@@ -56,6 +63,7 @@ GATES: tuple[Gate, ...] = (
         tuple(name for name, _ in GARBAGE_LIMITS),
         lambda c, _: c.answers_gated and any(getattr(c, key) is not None for _, key in GARBAGE_LIMITS),
         False,
+        rules.judge_garbage,
         "empty, truncated and number-less answers, each against its max_*_rate",
     ),
     Gate(
@@ -63,6 +71,7 @@ GATES: tuple[Gate, ...] = (
         ("paired_gate",),
         lambda c, incumbent: c.answers_gated and incumbent,
         True,
+        rules.judge_paired,
         "per-question flips against the incumbent, exact McNemar test (paired_alpha)",
     ),
     Gate(
@@ -70,6 +79,7 @@ GATES: tuple[Gate, ...] = (
         ("logprob_mean_abs", "logprob_p99_abs", "logprob_top1_flips", "logprob_kl"),
         lambda c, incumbent: c.logprob_texts > 0 and incumbent,
         True,
+        rules.judge_divergence,
         "log-probabilities of logprob_texts fixed texts against the incumbent's",
     ),
     Gate(
@@ -77,6 +87,7 @@ GATES: tuple[Gate, ...] = (
         ("golden_gate", "golden_gate_decode"),
         lambda c, _: c.golden_gated,
         True,
+        rules.judge_golden,
         "error against the exact-MoE golden reference, no worse than the incumbent's (prefill and decode)",
     ),
     Gate(
@@ -84,6 +95,7 @@ GATES: tuple[Gate, ...] = (
         ("jit_while_serving",),
         lambda c, _: c.max_jit_while_serving is not None,
         False,
+        rules.judge_jit,
         "kernel compilations while serving, at most max_jit_while_serving",
     ),
     Gate(
@@ -91,6 +103,7 @@ GATES: tuple[Gate, ...] = (
         ("bundled_kernel_calls",),
         lambda c, _: c.moe_backend is not None,
         False,
+        rules.judge_kernel_calls,
         "the bundled kernel's own counters: it served on every rank",
     ),
     Gate(
@@ -104,6 +117,7 @@ GATES: tuple[Gate, ...] = (
         ),
         lambda c, _: c.layer_checked,
         False,
+        rules.judge_layer_check,
         "the served MoE calls of every layer, dispatch range, expert and rank against the exact MoE, "
         "with the cells it could not judge counted",
     ),

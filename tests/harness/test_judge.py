@@ -97,6 +97,27 @@ def test_a_correct_row_passes_every_gate_it_calls_for(config):
         assert names & set(GATE_BY_NAME[gate].checks), gate
 
 
+def test_one_registry_each_gate_carries_its_rule_and_the_judge_follows_it(config, monkeypatch):
+    """Issue 41: at 593f15d the judge looked each gate's function up by name in a second table
+    (judge._JUDGES). Now the gate is one object; replacing a gate's rule in the registry changes what the
+    judge does, and every gate has one."""
+    import dataclasses as dc
+
+    from moe_eval.gates import table
+    from moe_eval.plan.gate_names import GATE_NAMES
+
+    assert tuple(g.name for g in GATES) == GATE_NAMES and all(callable(g.rule) for g in GATES)
+
+    def broken_layer_rule(config, m, out):
+        return "a rule replaced in the registry"
+
+    gates = tuple(dc.replace(g, rule=broken_layer_rule) if g.name == "layer_check" else g for g in GATES)
+    monkeypatch.setattr(table, "GATES", gates)
+    got = judge(config, measured(config))
+    assert got.verdict == "incomplete"
+    assert "a rule replaced in the registry" in _by_name(got)["layer_check" + NOT_RUN_SUFFIX].detail
+
+
 @pytest.mark.parametrize(
     ("change", "failing"),
     [

@@ -285,7 +285,8 @@ def test_the_self_normalized_bound_holds_for_heavy_tailed_symmetric_terms(sizes)
 def test_a_cell_whose_variance_sits_in_few_elements_is_judged_when_its_evidence_suffices():
     """The GPU canary's cells (H200, 2026-12-03): hundreds of slots, the variance held in one or two outlier
     elements (Kish dof ~1), the standard error of the difference 1e-5. t(1) at z = 5's tail is ~5e5, which
-    left them unjudged with all that evidence; under the cap they resolve 0.5 %, and a 1 % bug there is off."""
+    left them unjudged with all that evidence; under the cap they resolve 0.5 %, and a 1 % bug there is
+    off."""
     files = [_file(experts=8, cells={(0, 3, e): (300, 0.0, 1e-5, 0.0, 1.0) for e in range(8)})]
     summary = summarize(files, LIMITS, 1)
     m65 = next(p for p in summary.power if p.range == "M=65-256")

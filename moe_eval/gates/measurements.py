@@ -1,0 +1,63 @@
+"""What the judge reads and writes: a config's measurements (the runner fills them; no file, no server here)
+and the judgement they give (checks, verdict, results.json sections)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from moe_eval.core.check import Check
+from moe_eval.core.logprob_texts import TextLogprobs
+from moe_eval.gates.checks import Baseline
+from moe_eval.gates.layer_gate import LayerSummary
+
+
+@dataclass(frozen=True)
+class Answers:
+    """The evaluation: lm-eval's scores, the answers' counts (checks.answer_stats), per-question
+    strict-match correctness."""
+
+    scores: dict[str, dict[str, float]]
+    num_questions: int
+    stats: dict[str, Any]
+    correctness: dict[int, bool]
+
+
+@dataclass(frozen=True)
+class GoldenRecord:
+    """The golden reference's captures (moe_eval.evaluate.golden.Golden) as the judge needs them."""
+
+    digest: str
+    path: str
+    prefill: list[TextLogprobs]
+    decode: list[TextLogprobs]
+    probe: list[TextLogprobs]
+    # The probe's one-expert scale error (its captures were made with expert 0's output this much short):
+    # the golden record says it, so the judge needs nothing of the code that made it.
+    probe_scale_error: float
+
+
+@dataclass
+class Measurements:
+    """Everything a config's run measured; None where it measured nothing of that kind."""
+
+    moe_backend_used: str | None = None
+    answers: Answers | None = None
+    jit: dict | None = None  # server_log.jit_while_serving
+    kernel_calls: dict | None = None  # kernels.call_counter counts
+    layer: LayerSummary | None = None
+    logprobs: list[TextLogprobs] | None = None  # the scored texts (prefill)
+    decode: list[TextLogprobs] | None = None  # the greedy continuations
+    logprobs_skipped: str | None = None  # why the texts were not scored (results.json logprobs.skipped)
+    incumbent: Baseline | None = None
+    incumbent_logprobs: list[TextLogprobs] | None = None
+    incumbent_decode: list[TextLogprobs] | None = None
+    golden: GoldenRecord | None = None
+    not_measured: dict[str, str] = field(default_factory=dict)  # gate name -> why nothing was measured
+
+
+@dataclass
+class Judgement:
+    checks: list[Check]
+    verdict: str
+    sections: dict[str, Any]  # results.json sections: gate, paired, divergence, layer_check, golden_gate
