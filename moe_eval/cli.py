@@ -16,36 +16,16 @@ import click
 
 from moe_eval.core.errors import ConfigError, ExitCode, InfraError, MoeEvalError
 from moe_eval.core.status import progress_line
-from moe_eval.gates.table import describe_plan
-from moe_eval.plan.config import EvalConfig, effective_config, load_config
+from moe_eval.plan.config import EvalConfig, effective_config
 from moe_eval.plan.gate_names import GATE_NAMES
-from moe_eval.plan.selection import (
-    HARDWARE,
-    list_for_hardware,
-    parse_shard,
-    read_list,
-    require_some,
-    shard,
-    with_baselines,
-)
+from moe_eval.plan.selection import HARDWARE
+from moe_eval.run_plan import REPO_ROOT, make_plan, select_configs
 from moe_eval.serve import cancel
 from moe_eval.serve.cancel import EXIT_CANCELLED
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def progress(message: str) -> None:
     click.echo(progress_line(message), err=True)
-
-
-def find_root(root_option: str | None, hw: str) -> Path:
-    """Where config-<hw>.txt lives: --root, else the current folder, else the moe-eval checkout."""
-    if root_option:
-        return Path(root_option).resolve()
-    cwd = Path.cwd()
-    if (cwd / f"config-{hw}.txt").exists() or not (REPO_ROOT / f"config-{hw}.txt").exists():
-        return cwd
-    return REPO_ROOT
 
 
 def resolve_hw(hw: str, gpus: list[str] | None = None) -> str:
@@ -55,42 +35,6 @@ def resolve_hw(hw: str, gpus: list[str] | None = None) -> str:
     from moe_eval.plan.hardware import detect_hardware
 
     return detect_hardware(gpus)
-
-
-def select_configs(
-    hw: str,
-    config_paths: tuple[str, ...],
-    shard_text: str | None,
-    root_option: str | None,
-    list_path: str | None = None,
-) -> tuple[list[EvalConfig], str]:
-    """Load (and so validate) every selected config before anything launches."""
-    if config_paths and list_path:
-        raise ConfigError(
-            f"--list: value '{list_path}' given together with config files; give one or the other"
-        )
-    if config_paths:
-        paths = [Path(p).resolve() for p in config_paths]
-        source = "the configs given on the command line"
-    elif list_path:
-        paths = read_list(Path(list_path).resolve())
-        source = str(Path(list_path).resolve())
-    else:
-        list_path = list_for_hardware(hw, find_root(root_option, hw))
-        paths = read_list(list_path)
-        source = str(list_path)
-    configs = {p: load_config(p) for p in paths}
-    if shard_text:
-        index, count = parse_shard(shard_text)
-        paths = shard(
-            paths,
-            index,
-            count,
-            {p: c.baseline_config_path for p, c in configs.items() if c.baseline_config_path is not None},
-        )
-        source += f" (shard {index}/{count})"
-    require_some(paths, source)
-    return [configs[p] for p in paths], source
 
 
 hw_option = click.option(
@@ -248,6 +192,12 @@ def shard_from_environment(shard_text: str | None) -> str | None:
     help="Finish this run folder: configs whose results there passed or failed with the same config, "
     "versions and questions are kept; the rest run; one summary covers all.",
 )
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    default=False,
+    help="Print the plan (what `moe-eval list` prints for the same options) and stop: no server starts.",
+)
 def run(
     hw: str,
     root: str | None,
@@ -266,11 +216,10 @@ def run(
     golden_cache: str | None,
     optional_gates: tuple[str, ...],
     resume_dir: str | None,
+    dry_run: bool,
 ) -> None:
     """Serve each selected config with vLLM, run GSM8K through lm-eval, gate, report."""
-    from moe_eval.core.results import append_text
-    from moe_eval.evaluate.gsm8k import gsm8k_data, hub_preflight
-    from moe_eval.gates.checks import find_baseline
+    from moe_eval.core.results import append_text, atomic_write_text
     from moe_eval.plan.devices import cpu_pool, gpu_pool
     from moe_eval.plan.hardware import gpu_names
     from moe_eval.report.progress_view import ProgressView
@@ -282,12 +231,17 @@ def run(
     jobs = jobs_value(jobs_text)
     gpu_list = gpu_names()  # read once: it picks the hardware list, then preflight and the records use it
     hw = resolve_hw(hw, gpu_list)
-    selected, source = select_configs(hw, configs, shard_from_environment(shard_text), root, list_path)
-    # --baseline (an earlier run) replaces the configs' baseline_config: nothing more to run.
-    selected, dependencies, notes = with_baselines(selected) if not baseline_path else (selected, {}, [])
-    effective = [effective_config(c, limit, mutation) for c in selected]  # (config, its mutation)
+    plan = make_plan(
+        hw, configs, list_path, shard_from_environment(shard_text), root, gsm8k_dir, baseline_path,
+        optional_gates,
+    )  # fmt: skip
+    if dry_run:  # the planning step alone: what `moe-eval list` prints for the same options
+        print_plan(plan)
+        return
+    dependencies, notes, data = plan.dependencies, plan.notes, plan.data
+    effective = [effective_config(c, limit, mutation) for c in plan.configs]  # (config, its mutation)
     selected = [config for config, _ in effective]
-    data = gsm8k_data(gsm8k_dir)
+    source = plan.source
     if mutation is not None and all(config_mutation is None for _, config_mutation in effective):
         raise ConfigError(
             f"--mutate {mutation}: no selected config runs a bundled kernel (moe_backend); "
@@ -295,9 +249,6 @@ def run(
         )
     for config, config_mutation in effective:
         preflight(config, hw, len(gpu_list), config_mutation)
-    if baseline_path:  # refused now, before anything launches, when a config has no baseline there
-        for config in selected:
-            find_baseline(Path(baseline_path).resolve(), config)
     pool = cpu_pool() if hw == "cpu" else gpu_pool()
     planned = [
         Planned(i, c, pool.units_for(c.layout.world_size, jobs), dependencies.get(i))
@@ -305,19 +256,14 @@ def run(
     ]
     if jobs != 1:
         check_fits(planned, pool)
-    hub_configs = [c for c in selected if c.task != "canary"] if data.dir is None else []
-    why = hub_preflight() if hub_configs else None
     # After the usage checks (exit 4); known now, not after a server has started and lm-eval has retried.
-    if why:
-        raise InfraError(
-            f"GSM8K for {hub_configs[0].path} ({len(hub_configs)} config(s)) cannot be had: {why}. Pass "
-            "--gsm8k-dir DIR (a folder with GSM8K's train.jsonl and test.jsonl) or run where the hub is "
-            "reachable"
-        )
+    if plan.data_stop():
+        raise InfraError(plan.data_stop())
     run_root = Path(resume_dir).resolve() if resume_dir else new_run_root(Path(output_dir).resolve())
     mutations = [config_mutation for _, config_mutation in effective]
     kept = resumable_outcomes(run_root, selected, data, mutations, dependencies) if resume_dir else {}
     append_text(run_root / "command.txt", " ".join(sys.argv) + "\n")
+    atomic_write_text(run_root / "plan.tsv", "\n".join([f"# {plan.source}", *plan.table()]) + "\n")
     for note in notes:
         progress(note)
     progress(
@@ -593,40 +539,26 @@ def list_configs(
 ) -> None:
     """Show what `run` would run, with the same options: config, model, layout, devices (GPUs, or CPU
     ranks) needed, backend, and each gate as it would run (not run or skipped, and why)."""
-    from moe_eval.evaluate.gsm8k import gsm8k_data, hub_preflight
-    from moe_eval.gates.checks import find_baseline
+    plan = make_plan(
+        resolve_hw(hw), (), list_path, shard_from_environment(shard_text), root, gsm8k_dir, baseline_path,
+        optional_gates,
+    )  # fmt: skip
+    print_plan(plan)
 
-    hw = resolve_hw(hw)
-    selected, source = select_configs(hw, (), shard_from_environment(shard_text), root, list_path)
-    selected, dependencies, notes = with_baselines(selected) if not baseline_path else (selected, {}, [])
-    if baseline_path:  # as `run`: refused when a config has no row there
-        for config in selected:
-            find_baseline(Path(baseline_path).resolve(), config)
-    click.echo(f"# {source}")
-    for note in notes:
+
+def print_plan(plan) -> None:
+    """The plan on stdout (tab-separated), the run's stop before any server on stderr: `list`, `run
+    --dry-run`."""
+    click.echo(f"# {plan.source}")
+    for note in plan.notes:
         click.echo(f"# {note}")
-    data = gsm8k_data(gsm8k_dir)
-    hub_configs = [c for c in selected if c.task != "canary"] if data.dir is None else []
-    why = hub_preflight() if hub_configs else None
-    if why:
+    if plan.hub_problem:
         click.echo(
-            f"# run would stop before any server starts (exit 3): GSM8K cannot be had: {why}", err=True
+            f"# run would stop before any server starts (exit 3): GSM8K cannot be had: {plan.hub_problem}",
+            err=True,
         )
-    click.echo(
-        f"config\tmodel\tlayout\t{'cpu_ranks' if hw == 'cpu' else 'gpus'}\tmoe_backend\tthreshold\tquestions"
-        "\tbaseline\tgates"
-    )
-    for i, c in enumerate(selected):
-        baseline = selected[dependencies[i]] if i in dependencies else None
-        has_incumbent = baseline is not None or baseline_path is not None
-        optional = frozenset(c.optional_gates) | set(optional_gates)
-        click.echo(
-            f"{c.path.parent.name}/{c.path.name}\t{c.model_name}\t{c.layout.describe()}\t{c.layout.world_size}\t"
-            f"{c.moe_backend or 'vllm-default'}\t{c.accuracy_threshold if c.answers_gated else 'n/a'}\t"
-            f"{c.num_questions}\t"
-            f"{f'{baseline.path.parent.name}/{baseline.path.name}' if baseline else baseline_path or '-'}\t"
-            f"{','.join(describe_plan(c, has_incumbent, optional))}"
-        )
+    for line in plan.table():
+        click.echo(line)
 
 
 @cli.command()
