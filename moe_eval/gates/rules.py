@@ -297,11 +297,12 @@ def _decode(config: EvalConfig, m: Measurements, gate: dict[str, Any]) -> list[C
             f"{mine} of {run.texts} continuations share a first token with the golden's, the "
             f"incumbent's {theirs}"
         )
-        gate["decode"]["skipped"] = "fewer than 2 continuations share a first token with the golden's"
-        if mine < theirs:
+        if mine < theirs:  # judged, and failed: the record says so, never "skipped" beside a failure
+            gate["decode"]["failed"] = f"{firsts}: fewer than the incumbent"
             return [
                 Check("golden_gate_decode", False, f"decode: {firsts}: fewer than the incumbent; {shared}")
             ]
+        gate["decode"]["skipped"] = "fewer than 2 continuations share a first token with the golden's"
         return [
             Check("golden_gate_decode", False, f"not run: {firsts}: too few to compare; {shared}", ran=False)
         ]

@@ -169,6 +169,8 @@ def test_decode_that_shares_fewer_first_tokens_than_the_incumbent_fails_and_too_
     broken = judge(config, measured(config, decode=_decode_from(1, 1)))
     check = _by_name(broken)["golden_gate_decode"]
     assert check.status == "failed" and "1 of 8" in check.detail and broken.verdict == "failed"
+    decode_record = broken.sections["golden_gate"]["decode"]  # a failure, never "skipped" beside it
+    assert "skipped" not in decode_record and "fewer than the incumbent" in decode_record["failed"]
     both = judge(config, measured(config, decode=_decode_from(1, 1), incumbent_decode=_decode_from(1, 1)))
     assert _by_name(both)["golden_gate_decode"].status == "not_run" and both.verdict == "incomplete"
     none = judge(config, measured(config, decode=None))
