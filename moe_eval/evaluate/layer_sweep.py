@@ -178,7 +178,11 @@ def _unit(
         length = min(room, max(PREFILL_LENGTHS))
         if length <= 0 or max_tokens_per_call <= length:
             return [], 0
-        prompts, tokens = -(-max_tokens_per_call // length) + 1, 1
+        # Twice the limit and one more, as the sweep's own batched prefill: a call of the range is a step
+        # filled to the limit, and the first prompt to arrive is often scheduled alone. One limit's worth
+        # plus a prompt made no such step on the CPU TEP server (limit 4096) in three rounds (2026-12-04),
+        # and that row ended incomplete on the rarest expert's cell.
+        prompts, tokens = -(-2 * max_tokens_per_call // length) + 1, 1
         concurrent = prompts
     if length > min(model_len - tokens - 1, max_tokens_per_call):
         return [], 0
