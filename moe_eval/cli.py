@@ -16,7 +16,7 @@ import click
 
 from moe_eval.core.errors import ConfigError, ExitCode, InfraError, MoeEvalError
 from moe_eval.core.status import progress_line
-from moe_eval.plan.config import EvalConfig, effective_config
+from moe_eval.plan.config import EvalConfig
 from moe_eval.plan.gate_names import GATE_NAMES
 from moe_eval.plan.selection import HARDWARE
 from moe_eval.run_plan import REPO_ROOT, make_plan, select_configs
@@ -233,21 +233,19 @@ def run(
     hw = resolve_hw(hw, gpu_list)
     plan = make_plan(
         hw, configs, list_path, shard_from_environment(shard_text), root, gsm8k_dir, baseline_path,
-        optional_gates,
+        optional_gates, limit, mutation,
     )  # fmt: skip
-    if dry_run:  # the planning step alone: what `moe-eval list` prints for the same options
-        print_plan(plan)
-        return
-    dependencies, notes, data = plan.dependencies, plan.notes, plan.data
-    effective = [effective_config(c, limit, mutation) for c in plan.configs]  # (config, its mutation)
-    selected = [config for config, _ in effective]
-    source = plan.source
-    if mutation is not None and all(config_mutation is None for _, config_mutation in effective):
+    dependencies, data, selected, source = plan.dependencies, plan.data, plan.configs, plan.source
+    if mutation is not None and all(config_mutation is None for config_mutation in plan.mutations):
         raise ConfigError(
             f"--mutate {mutation}: no selected config runs a bundled kernel (moe_backend); "
             "mutations apply to the bundled kernels only"
         )
-    for config, config_mutation in effective:
+    if dry_run:  # the planning step alone: what `moe-eval list` prints for the same options
+        plan.probe_hub()
+        print_plan(plan)
+        return
+    for config, config_mutation in zip(selected, plan.mutations, strict=True):
         preflight(config, hw, len(gpu_list), config_mutation)
     pool = cpu_pool() if hw == "cpu" else gpu_pool()
     planned = [
@@ -257,14 +255,15 @@ def run(
     if jobs != 1:
         check_fits(planned, pool)
     # After the usage checks (exit 4); known now, not after a server has started and lm-eval has retried.
+    plan.probe_hub()
     if plan.data_stop():
         raise InfraError(plan.data_stop())
     run_root = Path(resume_dir).resolve() if resume_dir else new_run_root(Path(output_dir).resolve())
-    mutations = [config_mutation for _, config_mutation in effective]
+    mutations = plan.mutations
     kept = resumable_outcomes(run_root, selected, data, mutations, dependencies) if resume_dir else {}
     append_text(run_root / "command.txt", " ".join(sys.argv) + "\n")
-    atomic_write_text(run_root / "plan.tsv", "\n".join([f"# {plan.source}", *plan.table()]) + "\n")
-    for note in notes:
+    atomic_write_text(run_root / "plan.tsv", "\n".join(plan.table()) + "\n")
+    for note in plan.notes:
         progress(note)
     progress(
         f"{len(selected)} config(s) from {source} on {hw}; results in {run_root}"
@@ -543,15 +542,13 @@ def list_configs(
         resolve_hw(hw), (), list_path, shard_from_environment(shard_text), root, gsm8k_dir, baseline_path,
         optional_gates,
     )  # fmt: skip
+    plan.probe_hub()
     print_plan(plan)
 
 
 def print_plan(plan) -> None:
     """The plan on stdout (tab-separated), the run's stop before any server on stderr: `list`, `run
     --dry-run`."""
-    click.echo(f"# {plan.source}")
-    for note in plan.notes:
-        click.echo(f"# {note}")
     if plan.hub_problem:
         click.echo(
             f"# run would stop before any server starts (exit 3): GSM8K cannot be had: {plan.hub_problem}",

@@ -15,7 +15,7 @@ from moe_eval.core.errors import ConfigError
 from moe_eval.evaluate.gsm8k import Gsm8kData, gsm8k_data, hub_preflight
 from moe_eval.gates.checks import find_baseline
 from moe_eval.gates.table import describe_plan
-from moe_eval.plan.config import EvalConfig, load_config
+from moe_eval.plan.config import EvalConfig, effective_config, load_config
 from moe_eval.plan.selection import (
     list_for_hardware,
     parse_shard,
@@ -84,8 +84,14 @@ class RunPlan:
     data: Gsm8kData
     baseline_path: str | None  # --baseline: an earlier run stands as every config's incumbent
     optional_gates: tuple[str, ...]  # --optional-gate
+    mutations: list[str | None] = field(default_factory=list)  # per config, the --mutate it runs (or None)
     hub_configs: list[EvalConfig] = field(default_factory=list)  # configs that need GSM8K from the hub
-    hub_problem: str | None = None  # why the hub cannot give it (None: it can, or nothing needs it)
+    hub_problem: str | None = None  # why the hub cannot give it (None: it can, nothing needs it, not probed)
+
+    def probe_hub(self) -> None:
+        """Whether the hub can give GSM8K to the configs that need it (seconds where it is unreachable, so
+        the commands call it after their usage checks)."""
+        self.hub_problem = hub_preflight() if self.hub_configs else None
 
     def has_incumbent(self, i: int) -> bool:
         return i in self.dependencies or self.baseline_path is not None
@@ -106,9 +112,11 @@ class RunPlan:
         )
 
     def table(self) -> list[str]:
-        """The plan as `list` prints it: a header and one tab-separated line per config."""
+        """The plan as `list` prints it: the list and its notes as comments, a header and one tab-separated
+        line per config."""
         devices = "cpu_ranks" if self.hw == "cpu" else "gpus"
-        lines = [f"config\tmodel\tlayout\t{devices}\tmoe_backend\tthreshold\tquestions\tbaseline\tgates"]
+        lines = [f"# {self.source}", *(f"# {note}" for note in self.notes)]
+        lines += [f"config\tmodel\tlayout\t{devices}\tmoe_backend\tthreshold\tquestions\tbaseline\tgates"]
         for i, c in enumerate(self.configs):
             incumbent = self.configs[self.dependencies[i]] if i in self.dependencies else None
             baseline = (
@@ -134,16 +142,22 @@ def make_plan(
     gsm8k_dir: str | None,
     baseline_path: str | None,
     optional_gates: tuple[str, ...],
+    limit: int | None = None,
+    mutation: str | None = None,
 ) -> RunPlan:
-    """The plan both commands make from their shared options (hw already resolved)."""
+    """The plan both commands make from their shared options (hw already resolved); `run`'s --limit and
+    --mutate apply to the configs as they will run (the baseline check compares the limited question
+    counts). The hub is not probed yet: RunPlan.probe_hub."""
     selected, source = select_configs(hw, config_paths, shard_text, root_option, list_path)
     # --baseline (an earlier run) replaces the configs' baseline_config: nothing more to run.
     selected, dependencies, notes = with_baselines(selected) if not baseline_path else (selected, {}, [])
+    effective = [effective_config(c, limit, mutation) for c in selected]  # (config, its mutation)
+    selected = [config for config, _ in effective]
     if baseline_path:  # refused now, before anything launches, when a config has no row there
         for config in selected:
             find_baseline(Path(baseline_path).resolve(), config)
     data = gsm8k_data(gsm8k_dir)
     plan = RunPlan(hw, source, selected, dependencies, notes, data, baseline_path, tuple(optional_gates))
+    plan.mutations = [config_mutation for _, config_mutation in effective]
     plan.hub_configs = [c for c in selected if c.task != "canary"] if data.dir is None else []
-    plan.hub_problem = hub_preflight() if plan.hub_configs else None
     return plan

@@ -70,14 +70,17 @@ _QUANTILES: dict[float, _Quantiles] = {}
 def self_normalized_bound(z: float) -> float:
     """x with 2 exp(-x^2 / 2) equal to the two-sided normal tail beyond z: where the terms of z's sum are
     symmetric, |z| passes x no more often than a normal z passes z, whatever their tails."""
-    return math.sqrt(2.0 * math.log(2.0 / normal_two_sided_p(z)))
+    p = max(normal_two_sided_p(z), 1e-300)  # erfc underflows to 0 past z ~ 38; the bound is above z
+    return max(z, math.sqrt(2.0 * math.log(2.0 / p)))
 
 
 def t_threshold(z: float, nu: np.ndarray) -> np.ndarray:
     """The t quantile of z's normal tail at nu degrees of freedom, capped by self_normalized_bound(z)."""
     if z not in _QUANTILES:
         _QUANTILES[z] = _Quantiles(z)
-    return np.minimum(_QUANTILES[z](nu), self_normalized_bound(z))
+    t = _QUANTILES[z](nu)
+    # Where nu says nothing can be judged (no variance terms: inf), the threshold stays infinite.
+    return np.where(np.isfinite(t), np.minimum(t, self_normalized_bound(z)), t)
 
 
 @dataclass

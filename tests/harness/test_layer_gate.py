@@ -390,3 +390,9 @@ def test_a_gross_bug_keeps_the_largest_off_cells_and_counts_them_all():
     assert len([c for c in summary.experts if c.layer is not None]) == 64
     check = {c.name: c for c in layer_checks(summary, LIMITS)}["layer_check_experts"]
     assert not check.passed and "expert 31" in check.detail.split(";")[0]
+
+
+def test_the_threshold_stays_defined_at_any_z_and_infinite_where_nothing_can_be_judged():
+    assert self_normalized_bound(40.0) >= 40.0  # the normal tail underflows there: no division by zero
+    nu = np.array([1.0, np.inf, 0.0, np.nan])
+    assert list(t_threshold(5.0, nu)) == [pytest.approx(self_normalized_bound(5.0)), 5.0, np.inf, np.inf]
