@@ -63,3 +63,17 @@ def test_the_baseline_option_plans_alike(embedded_default_run):
     listed, planned = _invoke(["list", *common]), _invoke(["run", "--dry-run", *common])
     assert listed == planned and listed[0] == 0
     assert "(not run: no incumbent)" not in listed[1]
+
+
+def test_the_run_plan_shows_the_configs_as_they_will_run():
+    """--limit is part of run's plan (the questions column, the baseline check): at 4813b0f's successor the
+    plan checked baselines against the unlimited counts and `run --limit N --baseline RUN` was refused."""
+    common = ["--hw", "cpu", "--list", str(REPO_ROOT / "config-cpu.txt")]
+    code, planned, _ = _invoke(["run", "--dry-run", "--limit", "5", *common])
+    rows = [line.split("\t") for line in planned.splitlines() if not line.startswith(("#", "config\t"))]
+    assert code == 0 and rows and all(row[6] == "5" for row in rows)
+    from moe_eval.core.errors import ConfigError
+
+    vllm_only = str(REPO_ROOT / "configs/canary-tp/Canary-Qwen3-MoE-BF16-vllm.yaml")
+    with pytest.raises(ConfigError, match="no selected config runs a bundled kernel"):  # exit 4 in main()
+        _invoke(["run", "--dry-run", "--mutate", "scale_one_expert", "--hw", "cpu", vllm_only])
