@@ -196,7 +196,8 @@ def shard_from_environment(shard_text: str | None) -> str | None:
     "--dry-run",
     is_flag=True,
     default=False,
-    help="Print the plan (what `moe-eval list` prints for the same options) and stop: no server starts.",
+    help="Print the plan (what `moe-eval list` prints for the same options) and stop: no server starts, "
+    "and this machine's devices and ports are not checked.",
 )
 def run(
     hw: str,
