@@ -34,6 +34,7 @@ from moe_eval.core.plugin_protocol import (
     BACKEND_ENV,
     LAYER_CHECK_ENV,
     LAYER_CHECK_SLOTS_ENV,
+    MOE_TIMING_ENV,
     MUTATION_ENV,
     PLUGIN_NAME,
     RUN_DIR_ENV,
@@ -139,8 +140,11 @@ def server_environment(
     mutation: str | None = None,
     devices: tuple[int, ...] | None = None,
     layer_check: bool = True,
+    moe_timing: bool = False,
 ) -> dict[str, str]:
     """os.environ + config env + what vLLM needs to behave here; the config always wins.
+
+    moe_timing: the plugin times the server's MoE calls (kernels/moe_timer.py), vLLM's own kernel's too.
 
     devices: the GPUs (or, on the CPU, the cores) this server may use, when several servers share
     the machine (`run --jobs`); None: all of them.
@@ -152,6 +156,9 @@ def server_environment(
     env.pop(MUTATION_ENV, None)
     env.pop(LAYER_CHECK_ENV, None)
     env.pop(LAYER_CHECK_SLOTS_ENV, None)
+    env.pop(MOE_TIMING_ENV, None)
+    if moe_timing:
+        env[MOE_TIMING_ENV] = "1"
     if not layer_check:
         env[LAYER_CHECK_ENV] = "0"
     if mutation is not None:
@@ -159,6 +166,7 @@ def server_environment(
     defaults = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     if moe_backend is not None:
         env[BACKEND_ENV] = moe_backend
+    if moe_backend is not None or moe_timing:
         allowed = base.get("VLLM_PLUGINS")
         if allowed is not None and PLUGIN_NAME not in allowed.split(","):
             # An inherited allowlist would silently keep the bundled kernel out of the server.

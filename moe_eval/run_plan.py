@@ -151,7 +151,7 @@ def make_plan(
     selected, source = select_configs(hw, config_paths, shard_text, root_option, list_path)
     # --baseline (an earlier run) replaces the configs' baseline_config: nothing more to run.
     selected, dependencies, notes = with_baselines(selected) if not baseline_path else (selected, {}, [])
-    effective = [effective_config(c, limit, mutation) for c in selected]  # (config, its mutation)
+    effective = [effective_config(c, limit, mutation, hw) for c in selected]  # (config, its mutation)
     selected = [config for config, _ in effective]
     if baseline_path:  # refused now, before anything launches, when a config has no row there
         for config in selected:

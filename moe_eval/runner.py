@@ -18,7 +18,7 @@ from pathlib import Path
 
 import requests
 
-from moe_eval.core import layer_cells
+from moe_eval.core import layer_cells, moe_timing
 from moe_eval.core.check import VERDICTS, Check
 from moe_eval.core.errors import ConfigError, InfraError, MoeEvalError
 from moe_eval.core.layout import LayoutKind
@@ -41,6 +41,7 @@ from moe_eval.core.results import cpu_model, versions, write_samples
 from moe_eval.core.status import StatusWriter
 from moe_eval.evaluate.gsm8k import Gsm8kData, canary_data, run_gsm8k
 from moe_eval.evaluate.layer_sweep import reach_every_range
+from moe_eval.evaluate.moe_speed import end_to_end, timed_sweep
 from moe_eval.evaluate.serving import score_texts, server_launch, serving
 from moe_eval.gates.accuracy import GateResult
 from moe_eval.gates.checks import (
@@ -48,6 +49,7 @@ from moe_eval.gates.checks import (
     answer_stats,
     correctness,
     first_response,
+    machine_of,
     per_question,
 )
 from moe_eval.gates.judge import judge
@@ -111,6 +113,8 @@ class ConfigOutcome:
     divergence: dict | None = None  # log-probabilities against the baseline (results.json "divergence")
     golden_gate: dict | None = None  # the error against the golden reference, with the incumbent's
     layer_check: dict | None = None  # the served MoE calls against the exact MoE (results.json "layer_check")
+    speed: dict | None = None  # the speed gate (results.json judged "speed"), where it judged
+    moe_timing: dict | None = None  # the served MoE calls' time per range (captures.speed.moe), where timed
 
     @property
     def failed_checks(self) -> list[Check]:
@@ -146,6 +150,8 @@ class ConfigOutcome:
             divergence=record.judged.divergence,
             golden_gate=record.judged.golden_gate,
             layer_check=record.judged.layer_check,
+            speed=record.judged.speed,
+            moe_timing=(record.captures.speed or {}).get("moe"),
         )
 
 
@@ -313,6 +319,7 @@ def _serve_and_evaluate(
         mutation=options.mutation,
         layer_check=config.layer_checked,
         port=options.port,
+        moe_timing=config.moe_timing,
     )
     record.environment.server = plan.describe()
     options.progress(
@@ -356,13 +363,31 @@ def _serve_and_evaluate(
         record.captures.logprobs, record.captures.decode = scoring.logprobs, scoring.decode_info
         timings.update(scoring.seconds)
         logprobs, decode = scoring.prefill, scoring.decode
+        swept, speed = None, None
+        if config.moe_timing:
+            _stage(options, "timing the MoE calls")
+            clock = time.monotonic()
+            swept, speed = timed_sweep(
+                config, data, server.base_url, model, run_dir, _max_tokens_per_call(run_dir)
+            )
+            timings["speed_seconds"] = time.monotonic() - clock
+            record.captures.speed = {
+                "moe": speed.as_dict(),
+                "end_to_end": end_to_end(swept),
+                "eval_output_tokens_per_s": _eval_tokens_per_second(token_counts, timings["eval_seconds"]),
+                "workload": swept,
+            }
         if config.layer_checked:
             _stage(options, "layer check: reaching every dispatch range")
             clock = time.monotonic()
-            files, _ = layer_cells.read_folder(run_dir)
-            per_call = max((int(f.meta.get("max_tokens", 0)) for f in files), default=0)
             record.captures.layer_sweep = reach_every_range(
-                config, data, server.base_url, model, per_call, owed=lambda: owed_cells(config, run_dir)
+                config,
+                data,
+                server.base_url,
+                model,
+                _max_tokens_per_call(run_dir),
+                owed=lambda: owed_cells(config, run_dir),
+                swept=swept,
             )
             timings["layer_sweep_seconds"] = time.monotonic() - clock
         # Read while the server still runs: the counters' flusher thread wrote them within its interval.
@@ -388,6 +413,8 @@ def _serve_and_evaluate(
         incumbent=baseline,
         incumbent_logprobs=_read_if(baseline and baseline.logprobs_path),
         incumbent_decode=_read_if(baseline and baseline.decode_path),
+        speed=speed,
+        machine=machine_of(record.environment.hardware),
     )
     # Scores first: a golden that cannot be made must not take the evaluation's numbers with it.
     record.evaluation = Evaluation(
@@ -432,6 +459,21 @@ def owed_cells(config: EvalConfig, run_dir: Path) -> dict[str, int]:
         if name not in compared:
             owed[name] = owed.get(name, 0) + 1
     return owed
+
+
+def _max_tokens_per_call(run_dir: Path) -> int:
+    """The largest call the server's processes said they can make (0: none said; the sweep's default)."""
+    files, _ = layer_cells.read_folder(run_dir)
+    said = [int(f.meta.get("max_tokens", 0)) for f in files]
+    said += [p.max_tokens for p in moe_timing.read_folder(run_dir)]
+    return max(said, default=0)
+
+
+def _eval_tokens_per_second(token_counts: dict[int, int] | None, seconds: float) -> float | None:
+    """The GSM8K eval's generated tokens per wall second (None where the answers' tokens were not counted)."""
+    if not token_counts or seconds <= 0:
+        return None
+    return round(sum(token_counts.values()) / seconds, 1)
 
 
 def _read_if(path: Path | None) -> list[TextLogprobs] | None:

@@ -108,7 +108,8 @@ def job_config(job: Job):
     function, moe_eval.plan.config.effective_config)."""
     from moe_eval.plan.config import effective_config, parse_config
 
-    return effective_config(parse_config(Path(job.config_path), job.config_text), job.limit, job.mutation)
+    config = parse_config(Path(job.config_path), job.config_text)
+    return effective_config(config, job.limit, job.mutation, job.hw)
 
 
 def _baseline_config(config, job: Job, run_root: Path):

@@ -59,3 +59,10 @@ def layer_range_index(tokens: int) -> int:
         if tokens >= low:
             index = i
     return index
+
+
+# The served MoE calls' time per dispatch range (kernels/moe_timer.py, read by core/moe_timing.py): every
+# process of a row under test, the incumbent's (vLLM's own kernel) included, sums the time of its MoE calls
+# into <run dir>/moe-timing/<pid>.json. On with MOE_EVAL_MOE_TIMING=1 (the launcher sets it from the config).
+MOE_TIMING_ENV = "MOE_EVAL_MOE_TIMING"
+MOE_TIMING_DIR = "moe-timing"

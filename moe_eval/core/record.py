@@ -167,6 +167,11 @@ class Captures:
     golden: JsonObject | None = key(
         "the golden reference used: its digest, key, made now or cached", optional=True
     )
+    speed: JsonObject | None = key(
+        "the timed workload: per dispatch range the served MoE calls' time (moe), the client's end-to-end "
+        "view (end_to_end), the requests (workload), the GSM8K eval's output tokens per second",
+        optional=True,
+    )
 
 
 @dataclass
@@ -185,6 +190,10 @@ class Judged:
     )
     golden_gate: JsonObject | None = key(
         "the error against the golden, the incumbent's, the rule, decode", optional=True
+    )
+    speed: JsonObject | None = key(
+        "per dispatch range the MoE call's time against the reference's (incumbent or --baseline)",
+        optional=True,
     )
 
 

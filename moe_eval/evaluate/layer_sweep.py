@@ -74,27 +74,29 @@ def reach_every_range(
     model: str,
     max_tokens_per_call: int | None,
     owed: Callable[[], dict[str, int]] | None = None,
+    swept: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole workload for a config's server: the pool from its scoring texts, the server's model length,
-    then `sweep`, then (with `owed`, fill_cells) the rounds until the check can judge its cells.
+    then `sweep` (unless `swept` says it was sent already: the speed measurement's timed pass, which is the
+    same sweep), then (with `owed`, fill_cells) the rounds until the check can judge its cells.
     max_tokens_per_call: the largest call the server's processes said they make (None or 0: vLLM's default
     batched-token limit)."""
-    train, test = data.train_rows(), data.test_rows()
-    texts = scoring_texts(train, test, config.num_fewshot, min(16, len(test))) if test else []
     timeout = config.request_timeout_seconds
     started = time.monotonic()
-    pool = token_pool(base_url, model, texts, timeout)
-    model_len = max_model_len(base_url, timeout)
+    pool, model_len = workload_pool(config, data, base_url, model)
     per_call = max_tokens_per_call or DEFAULT_MAX_TOKENS
-    sent = sweep(
-        base_url,
-        model,
-        pool,
-        max_tokens_per_call=per_call,
-        model_len=model_len,
-        timeout=timeout,
-        retries=max(config.max_retries, 1),
-    )
+    if swept is None:
+        sent = sweep(
+            base_url,
+            model,
+            pool,
+            max_tokens_per_call=per_call,
+            model_len=model_len,
+            timeout=timeout,
+            retries=max(config.max_retries, 1),
+        )
+    else:
+        sent = dict(swept)
     if owed is not None:
         sent["rounds"] = fill_cells(
             base_url,
@@ -111,6 +113,14 @@ def reach_every_range(
         sent["requests"] += sum(r["requests"] for r in sent["rounds"])
         sent["seconds"] = round(time.monotonic() - started, 2)
     return sent
+
+
+def workload_pool(config: EvalConfig, data: Gsm8kData, base_url: str, model: str) -> tuple[list[int], int]:
+    """The prompts' token pool (the config's scoring texts by the server's tokenizer) and max_model_len."""
+    train, test = data.train_rows(), data.test_rows()
+    texts = scoring_texts(train, test, config.num_fewshot, min(16, len(test))) if test else []
+    timeout = config.request_timeout_seconds
+    return token_pool(base_url, model, texts, timeout), max_model_len(base_url, timeout)
 
 
 def fill_cells(
@@ -255,10 +265,19 @@ def sweep(
 ) -> dict[str, Any]:
     started = time.monotonic()
     index = 0
-    sent: dict[str, Any] = {"prefill_lengths": [], "batched_prefill": None, "decode_batches": []}
+    sent: dict[str, Any] = {
+        "prefill_lengths": [],
+        "batched_prefill": None,
+        "decode_batches": [],
+        # Wall seconds of each request group as the client saw them (the speed measurement's end-to-end view).
+        "prefill_seconds": {},
+        "decode_seconds": {},
+    }
 
-    def post(payloads: list[dict], concurrency: int) -> None:
+    def post(payloads: list[dict], concurrency: int) -> float:
+        clock = time.monotonic()
         _post(base_url, payloads, concurrency, timeout, retries)
+        return round(time.monotonic() - clock, 4)
 
     def payload(length: int, tokens: int) -> dict:
         nonlocal index
@@ -275,18 +294,18 @@ def sweep(
     for length in PREFILL_LENGTHS:
         if length > min(room, max_tokens_per_call):
             continue
-        for _ in range(PREFILL_REPEATS):
-            post([payload(length, 1)], 1)
+        sent["prefill_seconds"][str(length)] = [post([payload(length, 1)], 1) for _ in range(PREFILL_REPEATS)]
         sent["prefill_lengths"].append(length)
     longest = min(room, max(PREFILL_LENGTHS))
     if max_tokens_per_call > longest and longest > 0:
         # Steps at the batched-token limit: prompts sent together are packed into calls of up to
         # max_tokens_per_call tokens by chunked prefill (twice the limit: at least one full step).
         count = -(-2 * max_tokens_per_call // longest)
-        post([payload(longest, 1) for _ in range(count)], count)
-        sent["batched_prefill"] = {"prompts": count, "tokens_each": longest}
+        seconds = post([payload(longest, 1) for _ in range(count)], count)
+        sent["batched_prefill"] = {"prompts": count, "tokens_each": longest, "seconds": seconds}
     for batch in DECODE_BATCHES:
-        post([payload(DECODE_PROMPT_TOKENS, DECODE_TOKENS) for _ in range(batch)], batch)
+        seconds = post([payload(DECODE_PROMPT_TOKENS, DECODE_TOKENS) for _ in range(batch)], batch)
+        sent["decode_seconds"][str(batch)] = seconds
         sent["decode_batches"].append(batch)
     sent["requests"] = index
     sent["seconds"] = round(time.monotonic() - started, 2)

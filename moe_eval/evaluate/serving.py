@@ -62,6 +62,7 @@ def server_launch(
     layer_check: bool = True,
     port: int | None = None,
     extra_env: dict[str, str] | None = None,
+    moe_timing: bool = False,
 ) -> Launch:
     """The server for `config`: its server_args (or `server_args`: the golden's), its env, its seed and
     start-up limit; `moe_backend` in the plugin's hands (the golden's: the exact reference)."""
@@ -76,6 +77,7 @@ def server_launch(
         mutation=mutation,
         devices=devices,
         layer_check=layer_check,
+        moe_timing=moe_timing,
     )
     if layer_check:
         env[LAYER_CHECK_SLOTS_ENV] = str(config.layer_check_slots)

@@ -16,6 +16,7 @@ from typing import Any
 from moe_eval.core.check import Check
 from moe_eval.core.errors import ConfigError
 from moe_eval.core.logprob_texts import DECODE_FILE, LOGPROBS_FILE
+from moe_eval.core.moe_timing import TimingSummary
 from moe_eval.core.record import RunRecord, UnreadableRecord, result_files
 from moe_eval.gates.stats import PairedResult, paired_compare
 from moe_eval.plan.config import EvalConfig
@@ -95,6 +96,8 @@ class Baseline:
     moe_backend_used: str | None = None  # what its server's log said served ("bundled:torch", "vllm:CPU")
     layout: str | None = None  # Layout.describe() of its config
     decode_path: Path | None = None  # its greedy continuations (DECODE_FILE), where it made them
+    speed: TimingSummary | None = None  # its MoE calls' time per range (captures.speed), where timed
+    machine: str | None = None  # the GPUs (or CPU) it ran on: a speed reference holds on that machine only
 
 
 def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
@@ -149,6 +152,7 @@ def load_baseline(results_path: Path, what: str, record: RunRecord | None = None
     except UnreadableRecord as exc:
         raise ConfigError(f"{what}: {exc}") from None
     decode = results_path.parent / DECODE_FILE
+    speed = (record.captures.speed or {}).get("moe")
     return Baseline(
         results_path,
         correctness(samples),
@@ -156,7 +160,14 @@ def load_baseline(results_path: Path, what: str, record: RunRecord | None = None
         record.serving.moe_backend_used,
         record.layout,
         decode if decode.is_file() else None,
+        TimingSummary.from_dict(speed) if speed else None,
+        machine_of(record.environment.hardware),
     )
+
+
+def machine_of(hardware: Any) -> str:
+    """What a timing depends on: the GPUs' names, or the CPU's model where no GPU served."""
+    return ", ".join(hardware.gpus) if hardware.gpus else f"cpu: {hardware.cpu}"
 
 
 def paired_check(baseline: Baseline, correct: dict[int, bool], alpha: float) -> tuple[Check, PairedResult]:

@@ -8,6 +8,7 @@ from typing import Any
 
 from moe_eval.core.check import Check
 from moe_eval.core.logprob_texts import TextLogprobs
+from moe_eval.core.moe_timing import TimingSummary
 from moe_eval.gates.checks import Baseline
 from moe_eval.gates.layer_gate import LayerSummary
 
@@ -53,6 +54,8 @@ class Measurements:
     incumbent_logprobs: list[TextLogprobs] | None = None
     incumbent_decode: list[TextLogprobs] | None = None
     golden: GoldenRecord | None = None
+    speed: TimingSummary | None = None  # the timed workload's MoE calls per range (evaluate/moe_speed.py)
+    machine: str | None = None  # where they ran (checks.machine_of): a speed reference must match it
     not_measured: dict[str, str] = field(default_factory=dict)  # gate name -> why nothing was measured
 
 

@@ -27,6 +27,7 @@ from moe_eval.gates.golden_gate import (
 )
 from moe_eval.gates.layer_gate import LayerCheckLimits, layer_checks, summary_record
 from moe_eval.gates.measurements import Judgement, Measurements
+from moe_eval.gates.speed import speed_check
 from moe_eval.gates.stats import describe_power, detectable_drop
 from moe_eval.plan.config import EvalConfig
 
@@ -165,6 +166,31 @@ def judge_kernel_calls(config: EvalConfig, m: Measurements, out: Judgement) -> s
         f"{ranks} rank(s), on {', '.join(map(str, calls['counted_on'])) or 'nothing'}"
     )
     out.checks.append(Check("bundled_kernel_calls", ran, detail))
+    return None
+
+
+def judge_speed(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
+    """Per dispatch range, the served MoE call's time against the incumbent's (gates/speed.py)."""
+    if m.speed is None:
+        return "the row's MoE calls were not timed"
+    reference = m.incumbent.speed
+    if reference is None:
+        return (
+            f"the reference ({m.incumbent.results_path}) holds no MoE timing: it ran with moe_timing: false "
+            "or before moe-eval timed its calls"
+        )
+    if m.machine is not None and m.incumbent.machine not in (None, m.machine):
+        return f"the reference ran on {m.incumbent.machine}, this row on {m.machine}: times do not compare"
+    if set(m.speed.timed_on) != set(reference.timed_on):
+        return (
+            f"this row was timed on the {'/'.join(m.speed.timed_on)}, the reference on the "
+            f"{'/'.join(reference.timed_on)}: the brackets differ"
+        )
+    check, section = speed_check(m.speed, reference, config.speed_margin, str(m.incumbent.results_path))
+    out.sections["speed"] = section
+    if check is None:
+        return "no dispatch range has enough timed calls in both this row and the reference"
+    out.checks.append(check)
     return None
 
 

@@ -121,6 +121,15 @@ GATES: tuple[Gate, ...] = (
         "the served MoE calls of every layer, dispatch range, expert and rank against the exact MoE, "
         "with the cells it could not judge counted",
     ),
+    Gate(
+        "speed",
+        ("speed_gate",),
+        lambda c, incumbent: c.speed_gated and incumbent,
+        True,
+        rules.judge_speed,
+        "per dispatch range, the served MoE call's time within x(1 + speed_margin) of the incumbent's "
+        "(or --baseline's) on the same workload and machine",
+    ),
 )
 
 GATE_BY_NAME = {gate.name: gate for gate in GATES}

@@ -71,6 +71,13 @@ MUTATIONS = {
     "expert 0, every layer, every call, 0.99)",
     "silu_slope": "every expert's SiLU as gate * sigmoid(S * gate): silu_slope:slope=S (default 1.005; "
     "Triton and torch kernels)",
+    # Perf mutations: the same MoE, computed slower (what only the speed gate sees).
+    "extra_weight_copy": "every call computes from fresh copies of both weight tensors (a per-call repack, "
+    "as vLLM PR #46381's .contiguous()): the same bits, more memory traffic; every backend",
+    "small_batch_bypassed": "calls of <= 64 tokens run the plan a 1024-token prefill runs (the decode path "
+    "routed around, as vLLM PR #39016 fixed); Triton",
+    "poor_tiles": "one range's calls run deliberately poor tiles (BLOCK 16x16x16, one warp, one stage): "
+    "poor_tiles:range=R (default M=17-64); Triton",
 }
 # Bugs confined to one dispatch range or one rank, 1% in one expert: the layer check's target
 # (docs/logprob-gate.md, "Coverage"). name -> (lowest, highest) token count of the calls it hits (None: no
@@ -84,7 +91,17 @@ RANGE_MUTATIONS: dict[str, tuple[int, int | None]] = {
 }
 RANGE_EXPERT_SCALE = 0.99  # the range-confined mutations: one expert's output 1% short
 DEFAULT_SILU_SLOPE = 1.005  # silu_slope: a +0.5 % slope error of the activation
-PARAMETERS = {"scale_expert": ("expert", "layer", "range", "scale"), "silu_slope": ("slope",)}
+PARAMETERS = {
+    "scale_expert": ("expert", "layer", "range", "scale"),
+    "silu_slope": ("slope",),
+    "poor_tiles": ("range",),
+}
+# The same MoE computed slower: the speed gate's targets; accuracy, golden and layer check must pass them.
+PERF_MUTATIONS = ("extra_weight_copy", "small_batch_bypassed", "poor_tiles")
+TILE_MUTATIONS = ("small_batch_bypassed", "poor_tiles")  # they choose the Triton kernel's tiles per call
+SMALL_BATCH_TOKENS = 64  # small_batch_bypassed: the decode ranges' calls (M = 1 .. 64) ...
+PREFILL_PLAN_TOKENS = 1024  # ... run the plan of a call of this many tokens (the prefill path)
+POOR_TILES_RANGE = (17, 64)  # poor_tiles' default range: M=17-64
 # The mutations that leave the canary's answers right (accuracy >= 0.98 through vLLM) but move its
 # numbers: what only the log-probability gate sees (docs/logprob-gate.md has the measurements of the
 # first three; the last three are measured in-process only, see the module docstring).
@@ -138,6 +155,8 @@ def parse_mutation(text: str) -> Mutation:
         low, high = RANGE_MUTATIONS[name]
         last = name == "scale_expert_last_rank"
         spec = Mutation(name, None if last else TARGET_EXPERT, None, low, high, last_rank_only=last)
+    elif name == "poor_tiles":
+        spec = Mutation(name, low=POOR_TILES_RANGE[0], high=POOR_TILES_RANGE[1])
     else:
         spec = Mutation(name)
     if not rest:
@@ -197,6 +216,11 @@ def check_mutation(name: str, config: Any) -> None:
         raise ConfigError(
             f"--mutate {name}: {config.path} runs vLLM's own MoE kernel (no moe_backend); "
             "mutations apply to the bundled kernels only"
+        )
+    if name in TILE_MUTATIONS and config.moe_backend != "triton":
+        raise ConfigError(
+            f"--mutate {name}: {config.path} runs moe_backend {config.moe_backend!r}; the tile choice it "
+            "changes is the bundled Triton kernel's"
         )
     if name == "ignore_expert_map" and not config.layout.expert_parallel:
         raise ConfigError(
@@ -277,8 +301,74 @@ def routing_temperature_slip(topk_weights_TK: Any) -> Any:
     return (powered_TK / norm_T1 * w_TK.sum(-1, keepdim=True)).to(topk_weights_TK.dtype)
 
 
+def tile_override(name: str | None, num_local_experts: int, F: int, D: int, top_k: int, device_name: str):
+    """small_batch_bypassed / poor_tiles: tokens -> the Triton tile config a call of that size runs instead of
+    the tuned one (None: the tuned one); None for every other mutation. The warm-up compiles the same ones."""
+    spec = parse_mutation(name) if name else None
+    if spec is None or spec.name not in TILE_MUTATIONS:
+        return None
+    from dataclasses import replace as with_fields
+
+    from moe_eval.kernels.tile_configs import GemmTile, MoeTileConfig, get_tile_config
+
+    if spec.name == "small_batch_bypassed":
+        prefill = get_tile_config(
+            num_tokens=PREFILL_PLAN_TOKENS, num_experts=num_local_experts, F=F, D=D, top_k=top_k,
+            device_name=device_name,
+        )  # fmt: skip
+        prefill = with_fields(prefill, naive=False, fold_k=False, gemv=None, pdl=False)
+        return lambda tokens: prefill if tokens <= SMALL_BATCH_TOKENS else None
+    poor_tile = GemmTile(block_n=16, block_k=16, group_m=1, num_warps=1, num_stages=1)
+    poor = MoeTileConfig(block_m=16, gemm1=poor_tile, gemm2=poor_tile)
+    return lambda tokens: poor if spec.low <= tokens and (spec.high is None or tokens <= spec.high) else None
+
+
+def _tiles_chosen(name: str, kernel: Any) -> Any:
+    """The kernel called with the tile config `tile_override` gives the call's size (Triton's `config`)."""
+    from moe_eval.kernels.fused_moe import _device_name
+
+    overrides: dict[tuple, Any] = {}
+
+    def chosen(hidden_TD, weights, topk_weights_TK, topk_ids_TK, expert_map_E, on_input, **extra):
+        e, F2, D = weights.w13_eFD.shape
+        key = (e, F2, D, topk_ids_TK.shape[1])
+        if key not in overrides:
+            overrides[key] = tile_override(name, e, F2 // 2, D, key[3], _device_name(hidden_TD.device))
+        config = overrides[key](hidden_TD.shape[0])
+        return kernel(
+            hidden_TD,
+            weights,
+            topk_weights_TK,
+            topk_ids_TK,
+            expert_map_E,
+            on_input,
+            tile_config=config,
+            **extra,
+        )
+
+    chosen.__name__ = f"{getattr(kernel, '__name__', 'kernel')}_{name}"
+    return chosen
+
+
+def _with_weight_copies(kernel: Any) -> Any:
+    """extra_weight_copy: both weight tensors copied on every call and the copies used (the same bits)."""
+    from moe_eval.kernels.oracle import MoeWeights
+
+    def copied(hidden_TD, weights, *args, **kwargs):
+        fresh = MoeWeights(weights.backend, weights.w13_eFD.clone(), weights.w2_eDF.clone())
+        return kernel(hidden_TD, fresh, *args, **kwargs)
+
+    copied.__name__ = f"{getattr(kernel, '__name__', 'kernel')}_extra_weight_copy"
+    return copied
+
+
 def mutate_kernel(name: str | None, kernel: Any) -> Any:
     """Applied once, to the backend's kernel callable (oracle.make_moe_kernel's contract)."""
+    base = name.partition(":")[0] if name else None
+    if base == "extra_weight_copy":
+        return _with_weight_copies(kernel)
+    if base in TILE_MUTATIONS:
+        return _tiles_chosen(name, kernel)
     if name is not None and name.partition(":")[0] == "silu_slope":
         import functools
 

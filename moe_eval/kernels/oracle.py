@@ -20,6 +20,7 @@ import importlib.util
 import platform as _platform
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -246,11 +247,14 @@ def make_moe_kernel(backend: MoeBackend) -> MoeKernel:
         expert_map_E: torch.Tensor | None,
         apply_router_weight_on_input: bool,
         silu_slope: float = 1.0,
+        tile_config: Any = None,
     ) -> torch.Tensor:
         if weights.backend is not backend:
             raise ValueError(f"weights are in {weights.backend.value} format; this kernel is {backend.value}")
         # silu_slope: `--mutate silu_slope` only; the Triton and torch kernels take it (check_mutation).
         extra = {} if silu_slope == 1.0 else {"silu_slope": silu_slope}
+        if tile_config is not None:  # the perf mutations' tiles (mutations.tile_override): Triton only
+            extra["config"] = tile_config
         return impl(
             hidden_TD, weights.w13_eFD, weights.w2_eDF, topk_weights_TK, topk_ids_TK,
             expert_map_E=expert_map_E, apply_router_weight_on_input=apply_router_weight_on_input, **extra,

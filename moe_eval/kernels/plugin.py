@@ -40,6 +40,8 @@ from moe_eval.core.plugin_protocol import (
     LAYER_CHECK_ENV,
     LAYER_CHECK_SLOTS_ENV,
     LOG_PREFIX,
+    MOE_TIMING_DIR,
+    MOE_TIMING_ENV,
     MUTATION_ENV,
     RUN_DIR_ENV,
     STATS_DIR,
@@ -72,7 +74,8 @@ def vllm_version_problem(version: str) -> str | None:
 
 def register() -> None:
     backend = os.environ.get(BACKEND_ENV)
-    if not backend:
+    timed_incumbent = not backend and _timing_on()
+    if not backend and not timed_incumbent:
         return
     import vllm
 
@@ -86,7 +89,13 @@ def register() -> None:
 
     if _OOT_NAME in op_registry_oot:  # vLLM calls plugins once per process, but be idempotent anyway
         return
-    UnquantizedFusedMoEMethod.register_oot(_bundled_method_class())
+    # The incumbent row (vLLM's own kernel) gets vLLM's method unchanged, with its calls timed.
+    method = _timed_method_class() if timed_incumbent else _bundled_method_class()
+    UnquantizedFusedMoEMethod.register_oot(method)
+
+
+def _timing_on() -> bool:
+    return os.environ.get(MOE_TIMING_ENV) == "1" and bool(os.environ.get(RUN_DIR_ENV))
 
 
 def _layout_from_moe_config(moe: Any):
@@ -130,6 +139,7 @@ def is_last_rank(rank: dict[str, Any] | None) -> bool:
 
 
 _COUNTERS: dict[str, Any] = {}  # backend -> CallCounter (one per process)
+_TIMERS: dict[str, Any] = {}  # backend -> MoeTimer (one per process)
 # (backend, global experts) -> LayerCheck: one per process in a server (one model); tests build layers of
 # several expert counts in one process, and each gets a table of its own size.
 _LAYER_CHECKS: dict[tuple[str, int], Any] = {}
@@ -146,6 +156,20 @@ def _counter(backend: str) -> Any:
         path = Path(run_dir) / STATS_DIR / f"{os.getpid()}.json" if run_dir else None
         _COUNTERS[backend] = CallCounter(backend, path)
     return _COUNTERS[backend]
+
+
+def _timer(backend: str, scope: str, rank: dict[str, Any] | None, max_tokens: int) -> Any:
+    """The process's MoeTimer, or None unless MOE_EVAL_MOE_TIMING=1 in a run."""
+    if not _timing_on():
+        return None
+    from moe_eval.kernels.moe_timer import MoeTimer
+
+    if backend not in _TIMERS:
+        path = Path(os.environ[RUN_DIR_ENV]) / MOE_TIMING_DIR / f"{os.getpid()}.json"
+        _TIMERS[backend] = MoeTimer(backend, path, scope)
+        _TIMERS[backend].rank = rank or {}
+        _TIMERS[backend].max_tokens = max_tokens
+    return _TIMERS[backend]
 
 
 def _layer_check(backend: str, num_experts: int, rank: dict[str, Any] | None, max_tokens: int) -> Any:
@@ -201,6 +225,12 @@ class BundledExperts:
         self.kernel = mutate_kernel(mutation, make_moe_kernel(self.choice.backend))
         self.weights = None
         self.counter = _counter(self.choice.backend.value)
+        # The routed-expert computation's own time (kernels/moe_timer.py): never on a golden server.
+        self.timer = (
+            None
+            if MoeBackend(requested) is MoeBackend.REFERENCE
+            else _timer(self.choice.backend.value, "bundled kernel call (routed experts)", rank, max_tokens)
+        )
         self.expert_map = None
         self.probe_rows: Any = None  # the target expert's up rows before the probe, while it is on
         self.rank = rank
@@ -253,6 +283,8 @@ class BundledExperts:
         warmup = None
         if self.weights.w13_eFD.device.type == "cuda":
             self.counter.attach_device()  # compiled and checked now, not in the first (maybe captured) call
+            if self.timer is not None:
+                self.timer.attach_device(self.weights.w13_eFD.device)
             if self.check is not None:
                 self.check.prepare(
                     loaded[0], loaded[1], top_k, self.expert_map, bool(layer.apply_router_weight_on_input)
@@ -266,7 +298,8 @@ class BundledExperts:
 
         if self.choice.backend is not MoeBackend.TRITON:
             return None  # FlashInfer's module is prebuilt (or built at its first call); torch has no JIT
-        from moe_eval.kernels.mutations import down_chunks, parse_mutation
+        from moe_eval.kernels.fused_moe import _device_name
+        from moe_eval.kernels.mutations import TILE_MUTATIONS, down_chunks, parse_mutation, tile_override
         from moe_eval.kernels.warmup import precompile_fused_moe
 
         slope = 1.0
@@ -274,6 +307,9 @@ class BundledExperts:
             slope = parse_mutation(self.mutation).slope  # the kernels that server runs
 
         expert_map = getattr(layer, "expert_map", None)
+        tile_mutation = (
+            self.mutation if self.mutation and parse_mutation(self.mutation).name in TILE_MUTATIONS else None
+        )
         # bf16_down_accumulation runs the kernel on chunks of F: those shapes are what serves.
         pieces = down_chunks(self.weights) if self.mutation == "bf16_down_accumulation" else [self.weights]
         reports = []
@@ -288,7 +324,10 @@ class BundledExperts:
                 bool(layer.apply_router_weight_on_input),
                 self.max_tokens,
                 slope,
+                tile_mutation,
             )
+            e, F2, D = w13.shape
+            tile_for = tile_override(tile_mutation, e, F2 // 2, D, top_k, _device_name(w13.device))
             if key not in _WARMED_UP:
                 _WARMED_UP[key] = precompile_fused_moe(
                     w13,
@@ -299,6 +338,7 @@ class BundledExperts:
                     apply_router_weight_on_input=bool(layer.apply_router_weight_on_input),
                     max_tokens=self.max_tokens,
                     silu_slope=slope,
+                    tile_for=tile_for,
                 )
             reports.append(_WARMED_UP[key])
         return reports[0]
@@ -373,7 +413,10 @@ class BundledExperts:
                 layer=self.layer_index,
             )
         on_input = bool(layer.apply_router_weight_on_input)
+        started = self.timer.start(x) if self.timer is not None else 0
         out = self.kernel(x, self.weights, served_weights, served_ids, expert_map, on_input)
+        if self.timer is not None:
+            self.timer.stop(started, x)
         if self.check is not None:
             # What vLLM handed apply() and what apply() returns: a bug anywhere in between counts.
             self.check.observe(
@@ -410,6 +453,49 @@ def _max_tokens_per_call(moe: Any) -> int:
         )
         batched = DEFAULT_MAX_TOKENS
     return batched * max(int(moe.moe_parallel_config.dp_size), 1)
+
+
+def _timed_method_class() -> type:
+    """vLLM's own unquantized MoE method, unchanged but for the timer around its routed experts (the incumbent
+    row's side of the speed gate). Everything else is vLLM's: its backend choice, its log line, its kernel."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    class TimedUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
+        def __init__(self, moe: Any) -> None:
+            super().__init__(moe)
+            name = f"vllm:{getattr(getattr(self, 'unquantized_backend', None), 'value', 'unknown')}"
+            self.moe_eval_timer = _timer(
+                name,
+                "vLLM method apply (routed experts)",
+                _rank_from_moe_config(moe),
+                _max_tokens_per_call(moe),
+            )
+
+        def process_weights_after_loading(self, layer: Any) -> None:
+            super().process_weights_after_loading(layer)
+            if self.moe_eval_timer is not None and layer.w13_weight.device.type == "cuda":
+                self.moe_eval_timer.attach_device(layer.w13_weight.device)
+
+        def apply(self, layer: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+            timer = self.moe_eval_timer
+            started = timer.start(x) if timer is not None else 0
+            out = super().apply(layer, x, *args, **kwargs)
+            if timer is not None:
+                timer.stop(started, x)
+            return out
+
+        def apply_monolithic(self, layer: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+            # Monolithic kernels route inside the call: the time then includes the routing (scope says so).
+            timer = self.moe_eval_timer
+            if timer is not None:
+                timer.scope = "vLLM method apply_monolithic (routing and routed experts)"
+            started = timer.start(x) if timer is not None else 0
+            out = super().apply_monolithic(layer, x, *args, **kwargs)
+            if timer is not None:
+                timer.stop(started, x)
+            return out
+
+    return TimedUnquantizedFusedMoEMethod
 
 
 def _bundled_method_class() -> type:

@@ -17,11 +17,13 @@ T tokens, D hidden, F intermediate per rank, E experts (global), e local experts
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from moe_eval.kernels.fused_moe import LaunchPlan, fused_moe, launch_plan
+from moe_eval.kernels.tile_configs import MoeTileConfig
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,9 @@ class WarmupReport:
 
 
 def distinct_plans(
-    max_tokens: int, num_local_experts: int, F: int, D: int, top_k: int, device_name: str, itemsize: int = 2
-) -> dict[LaunchPlan, int]:
+    max_tokens: int, num_local_experts: int, F: int, D: int, top_k: int, device_name: str, itemsize: int = 2,
+    tile_for: Callable[[int], MoeTileConfig | None] | None = None,
+) -> dict[LaunchPlan, int]:  # fmt: skip
     """Each plan a call of 1..max_tokens tokens can follow, with the smallest token count that follows it.
 
     Every token count is looked at (about 10 us each): plans change at power-of-two slot counts,
@@ -51,8 +54,9 @@ def distinct_plans(
     """
     plans: dict[LaunchPlan, int] = {}
     for tokens in range(1, max_tokens + 1):
+        config = tile_for(tokens) if tile_for is not None else None
         plans.setdefault(
-            launch_plan(tokens, num_local_experts, F, D, top_k, device_name, itemsize=itemsize), tokens
+            launch_plan(tokens, num_local_experts, F, D, top_k, device_name, config, itemsize), tokens
         )
     return plans
 
@@ -67,14 +71,15 @@ def precompile_fused_moe(
     apply_router_weight_on_input: bool,
     max_tokens: int,
     silu_slope: float = 1.0,
+    tile_for: Callable[[int], MoeTileConfig | None] | None = None,
 ) -> WarmupReport:
-    """Run `fused_moe` once per distinct plan on random routing (the outputs are thrown away). silu_slope:
-    the kernels a `--mutate silu_slope` server runs."""
+    """Run `fused_moe` once per distinct plan on random routing (the outputs are thrown away). silu_slope,
+    tile_for (tokens -> tiles in place of the tuned ones): the kernels a `--mutate` server runs."""
     started = time.monotonic()
     device = w13_eFD.device
     e, F2, D = w13_eFD.shape
     plans = distinct_plans(
-        max_tokens, e, F2 // 2, D, top_k, torch.cuda.get_device_name(device), w13_eFD.element_size()
+        max_tokens, e, F2 // 2, D, top_k, torch.cuda.get_device_name(device), w13_eFD.element_size(), tile_for
     )
     generator = torch.Generator(device=device).manual_seed(0)
     for tokens in plans.values():
@@ -90,6 +95,7 @@ def precompile_fused_moe(
             expert_map_E=expert_map_E,
             apply_router_weight_on_input=apply_router_weight_on_input,
             silu_slope=silu_slope,
+            config=tile_for(tokens) if tile_for is not None else None,
         )
     torch.cuda.synchronize(device)
     # The buffers of the largest calls would otherwise stay reserved by the caching allocator and

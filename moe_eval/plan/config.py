@@ -1,7 +1,7 @@
 """Per-model eval configs: a strict superset of the YAML that vLLM's GSM8K harness reads.
 
-Every key is declared in CONFIG_KEYS with its type, range and default; an unknown key, a wrong
-type or an out-of-range value is a ConfigError naming the file, the key and the value. Usage:
+Every key is a field of EvalConfig (a pydantic dataclass) with its type, range, default and doc; an unknown
+key, a wrong type or an out-of-range value is a ConfigError naming the file, the key and the value. Usage:
 
     config = load_config(Path("configs/moe-refactor/Qwen3-30B-A3B-BF16-triton.yaml"))
 """
@@ -11,25 +11,23 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import shlex
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import yaml
+from pydantic import AfterValidator, ConfigDict, Field, ValidationError
+from pydantic.dataclasses import dataclass
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
 from moe_eval.core.errors import ConfigError
 from moe_eval.core.layout import Layout, layout_from_server_args
 from moe_eval.plan.gate_names import GATE_NAMES
 
-# Backends a config may ask the server to use; absent means vLLM's own MoE path.
-MOE_BACKENDS = ("triton", "flashinfer_cutlass", "torch")
-TASKS = ("gsm8k", "canary")
 GSM8K_TEST_QUESTIONS = 1319
 # The golden gate's paired test over texts: below this many texts its p-value and its power analysis are
 # too coarse to decide (docs/logprob-gate.md); such a config sets more logprob_texts or golden: false.
 MIN_GOLDEN_TEXTS = 8
-REQUIRED = object()
 
 
 class NamedBackend(NamedTuple):
@@ -54,331 +52,257 @@ def backend_named_by(stem: str) -> NamedBackend:
     )
 
 
-@dataclass(frozen=True)
-class KeySpec:
-    types: tuple[type, ...]
-    default: Any = REQUIRED
-    check: Callable[[Any], str | None] | None = None  # returns a reason when the value is bad
-    doc: str = ""
-    normalize: Callable[[Any], Any] | None = None  # applied to a value that passed type and check
-
-
-def _between(lo: float, hi: float) -> Callable[[Any], str | None]:
-    return lambda v: None if lo <= v <= hi else f"must be between {lo} and {hi}"
-
-
-def _positive(v: Any) -> str | None:
-    return None if v > 0 else "must be > 0"
-
-
-def _non_negative(v: Any) -> str | None:
-    return None if v >= 0 else "must be >= 0"
-
-
-def _gate_names(v: Any) -> str | None:
+def _gate_names(v: tuple[str, ...]) -> tuple[str, ...]:
     bad = [name for name in v if name not in GATE_NAMES]
-    return f"names no gate: {', '.join(map(str, bad))} (gates: {', '.join(GATE_NAMES)})" if bad else None
-
-
-def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
-    return lambda v: None if v in choices else f"must be one of {', '.join(choices)}"
+    if bad:
+        raise ValueError(f"names no gate: {', '.join(bad)} (gates: {', '.join(GATE_NAMES)})")
+    return v
 
 
 # moe-eval sets these itself (the model it resolved, a free port on loopback, the config's seed key).
 RESERVED_SERVER_FLAGS = ("--model", "--port", "--host", "--seed")
 
 
-def _shell_splittable(v: str) -> str | None:
+def _shell_splittable(v: str) -> str:
     try:
         words = shlex.split(v)
     except ValueError as exc:
-        return f"is not a valid shell-quoted argument string ({exc})"
-    for word in words:
-        if word.split("=", 1)[0] in RESERVED_SERVER_FLAGS:
-            return (
-                f"sets {word.split('=', 1)[0]}, which moe-eval sets itself (use model_name, --port or seed)"
-            )
-    return None
-
-
-def _str_to_str(v: dict) -> str | None:
-    for key, value in v.items():
-        if not isinstance(key, str) or not isinstance(value, (str, int, float, bool)):
-            return f"must map strings to strings (entry {key!r}: {value!r})"
-    return None
-
-
-def _str_values(v: dict) -> dict[str, str]:
-    return {str(k): str(val) for k, val in v.items()}
+        raise ValueError(f"is not a valid shell-quoted argument string ({exc})") from None
+    for flag in (word.split("=", 1)[0] for word in words):
+        if flag in RESERVED_SERVER_FLAGS:
+            raise ValueError(f"sets {flag}, which moe-eval sets itself (use model_name, --port or seed)")
+    return v
 
 
 def _single_spaced(v: str) -> str:
     return " ".join(v.split())  # folded YAML strings keep their newlines; vLLM wants words
 
 
-NUMBER = (int, float)
-CONFIG_KEYS: dict[str, KeySpec] = {
-    # --- vLLM's GSM8K harness keys ---
-    "model_name": KeySpec((str,), doc="hub id, local checkpoint dir, or builtin:<name> (built on first use)"),
-    "accuracy_threshold": KeySpec(
-        NUMBER, None, _between(0.0, 1.0), "expected strict-match accuracy (required unless random_weights)"
-    ),
-    "num_questions": KeySpec((int,), check=_between(1, GSM8K_TEST_QUESTIONS), doc="GSM8K test questions"),
-    "num_fewshot": KeySpec((int,), check=_between(0, 20), doc="few-shot examples from the train split"),
-    "server_args": KeySpec(
-        (str,), "", _shell_splittable, "extra `vllm serve` arguments, shell-split", normalize=_single_spaced
-    ),
-    "env": KeySpec(
-        (dict,),
-        {},
-        _str_to_str,
-        "environment for the server only, merged over os.environ",
-        normalize=_str_values,
-    ),
-    "tolerance": KeySpec(NUMBER, 0.08, _between(0.0, 1.0), "pass iff accuracy >= threshold - tolerance"),
-    "startup_max_wait_seconds": KeySpec(NUMBER, 1200, _positive, "server must be ready within this"),
-    "max_tokens": KeySpec((int,), 256, _positive, "generation limit per answer"),
-    "temperature": KeySpec(NUMBER, 0.0, _non_negative, "sampling temperature"),
-    "seed": KeySpec((int,), 42, _non_negative, "server and sampling seed"),
-    "max_concurrency": KeySpec((int,), 16, _positive, "concurrent requests from lm-eval"),
-    "request_timeout_seconds": KeySpec(NUMBER, 600, _positive, "per-request timeout"),
-    # --- moe-eval keys ---
-    "moe_backend": KeySpec((str,), None, _one_of(MOE_BACKENDS), "bundled MoE kernel the server must use"),
-    "task": KeySpec((str,), "gsm8k", _one_of(TASKS), "gsm8k, or canary (the canary model's generated task)"),
-    "max_retries": KeySpec(
-        (int,), 3, _non_negative, "retries of a failed request before the run is an infra error"
-    ),
-    "stderr_gate_k": KeySpec(NUMBER, None, _non_negative, "also require accuracy >= threshold - k * stderr"),
-    "paired_alpha": KeySpec(
-        NUMBER, 0.05, _between(1e-9, 0.5), "paired gate: fail when McNemar p(worse) < this"
-    ),
-    "max_empty_rate": KeySpec(NUMBER, None, _between(0.0, 1.0), "fail when more answers than this are empty"),
-    "max_truncated_rate": KeySpec(
-        NUMBER, None, _between(0.0, 1.0), "fail when more answers than this hit max_tokens"
-    ),
-    "max_invalid_rate": KeySpec(
-        NUMBER, None, _between(0.0, 1.0), "fail when more answers than this hold no number at all"
-    ),
-    # --- the log-probability divergence gate (moe_eval.evaluate.logprobs; docs/logprob-gate.md) ---
-    "logprob_texts": KeySpec(
-        (int,),
-        64,
-        _between(0, GSM8K_TEST_QUESTIONS),
-        "texts scored for log-probabilities after the evaluation (few-shot block + the "
-        "reference answer of the first N questions); 0: none",
-    ),
-    "baseline_config": KeySpec(
-        (str,),
-        None,
-        None,
-        "a config (path relative to this file) run first in the same run; "
-        "its answers and log-probabilities are this config's baseline",
-    ),
-    "max_logprob_mean_abs_diff": KeySpec(
-        NUMBER,
-        None,
-        _non_negative,
-        "with a baseline: fail when the mean |Δ log p| of the reference tokens "
-        "is above this (unset: the default for the kind of baseline)",
-    ),
-    "max_logprob_p99_abs_diff": KeySpec(
-        NUMBER,
-        None,
-        _non_negative,
-        "with a baseline: fail when the 99th percentile of |Δ log p| is above this",
-    ),
-    "max_top1_flip_rate": KeySpec(
-        NUMBER,
-        None,
-        _between(0.0, 1.0),
-        "with a baseline: fail when more positions than this change their top-1 token "
-        "(unset: the default for the kind of baseline)",
-    ),
-    "max_logprob_kl": KeySpec(
-        NUMBER,
-        None,
-        _non_negative,
-        "with a baseline: fail when the mean KL over the shared top-k is above this",
-    ),
-    # --- the golden gate (moe_eval.evaluate.golden, moe_eval.gates.golden_gate; docs/logprob-gate.md) ---
-    "golden": KeySpec(
-        (bool,),
-        True,
-        None,
-        "a bundled-kernel config with a baseline and logprob_texts > 0: compare its error against an "
-        "exact golden reference with the incumbent's (the baseline's); false: off",
-    ),
-    "golden_margin": KeySpec(
-        NUMBER,
-        0.10,
-        _between(0.0, 10.0),
-        "golden gate: fail when error / incumbent's error > 1 + this and the paired test agrees",
-    ),
-    "golden_alpha": KeySpec(
-        NUMBER, 0.01, _between(1e-9, 0.5), "golden gate: the one-sided paired t-test's significance level"
-    ),
-    "golden_server_args": KeySpec(
-        (str,),
-        None,
-        _shell_splittable,
-        "server arguments of the golden (default: server_args without its parallel "
-        "flags, TP=1); e.g. --pipeline-parallel-size 2 where one GPU cannot hold the model",
-        normalize=_single_spaced,
-    ),
-    "decode_texts": KeySpec(
-        (int,),
-        8,
-        _between(0, GSM8K_TEST_QUESTIONS),
-        "prompts whose greedy continuation is compared with the golden's (the decode path); 0: none",
-    ),
-    "decode_tokens": KeySpec((int,), 32, _between(1, 4096), "tokens generated per decode prompt"),
-    "random_weights": KeySpec(
-        (bool,),
-        False,
-        None,
-        "the model's weights are random (a shape twin, models/twins.py): its answers mean nothing, so "
-        "no accuracy, paired or garbage gate; accuracy is reported as n/a",
-    ),
-    # --- the layer check (moe_eval.kernels.layer_check, moe_eval.gates.layer_gate; docs/logprob-gate.md) ---
-    "layer_check": KeySpec(
-        (bool,),
-        True,
-        None,
-        "a bundled-kernel config: compare the MoE calls the server makes (every dispatch range, every rank) "
-        "with the exact MoE of the same inputs, after a sweep that reaches each range; false: off",
-    ),
-    "layer_check_margin": KeySpec(
-        NUMBER,
-        0.5,
-        _between(0.0, 10.0),
-        "layer check: fail a dispatch range whose error against the exact MoE / the incumbent's > 1 + this",
-    ),
-    "layer_check_scale_bound": KeySpec(
-        NUMBER,
-        0.005,
-        _between(0.0, 1.0),
-        "layer check: fail an expert whose output scale in one range is off by more than this (z agreeing)",
-    ),
-    "layer_check_z": KeySpec(
-        NUMBER,
-        5.0,
-        _positive,
-        "layer check: an error must be this many standard errors (the normal quantile; a cell whose variance "
-        "estimate has few degrees of freedom needs the Student t quantile of the same tail)",
-    ),
-    "layer_check_activation_bound": KeySpec(
-        NUMBER,
-        0.002,
-        _between(0.0, 1.0),
-        "layer check: fail a layer or range whose SiLU slope error (the served output along the direction a "
-        "slope change of every expert's activation moves it) is beyond this (z agreeing)",
-    ),
-    "layer_check_power": KeySpec(
-        NUMBER,
-        0.01,
-        _between(0.0, 1.0),
-        "layer check: a (range, expert) cell is judged when it resolves a one-expert scale error of this "
-        "size with 80% probability",
-    ),
-    "layer_check_min_judged": KeySpec(
-        NUMBER,
-        0.95,
-        _between(0.0, 1.0),
-        "layer check: each reachable range needs this share of its (range, expert) cells judged on every "
-        "rank; less ends the row not passed (incomplete, exit 6), the unjudged cells named",
-    ),
-    "layer_check_slots": KeySpec(
-        (int,),
-        32,
-        _between(1, 100000),
-        "layer check: slots each (layer, range, expert) cell collects before the server stops picking rows "
-        "for it (rows are still compared now and then)",
-    ),
-    "layer_check_sweep_seconds": KeySpec(
-        NUMBER,
-        120.0,
-        _between(0.0, 86400.0),
-        "layer check: the most time the sweep spends driving calls until every range's cells have their "
-        "slots (it stops sooner when they have, or when a round adds none)",
-    ),
-    "optional_gates": KeySpec(
-        (list,),
-        [],
-        _gate_names,
-        "gates that may end 'not run' without making the verdict incomplete (exit 6): names of `moe-eval "
-        "list`'s gates column (e.g. [golden, divergence] where the scoring texts may be unavailable)",
-        normalize=tuple,
-    ),
-    "max_jit_while_serving": KeySpec(
-        (int,),
-        None,
-        _non_negative,
-        "fail when more kernel compilations than this happen while serving (vLLM's JIT monitor, GPU servers)",
-    ),
-}
-
-_TYPE_NAMES = {
-    bool: "true or false",
-    str: "a string",
-    int: "an integer",
-    float: "a number",
-    dict: "a mapping",
-    list: "a list",
-}
+def _str_values(v: dict) -> dict[str, str]:
+    for key, value in v.items():
+        if not isinstance(key, str) or not isinstance(value, (str, int, float, bool)):
+            raise ValueError(f"must map strings to strings (entry {key!r}: {value!r})")
+    return {k: str(val) for k, val in v.items()}
 
 
-@dataclass(frozen=True)
+ServerArgs = Annotated[str, AfterValidator(_shell_splittable), AfterValidator(_single_spaced)]
+Env = Annotated[dict, AfterValidator(_str_values)]  # YAML scalars, kept as strings
+# A YAML list; lax (not strict) so that the list becomes a tuple, a frozen config's value.
+GateNames = Annotated[tuple[str, ...], Field(strict=False), AfterValidator(_gate_names)]
+
+
+# Strict: a string "0.5" is not a number and a bool not an integer (an integer is a number); a key that is not
+# a field is an error. kw_only lets a required key follow one with a default (the keys keep their order).
+@dataclass(frozen=True, kw_only=True, config=ConfigDict(strict=True, extra="forbid"))
 class EvalConfig:
     path: Path
     sha256: str
-    model_name: str
-    num_questions: int
-    num_fewshot: int
-    accuracy_threshold: float | None = None  # None only with random_weights (parse_config checks)
-    server_args: str = ""
-    env: dict[str, str] = field(default_factory=dict)
-    tolerance: float = 0.08
-    startup_max_wait_seconds: float = 1200
-    max_tokens: int = 256
-    temperature: float = 0.0
-    seed: int = 42
-    max_concurrency: int = 16
-    request_timeout_seconds: float = 600
-    moe_backend: str | None = None
-    task: str = "gsm8k"
-    max_retries: int = 3
-    stderr_gate_k: float | None = None
-    paired_alpha: float = 0.05
-    max_empty_rate: float | None = None
-    max_truncated_rate: float | None = None
-    max_invalid_rate: float | None = None
-    logprob_texts: int = 64
-    baseline_config: str | None = None
-    max_logprob_mean_abs_diff: float | None = None
-    max_logprob_p99_abs_diff: float | None = None
-    max_top1_flip_rate: float | None = None
-    max_logprob_kl: float | None = None
-    max_jit_while_serving: int | None = None
-    golden: bool = True
-    golden_margin: float = 0.10
-    golden_alpha: float = 0.01
-    golden_server_args: str | None = None
-    decode_texts: int = 8
-    decode_tokens: int = 32
-    random_weights: bool = False
-    layer_check: bool = True
+    # --- vLLM's GSM8K harness keys ---
+    model_name: str = Field(
+        description="hub id, local checkpoint dir, or builtin:<name> (built on first use)"
+    )
+    accuracy_threshold: float | None = Field(  # None only with random_weights (parse_config checks)
+        None, ge=0.0, le=1.0, description="expected strict-match accuracy (required unless random_weights)"
+    )
+    num_questions: int = Field(ge=1, le=GSM8K_TEST_QUESTIONS, description="GSM8K test questions")
+    num_fewshot: int = Field(ge=0, le=20, description="few-shot examples from the train split")
+    server_args: ServerArgs = Field("", description="extra `vllm serve` arguments, shell-split")
+    env: Env = Field(
+        default_factory=dict, description="environment for the server only, merged over os.environ"
+    )
+    tolerance: float = Field(0.08, ge=0.0, le=1.0, description="pass iff accuracy >= threshold - tolerance")
+    startup_max_wait_seconds: float = Field(1200, gt=0, description="server must be ready within this")
+    max_tokens: int = Field(256, gt=0, description="generation limit per answer")
+    temperature: float = Field(0.0, ge=0, description="sampling temperature")
+    seed: int = Field(42, ge=0, description="server and sampling seed")
+    max_concurrency: int = Field(16, gt=0, description="concurrent requests from lm-eval")
+    request_timeout_seconds: float = Field(600, gt=0, description="per-request timeout")
+    # --- moe-eval keys ---
+    # absent: vLLM's own MoE path
+    moe_backend: Literal["triton", "flashinfer_cutlass", "torch"] | None = Field(
+        None, description="bundled MoE kernel the server must use"
+    )
+    task: Literal["gsm8k", "canary"] = Field(
+        "gsm8k", description="gsm8k, or canary (the canary model's generated task)"
+    )
+    max_retries: int = Field(
+        3, ge=0, description="retries of a failed request before the run is an infra error"
+    )
+    stderr_gate_k: float | None = Field(
+        None, ge=0, description="also require accuracy >= threshold - k * stderr"
+    )
+    paired_alpha: float = Field(
+        0.05, ge=1e-9, le=0.5, description="paired gate: fail when McNemar p(worse) < this"
+    )
+    max_empty_rate: float | None = Field(
+        None, ge=0.0, le=1.0, description="fail when more answers than this are empty"
+    )
+    max_truncated_rate: float | None = Field(
+        None, ge=0.0, le=1.0, description="fail when more answers than this hit max_tokens"
+    )
+    max_invalid_rate: float | None = Field(
+        None, ge=0.0, le=1.0, description="fail when more answers than this hold no number at all"
+    )
+    # --- the log-probability divergence gate (moe_eval.evaluate.logprobs; docs/logprob-gate.md) ---
+    logprob_texts: int = Field(
+        64,
+        ge=0,
+        le=GSM8K_TEST_QUESTIONS,
+        description="texts scored for log-probabilities after the evaluation (few-shot block + the "
+        "reference answer of the first N questions); 0: none",
+    )
+    baseline_config: str | None = Field(
+        None,
+        description="a config (path relative to this file) run first in the same run; "
+        "its answers and log-probabilities are this config's baseline",
+    )
+    max_logprob_mean_abs_diff: float | None = Field(
+        None,
+        ge=0,
+        description="with a baseline: fail when the mean |Δ log p| of the reference tokens "
+        "is above this (unset: the default for the kind of baseline)",
+    )
+    max_logprob_p99_abs_diff: float | None = Field(
+        None, ge=0, description="with a baseline: fail when the 99th percentile of |Δ log p| is above this"
+    )
+    max_top1_flip_rate: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="with a baseline: fail when more positions than this change their top-1 token "
+        "(unset: the default for the kind of baseline)",
+    )
+    max_logprob_kl: float | None = Field(
+        None, ge=0, description="with a baseline: fail when the mean KL over the shared top-k is above this"
+    )
+    # --- the golden gate (moe_eval.evaluate.golden, moe_eval.gates.golden_gate; docs/logprob-gate.md) ---
+    golden: bool = Field(
+        True,
+        description="a bundled-kernel config with a baseline and logprob_texts > 0: compare its error "
+        "against an exact golden reference with the incumbent's (the baseline's); false: off",
+    )
+    golden_margin: float = Field(
+        0.10,
+        ge=0.0,
+        le=10.0,
+        description="golden gate: fail when error / incumbent's error > 1 + this and the paired test agrees",
+    )
+    golden_alpha: float = Field(
+        0.01, ge=1e-9, le=0.5, description="golden gate: the one-sided paired t-test's significance level"
+    )
+    golden_server_args: ServerArgs | None = Field(
+        None,
+        description="server arguments of the golden (default: server_args without its parallel "
+        "flags, TP=1); e.g. --pipeline-parallel-size 2 where one GPU cannot hold the model",
+    )
+    decode_texts: int = Field(
+        8,
+        ge=0,
+        le=GSM8K_TEST_QUESTIONS,
+        description="prompts whose greedy continuation is compared with the golden's (the decode path); "
+        "0: none",
+    )
+    decode_tokens: int = Field(32, ge=1, le=4096, description="tokens generated per decode prompt")
+    random_weights: bool = Field(
+        False,
+        description="the model's weights are random (a shape twin, models/twins.py): its answers mean "
+        "nothing, so no accuracy, paired or garbage gate; accuracy is reported as n/a",
+    )
+    # --- the layer check (moe_eval.kernels.layer_check, moe_eval.gates.layer_gate; docs/logprob-gate.md) ---
+    layer_check: bool = Field(
+        True,
+        description="a bundled-kernel config: compare the MoE calls the server makes (every dispatch "
+        "range, every rank) with the exact MoE of the same inputs, after a sweep that reaches each range; "
+        "false: off",
+    )
     # 1.5: a legitimate kernel that rounds once more than the incumbent, as finely, adds up to sqrt(2) = 1.41
     # times its error (FlashInfer CUTLASS reads 1.17-1.26 per layer on the H200 canary); the bugs of
     # docs/logprob-gate.md read 1.8 and up here, and the expert and activation checks resolve smaller ones.
-    layer_check_margin: float = 0.5
-    layer_check_scale_bound: float = 0.005
-    layer_check_z: float = 5.0
-    layer_check_activation_bound: float = 0.002
-    layer_check_power: float = 0.01
-    layer_check_min_judged: float = 0.95
-    layer_check_slots: int = 32
-    layer_check_sweep_seconds: float = 120.0
-    optional_gates: tuple[str, ...] = ()
+    layer_check_margin: float = Field(
+        0.5,
+        ge=0.0,
+        le=10.0,
+        description="layer check: fail a dispatch range whose error against the exact MoE / the "
+        "incumbent's > 1 + this",
+    )
+    layer_check_scale_bound: float = Field(
+        0.005,
+        ge=0.0,
+        le=1.0,
+        description="layer check: fail an expert whose output scale in one range is off by more than this "
+        "(z agreeing)",
+    )
+    layer_check_z: float = Field(
+        5.0,
+        gt=0,
+        description="layer check: an error must be this many standard errors (the normal quantile; a cell "
+        "whose variance estimate has few degrees of freedom needs the Student t quantile of the same tail)",
+    )
+    layer_check_activation_bound: float = Field(
+        0.002,
+        ge=0.0,
+        le=1.0,
+        description="layer check: fail a layer or range whose SiLU slope error (the served output along the "
+        "direction a slope change of every expert's activation moves it) is beyond this (z agreeing)",
+    )
+    layer_check_power: float = Field(
+        0.01,
+        ge=0.0,
+        le=1.0,
+        description="layer check: a (range, expert) cell is judged when it resolves a one-expert scale "
+        "error of this size with 80% probability",
+    )
+    layer_check_min_judged: float = Field(
+        0.95,
+        ge=0.0,
+        le=1.0,
+        description="layer check: each reachable range needs this share of its (range, expert) cells "
+        "judged on every rank; less ends the row not passed (incomplete, exit 6), the unjudged cells named",
+    )
+    layer_check_slots: int = Field(
+        32,
+        ge=1,
+        le=100000,
+        description="layer check: slots each (layer, range, expert) cell collects before the server stops "
+        "picking rows for it (rows are still compared now and then)",
+    )
+    layer_check_sweep_seconds: float = Field(
+        120.0,
+        ge=0.0,
+        le=86400.0,
+        description="layer check: the most time the sweep spends driving calls until every range's cells "
+        "have their slots (it stops sooner when they have, or when a round adds none)",
+    )
+    optional_gates: GateNames = Field(
+        (),
+        description="gates that may end 'not run' without making the verdict incomplete (exit 6): names of "
+        "`moe-eval list`'s gates column (e.g. [golden, divergence] where the scoring texts may be "
+        "unavailable)",
+    )
+    max_jit_while_serving: int | None = Field(
+        None,
+        ge=0,
+        description="fail when more kernel compilations than this happen while serving (vLLM's JIT "
+        "monitor, GPU servers)",
+    )
+    moe_timing: bool = Field(
+        True,
+        description="time the server's MoE calls per dispatch range on the layer sweep's workload (every "
+        "row, vLLM's own kernel's too; the speed gate's input and the table's MoE time)",
+    )
+    # None: on where the run's hardware is a GPU (run --hw other than cpu), off on the CPU, where the rows
+    # are reported only (a 2-core machine's timings move with whatever else runs on it).
+    speed_gate: bool | None = Field(
+        None,
+        description="fail a dispatch range whose MoE call takes more than (1 + speed_margin) x the "
+        "incumbent's (or --baseline's) on the same machine; absent: on for GPUs, off for --hw cpu",
+    )
+    speed_margin: float = Field(
+        0.15,
+        ge=0.0,
+        le=10.0,
+        description="speed gate: the slowdown per dispatch range it lets pass (0.15: 15 %)",
+    )
     # The file's text as parsed: what travels to the worker process (moe_eval.worker), which parses the
     # same bytes instead of reading the file again (an edit meanwhile cannot split a run's configs).
     text: str = dataclasses.field(default="", repr=False, compare=False)
@@ -387,6 +311,12 @@ class EvalConfig:
     def layer_checked(self) -> bool:
         """The layer check applies: a bundled kernel (the plugin runs it inside the server), and on."""
         return self.layer_check and self.moe_backend is not None
+
+    @property
+    def speed_gated(self) -> bool:
+        """The speed gate applies: the calls are timed and the gate is on (effective_config resolves an absent
+        speed_gate from the hardware)."""
+        return self.moe_timing and bool(self.speed_gate)
 
     @property
     def answers_gated(self) -> bool:
@@ -422,18 +352,41 @@ class EvalConfig:
         return {key: getattr(self, key) for key in CONFIG_KEYS}
 
 
-def _check_value(path: Path, key: str, value: Any, spec: KeySpec) -> Any:
-    # bool is a subclass of int in Python; a YAML `true` is never a valid number here.
-    if (isinstance(value, bool) and bool not in spec.types) or not isinstance(value, spec.types):
-        wanted = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in spec.types)
-        raise ConfigError(f"{path}: key '{key}': value {value!r} must be {wanted}")
-    if spec.check is not None:
-        reason = spec.check(value)
-        if reason:
-            raise ConfigError(f"{path}: key '{key}': value {value!r} {reason}")
-    if spec.normalize is not None:
-        value = spec.normalize(value)
-    return value
+# The config's keys: EvalConfig's fields less what parse_config adds; a FieldInfo's description is its doc.
+CONFIG_KEYS: dict[str, FieldInfo] = {
+    key: info for key, info in EvalConfig.__pydantic_fields__.items() if key not in ("path", "sha256", "text")
+}
+# pydantic's error types -> the words these messages have always used (tests quote them).
+_MUST_BE = {
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "dict_type": "a mapping",
+    "tuple_type": "a list",
+}
+
+
+def _problem(path: Path, data: dict[str, Any], error: ErrorDetails) -> str:
+    """One pydantic error as a line naming the file, the key and the value."""
+    key, kind = str(error["loc"][0]), error["type"]
+    if kind == "missing":
+        return f"{path}: missing required key '{key}'"
+    if kind == "value_error":  # raised by this module's validators, in their own words
+        reason = str(error["ctx"]["error"])
+    elif kind in _MUST_BE:
+        reason = f"must be {_MUST_BE[kind]}"
+    elif kind in ("greater_than", "greater_than_equal", "less_than_equal"):
+        bound = {
+            b: getattr(m, b) for m in CONFIG_KEYS[key].metadata for b in ("gt", "ge", "le") if hasattr(m, b)
+        }
+        if "le" in bound:
+            reason = f"must be between {bound['ge']} and {bound['le']}"
+        else:
+            reason = f"must be > {bound['gt']}" if "gt" in bound else f"must be >= {bound['ge']}"
+    else:  # e.g. literal_error: "must be 'gsm8k' or 'canary'"
+        reason = error["msg"].replace("Input should be", "must be", 1)
+    return f"{path}: key '{key}': value {data[key]!r} {reason}"
 
 
 def parse_config(path: Path, text: str) -> EvalConfig:
@@ -443,33 +396,28 @@ def parse_config(path: Path, text: str) -> EvalConfig:
         raise ConfigError(f"{path}: malformed YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of keys to values, got {type(data).__name__}")
-    unknown = sorted(set(map(str, data)) - set(CONFIG_KEYS))
+    # Before pydantic (whose extra="forbid" would say the same): "path", "sha256" and "text" are fields but
+    # not keys, and a key that is not a string cannot be a keyword argument.
+    unknown = [key for key in data if key not in CONFIG_KEYS]
     if unknown:
         raise ConfigError(
             f"{path}: unknown key '{unknown[0]}' (value {data[unknown[0]]!r}); "
             f"known keys: {', '.join(CONFIG_KEYS)}"
         )
-    values: dict[str, Any] = {}
-    for key, spec in CONFIG_KEYS.items():
-        if key not in data:
-            if spec.default is REQUIRED:
-                raise ConfigError(f"{path}: missing required key '{key}'")
-            continue
-        if data[key] is None and spec.default is None:
-            continue
-        values[key] = _check_value(path, key, data[key], spec)
-    if values.get("random_weights") and "accuracy_threshold" in values:
+    try:
+        config = EvalConfig(path=path, sha256=hashlib.sha256(text.encode()).hexdigest(), text=text, **data)
+    except ValidationError as exc:
+        raise ConfigError("\n".join(_problem(path, data, error) for error in exc.errors())) from None
+    if config.random_weights and config.accuracy_threshold is not None:
         raise ConfigError(
-            f"{path}: key 'accuracy_threshold': value {values['accuracy_threshold']!r} cannot be met by "
+            f"{path}: key 'accuracy_threshold': value {config.accuracy_threshold!r} cannot be met by "
             "a model with random weights (random_weights: true); leave it out"
         )
-    if not values.get("random_weights") and "accuracy_threshold" not in values:
+    if not config.random_weights and config.accuracy_threshold is None:
         raise ConfigError(f"{path}: missing required key 'accuracy_threshold'")
-    config = EvalConfig(path=path, sha256=hashlib.sha256(text.encode()).hexdigest(), text=text, **values)
     try:
-        _ = (
-            config.layout
-        )  # derived from server_args: an impossible layout is a config error now, not at launch
+        # Derived from server_args: an impossible layout is a config error now, not at launch.
+        _ = config.layout
     except ValueError as exc:
         raise ConfigError(f"{path}: key 'server_args': value {config.server_args!r}: {exc}") from None
     if config.golden_gated and config.logprob_texts < MIN_GOLDEN_TEXTS:
@@ -493,11 +441,13 @@ def load_config(path: Path) -> EvalConfig:
 
 
 def effective_config(
-    config: EvalConfig, limit: int | None, mutation: str | None
+    config: EvalConfig, limit: int | None, mutation: str | None, hw: str | None = None
 ) -> tuple[EvalConfig, str | None]:
-    """What one run does with a config: `--limit` caps its questions (results.json records the cap), and
+    """What one run does with a config: `--limit` caps its questions (results.json records the cap),
     `--mutate` reaches bundled kernels only: vLLM's own kernel is never mutated (such configs are a mutation
-    run's references, kept by --resume across mutations)."""
+    run's references, kept by --resume across mutations), and an absent speed_gate is on for a GPU `hw`."""
     if limit is not None:
         config = dataclasses.replace(config, num_questions=min(limit, config.num_questions))
+    if config.speed_gate is None and hw is not None:
+        config = dataclasses.replace(config, speed_gate=hw != "cpu")
     return config, (mutation if config.moe_backend is not None else None)

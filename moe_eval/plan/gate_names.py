@@ -12,4 +12,5 @@ GATE_NAMES = (
     "jit",
     "kernel_calls",
     "layer_check",
+    "speed",
 )

@@ -59,6 +59,7 @@ class RunResult:
     golden_digest: str | None = None  # the golden record the run was gated against (results.json "golden")
     golden_path: Path | None = None
     layer_check: dict | None = None  # results.json "layer_check" (gates/layer_gate.py), bundled kernels only
+    moe_timing: dict | None = None  # results.json captures "speed.moe" (core/moe_timing.py), every timed row
 
     @property
     def questions(self) -> frozenset[int]:
@@ -115,6 +116,7 @@ def load_run(path: Path) -> RunResult | None:
         golden_digest=golden.get("digest"),
         golden_path=Path(golden["path"]) if golden.get("path") else None,
         layer_check=record.judged.layer_check if isinstance(record.judged.layer_check, dict) else None,
+        moe_timing=(record.captures.speed or {}).get("moe"),
     )
 
 
@@ -212,6 +214,7 @@ def table_rows(members: list[RunResult], ref: int = 0) -> tuple[list[str], list[
     rows.append([f"Δ log p vs {base.label}", "", "mean, top-1 changed", *divergences])
     rows.append(["error vs golden", "", "mean |Δ log p|, x reference", *_golden_cells(members, records, ref)])
     rows += _layer_rows(members)
+    rows += _speed_rows(members, ref)
     rows.append(["verdict", "", "", *[m.verdict for m in members]])
     return header, rows
 
@@ -254,6 +257,30 @@ def _layer_rows(members: list[RunResult]) -> list[list[str]]:
     rows.append(["layer expert scale", "", "largest |s|", *largest])
     rows.append(["layer cells judged", "", "(range, expert) at the power target", *judged])
     rows.append(["layer SiLU slope", "", "largest error", *activation])
+    return rows
+
+
+def _speed_rows(members: list[RunResult], ref: int) -> list[list[str]]:
+    """Per dispatch range, each run's served MoE call (us) and its ratio to the reference column's: the same
+    timed workload on every run (evaluate/moe_speed.py), so "correct and not slower" reads per range."""
+    timed = [{r["range"]: r for r in (m.moe_timing or {}).get("ranges", [])} for m in members]
+    if not any(timed):
+        return []
+    rows = []
+    for name in layer_range_names():
+        if not any(name in t for t in timed):
+            continue
+        base = timed[ref].get(name)
+        cells = []
+        for i, t in enumerate(timed):
+            row = t.get(name)
+            if row is None:
+                cells.append("-")
+            elif i == ref or base is None or not base["mean_us"]:
+                cells.append(f"{row['mean_us']:.1f} us")
+            else:
+                cells.append(f"{row['mean_us']:.1f} us (x{row['mean_us'] / base['mean_us']:.2f})")
+        rows.append([f"MoE time {name}", "", "us per call (x reference)", *cells])
     return rows
 
 

@@ -28,6 +28,7 @@ COLUMNS = (
     "Δ log p vs baseline",
     "Error vs golden (incumbent)",
     "Layer check vs exact",
+    "MoE time (x reference)",
     "Verdict",
 )
 
@@ -91,6 +92,20 @@ def layer_cell(check: dict | None) -> str:
     return "; ".join(parts)
 
 
+def speed_cell(gate: dict | None, timing: dict | None) -> str:
+    """'x1.03 worst (M=2-16), 6 ranges': the speed gate's worst range against its reference; a row timed but
+    not gated shows its slowest range's call ('412.4 us at M>=1024, 6 ranges timed, not gated')."""
+    if gate and gate.get("worst_ratio") is not None:
+        judged = [r for r in gate["ranges"] if r.get("ratio") is not None]
+        worst = max(judged, key=lambda r: r["ratio"])
+        return f"x{worst['ratio']:.2f} worst ({worst['range']}), {len(judged)} ranges"
+    ranges = (timing or {}).get("ranges") or []
+    if not ranges:
+        return "-"
+    slowest = max(ranges, key=lambda r: r["mean_us"])
+    return f"{slowest['mean_us']:.1f} us at {slowest['range']}, {len(ranges)} ranges timed, not gated"
+
+
 def _ratio(row: dict) -> float | None:
     """A range's error ratio as results.json holds it; null with an error against an exact incumbent is
     infinite (JSON has no inf), the worst there is, not a range left out."""
@@ -135,6 +150,7 @@ def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
                     "-",
                     "-",
                     "-",
+                    "-",
                     o.status.upper(),
                 ]
             )
@@ -163,6 +179,7 @@ def rows(outcomes: Iterable[ConfigOutcome]) -> list[list[str]]:
                     divergence_cell(o.divergence) if gated else "",
                     golden_cell(o.golden_gate) if gated else "",
                     layer_cell(o.layer_check) if gated else "",
+                    speed_cell(o.speed, o.moe_timing) if gated else "",
                     _verdict(o) if gated else "",
                 ]
             )

@@ -44,9 +44,9 @@ def test_list_b200_shows_exactly_the_b200_configs_with_layouts(repo_root):
     listed = {(r[0], r[2], r[3], r[-1]) for r in rows}
     # The gates column is the table's (moe_eval.gates.table), as the run judges them: every row is judged
     # by what it served, its accuracy and its answers' garbage limits; every bundled row besides by the
-    # comparisons with its incumbent, its kernel counters and the layer check.
+    # comparisons with its incumbent, its kernel counters, the layer check and (a GPU: b200) the speed gate.
     incumbent = "served,accuracy,garbage"
-    golden = "served,accuracy,garbage,paired,divergence,golden,kernel_calls,layer_check"
+    golden = "served,accuracy,garbage,paired,divergence,golden,kernel_calls,layer_check,speed"
     assert listed == {
         ("moe-refactor/Llama-4-Scout-BF16-vllm-tp2.yaml", "TP (TP2)", "2", incumbent),
         ("moe-refactor/Llama-4-Scout-BF16-triton.yaml", "TP (TP2)", "2", golden),

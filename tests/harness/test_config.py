@@ -61,6 +61,44 @@ def test_bad_values_name_file_key_and_value(extra, key, value_text):
 
 
 @pytest.mark.parametrize(
+    "extra, key, value_text, reason",
+    [
+        ("max_tokenz: 128\n", "max_tokenz", "128", "unknown key"),  # a typo is not silently ignored
+        ('tolerance: "0.5"\n', "tolerance", "'0.5'", "must be a number"),  # strict: a string is no number
+        ("seed: false\n", "seed", "False", "must be an integer"),  # a bool is not an int
+        ("max_retries: 2.0\n", "max_retries", "2.0", "must be an integer"),  # nor is a float
+        ("paired_alpha: 0.6\n", "paired_alpha", "0.6", "must be between 1e-09 and 0.5"),  # out of range
+        ("max_jit_while_serving: -1\n", "max_jit_while_serving", "-1", "must be >= 0"),  # optional, negative
+        ("task: mmlu\n", "task", "'mmlu'", "must be 'gsm8k' or 'canary'"),
+        ("optional_gates: [golden, nope]\n", "optional_gates", "['golden', 'nope']", "names no gate: nope"),
+        ("env: {A: [1]}\n", "env", "{'A': [1]}", "must map strings to strings"),
+    ],
+)
+def test_each_problem_names_file_key_value_and_reason(extra, key, value_text, reason):
+    with pytest.raises(ConfigError) as err:
+        parse_config(P, MINIMAL + extra)
+    message = str(err.value)
+    assert str(P) in message and f"'{key}'" in message and value_text in message and reason in message
+
+
+def test_an_int_is_a_number_and_null_leaves_an_optional_key_unset():
+    c = parse_config(P, MINIMAL + "tolerance: 0\ntemperature: 1\nstderr_gate_k: null\nmoe_backend: null\n")
+    assert (c.tolerance, c.temperature, c.stderr_gate_k, c.moe_backend) == (0, 1, None, None)
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        parse_config(P, MINIMAL + "tolerance: high\nmax_tokens: 0\n")
+    assert "key 'tolerance'" in str(err.value) and "key 'max_tokens'" in str(err.value)
+
+
+def test_normalizers_and_docs():
+    c = parse_config(P, MINIMAL + 'optional_gates: [golden]\nenv: {A: true}\nserver_args: "--a\\n  --b"\n')
+    assert (c.optional_gates, c.env, c.server_args) == (("golden",), {"A": "True"}, "--a --b")
+    assert all(info.description for info in CONFIG_KEYS.values())  # each key keeps its doc
+
+
+@pytest.mark.parametrize(
     "key, value",
     [
         ("accuracy_threshold", "1.5"),

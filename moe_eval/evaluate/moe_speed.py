@@ -1,0 +1,66 @@
+"""The speed measurement: the layer sweep's workload, timed, on every row's server (the incumbent's too).
+
+The workload is the layer check's first sweep (evaluate/layer_sweep.sweep: single prompts of 24-1500 tokens
+three times each, the batched prefill at the server's token limit, decode batches of 1, 8, 40 and 100
+sequences): fixed prompts and lengths, so every row of a model and layout serves the same calls. The MoE
+timer of each server process (kernels/moe_timer.py) is read before and after it; the difference is the
+workload's per-range MoE time (core/moe_timing.summarize). On a row with the layer check the same sweep then
+feeds the check, so the measurement costs two readings (~2 s); a row without it sends the sweep for the timing
+alone. The layer check's own kernels run after each timed call, outside the bracket.
+
+End to end, from the client: each single prefill's tokens per second (median of its three) and each decode
+batch's wall time per generated token (which includes its 16-token prompts' prefill).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from moe_eval.core import moe_timing
+from moe_eval.core.plugin_protocol import DEFAULT_MAX_TOKENS, STATS_INTERVAL_SECONDS
+from moe_eval.evaluate.gsm8k import Gsm8kData
+from moe_eval.evaluate.layer_sweep import DECODE_TOKENS, sweep, workload_pool
+from moe_eval.plan.config import EvalConfig
+
+
+def timed_sweep(
+    config: EvalConfig,
+    data: Gsm8kData,
+    base_url: str,
+    model: str,
+    run_dir: Path,
+    max_tokens_per_call: int | None,
+) -> tuple[dict[str, Any], moe_timing.TimingSummary]:
+    """(what was sent with its wall times, the per-range MoE time of those calls)."""
+    pool, model_len = workload_pool(config, data, base_url, model)
+    time.sleep(2 * STATS_INTERVAL_SECONDS)  # every process's flusher wrote what came before
+    before = moe_timing.read_folder(run_dir)
+    sent = sweep(
+        base_url,
+        model,
+        pool,
+        max_tokens_per_call=max_tokens_per_call or DEFAULT_MAX_TOKENS,
+        model_len=model_len,
+        timeout=config.request_timeout_seconds,
+        retries=max(config.max_retries, 1),
+    )
+    time.sleep(2 * STATS_INTERVAL_SECONDS)
+    after = moe_timing.read_folder(run_dir)
+    return sent, moe_timing.summarize(moe_timing.since(after, before))
+
+
+def end_to_end(sent: dict[str, Any]) -> dict[str, Any]:
+    """The client's view of the timed workload: prefill tokens/s per prompt length, ms per decode step."""
+    prefill = {
+        length: round(int(length) / statistics.median(seconds), 1)
+        for length, seconds in (sent.get("prefill_seconds") or {}).items()
+        if seconds and statistics.median(seconds) > 0
+    }
+    decode = {
+        batch: round(1e3 * seconds / DECODE_TOKENS, 2)
+        for batch, seconds in (sent.get("decode_seconds") or {}).items()
+    }
+    return {"prefill_tokens_per_s": prefill, "decode_ms_per_step": decode}

@@ -1,0 +1,87 @@
+"""The speed gate: per dispatch range, the served MoE call's time against the reference's (no I/O).
+
+The reference is the row's incumbent: vLLM's own kernel at the same layout (baseline_config), or with
+`run --baseline RUN` the same config's row of an earlier run (the regression case, "before my change"). Both
+were timed on the same workload (evaluate/moe_speed.py), so per range the mean call compares directly:
+time <= reference x (1 + speed_margin). A range is judged where both rows timed at least MIN_CALLS calls;
+the reference must have run on the same machine (GPU names, or CPU model), or nothing is judged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from moe_eval.core.check import Check
+from moe_eval.core.moe_timing import TimingSummary
+
+# A range's mean call from fewer calls is mostly one or two calls' luck (the first prefill of a size, a
+# scheduler hiccup); the timed workload makes >= 3 calls per layer in every range it reaches.
+MIN_CALLS = 12
+
+
+@dataclass(frozen=True)
+class RangeSpeed:
+    range: str
+    us: float
+    reference_us: float | None
+    ratio: float | None  # us / reference_us; None: not judged
+    calls: int
+    reference_calls: int
+    passed: bool | None  # None: not judged
+    why_not: str | None = None
+
+
+def compare(
+    row: TimingSummary, reference: TimingSummary, margin: float, min_calls: int = MIN_CALLS
+) -> list[RangeSpeed]:
+    ref = reference.by_range()
+    out = []
+    for timing in row.ranges:
+        other = ref.get(timing.range)
+        if other is None or other.calls < min_calls or timing.calls < min_calls:
+            why = (
+                "the reference made no call there"
+                if other is None
+                else f"fewer than {min_calls} calls timed ({timing.calls} here, {other.calls} there)"
+            )
+            out.append(
+                RangeSpeed(timing.range, timing.mean_us, other and other.mean_us, None, timing.calls,
+                           other.calls if other else 0, None, why)
+            )  # fmt: skip
+            continue
+        ratio = timing.mean_us / other.mean_us if other.mean_us > 0 else float("inf")
+        out.append(
+            RangeSpeed(
+                timing.range, timing.mean_us, other.mean_us, round(ratio, 4), timing.calls, other.calls,
+                ratio <= 1 + margin,
+            )
+        )  # fmt: skip
+    return out
+
+
+def speed_check(
+    row: TimingSummary, reference: TimingSummary, margin: float, reference_name: str
+) -> tuple[Check | None, dict[str, Any]]:
+    """The check (None when no range could be judged) and results.json's `speed` section."""
+    ranges = compare(row, reference, margin)
+    judged = [r for r in ranges if r.passed is not None]
+    section = {
+        "reference": reference_name,
+        "margin": margin,
+        "min_calls": MIN_CALLS,
+        "timed_on": list(row.timed_on),
+        "ranges": [r.__dict__ for r in ranges],
+    }
+    if not judged:
+        return None, section
+    worst = max(judged, key=lambda r: r.ratio)
+    slow = [r for r in judged if not r.passed]
+    listed = "; ".join(f"{r.range} {r.us:.1f} us x{r.ratio:.2f}" for r in (slow or [worst]))
+    detail = (
+        f"{'slower than' if slow else 'within'} x{1 + margin:.2f} of {reference_name} in "
+        f"{len(judged) - len(slow)} of {len(judged)} dispatch ranges; "
+        f"{'slower: ' if slow else 'worst: '}{listed}"
+    )
+    section["worst_ratio"] = worst.ratio
+    return Check("speed_gate", not slow, detail), section

@@ -1,0 +1,155 @@
+"""The served MoE calls' own time, per dispatch range, measured inside a vLLM server (the speed gate's input).
+
+A timer brackets the routed-expert computation of every MoE call the server makes: the bundled kernel's call
+in BundledExperts.apply (after the routing a mutation may change, before the layer check), and vLLM's own
+`UnquantizedFusedMoEMethod.apply` for the incumbent row (plugin.TimedUnquantizedFusedMoEMethod).
+
+On a CUDA device the bracket is two one-thread kernels on the call's stream: the first stores the device's
+%globaltimer (nanoseconds) in device memory, the second reads it again after the MoE kernels ended (one stream
+runs them in order) and adds the difference, the call and its tokens to its dispatch range's cells in pinned
+host memory. Both are launched in apply(), so under CUDA graphs they are captured beside the MoE kernels and
+every replay is timed with no host work: device-side timestamps, not a profiler, because vLLM's torch profiler
+(0.26) and its profiler config (0.32) trace a window of steps into a trace file per rank that would need
+parsing and does not exist on the CPU build, while this needs only the sums, on both releases and under
+graphs. What it adds to the measured time: the gap between two graph nodes and the stamp kernel's own
+launch, ~1-2 us, the same for every row (docs/perf.md, "Served speed"). On the CPU (eager) the bracket is
+time.perf_counter_ns() around the call, which returns when the work is done.
+
+A flusher thread (kernels/stats_file.py) writes <run dir>/moe-timing/<pid>.json (core/moe_timing.py reads it):
+per range the calls, the nanoseconds, their squares and the tokens, since the process started. The harness
+reads the files before and after its timed workload and takes the difference.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_eval.core.plugin_protocol import LAYER_RANGE_EDGES, layer_range_index, layer_range_names
+from moe_eval.kernels.stats_file import StatsFile
+
+NUM_RANGES = len(LAYER_RANGE_EDGES)
+FIELDS = ("calls", "ns", "ns_sq", "tokens")  # per range, in the pinned table (float64)
+
+
+def _stamp_kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _globaltimer():
+        return tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+
+    @triton.jit
+    def _stamp_start_kernel(start_ptr):
+        tl.store(start_ptr, _globaltimer())
+
+    # do_not_specialize: a value of 1 (M = 1, range 1) must not compile a second variant while serving.
+    @triton.jit(do_not_specialize=["range_index", "tokens"])
+    def _stamp_end_kernel(start_ptr, table_ptr, range_index, tokens):
+        elapsed = (_globaltimer() - tl.load(start_ptr)).to(tl.float64)
+        # One stream runs a process's MoE layers in order: a plain read-modify-write needs no atomic.
+        cell = table_ptr + range_index * 4
+        tl.store(cell, tl.load(cell, volatile=True) + 1.0)
+        tl.store(cell + 1, tl.load(cell + 1, volatile=True) + elapsed)
+        tl.store(cell + 2, tl.load(cell + 2, volatile=True) + elapsed * elapsed)
+        tl.store(cell + 3, tl.load(cell + 3, volatile=True) + tokens.to(tl.float64))
+
+    return _stamp_start_kernel, _stamp_end_kernel
+
+
+class MoeTimer:
+    """One per process (vLLM runs one per rank). Usage, around the routed-expert computation:
+
+    token = timer.start(hidden_TD)
+    out = kernel(...)
+    timer.stop(token, hidden_TD)
+    """
+
+    def __init__(self, backend: str, path: Path | None, scope: str) -> None:
+        self.backend = backend
+        self.scope = scope  # what the bracket holds, for the record
+        self.table = torch.zeros(NUM_RANGES, len(FIELDS), dtype=torch.float64)  # host sums (CPU timing)
+        self.device_problem: str | None = None
+        self._kernels: tuple[Any, Any] | None = None
+        self._start: torch.Tensor | None = None
+        self._on_device = False
+        self.rank: dict[str, Any] = {}
+        self.max_tokens = 0  # the most tokens one call can carry (the sweep sizes its batched prefill by it)
+        self.file = StatsFile(path, self.snapshot, "moe-eval-moe-timer")
+
+    def attach_device(self, device: torch.device) -> None:
+        """Compile and check the stamp kernels now (before vLLM's warm-up and graph capture ends)."""
+        if self._on_device or self.device_problem is not None:
+            return
+        try:
+            start_kernel, end_kernel = _stamp_kernels()
+            start = torch.zeros(1, dtype=torch.int64, device=device)
+            probe = torch.zeros(NUM_RANGES, len(FIELDS), dtype=torch.float64).pin_memory()
+            start_kernel[(1,)](start, num_warps=1)
+            torch.cuda._sleep(100_000)  # a few tens of microseconds: the stamp must see time pass
+            end_kernel[(1,)](start, probe, 2, 7, num_warps=1)
+            torch.cuda.synchronize(device)
+            calls, ns, _, tokens = probe[2].tolist()
+            if (calls, tokens) != (1.0, 7.0) or not 0 < ns < 1e9:
+                raise RuntimeError(f"stamp kernels wrote {probe[2].tolist()}, expected 1 call of 7 tokens")
+            self.table = torch.zeros(NUM_RANGES, len(FIELDS), dtype=torch.float64).pin_memory()
+            self._kernels, self._start, self._on_device = (start_kernel, end_kernel), start, True
+        except Exception as exc:  # noqa: BLE001  timed on the host instead, and the record says why
+            self.device_problem = f"{type(exc).__name__}: {exc}"
+
+    # --- the bracket (hot path) ---
+
+    def start(self, hidden_TD: torch.Tensor) -> int:
+        if hidden_TD.device.type == "cuda":
+            if not self._on_device and self.device_problem is None:
+                self.attach_device(hidden_TD.device)
+            if self._on_device:
+                self._kernels[0][(1,)](self._start, num_warps=1)
+                return 0
+        return time.perf_counter_ns()
+
+    def stop(self, started_ns: int, hidden_TD: torch.Tensor) -> None:
+        tokens = hidden_TD.shape[0]
+        if tokens == 0:
+            return
+        range_index = layer_range_index(tokens)
+        if self._on_device and hidden_TD.device.type == "cuda":
+            self._kernels[1][(1,)](self._start, self.table, range_index, tokens, num_warps=1)
+        else:
+            if hidden_TD.device.type == "cuda":
+                if torch.cuda.is_current_stream_capturing():
+                    return  # no host timing inside a graph capture (the record says timed_on host and why)
+                torch.cuda.synchronize(hidden_TD.device)  # host timing on a device: the work must be done
+            elapsed = float(time.perf_counter_ns() - started_ns)
+            self.table[range_index] += torch.tensor(
+                [1.0, elapsed, elapsed * elapsed, float(tokens)], dtype=torch.float64
+            )
+        self.file.start()
+
+    # --- reading ---
+
+    def snapshot(self) -> dict[str, Any]:
+        record = {
+            "backend": self.backend,
+            "pid": os.getpid(),
+            "rank": self.rank,
+            "scope": self.scope,
+            "max_tokens": self.max_tokens,
+            "timed_on": "device" if self._on_device else "host",
+            "ranges": list(layer_range_names()),
+            "fields": list(FIELDS),
+            "table": self.table.tolist(),
+        }
+        if self.device_problem is not None:
+            record["device_problem"] = self.device_problem
+        return record
+
+    def flush(self) -> None:
+        self.file.flush()

@@ -1,0 +1,148 @@
+"""The speed measurement's pieces on the CPU: the timer's table and file, the reader's difference and
+summary, the speed gate's comparison, and the perf mutations' bits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moe_eval.core import moe_timing
+from moe_eval.core.plugin_protocol import MOE_TIMING_DIR, layer_range_names
+from moe_eval.gates.speed import MIN_CALLS, compare, speed_check
+from moe_eval.kernels.moe_timer import MoeTimer
+
+RANGES = layer_range_names()
+
+
+def _process(pid: int, rows: dict[str, tuple[float, float, float, float]], timed_on="device") -> dict:
+    table = [list(rows.get(name, (0.0, 0.0, 0.0, 0.0))) for name in RANGES]
+    return {"pid": pid, "backend": "triton", "scope": "s", "timed_on": timed_on, "rank": {}, "table": table}
+
+
+def _write(run_dir, *processes: dict) -> None:
+    folder = run_dir / MOE_TIMING_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    for p in processes:
+        (folder / f"{p['pid']}.json").write_text(json.dumps(p))
+
+
+def _summary(means_us: dict[str, float], calls: int = 100) -> moe_timing.TimingSummary:
+    ranges = tuple(moe_timing.RangeTiming(name, calls, calls, us, 0.0, us) for name, us in means_us.items())
+    return moe_timing.TimingSummary(1, ("device",), ("s",), ("triton",), ranges)
+
+
+def test_the_host_timer_sums_each_call_into_its_range_and_writes_its_file(tmp_path):
+    path = tmp_path / MOE_TIMING_DIR / "1.json"
+    timer = MoeTimer("torch", path, "bundled kernel call")
+    for tokens in (1, 1, 5, 300):
+        hidden = torch.zeros(tokens, 4)
+        started = timer.start(hidden)
+        torch.mm(torch.ones(64, 64), torch.ones(64, 64))
+        timer.stop(started, hidden)
+    timer.flush()
+    snap = json.loads(path.read_text())
+    assert snap["timed_on"] == "host" and snap["ranges"] == list(RANGES)
+    table = {name: row for name, row in zip(RANGES, snap["table"], strict=True)}
+    assert table["M=1"][0] == 2 and table["M=1"][3] == 2
+    assert table["M=2-16"][0] == 1 and table["M=2-16"][3] == 5
+    assert table["M=257-1023"][0] == 1 and table["M=257-1023"][3] == 300
+    assert all(row[1] > 0 for row in snap["table"] if row[0] > 0)  # time passed in each timed call
+    assert table["M=17-64"] == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_since_keeps_only_what_the_workload_added_and_summarize_takes_the_slowest_rank(tmp_path):
+    _write(tmp_path, _process(1, {"M=1": (10, 10_000, 1e7, 10)}), _process(2, {"M=1": (10, 20_000, 4e7, 10)}))
+    before = moe_timing.read_folder(tmp_path)
+    _write(
+        tmp_path,
+        _process(1, {"M=1": (30, 50_000, 1e8, 30)}),  # +20 calls, 40 us -> 2 us each
+        _process(2, {"M=1": (30, 80_000, 2e8, 30), "M=2-16": (5, 50_000, 5e8, 40)}),  # +20 calls, 3 us each
+        _process(3, {"M=1": (4, 4_000, 4e6, 4)}),  # a process new since `before` counts whole: 1 us each
+    )
+    summary = moe_timing.summarize(moe_timing.since(moe_timing.read_folder(tmp_path), before))
+    by = summary.by_range()
+    assert by["M=1"].calls == 44 and by["M=1"].mean_us == pytest.approx(3.0)
+    assert by["M=2-16"].calls == 5 and by["M=2-16"].mean_us == pytest.approx(10.0)
+    assert "M=17-64" not in by
+    assert moe_timing.TimingSummary.from_dict(summary.as_dict()) == summary
+
+
+def test_the_speed_gate_fails_a_range_beyond_the_margin_and_judges_none_without_enough_calls():
+    reference = _summary({"M=1": 10.0, "M=2-16": 20.0, "M=17-64": 30.0})
+    row = _summary({"M=1": 10.5, "M=2-16": 25.0, "M=17-64": 29.0})
+    check, section = speed_check(row, reference, 0.10, "ref")
+    assert not check.passed and "M=2-16" in check.detail and "x1.25" in check.detail
+    assert [r["passed"] for r in section["ranges"]] == [True, False, True]
+    check, _ = speed_check(_summary({"M=1": 10.9}), reference, 0.10, "ref")
+    assert check.passed and "1 of 1" in check.detail
+    few = _summary({"M=1": 50.0}, calls=MIN_CALLS - 1)
+    check, section = speed_check(few, reference, 0.10, "ref")
+    assert check is None and section["ranges"][0]["why_not"].startswith("fewer than")
+    unmatched = compare(_summary({"M>=4096": 5.0}), reference, 0.1)[0]
+    assert unmatched.why_not == "the reference made no call there"
+
+
+def _torch_weights(e=4, F=8, D=16):
+    from moe_eval.kernels.oracle import MoeBackend, convert_to_kernel_format
+
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(e, 2 * F, D, generator=g)
+    w2 = torch.randn(e, D, F, generator=g)
+    return convert_to_kernel_format(MoeBackend.TORCH, w13, w2)
+
+
+def test_extra_weight_copy_computes_the_same_bits_from_fresh_copies():
+    from moe_eval.kernels.mutations import mutate_kernel
+    from moe_eval.kernels.oracle import MoeBackend, make_moe_kernel
+
+    weights = _torch_weights()
+    kernel = make_moe_kernel(MoeBackend.TORCH)
+    copies = []
+    original_clone = torch.Tensor.clone
+
+    def counting_clone(t, *a, **k):
+        copies.append(t.shape)
+        return original_clone(t, *a, **k)
+
+    hidden = torch.randn(5, 16)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2]], dtype=torch.int32)
+    w = torch.rand(5, 2)
+    mutated = mutate_kernel("extra_weight_copy", kernel)
+    torch.Tensor.clone = counting_clone
+    try:
+        out = mutated(hidden, weights, w, ids, None, False)
+    finally:
+        torch.Tensor.clone = original_clone
+    assert torch.equal(out, kernel(hidden, weights, w, ids, None, False))
+    assert tuple(weights.w13_eFD.shape) in copies and tuple(weights.w2_eDF.shape) in copies
+
+
+def test_the_tile_mutations_choose_other_tiles_only_where_they_say():
+    from moe_eval.kernels.mutations import tile_override
+    from moe_eval.kernels.tile_configs import get_tile_config
+
+    args = dict(num_local_experts=8, F=128, D=256, top_k=2, device_name="NVIDIA H200")
+    bypass = tile_override("small_batch_bypassed", *args.values())
+    prefill = get_tile_config(
+        num_tokens=1024, num_experts=8, F=128, D=256, top_k=2, device_name=args["device_name"]
+    )
+    assert bypass(1).block_m == prefill.block_m and not bypass(1).naive and bypass(64) is not None
+    assert bypass(65) is None
+    poor = tile_override("poor_tiles:range=M=2-16", *args.values())
+    assert poor(1) is None and poor(2).gemm1.block_k == 16 and poor(16) is not None and poor(17) is None
+    assert tile_override("poor_tiles", *args.values())(40) is not None  # default range M=17-64
+    assert tile_override("extra_weight_copy", *args.values()) is None
+
+
+def test_tile_mutations_are_refused_for_a_backend_that_has_no_tiles(tmp_path):
+    from types import SimpleNamespace
+
+    from moe_eval.core.errors import ConfigError
+    from moe_eval.kernels.mutations import check_mutation
+
+    config = SimpleNamespace(moe_backend="torch", path=tmp_path / "c.yaml", layout=None)
+    with pytest.raises(ConfigError, match="Triton"):
+        check_mutation("small_batch_bypassed", config)
+    check_mutation("extra_weight_copy", config)  # every backend
