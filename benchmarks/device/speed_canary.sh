@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Issue 42 on the lent H200: the served MoE calls' time per dispatch range, and the speed gate.
+#   STAGE=probe      the timer's stamp kernels compile and time a sleep on this GPU (seconds; no kit needed)
+#   STAGE=shipped    the GPU canary TP1 list (vLLM's Triton, bundled Triton, and with WITH_FI=1 FlashInfer
+#                    CUTLASS), LIMIT questions, into RUN_NAME (default shipped): every row timed, the bundled
+#                    rows gated on speed against vLLM's row
+#   STAGE=mutations  each of MUTATIONS on the bundled Triton row alone, with --baseline the shipped run (the
+#                    same config before the change): each must fail by speed_gate alone
+# Results: $OUT/<stage>.tar.xz (results.json, logs, timing files; no weights), $OUT/<stage>.txt (the tables).
+# Usage (repo root on the device; carried: .vgpu/, and .fi-site/ from kernel_bench.sh STAGES=fi-build):
+#   OUT=... STAGE=shipped WITH_FI=1 LIMIT=100 bash benchmarks/device/speed_canary.sh
+set -u
+out="${OUT:-/tmp/speed-out}"; work=/tmp/speed; mkdir -p "$out" "$work"
+stage="${STAGE:?set STAGE}"; limit="${LIMIT:-100}"
+export MOE_EVAL_GOLDEN_CACHE=/tmp/goldens; mkdir -p "$MOE_EVAL_GOLDEN_CACHE"
+tp=configs/canary-gpu-tp
+rows=("$tp/Canary-Qwen3-MoE-BF16-vllm-triton.yaml" "$tp/Canary-Qwen3-MoE-BF16-triton.yaml")
+if [ "${WITH_FI:-0}" = 1 ]; then
+  source benchmarks/device/fi_site.sh && require_fi_site
+  export EXTRA_PYTHONPATH="$PWD/$FI_SITE"
+  rows+=("$tp/Canary-Qwen3-MoE-BF16-fi-cutlass.yaml")
+fi
+pack() {  # written under a temporary name, then renamed: a kill mid-pack leaves the last whole archive
+  tar -C "$work" -cJf "$out/$stage.tar.xz.part" --exclude='*.safetensors' --exclude='triton-cache' . \
+    && mv -f "$out/$stage.tar.xz.part" "$out/$stage.tar.xz"
+}
+child=0
+on_signal() {
+  if [ "$child" -gt 0 ]; then kill -TERM "$child" 2> /dev/null; wait "$child"; fi
+  pack; exit 143
+}
+trap on_signal TERM INT
+moe_eval() {
+  bash .vgpu/device_env.sh python3 -m moe_eval "$@" & child=$!
+  wait "$child"; local rc=$?; child=0; return "$rc"
+}
+t0=$(date +%s)
+case "$stage" in
+  probe)
+    python3 - <<'PY' 2>&1 | tee "$out/probe.txt"
+import time, torch
+from moe_eval.kernels.moe_timer import MoeTimer
+t = MoeTimer("probe", None, "probe")
+t.attach_device(torch.device("cuda"))
+print("timed_on", t.snapshot()["timed_on"], "problem", t.device_problem)
+x = torch.zeros(3, 8, device="cuda")
+g = torch.cuda.CUDAGraph()
+s = torch.cuda.Stream()
+with torch.cuda.stream(s):
+    for _ in range(2):
+        st = t.start(x); torch.cuda._sleep(20000); t.stop(st, x)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        st = t.start(x); torch.cuda._sleep(20000); t.stop(st, x)
+for _ in range(100):
+    g.replay()
+torch.cuda.synchronize()
+row = t.snapshot()["table"][1]
+print("M=2-16 after 2 eager + 100 replays:", row, "mean us", row[1] / row[0] / 1e3)
+PY
+    ;;
+  shipped)
+    moe_eval run --hw h200 --limit "$limit" --output-dir "$work/${RUN_NAME:-shipped}" "${rows[@]}" \
+      > "$work/${RUN_NAME:-shipped}.log" 2>&1
+    echo "shipped: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/$stage.txt"
+    tail -40 "$work/${RUN_NAME:-shipped}.log" >> "$out/$stage.txt"
+    ;;
+  mutations)
+    shipped=$(ls -d "$work"/shipped/*/ | head -1)
+    for m in ${MUTATIONS:-extra_weight_copy small_batch_bypassed poor_tiles}; do
+      t=$(date +%s)
+      moe_eval run --hw h200 --limit "$limit" --baseline "$shipped" --mutate "$m" \
+        --output-dir "$work/mut-$m" "$tp/Canary-Qwen3-MoE-BF16-triton.yaml" > "$work/mut-$m.log" 2>&1
+      echo "--mutate $m: exit $? in $(( $(date +%s) - t )) s" | tee -a "$out/$stage.txt"
+      grep -E "speed_gate|FAIL|PASS" "$work/mut-$m.log" | cut -c1-400 >> "$out/$stage.txt"
+      pack
+    done
+    ;;
+esac
+pack
+echo "total $(( $(date +%s) - t0 )) s"
