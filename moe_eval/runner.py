@@ -114,7 +114,7 @@ class ConfigOutcome:
     golden_gate: dict | None = None  # the error against the golden reference, with the incumbent's
     layer_check: dict | None = None  # the served MoE calls against the exact MoE (results.json "layer_check")
     speed: dict | None = None  # the speed gate (results.json judged "speed"), where it judged
-    moe_timing: dict | None = None  # the served MoE calls' time per range (captures.speed.moe), where timed
+    moe_timing: dict | None = None  # the served MoE calls' time per range (captures.timing.moe), where timed
 
     @property
     def failed_checks(self) -> list[Check]:
@@ -151,7 +151,7 @@ class ConfigOutcome:
             golden_gate=record.judged.golden_gate,
             layer_check=record.judged.layer_check,
             speed=record.judged.speed,
-            moe_timing=(record.captures.speed or {}).get("moe"),
+            moe_timing=(record.captures.timing or {}).get("moe"),
         )
 
 
@@ -371,7 +371,7 @@ def _serve_and_evaluate(
                 config, data, server.base_url, model, run_dir, _max_tokens_per_call(run_dir)
             )
             timings["speed_seconds"] = time.monotonic() - clock
-            record.captures.speed = {
+            record.captures.timing = {
                 "moe": speed.as_dict(),
                 "end_to_end": end_to_end(swept),
                 "eval_output_tokens_per_s": _eval_tokens_per_second(token_counts, timings["eval_seconds"]),

@@ -167,7 +167,7 @@ class Captures:
     golden: JsonObject | None = key(
         "the golden reference used: its digest, key, made now or cached", optional=True
     )
-    speed: JsonObject | None = key(
+    timing: JsonObject | None = key(
         "the timed workload: per dispatch range the served MoE calls' time (moe), the client's end-to-end "
         "view (end_to_end), the requests (workload), the GSM8K eval's output tokens per second",
         optional=True,
@@ -229,6 +229,10 @@ SECTION_TYPES = {
     "verdict": Verdict,
     "bookkeeping": Bookkeeping,
 }
+_FIELD_NAMES = [f.name for kind in SECTION_TYPES.values() for f in dataclasses.fields(kind)]
+# The sections share one JSON object: two fields of one name would write one key and lose a value (seen: a
+# capture and a judged section both named "speed", the judged one overwrote the capture on the H200).
+assert len(_FIELD_NAMES) == len(set(_FIELD_NAMES)), "results.json sections must not share a field name"
 
 
 class UnreadableRecord(ValueError):

@@ -96,7 +96,7 @@ class Baseline:
     moe_backend_used: str | None = None  # what its server's log said served ("bundled:torch", "vllm:CPU")
     layout: str | None = None  # Layout.describe() of its config
     decode_path: Path | None = None  # its greedy continuations (DECODE_FILE), where it made them
-    speed: TimingSummary | None = None  # its MoE calls' time per range (captures.speed), where timed
+    speed: TimingSummary | None = None  # its MoE calls' time per range (captures.timing), where timed
     machine: str | None = None  # the GPUs (or CPU) it ran on: a speed reference holds on that machine only
 
 
@@ -152,7 +152,7 @@ def load_baseline(results_path: Path, what: str, record: RunRecord | None = None
     except UnreadableRecord as exc:
         raise ConfigError(f"{what}: {exc}") from None
     decode = results_path.parent / DECODE_FILE
-    speed = (record.captures.speed or {}).get("moe")
+    speed = (record.captures.timing or {}).get("moe")
     return Baseline(
         results_path,
         correctness(samples),

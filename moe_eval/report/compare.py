@@ -116,7 +116,7 @@ def load_run(path: Path) -> RunResult | None:
         golden_digest=golden.get("digest"),
         golden_path=Path(golden["path"]) if golden.get("path") else None,
         layer_check=record.judged.layer_check if isinstance(record.judged.layer_check, dict) else None,
-        moe_timing=(record.captures.speed or {}).get("moe"),
+        moe_timing=(record.captures.timing or {}).get("moe"),
     )
 
 
