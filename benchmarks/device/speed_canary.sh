@@ -66,7 +66,7 @@ PY
     tail -40 "$work/${RUN_NAME:-shipped}.log" >> "$out/$stage.txt"
     ;;
   mutations)
-    shipped=$(ls -d "$work"/shipped/*/ | head -1)
+    shipped=$(ls -d "$work"/shipped/*/ | tail -1)  # the newest shipped run
     for m in ${MUTATIONS:-extra_weight_copy small_batch_bypassed poor_tiles}; do
       t=$(date +%s)
       moe_eval run --hw h200 --limit "$limit" --baseline "$shipped" --mutate "$m" \

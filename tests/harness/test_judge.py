@@ -343,3 +343,34 @@ def test_with_a_baseline_every_config_plans_and_judges_its_incumbent_gates(optio
             if "golden" in listed:
                 assert golden_status == ("skipped" if optional else "not_run"), config.path
             assert all("(" not in name for name in listed), listed
+
+
+def _timed(means_us: dict[str, float], calls: int = 100):
+    from moe_eval.core.moe_timing import RangeTiming, TimingSummary
+
+    ranges = tuple(RangeTiming(name, calls, calls, us, 0.05 * us, us) for name, us in means_us.items())
+    return TimingSummary(1, ("device",), ("s",), ("triton",), ranges)
+
+
+def test_the_speed_gate_is_a_gpus_and_judges_each_range_against_the_incumbents(config):
+    from moe_eval.plan.config import effective_config
+
+    assert not effective_config(config, None, None, "cpu")[0].speed_gated  # the CPU: reported only
+    gpu, _ = effective_config(config, None, None, "h200")
+    assert gpu.speed_gated and not config.speed_gated  # absent: resolved from the hardware
+    timed = _timed({"M=1": 10.0, "M=2-16": 11.0})
+    incumbent = dataclasses.replace(measured(config).incumbent, speed=timed, machine="NVIDIA H200")
+    m = measured(config, speed=timed, machine="NVIDIA H200", incumbent=incumbent)
+    assert _by_name(judge(gpu, m))["speed_gate"].passed
+    slower = dataclasses.replace(m, speed=_timed({"M=1": 10.0, "M=2-16": 14.0}))
+    got = judge(gpu, slower)
+    assert got.verdict == "failed" and "M=2-16 14.0 us x1.27" in _by_name(got)["speed_gate"].detail
+    assert got.sections["speed"]["ranges"][1]["passed"] is False
+    # What could not be compared is not run, never a pass: an untimed reference, another machine.
+    for change, why in (
+        ({"incumbent": dataclasses.replace(incumbent, speed=None)}, "holds no MoE timing"),
+        ({"machine": "NVIDIA B200"}, "ran on NVIDIA H200, this row on NVIDIA B200"),
+        ({"speed": None}, "were not timed"),
+    ):
+        got = judge(gpu, dataclasses.replace(m, **change))
+        assert got.verdict == "incomplete" and why in _by_name(got)["speed_not_run"].detail
