@@ -65,6 +65,8 @@ def junit_xml(outcomes: list[ConfigOutcome], hw: str, gpus: list[str]) -> str:
                     f"divergence.{k}": (o.divergence or {}).get(k)
                     for k in ("mean_abs_dlogp", "p99_abs_dlogp", "top1_flip_rate", "kl_topk", "comparison")
                 },
+                "speed.worst_ratio": (o.speed or {}).get("worst_ratio"),
+                "speed.reference": (o.speed or {}).get("reference"),
                 **{f"version.{k}": v for k, v in versions().items()},
             },
         )

@@ -72,8 +72,17 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         log = (run_dir / "server.log").read_text()
         # Every question, scored text and decode prompt reached the server (plus the launcher's warm-up), and
         # for a bundled kernel the layer check's sweep.
-        sweep = record.get("layer_sweep", {}).get("requests", 0)
+        # The speed measurement's timed sweep (every row) is the layer check's first pass (bundled rows).
+        sweep = (record.get("layer_sweep") or record["timing"]["workload"])["requests"]
         assert log.count("POST /v1/completions") == 200 + 16 + 8 + 1 + sweep
+        # Every row's served MoE calls timed per dispatch range on the same workload (reported on the CPU,
+        # never gated: the speed gate is off for --hw cpu), vLLM's own kernel's too.
+        moe = record["timing"]["moe"]
+        assert moe["timed_on"] == ["host"] and len(moe["ranges"]) >= 5
+        assert all(r["calls"] > 0 and r["mean_us"] > 0 for r in moe["ranges"])
+        assert record["timing"]["end_to_end"]["decode_ms_per_step"].keys() == {"1", "8", "40", "100"}
+        assert record["timing"]["eval_output_tokens_per_s"] > 0
+        assert not any(c["name"].startswith("speed") for c in record["checks"]) and "speed" not in record
         assert record["decode"]["prompts"] == 8 and (run_dir / "decode.jsonl").is_file()
         samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
         assert {s["doc_id"] for s in samples} == set(range(200))
@@ -81,6 +90,8 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         assert (run_dir / "worker.log").read_text().count("Requesting API") >= 1  # lm-eval's bars went there
     reference = records.pop("Canary-Qwen3-MoE-BF16-vllm/TP")
     assert reference["moe_backend_used"] == "vllm:CPU" and reference["bundled_kernel_logged"] == []
+    assert reference["timing"]["moe"]["scopes"] == ["vLLM method apply (routed experts)"]
+    assert reference["timing"]["moe"]["backends"] == ["vllm:CPU"]
     for key, record in records.items():
         kind = key.split("/")[1]
         # What the server's own log says served: the bundled kernel, in every rank, never vLLM's.
@@ -147,6 +158,7 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
     assert "|Config|" in result.stdout and "PASS" in result.stdout and "bundled:torch" in result.stdout
     assert "Δ log p vs baseline" in result.stdout and "Catches a drop of" in result.stdout
     assert "Error vs golden (incumbent)" in result.stdout and "Layer check vs exact" in result.stdout
+    assert "MoE time (x reference)" in result.stdout and "ranges timed, not gated" in result.stdout
     assert not processes_with_env("MOE_EVAL_RUN_DIR", str(out)), "processes of the run survived it"
 
 

@@ -550,3 +550,34 @@ def test_triton_silu_slope_computes_what_the_torch_kernel_does(tokens):
     plain = fused_moe(x, w13, w2, weights, ids).float()
     assert torch.equal(fused_moe(x, w13, w2, weights, ids, silu_slope=1.0).float(), plain)
     assert rel_err(sloped, expected) < 1e-2 and rel_err(sloped, plain) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "mutation, T, retiled",
+    [
+        ("small_batch_bypassed", 3, True),  # a decode call: the prefill plan
+        ("small_batch_bypassed", 80, False),  # beyond 64 tokens: the tuned plan
+        ("poor_tiles:range=M=2-16", 5, True),
+        ("poor_tiles:range=M=2-16", 20, False),
+    ],
+)
+def test_the_tile_perf_mutations_compute_the_same_moe_with_other_tiles(mutation, T, retiled):
+    """The perf mutations change how the Triton kernel computes, not what: the same MoE (fp32, IEEE dots: the
+    tiles move only the summation order), with the tiles chosen per call size as the mutation says."""
+    E, K, D, F = 8, 2, 32, 64
+    layer = _layer(E, F, D, torch.float32)
+    weights = MoeWeights(MoeBackend.TRITON, layer.w13_weight.data, layer.w2_weight.data)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(3))
+    topk_weights, topk_ids = _routing(T, E, K, seed=3)
+    kernel = make_moe_kernel(MoeBackend.TRITON)
+    seen = []
+
+    def recording(*args, tile_config=None, **kwargs):
+        seen.append(tile_config)
+        return kernel(*args, tile_config=tile_config, **kwargs)
+
+    out = mutate_kernel(mutation, recording)(x, weights, topk_weights, topk_ids, None, False)
+    assert (seen[0] is not None) is retiled
+    ref = fused_moe_ref(x, layer.w13_weight.data, layer.w2_weight.data, topk_weights, topk_ids)
+    assert rel_err(out, ref) < 1e-5
+    assert torch.allclose(out, kernel(x, weights, topk_weights, topk_ids, None, False), rtol=1e-5, atol=1e-6)

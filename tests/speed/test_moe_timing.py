@@ -146,3 +146,20 @@ def test_tile_mutations_are_refused_for_a_backend_that_has_no_tiles(tmp_path):
     with pytest.raises(ConfigError, match="Triton"):
         check_mutation("small_batch_bypassed", config)
     check_mutation("extra_weight_copy", config)  # every backend
+
+
+def test_compare_shows_each_runs_moe_time_per_range_against_the_reference_column(tmp_path):
+    from moe_eval.report.compare import RunResult, _speed_rows
+
+    def run(label: str, means: dict[str, float] | None) -> RunResult:
+        timing = None if means is None else _summary(means).as_dict()
+        return RunResult(tmp_path, "m", label, 5, {}, "PASSED", {}, moe_timing=timing)
+
+    rows = _speed_rows(
+        [run("vllm", {"M=1": 12.5, "M=2-16": 15.2}), run("triton", {"M=1": 10.0}), run("old", None)], 0
+    )
+    assert rows == [
+        ["MoE time M=1", "", "us per call (x reference)", "12.5 us", "10.0 us (x0.80)", "-"],
+        ["MoE time M=2-16", "", "us per call (x reference)", "15.2 us", "-", "-"],
+    ]
+    assert _speed_rows([run("a", None)], 0) == []  # runs from before the timing: no rows
