@@ -26,10 +26,24 @@ from pathlib import Path
 from typing import Any
 
 from moe_eval.core.check import STATUSES, VERDICTS, Check
+from moe_eval.core.gate_payloads import (
+    AccuracyGate,
+    GoldenGate,
+    LayerCheck,
+    LogprobDivergence,
+    PairedFlips,
+    Skipped,
+    SpeedGate,
+    TimingCapture,
+    Workload,
+)
 from moe_eval.core.results import atomic_write_json
 
-RESULTS_SCHEMA_VERSION = 5
+RESULTS_SCHEMA_VERSION = 6
 SCHEMA_HISTORY = (  # what each version added; a reader takes every version up to RESULTS_SCHEMA_VERSION
+    "6: timing (the served MoE calls' time per dispatch range on a fixed workload, the client's view of it), "
+    "speed (the speed gate: per range against the incumbent's), the checks speed_gate and speed_not_run; "
+    "the judged sections' fields typed in the schema; "
     "5: status 'incomplete' (a gate called for could not run, not optional); checks '<gate>_not_run' "
     "with ran false; the check 'served'; config key optional_gates; 4: gate is {skipped} for a "
     "random-weights model (a shape twin); gpu_memory_logged; the check bundled_kernel_calls; 3: golden "
@@ -42,17 +56,35 @@ SUMMARY_FILE = "summary.json"  # one per run folder
 
 JsonObject = dict[str, Any]
 
-# Field metadata. A field is written on every record unless it is `optional` (left out while None, as a
-# stage that never ran leaves its keys out); `doc` becomes the schema's description; `enum` its values.
-OPTIONAL = "optional"
+# Field metadata, as pydantic's Field reads it (moe_eval.core.record_schema): `description` (the schema's),
+# `pattern`, `json_schema_extra` (an enum), and for an optional field `exclude_if`: left out of the record
+# while None, as a stage that never ran leaves its keys out; every other field is written on every record.
 
 
-def key(doc: str, *, optional: bool = False, default: Any = None, factory: Any = None, **extra: Any) -> Any:
+def key(
+    doc: str,
+    *,
+    optional: bool = False,
+    default: Any = None,
+    factory: Any = None,
+    enum: tuple[str, ...] | None = None,
+    pattern: str | None = None,
+) -> Any:
     """A record field: its JSON key is the field's name."""
-    metadata = {"doc": doc, OPTIONAL: optional, **extra}
+    metadata: dict[str, Any] = {"description": doc}
+    if optional:
+        metadata["exclude_if"] = _is_none
+    if enum is not None:
+        metadata["json_schema_extra"] = {"enum": list(enum)}
+    if pattern is not None:
+        metadata["pattern"] = pattern
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def _is_none(value: Any) -> bool:
+    return value is None
 
 
 # --- small typed objects -----------------------------------------------------------------------------
@@ -163,11 +195,11 @@ class Evaluation:
 class Captures:
     logprobs: JsonObject | None = key("the scored texts' file and counts, or {skipped: why}", optional=True)
     decode: JsonObject | None = key("the greedy continuations' file and counts", optional=True)
-    layer_sweep: JsonObject | None = key("the requests sent to reach every dispatch range", optional=True)
+    layer_sweep: Workload | None = key("the requests sent to reach every dispatch range", optional=True)
     golden: JsonObject | None = key(
         "the golden reference used: its digest, key, made now or cached", optional=True
     )
-    timing: JsonObject | None = key(
+    timing: TimingCapture | None = key(
         "the timed workload: per dispatch range the served MoE calls' time (moe), the client's end-to-end "
         "view (end_to_end), the requests (workload), the GSM8K eval's output tokens per second",
         optional=True,
@@ -178,20 +210,20 @@ class Captures:
 class Judged:
     """The judge's measurements per gate (moe_eval.gates.judge), each present when its gate was judged."""
 
-    gate: JsonObject | None = key(
+    gate: AccuracyGate | Skipped | None = key(
         "the accuracy gate, with its power; {skipped} for random weights", optional=True
     )
-    paired: JsonObject | None = key("per-question flips against the incumbent (McNemar)", optional=True)
-    divergence: JsonObject | None = key(
+    paired: PairedFlips | None = key("per-question flips against the incumbent (McNemar)", optional=True)
+    divergence: LogprobDivergence | Skipped | None = key(
         "log-probabilities against the incumbent's, or {skipped}", optional=True
     )
-    layer_check: JsonObject | None = key(
+    layer_check: LayerCheck | None = key(
         "the served MoE calls against the exact MoE, per range and expert", optional=True
     )
-    golden_gate: JsonObject | None = key(
+    golden_gate: GoldenGate | Skipped | None = key(
         "the error against the golden, the incumbent's, the rule, decode", optional=True
     )
-    speed: JsonObject | None = key(
+    speed: SpeedGate | None = key(
         "per dispatch range the MoE call's time against the reference's (incumbent or --baseline)",
         optional=True,
     )
@@ -250,7 +282,7 @@ def to_json(obj: Any) -> Any:
         out = {}
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
-            if value is None and f.metadata.get(OPTIONAL):
+            if "exclude_if" in f.metadata and f.metadata["exclude_if"](value):
                 continue
             out[f.name] = to_json(value)
         return out
@@ -430,7 +462,7 @@ class SummaryEntry:
     )
     run_dir: str | None = key("its folder in the run")
     error: str | None = key("its error message")
-    gate: JsonObject | None = key("the accuracy gate (null: not judged, or random weights)")
+    gate: AccuracyGate | None = key("the accuracy gate (null: not judged, or random weights)")
     checks: list[Check] = key("its checks", factory=list)
     moe_backend_used: str | None = key("the kernel that served")
     attempts: int = key("attempts made (run --retries); 0: not started", default=0)

@@ -3,13 +3,24 @@ writes, and the schema generated from its types."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 
 from moe_eval.core.errors import ExitCode
-from moe_eval.core.record import RESULTS_SCHEMA_VERSION, RunRecord, UnreadableRecord
+from moe_eval.core.record import (
+    RESULTS_SCHEMA_VERSION,
+    Bookkeeping,
+    Judged,
+    RunError,
+    RunRecord,
+    UnreadableRecord,
+    Verdict,
+)
 from moe_eval.core.results import _json_safe
 
 
@@ -156,3 +167,135 @@ def test_the_summary_round_trips(tmp_path):
     summary.write(tmp_path)
     back = RunSummary.read(tmp_path / "summary.json")
     assert back == summary and to_json(back)["configs"][1]["status"] == "not_started"
+
+
+# --- the judged sections' payloads (issue 41, item 4) ------------------------------------------------------
+
+PAYLOADS = ("gate", "paired", "divergence", "layer_check", "golden_gate", "speed", "timing", "layer_sweep")
+
+
+def _closed(schema: dict) -> dict:
+    """The schema with no key beyond the typed ones: a key a record holds that no type names fails."""
+    schema = copy.deepcopy(schema)
+    for part in [schema, *schema["$defs"].values()]:
+        if "properties" in part:
+            part.setdefault("additionalProperties", False)
+    return schema
+
+
+def _section_schema(schema: dict, name: str) -> dict:
+    return {"$defs": schema["$defs"], **schema["properties"][name]}
+
+
+def _real_records(repo_root) -> list[Path]:
+    """The committed records of real runs (H200, docs/data/layer_cells_h200)."""
+    return sorted((repo_root / "docs/data/layer_cells_h200").rglob("results.json"))
+
+
+def test_each_judged_section_and_timing_capture_lists_its_fields():
+    """At 593f15d every judged section's schema was {"type": "object"}."""
+    from moe_eval.core.record_schema import results_schema
+
+    schema = results_schema()
+    for name in PAYLOADS:
+        branches = schema["properties"][name].get("anyOf") or [schema["properties"][name]]
+        typed = [b for b in branches if "$ref" in b and not b["$ref"].endswith("/Skipped")]
+        assert len(typed) == 1, name
+        payload = schema["$defs"][typed[0]["$ref"].rsplit("/", 1)[1]]
+        assert payload["properties"] and all("description" in p for p in payload["properties"].values()), name
+
+
+def test_every_real_record_validates_and_holds_no_untyped_key(repo_root):
+    import jsonschema
+
+    from moe_eval.core.record_schema import results_schema
+
+    schema = _closed(results_schema())
+    records = _real_records(repo_root)
+    assert records, "docs/data/layer_cells_h200 holds committed records"
+    for path in records:
+        errors = list(jsonschema.Draft202012Validator(schema).iter_errors(json.loads(path.read_text())))
+        assert not errors, f"{path}: {jsonschema.exceptions.best_match(errors).message[:300]}"
+    # The H200 speed runs' rows (docs/data/speed_h200): their timing capture and speed section.
+    for rows in (repo_root / "docs/data/speed_h200").glob("*.json"):
+        for row in json.loads(rows.read_text()):
+            for name in ("timing", "speed"):
+                if row[name] is not None:
+                    jsonschema.validate(row[name], _section_schema(schema, name))
+
+
+def test_the_sections_the_judge_writes_validate(config_for_judge):
+    """Every payload form the current judge writes: each gate passing, and the {skipped} and partial forms."""
+    import jsonschema
+
+    from moe_eval.core.record_schema import results_schema
+    from moe_eval.gates.judge import judge
+    from tests.harness.test_judge import _decode_from, _timed, measured
+
+    config, gpu = config_for_judge
+    schema = _closed(results_schema())
+    timed = _timed({"M=1": 10.0, "M=2-16": 11.0, "M=17-64": 12.0})
+    right = measured(config)
+    incumbent = dataclasses.replace(right.incumbent, speed=timed, machine="NVIDIA H200")
+    cases = [
+        (gpu, measured(config, speed=_timed({"M=1": 10.0, "M=2-16": 14.0}), incumbent=incumbent)),
+        (gpu, measured(config, speed=_timed({"M=1": 10.0}, calls=3), incumbent=incumbent)),  # none judged
+        (config, measured(config, logprobs=None)),  # divergence and golden gate {skipped}
+        (config, measured(config, decode=None)),  # decode {skipped}
+        (config, measured(config, decode=_decode_from(1, 1))),  # decode failed
+        (config, measured(config, decode=_decode_from(1, 1), incumbent_decode=_decode_from(1, 1))),
+        (config, measured(config, incumbent_logprobs=right.incumbent_logprobs[:3])),  # golden gate partial
+        (dataclasses.replace(config, random_weights=True), right),  # the accuracy gate {skipped}
+    ]
+    seen = set()
+    for kind, m in cases:
+        sections = _json(RunRecord(judged=Judged(**judge(kind, m).sections)))
+        for name in PAYLOADS[:6]:
+            if name in sections:
+                jsonschema.validate(sections[name], _section_schema(schema, name))
+                seen.add(name)
+    assert seen == set(PAYLOADS[:6])
+
+
+@pytest.fixture(scope="module")
+def config_for_judge():
+    from moe_eval.plan.config import effective_config
+    from tests.harness.test_judge import QUESTIONS, TORCH_TP1, load_config
+
+    config = dataclasses.replace(load_config(TORCH_TP1), num_questions=QUESTIONS, accuracy_threshold=0.9)
+    return config, effective_config(config, None, None, "h200")[0]
+
+
+def test_a_speed_section_with_a_ratio_of_another_type_is_refused():
+    import jsonschema
+
+    from moe_eval.core.record_schema import results_schema
+
+    speed = {
+        "reference": "runs/vllm/results.json",
+        "margin": 0.15,
+        "min_calls": 12,
+        "z": 3.0,
+        "timed_on": ["device"],
+        "ranges": [
+            {
+                "range": "M=1",
+                "us": 12.9,
+                "reference_us": 12.1,
+                "ratio": 1.06,
+                "calls": 48,
+                "reference_calls": 48,
+                "passed": True,
+                "why_not": None,
+                "z": -20.1,
+            },
+        ],  # fmt: skip
+        "worst_ratio": 1.06,
+    }
+    record = _json(RunRecord(verdict=Verdict(status="error"), bookkeeping=Bookkeeping(error=RunError("E"))))
+    record["config_sha256"] = "0" * 64
+    schema = results_schema()
+    jsonschema.validate(record | {"speed": speed}, schema)
+    speed["ranges"][0]["ratio"] = "x1.06"
+    with pytest.raises(jsonschema.ValidationError, match="'x1.06' is not of type 'number', 'null'"):
+        jsonschema.validate(record | {"speed": speed}, schema)

@@ -1,0 +1,553 @@
+"""What results.json holds inside a judged section and a timing capture, as types: each gate's payload with
+its fields (moe_eval.gates writes them; moe_eval.runner the captures).
+
+They describe plain dicts: the record keeps each section as the JSON object it is, and callers index it as
+one. docs/results.schema.json is generated from them (moe_eval.core.record_schema: each field's docstring is
+its description). A key that is sometimes absent is NotRequired; a float may be null, as NaN and infinities
+are written.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from typing_extensions import NotRequired, TypedDict  # pydantic reads typing's TypedDict from 3.12 only
+
+from moe_eval.core.check import CHECK_STATUSES
+
+
+class Skipped(TypedDict):
+    """A gate, or part of one, that measured nothing."""
+
+    skipped: str
+    """why"""
+
+
+class CheckRecord(TypedDict):
+    """A check as results.json and summary.json write it (moe_eval.core.check.Check.as_dict)."""
+
+    name: str
+    """the check's name, e.g. accuracy_gate, golden_gate_decode, <gate>_not_run"""
+    passed: bool
+    """did not stand in the way of a pass (a skipped check did not either)"""
+    detail: str
+    """its numbers and rule, as the table prints them"""
+    status: NotRequired[Literal[CHECK_STATUSES]]
+    """passed, failed, not_run (required, could not measure), skipped (optional); absent in older records"""
+    ran: NotRequired[Literal[False]]
+    """present only for a gate called for that could not run"""
+
+
+# --- the judged sections (moe_eval.gates.rules) -----------------------------------------------------------
+
+
+class AccuracyGate(TypedDict):
+    """gates/accuracy.py GateResult and the gate's power (gates/stats.py)."""
+
+    metric: str
+    """the lm-eval score gated: exact_match,strict-match"""
+    accuracy: float
+    """strict-match accuracy"""
+    stderr: float
+    """its standard error (lm-eval's)"""
+    threshold: float
+    """the config's accuracy_threshold"""
+    tolerance: float
+    """the config's tolerance"""
+    tolerance_floor: float
+    """threshold - tolerance"""
+    stderr_k: float | None
+    """the config's stderr_gate_k (null: not set)"""
+    stderr_floor: float | None
+    """threshold - stderr_k x stderr (null: stderr_k not set or stderr unknown)"""
+    floor: float
+    """the stricter of the two floors: the accuracy needed to pass"""
+    margin: float
+    """accuracy - floor"""
+    margin_in_stderr: float | None
+    """the margin in standard errors (null: stderr 0 or unknown)"""
+    passed: bool
+    """accuracy >= floor"""
+    power: NotRequired[float]
+    """the probability at which detectable_drop is caught (this and the next two: results.json only)"""
+    detectable_drop: NotRequired[float | None]
+    """the smallest drop of true accuracy the gate catches with that probability (null: it cannot fail)"""
+    power_n: NotRequired[int]
+    """questions the power was computed for"""
+
+
+class PairedFlips(TypedDict):
+    """gates/stats.py PairedResult: per-question flips against the incumbent, exact McNemar test."""
+
+    n: int
+    """questions both runs answered"""
+    both_right: int
+    """questions both runs answered right"""
+    baseline_only_right: int
+    """the incumbent right, this run wrong"""
+    new_only_right: int
+    """the incumbent wrong, this run right"""
+    both_wrong: int
+    """questions both runs answered wrong"""
+    p_worse: float
+    """one-sided p for 'this run is worse'"""
+    p_two_sided: float
+    """two-sided p (reported, not gated)"""
+    alpha: float
+    """the config's paired_alpha: fails when p_worse is below it and more flipped right -> wrong"""
+    passed: bool
+    """not (more flipped right -> wrong and p_worse < alpha)"""
+    baseline: str
+    """the incumbent's results.json"""
+
+
+class DivergenceLimits(TypedDict):
+    """Upper bounds (gates/divergence.py); null leaves the metric ungated."""
+
+    max_mean_abs_dlogp: float | None
+    """bound of mean_abs_dlogp"""
+    max_p99_abs_dlogp: float | None
+    """bound of p99_abs_dlogp"""
+    max_top1_flip_rate: float | None
+    """bound of top1_flip_rate"""
+    max_kl_topk: float | None
+    """bound of kl_topk"""
+
+
+class LogprobDivergence(TypedDict):
+    """gates/divergence.py Divergence: the scored texts' log-probabilities against the incumbent's."""
+
+    texts: int
+    """texts compared"""
+    positions: int
+    """positions compared, each text's first left out"""
+    mean_abs_dlogp: float
+    """mean |log p - log p_incumbent| of the text's own token"""
+    p99_abs_dlogp: float
+    """its 99th percentile"""
+    max_abs_dlogp: float
+    """its largest"""
+    kl_topk: float
+    """mean KL(incumbent || this run) on the shared top-k, renormalised"""
+    kl_positions_skipped: int
+    """positions with fewer than 2 shared top-k tokens, counted as KL 0"""
+    top1_flips: int
+    """positions whose most likely token differs"""
+    top1_flip_rate: float
+    """top1_flips / positions"""
+    baseline: str
+    """the incumbent's log-probabilities file"""
+    limits: DivergenceLimits
+    """the limits gated (the config's, else the defaults for the comparison)"""
+    comparison: str
+    """which limits applied: same kernel and layout, or another kernel or layout"""
+
+
+class LayerCheckLimits(TypedDict):
+    """gates/layer_gate.py LayerCheckLimits, from the config's layer_check_* keys."""
+
+    margin: float
+    """error / incumbent's error may reach 1 + margin"""
+    scale_bound: float
+    """an expert's |scale error| above this fails (beyond z too)"""
+    z: float
+    """standard normal errors whose tail gives the t quantile a cell must pass to fail"""
+    activation_bound: float
+    """the SiLU slope error's bound"""
+    power: float
+    """a cell is judged when it resolves a one-expert error this large"""
+    min_judged: float
+    """share of each reachable range's cells judged on every rank"""
+
+
+class LayerRange(TypedDict):
+    """One dispatch range (layer null: pooled over the layers) on one rank ('all': pooled over ranks)."""
+
+    range: str
+    """the dispatch range, e.g. M=17-64 (tokens per call)"""
+    rank: str
+    """e.g. TP0/2, EP1/2; all: pooled over the ranks"""
+    layer: int | None
+    """null: pooled over the layers"""
+    calls_seen: int
+    """MoE calls of the range"""
+    calls_sampled: int
+    """... of which compared with the exact MoE"""
+    rows: int
+    """token rows compared"""
+    error: float | None
+    """RMS |served - exact| / RMS |exact|"""
+    incumbent_error: float | None
+    """the same for the incumbent's arithmetic on the same rows"""
+    ratio: float | None
+    """error / incumbent_error"""
+    nonfinite: int
+    """served output elements NaN or inf where the exact MoE was finite"""
+
+
+class ScaleCell(TypedDict):
+    """A scale estimate against the exact MoE per (layer, range) and rank: an expert's or the SiLU slope's."""
+
+    expert: NotRequired[int]
+    """the expert, in an expert cell (absent in the activation's)"""
+    range: str
+    """the dispatch range"""
+    rank: str
+    """the rank; all: pooled over the ranks"""
+    layer: int | None
+    """null: pooled over the layers"""
+    slots: int
+    """routed (token, expert) slots estimated from"""
+    scale: float
+    """the scale error s estimated (0: exact)"""
+    stderr: float | None
+    """its standard error"""
+    incumbent_scale: float
+    """the incumbent arithmetic's estimate on the same slots"""
+    diff_stderr: float | None
+    """the standard error of scale - incumbent_scale"""
+    dof: float | None
+    """degrees of freedom of that error (gates/layer_estimates.py)"""
+    z: float | None
+    """(scale - incumbent_scale) / diff_stderr"""
+    threshold: float | None
+    """the t quantile |scale - incumbent_scale| / diff_stderr must reach to fail"""
+    detectable: float | None
+    """the scale error caught with 80 % probability"""
+
+
+class LayerPower(TypedDict):
+    """How much of one range one rank's check could judge."""
+
+    range: str
+    """the dispatch range"""
+    rank: str
+    """the rank; all: pooled over the ranks"""
+    cells: int
+    """(range, expert) cells owed: experts this rank holds that were routed in the range"""
+    judged: int
+    """... resolving a `power` one-expert error"""
+    detectable_95: float | None
+    """the error 95 % of the cells resolve (null: fewer than 95 % resolve any)"""
+    layer_cells: int
+    """(layer, range, expert) cells owed"""
+    layer_judged: int
+    """... resolving a `power` one-expert error"""
+    unjudged: list[int]
+    """the routed experts not judged"""
+    not_routed: list[int]
+    """held, never routed in this range"""
+    least_routed: list[int] | None
+    """[expert, slots routed]: the rarest routed expert of the range"""
+
+
+class LayerCheck(TypedDict):
+    """gates/layer_gate.py summary_record: the served MoE calls against the exact MoE."""
+
+    processes: int
+    """processes that wrote their tables"""
+    world_size: int
+    """the processes the layout has"""
+    layers: int
+    """MoE layers in the tables"""
+    counted_on: list[str]
+    """device or host, per process"""
+    max_tokens_per_call: int
+    """the server's batched-token limit: the ranges it can reach"""
+    limits: LayerCheckLimits
+    """the limits judged by"""
+    min_rows: int
+    """rows a range needs before its error ratio is judged"""
+    problems: list[str]
+    """files that could not be read, missing ranks"""
+    ranges: list[LayerRange]
+    """pooled over the layers, and the layers judged off"""
+    power: list[LayerPower]
+    """per reachable range and rank"""
+    activation: list[ScaleCell]
+    """pooled over the layers, and the layers judged off"""
+    expert_cells_off: int
+    """cells judged off"""
+    expert_cells: list[ScaleCell]
+    """the off cells, and each (range, rank)'s largest"""
+
+
+class GoldenErrors(TypedDict):
+    """gates/golden_gate.py GoldenErrors: one capture against the golden over the scored texts."""
+
+    texts: int
+    """texts compared"""
+    positions: int
+    """positions compared, each text's first left out"""
+    mean_abs: float
+    """pooled mean |log p - log p_golden| of the reference tokens: the error"""
+    per_text: list[float]
+    """each text's mean |log p - log p_golden|, in text-index order"""
+    per_text_positions: list[int]
+    """each text's positions"""
+    signed_mean: float
+    """pooled mean of log p - log p_golden (> 0: the reference text more likely)"""
+    texts_more_likely: int
+    """texts whose mean signed shift is > 0"""
+    kl_topk: float
+    """mean KL(golden || capture) on the shared top-k"""
+    top1_agreement: float
+    """share of positions whose top-1 token is the golden's"""
+
+
+class GoldenRule(TypedDict):
+    """gates/golden_gate.py GoldenRuleResult: fails iff ratio > 1 + margin and p < alpha."""
+
+    ratio: float
+    """this run's error / the incumbent's"""
+    paired_mean_diff: float
+    """mean over texts of (this run's error - the incumbent's)"""
+    t: float
+    """the paired t statistic over texts"""
+    p: float
+    """one-sided paired t-test"""
+    texts_worse: int
+    """texts where this run's error is above the incumbent's"""
+    texts: int
+    """texts compared"""
+    margin: float
+    """the config's golden_margin"""
+    alpha: float
+    """the config's golden_alpha"""
+    failed: bool
+    """ratio > 1 + margin and p < alpha"""
+
+
+class GoldenIncumbent(TypedDict):
+    """The run standing as the incumbent (gates/rules.py incumbent_description) and its errors."""
+
+    results: str
+    """its results.json"""
+    moe_backend_used: str
+    """the kernel that served it"""
+    layout: str | None
+    """its layout, e.g. TP (TP1)"""
+    same_layout: bool
+    """the same layout as this config's"""
+    role: str
+    """vLLM's own kernel at the same layout, a stand-in at another, or your --baseline run"""
+    errors: GoldenErrors
+    """its errors against the golden"""
+
+
+class GoldenPower(TypedDict):
+    probability: float
+    """the probability the scale error is caught with"""
+    scale_error: float | None
+    """the per-expert scale error caught with that probability (0: fails as it is; null: none up to 50 %)"""
+    expert: int
+    """the expert the probe scaled"""
+    method: str
+    """how the power was computed"""
+
+
+class DecodeErrors(TypedDict):
+    """gates/golden_gate.py DecodeErrors: greedy continuations against the golden's, while they agree."""
+
+    texts: int
+    """continuations compared"""
+    tokens_generated: int
+    """by the golden, all texts"""
+    positions: int
+    """compared: before the first token where the two part"""
+    mean_abs: float | None
+    """pooled mean |log p - log p_golden| over the top-k both list (null: no position)"""
+    per_text: list[float | None]
+    """each text's (null: no position shared)"""
+    per_text_positions: list[int]
+    """each text's positions compared"""
+    identical_texts: int
+    """continuations identical to the golden's to the end"""
+    first_difference: list[int | None]
+    """per text, the first position whose token differs (null: identical)"""
+
+
+class DecodeComparison(TypedDict):
+    run: DecodeErrors
+    """this run's continuations against the golden's"""
+    incumbent: DecodeErrors
+    """the incumbent's"""
+    rule: GoldenRule | None
+    """null: fewer than 2 continuations share a first token with the golden's"""
+    failed: NotRequired[str]
+    """rule null and this run shares fewer first tokens than the incumbent: why it failed"""
+    skipped: NotRequired[str]
+    """rule null otherwise: why it was not judged"""
+
+
+class GoldenGate(TypedDict):
+    """gates/rules.py judge_golden; the first four only where the incumbent's errors could not be computed."""
+
+    golden: str
+    """the golden reference's digest"""
+    run: GoldenErrors
+    """this run's errors against the golden"""
+    margin: float
+    """the config's golden_margin"""
+    alpha: float
+    """the config's golden_alpha"""
+    incumbent: NotRequired[GoldenIncumbent]
+    """the incumbent and its errors against the golden"""
+    rule: NotRequired[GoldenRule]
+    """the rule on this run's errors against the incumbent's"""
+    ratio: NotRequired[float]
+    """rule.ratio"""
+    p: NotRequired[float]
+    """rule.p"""
+    passed: NotRequired[bool]
+    """not rule.failed"""
+    power: NotRequired[GoldenPower]
+    """the smallest per-expert scale error the rule catches"""
+    decode: NotRequired[DecodeComparison | Skipped]
+    """the greedy continuations against the golden's, or {skipped}"""
+
+
+class SpeedRange(TypedDict):
+    """gates/speed.py RangeSpeed: one dispatch range's mean MoE call against the reference's."""
+
+    range: str
+    """the dispatch range, e.g. M=17-64 (tokens per call)"""
+    us: float
+    """this row's mean call, microseconds"""
+    reference_us: float | None
+    """the reference's (null: it made no call there)"""
+    ratio: float | None
+    """us / reference_us (null: not judged)"""
+    calls: int
+    """this row's calls timed"""
+    reference_calls: int
+    """the reference's"""
+    passed: bool | None
+    """null: not judged"""
+    why_not: str | None
+    """why it was not judged"""
+    z: NotRequired[float | None]
+    """the excess over the margin in standard errors (absent in records before the z rule)"""
+
+
+class SpeedGate(TypedDict):
+    """gates/speed.py speed_check: a range fails beyond reference x (1 + margin) and z standard errors."""
+
+    reference: str
+    """the reference row's results.json (the incumbent, or --baseline's row)"""
+    margin: float
+    """the config's speed_margin: time may reach reference x (1 + margin)"""
+    min_calls: int
+    """calls both rows need in a range for it to be judged"""
+    z: NotRequired[float]
+    """absent in records before the z rule"""
+    timed_on: list[str]
+    """device (every call, CUDA-graph replays included) or host"""
+    ranges: list[SpeedRange]
+    """every range this row timed"""
+    worst_ratio: NotRequired[float | None]
+    """the largest judged ratio; absent when no range was judged"""
+
+
+# --- the captures the speed gate and the layer check are fed by (moe_eval.runner) -------------------------
+
+
+class RangeTiming(TypedDict):
+    """core/moe_timing.py RangeTiming: one dispatch range's MoE calls in the timed workload."""
+
+    range: str
+    """the dispatch range, e.g. M=17-64 (tokens per call)"""
+    calls: int
+    """over every process"""
+    tokens: int
+    """tokens over every process"""
+    mean_us: float
+    """per call: the slowest process's mean"""
+    spread_us: float
+    """that process's standard deviation of one call"""
+    us_per_token: float
+    """every process's time / tokens"""
+
+
+class MoeTiming(TypedDict):
+    """core/moe_timing.py TimingSummary."""
+
+    processes: int
+    """server processes whose timer was read"""
+    timed_on: list[str]
+    """device (every call, CUDA-graph replays included) or host"""
+    scopes: list[str]
+    """what the timer bracketed, per process"""
+    backends: list[str]
+    """the MoE kernels timed"""
+    ranges: list[RangeTiming]
+    """the ranges the workload reached"""
+    problems: list[str]
+    """why a process could not time on the device"""
+
+
+class EndToEnd(TypedDict):
+    """The client's view of the timed workload (evaluate/moe_speed.py end_to_end)."""
+
+    prefill_tokens_per_s: dict[str, float]
+    """per prompt length, the median of its single prefills"""
+    decode_ms_per_step: dict[str, float]
+    """per decode batch size"""
+
+
+class BatchedPrefill(TypedDict):
+    prompts: int
+    """prompts sent at once"""
+    tokens_each: int
+    """their length"""
+    seconds: NotRequired[float]
+    """wall seconds (absent before the timing)"""
+
+
+class SweepRound(TypedDict):
+    """One round of requests for the cells the layer check could not judge yet (evaluate/layer_sweep.py)."""
+
+    owed: dict[str, int]
+    """per range, the cells owed before the round"""
+    sent: list[str]
+    """the ranges it sent requests for"""
+    requests: NotRequired[int]
+    """requests it sent (absent in the first records of the rounds)"""
+    owed_after: NotRequired[dict[str, int]]
+    """per range, the cells still owed after it"""
+
+
+class Workload(TypedDict):
+    """The requests sent to reach every dispatch range (evaluate/layer_sweep.py sweep, reach_every_range)."""
+
+    prefill_lengths: list[int]
+    """single prompts' lengths, tokens"""
+    batched_prefill: BatchedPrefill | None
+    """the prefill batched to the server's token limit (null: not sent)"""
+    decode_batches: list[int]
+    """decode batch sizes sent"""
+    prefill_seconds: NotRequired[dict[str, list[float]]]
+    """per prompt length, each single prefill's wall seconds (this and the next: absent before the timing)"""
+    decode_seconds: NotRequired[dict[str, float]]
+    """per decode batch size, its wall seconds"""
+    requests: int
+    """requests sent"""
+    seconds: float
+    """wall seconds"""
+    ranges_targeted: list[int]
+    """the dispatch ranges' lower edges (tokens) the sweep aimed at"""
+    rounds: NotRequired[list[SweepRound]]
+    """the layer check's extra rounds"""
+
+
+class TimingCapture(TypedDict):
+    """The timed workload (runner.py): the MoE calls' time per range, the client's view, the requests."""
+
+    moe: MoeTiming
+    """the served MoE calls' time per dispatch range"""
+    end_to_end: EndToEnd
+    """the client's view"""
+    eval_output_tokens_per_s: float | None
+    """the GSM8K eval's generated tokens per wall second (null: not counted)"""
+    workload: Workload
+    """the requests timed"""
