@@ -52,6 +52,32 @@ def test_register_does_nothing_without_a_backend(monkeypatch):
     plugin.register()
 
 
+def test_timing_alone_on_an_unsupported_vllm_serves_vllms_kernel_untimed(monkeypatch, tmp_path):
+    """vLLM's own kernel's row asks only for the timer: on a release the plugin does not support, that row
+    must still serve (untimed), never fail its start as a bundled kernel's would."""
+    import vllm
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    monkeypatch.delenv("MOE_EVAL_MOE_BACKEND", raising=False)
+    monkeypatch.setenv("MOE_EVAL_MOE_TIMING", "1")
+    monkeypatch.setenv("MOE_EVAL_RUN_DIR", str(tmp_path))
+    monkeypatch.setattr(vllm, "__version__", "0.25.0")
+    before = dict(op_registry_oot)
+    plugin.register()
+    assert dict(op_registry_oot) == before
+
+
+def test_the_timed_method_is_vllms_own_with_apply_wrapped():
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    timed = plugin._timed_method_class()
+    assert issubclass(timed, UnquantizedFusedMoEMethod)
+    # Only the calls are wrapped: vLLM's weight creation, backend choice and kernel set-up are its own.
+    own = {"__init__", "process_weights_after_loading", "apply", "apply_monolithic"}
+    assert {name for name in vars(timed) if not name.startswith("__") or name == "__init__"} >= own
+    assert "create_weights" not in vars(timed) and "_setup_kernel" not in vars(timed)
+
+
 def _moe_config(dp: int, ep: bool):
     import torch
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
