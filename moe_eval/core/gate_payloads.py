@@ -412,8 +412,8 @@ class SpeedRange(TypedDict):
 
     range: str
     """the dispatch range, e.g. M=17-64 (tokens per call)"""
-    us: float
-    """this row's mean call, microseconds"""
+    us: float | None
+    """this row's mean call, microseconds (null: this row made no call there)"""
     reference_us: float | None
     """the reference's (null: it made no call there)"""
     ratio: float | None
@@ -444,7 +444,9 @@ class SpeedGate(TypedDict):
     timed_on: list[str]
     """device (every call, CUDA-graph replays included) or host"""
     ranges: list[SpeedRange]
-    """every range this row timed"""
+    """every range either row timed, judged or not"""
+    judged: NotRequired[int]
+    """ranges judged (absent in records before it was counted)"""
     worst_ratio: NotRequired[float | None]
     """the largest judged ratio; absent when no range was judged"""
 

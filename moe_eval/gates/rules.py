@@ -181,6 +181,11 @@ def judge_speed(config: EvalConfig, m: Measurements, out: Judgement) -> str | No
         )
     if m.machine is not None and m.incumbent.machine not in (None, m.machine):
         return f"the reference ran on {m.incumbent.machine}, this row on {m.machine}: times do not compare"
+    ranks = config.layout.world_size
+    for what, timing in (("this row", m.speed), ("the reference", reference)):
+        if timing.processes < ranks:
+            # A rank that wrote no timing could be the slow one: the slowest rank is what the gate compares.
+            return f"{what} was timed on {timing.processes} of its {ranks} ranks"
     if set(m.speed.timed_on) != set(reference.timed_on):
         return (
             f"this row was timed on the {'/'.join(m.speed.timed_on)}, the reference on the "

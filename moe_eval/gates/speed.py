@@ -11,7 +11,7 @@ the same machine (GPU names, or CPU model), or nothing is judged.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from moe_eval.core.check import Check
@@ -31,7 +31,7 @@ SPEED_Z = 3.0
 @dataclass(frozen=True)
 class RangeSpeed:
     range: str
-    us: float
+    us: float | None  # None: this row made no call there
     reference_us: float | None
     ratio: float | None  # us / reference_us; None: not judged
     calls: int
@@ -46,6 +46,7 @@ def compare(
 ) -> list[RangeSpeed]:
     ref = reference.by_range()
     out = []
+    mine = {timing.range for timing in row.ranges}
     for timing in row.ranges:
         other = ref.get(timing.range)
         if other is None or other.calls < min_calls or timing.calls < min_calls:
@@ -71,6 +72,13 @@ def compare(
                 not (excess > 0 and z > SPEED_Z), z=round(z, 2) if math.isfinite(z) else None,
             )
         )  # fmt: skip
+    # A range only the reference reached is one this row was not judged in, never silently left out.
+    for other in reference.ranges:
+        if other.range not in mine:
+            out.append(
+                RangeSpeed(other.range, None, other.mean_us, None, 0, other.calls, None,
+                           "this row made no call there")
+            )  # fmt: skip
     return out
 
 
@@ -80,13 +88,15 @@ def speed_check(
     """The check (None when no range could be judged) and results.json's `speed` section."""
     ranges = compare(row, reference, margin)
     judged = [r for r in ranges if r.passed is not None]
+    unjudged = [r for r in ranges if r.passed is None]
     section = {
         "reference": reference_name,
         "margin": margin,
         "min_calls": MIN_CALLS,
         "z": SPEED_Z,
         "timed_on": list(row.timed_on),
-        "ranges": [r.__dict__ for r in ranges],
+        "ranges": [asdict(r) for r in ranges],
+        "judged": len(judged),
     }
     if not judged:
         return None, section
@@ -96,7 +106,9 @@ def speed_check(
     detail = (
         f"{'slower than' if slow else 'within'} x{1 + margin:.2f} of {reference_name} in "
         f"{len(slow) if slow else len(judged)} of {len(judged)} dispatch ranges; "
-        f"{'slower: ' if slow else 'worst: '}{listed}"
+        f"{'slower: ' if slow else 'worst: '}{listed}; judged {len(judged)}/{len(ranges)} ranges"
     )
+    if unjudged:
+        detail += " (not judged: " + "; ".join(f"{r.range}: {r.why_not}" for r in unjudged) + ")"
     section["worst_ratio"] = worst.ratio
     return Check("speed_gate", not slow, detail), section

@@ -98,7 +98,8 @@ def speed_cell(gate: dict | None, timing: dict | None) -> str:
     if gate and gate.get("worst_ratio") is not None:
         judged = [r for r in gate["ranges"] if r.get("ratio") is not None]
         worst = max(judged, key=lambda r: r["ratio"])
-        return f"x{worst['ratio']:.2f} worst ({worst['range']}), {len(judged)} ranges"
+        counted = f"{len(judged)}/{len(gate['ranges'])} ranges judged"
+        return f"x{worst['ratio']:.2f} worst ({worst['range']}), {counted}"
     ranges = (timing or {}).get("ranges") or []
     if not ranges:
         return "-"

@@ -4,6 +4,7 @@ summary, the speed gate's comparison, and the perf mutations' bits."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -163,3 +164,35 @@ def test_compare_shows_each_runs_moe_time_per_range_against_the_reference_column
         ["MoE time M=2-16", "", "us per call (x reference)", "15.2 us", "-", "-"],
     ]
     assert _speed_rows([run("a", None)], 0) == []  # runs from before the timing: no rows
+
+
+def test_the_speed_check_says_judged_over_total_and_names_what_it_did_not_judge():
+    """A range only one row reached, or with too few calls, is counted as not judged, never left out."""
+    reference = _summary({"M=1": 10.0, "M=2-16": 20.0, "M>=4096": 700.0})
+    few_in_both = _summary({"M=65-256": 11.0}, calls=3).ranges[0]
+    reference = moe_timing.TimingSummary(
+        1, ("device",), ("s",), ("triton",), (*reference.ranges, few_in_both)
+    )
+    few = moe_timing.RangeTiming("M=17-64", 5, 5, 9.0, 0.0, 1.8)
+    row = moe_timing.TimingSummary(
+        1,
+        ("device",),
+        ("s",),
+        ("triton",),
+        (*_summary({"M=1": 10.2, "M=2-16": 20.1}).ranges, few, few_in_both),
+    )
+    check, section = speed_check(row, reference, 0.10, "ref")
+    assert check.passed and "judged 2/5 ranges" in check.detail and section["judged"] == 2
+    assert "M=65-256: fewer than 12 calls timed (3 here, 3 there)" in check.detail
+    assert "M=17-64: the reference made no call there" in check.detail
+    assert "M>=4096: this row made no call there" in check.detail
+
+
+def test_a_rank_that_wrote_no_timing_leaves_the_gate_not_run():
+    from moe_eval.gates.rules import judge_speed
+
+    config = SimpleNamespace(layout=SimpleNamespace(world_size=2), speed_margin=0.15)
+    timed = _summary({"M=1": 10.0})  # one process
+    incumbent = SimpleNamespace(speed=timed, machine=None, results_path="ref")
+    m = SimpleNamespace(speed=timed, incumbent=incumbent, machine=None)
+    assert judge_speed(config, m, None) == "this row was timed on 1 of its 2 ranks"
