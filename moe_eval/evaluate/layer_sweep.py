@@ -75,15 +75,16 @@ def reach_every_range(
     max_tokens_per_call: int | None,
     owed: Callable[[], dict[str, int]] | None = None,
     swept: dict[str, Any] | None = None,
+    pool: tuple[list[int], int] | None = None,
 ) -> dict[str, Any]:
     """The whole workload for a config's server: the pool from its scoring texts, the server's model length,
     then `sweep` (unless `swept` says it was sent already: the speed measurement's timed pass, which is the
     same sweep), then (with `owed`, fill_cells) the rounds until the check can judge its cells.
     max_tokens_per_call: the largest call the server's processes said they make (None or 0: vLLM's default
-    batched-token limit)."""
+    batched-token limit). pool: `workload_pool`'s, when the caller has it already."""
     timeout = config.request_timeout_seconds
     started = time.monotonic()
-    pool, model_len = workload_pool(config, data, base_url, model)
+    pool, model_len = pool or workload_pool(config, data, base_url, model)
     per_call = max_tokens_per_call or DEFAULT_MAX_TOKENS
     if swept is None:
         sent = sweep(

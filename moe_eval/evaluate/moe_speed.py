@@ -33,9 +33,11 @@ def timed_sweep(
     model: str,
     run_dir: Path,
     max_tokens_per_call: int | None,
+    pool: tuple[list[int], int] | None = None,
 ) -> tuple[dict[str, Any], moe_timing.TimingSummary]:
-    """(what was sent with its wall times, the per-range MoE time of those calls)."""
-    pool, model_len = workload_pool(config, data, base_url, model)
+    """(what was sent with its wall times, the per-range MoE time of those calls). pool: layer_sweep's
+    workload_pool, when the caller has it already."""
+    pool, model_len = pool or workload_pool(config, data, base_url, model)
     time.sleep(2 * STATS_INTERVAL_SECONDS)  # every process's flusher wrote what came before
     before = moe_timing.read_folder(run_dir)
     sent = sweep(

@@ -12,8 +12,8 @@ every replay is timed with no host work: device-side timestamps, not a profiler,
 (0.26) and its profiler config (0.32) trace a window of steps into a trace file per rank that would need
 parsing and does not exist on the CPU build, while this needs only the sums, on both releases and under
 graphs. What it adds to the measured time: the gap between two graph nodes and the stamp kernel's own
-launch, ~1-2 us, the same for every row (docs/perf.md, "Served speed"). On the CPU (eager) the bracket is
-time.perf_counter_ns() around the call, which returns when the work is done.
+launch, the same for every row (not measured apart; docs/perf.md, "Served speed"). On the CPU (eager) the
+bracket is time.perf_counter_ns() around the call, which returns when the work is done.
 
 A flusher thread (kernels/stats_file.py) writes <run dir>/moe-timing/<pid>.json (core/moe_timing.py reads it):
 per range the calls, the nanoseconds, their squares and the tokens, since the process started. The harness
@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
+from moe_eval.core.moe_timing import FIELDS
 from moe_eval.core.plugin_protocol import LAYER_RANGE_EDGES, layer_range_index, layer_range_names
 from moe_eval.kernels.stats_file import StatsFile
 
-NUM_RANGES = len(LAYER_RANGE_EDGES)
-FIELDS = ("calls", "ns", "ns_sq", "tokens")  # per range, in the pinned table (float64)
+NUM_RANGES = len(LAYER_RANGE_EDGES)  # the pinned table: per range, FIELDS (float64)
 
 
 def _stamp_kernels():

@@ -478,8 +478,12 @@ def _timed_method_class() -> type:
 
         def process_weights_after_loading(self, layer: Any) -> None:
             super().process_weights_after_loading(layer)
-            if self.moe_eval_timer is not None and layer.w13_weight.device.type == "cuda":
-                self.moe_eval_timer.attach_device(layer.w13_weight.device)
+            if self.moe_eval_timer is not None:
+                # A monolithic kernel routes inside the call: the time then includes the routing.
+                if getattr(self, "is_monolithic", False):
+                    self.moe_eval_timer.scope = "vLLM method apply_monolithic (routing and routed experts)"
+                if layer.w13_weight.device.type == "cuda":
+                    self.moe_eval_timer.attach_device(layer.w13_weight.device)
 
         def apply(self, layer: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
             timer = self.moe_eval_timer
@@ -490,10 +494,7 @@ def _timed_method_class() -> type:
             return out
 
         def apply_monolithic(self, layer: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
-            # Monolithic kernels route inside the call: the time then includes the routing (scope says so).
             timer = self.moe_eval_timer
-            if timer is not None:
-                timer.scope = "vLLM method apply_monolithic (routing and routed experts)"
             started = timer.start(x) if timer is not None else 0
             out = super().apply_monolithic(layer, x, *args, **kwargs)
             if timer is not None:
