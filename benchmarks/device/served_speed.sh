@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# Issue 42 on the lent H200: the served MoE calls' time per dispatch range, and the speed gate.
+# Issue 42 on the lent H200: the served MoE calls' time per dispatch range, the speed gate, the eval's concurrency.
 #   STAGE=probe      the timer's stamp kernels compile and time a sleep on this GPU (seconds; no kit needed)
 #   STAGE=shipped    the GPU canary TP1 list (vLLM's Triton, bundled Triton, and with WITH_FI=1 FlashInfer
 #                    CUTLASS), LIMIT questions, into RUN_NAME (default shipped): every row timed, the bundled
 #                    rows gated on speed against vLLM's row
 #   STAGE=mutations  each of MUTATIONS on the bundled Triton row alone, with --baseline the shipped run (the
 #                    same config before the change): each must fail by speed_gate alone
+#   STAGE=twin       the Qwen3-30B-A3B twin's CUDA-graph pair (vLLM's Triton, bundled Triton; needs .gsm8k/), then
+#                    the kernel benchmark at that shape (Qwen3-30B-A3B TP1) at the M the sweep serves, the bundled
+#                    kernel and the installed vLLM's fused_experts interleaved: the served times beside it
+#   STAGE=concurrency  benchmarks/eval_concurrency.py on the canary's vLLM and bundled rows (CANARY_C, all
+#                    questions) and the twin's bundled row (TWIN_C, TWIN_Q GSM8K questions): seconds, tokens/s,
+#                    answers changed, the paired gate per concurrency
 # Results: $OUT/<stage>.tar.xz (results.json, logs, timing files; no weights), $OUT/<stage>.txt (the tables).
 # Usage (repo root on the device; carried: .vgpu/, and .fi-site/ from kernel_bench.sh STAGES=fi-build):
-#   OUT=... STAGE=shipped WITH_FI=1 LIMIT=100 bash benchmarks/device/speed_canary.sh
+#   OUT=... STAGE=shipped WITH_FI=1 LIMIT=100 bash benchmarks/device/served_speed.sh
 set -u
 out="${OUT:-/tmp/speed-out}"; work=/tmp/speed; mkdir -p "$out" "$work"
 stage="${STAGE:?set STAGE}"; limit="${LIMIT:-100}"
@@ -32,6 +38,10 @@ on_signal() {
 trap on_signal TERM INT
 moe_eval() {
   bash .vgpu/device_env.sh python3 -m moe_eval "$@" & child=$!
+  wait "$child"; local rc=$?; child=0; return "$rc"
+}
+moe_eval_bench() {
+  bash .vgpu/device_env.sh python3 "$@" & child=$!
   wait "$child"; local rc=$?; child=0; return "$rc"
 }
 t0=$(date +%s)
@@ -64,6 +74,35 @@ PY
       > "$work/${RUN_NAME:-shipped}.log" 2>&1
     echo "shipped: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/$stage.txt"
     tail -40 "$work/${RUN_NAME:-shipped}.log" >> "$out/$stage.txt"
+    ;;
+  twin)
+    cg=configs/twins-cuda-graph
+    moe_eval run --hw h200 --gsm8k-dir .gsm8k --output-dir "$work/twin" \
+      "$cg/Qwen3-30B-A3B-BF16-vllm.yaml" "$cg/Qwen3-30B-A3B-BF16-triton.yaml" > "$work/twin.log" 2>&1
+    echo "twin pair: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/$stage.txt"
+    tail -30 "$work/twin.log" >> "$out/$stage.txt"
+    pack
+    t=$(date +%s)
+    VLLM_PEER_INSTALLED=1 PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-240}" bash .vgpu/device_env.sh python3 \
+      benchmarks/bench_fused_moe.py --out-dir "$work/bench" --shapes "Qwen3-30B-A3B TP1" \
+      --m ${BENCH_M:-1 8 40 100 600 1500 8192} --peers triton vllm_installed --skip-alignment --skip-eager \
+      --no-gemms-alone --repeats 3 > "$work/bench.log" 2>&1
+    echo "kernel bench: exit $? in $(( $(date +%s) - t )) s" | tee -a "$out/$stage.txt"
+    tail -30 "$work/bench.log" >> "$out/$stage.txt"
+    ;;
+  concurrency)
+    tp=configs/canary-gpu-tp
+    for row in "$tp/Canary-Qwen3-MoE-BF16-vllm-triton.yaml:${CANARY_C:-16 64 200}:200" \
+               "$tp/Canary-Qwen3-MoE-BF16-triton.yaml:${CANARY_C:-16 64 200}:200" \
+               "configs/twins-cuda-graph/Qwen3-30B-A3B-BF16-triton.yaml:${TWIN_C:-16 64 256}:${TWIN_Q:-512}"; do
+      IFS=: read -r config cs q <<< "$row"; name=$(basename "$config" .yaml); t=$(date +%s)
+      # shellcheck disable=SC2086
+      PYTHONUNBUFFERED=1 moe_eval_bench benchmarks/eval_concurrency.py "$config" --hw h200 --gsm8k-dir .gsm8k \
+        --concurrency $cs --limit "$q" --out "$work/concurrency/$name.json" > "$work/concurrency-$name.log" 2>&1
+      echo "$name: exit $? in $(( $(date +%s) - t )) s" | tee -a "$out/$stage.txt"
+      tail -8 "$work/concurrency-$name.log" >> "$out/$stage.txt"
+      pack
+    done
     ;;
   mutations)
     shipped=$(ls -d "$work"/shipped/*/ | tail -1)  # the newest shipped run
