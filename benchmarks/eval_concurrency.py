@@ -4,9 +4,14 @@ whether the answers stay the answers (issue 42, item 5).
 One server per config (its own server_args, env and kernel, as `moe-eval run` starts it, layer check and
 timer off), then lm-eval through the harness's own `run_gsm8k` at each concurrency of `--concurrency`, in
 that order; the first concurrency again at the end (`--repeat-first`, on by default) measures what the same
-settings move by themselves (the batches a request shares depend on arrival times). Per pass: seconds,
-output tokens (the server's /tokenize of each answer), accuracy, and against the first pass the questions
-whose answer text changed and the paired McNemar test the harness's paired gate runs.
+settings move by themselves (the batches a request shares depend on arrival times). An untimed warm-up
+pass on a few questions comes first: the first lm-eval call of a process pays its imports and the
+server's first requests (6-8 s more on the H200 canary, 2026-12-04). Per pass: seconds in all, seconds
+from the first request sent to the last answer received (the rest is lm-eval building the task and
+scoring: ~6 s a pass on this CPU whatever the concurrency), output tokens (the server's /tokenize of each
+answer), accuracy, and against the first pass the questions whose answer text changed and the paired
+McNemar test the harness's paired gate runs. `--limit` sets the questions (a random-weight twin's config
+asks for 8; the study wants hundreds of full-length answers).
 
     python benchmarks/eval_concurrency.py CONFIG.yaml --hw h200 --concurrency 16 64 256 --limit 200 \
         [--gsm8k-dir DIR] --out ROW.json
@@ -28,6 +33,7 @@ import time
 from pathlib import Path
 
 from moe_eval.core.results import versions
+from moe_eval.evaluate import lm_eval_model
 from moe_eval.evaluate.gsm8k import canary_data, gsm8k_data, run_gsm8k
 from moe_eval.evaluate.serving import server_launch, serving
 from moe_eval.gates.checks import correctness, first_response, per_question
@@ -37,22 +43,57 @@ from moe_eval.plan.config import EvalConfig, load_config
 from moe_eval.runner import count_answer_tokens
 
 ALPHA = 0.05  # the paired gate's default alpha
+WARMUP_QUESTIONS = 8
 
 
-def one_pass(config: EvalConfig, concurrency: int, base_url: str, model: str, data, work: Path) -> dict:
+class RequestClock:
+    """When lm-eval sent its first request and received its last answer: wraps the harness's client
+    (lm_eval_model.ProgressCompletionsAPI.amodel_call) for this benchmark's process only."""
+
+    def __init__(self) -> None:
+        self.first_sent: float | None = None
+        self.last_received: float | None = None
+        api = lm_eval_model.ProgressCompletionsAPI
+        inner = api.amodel_call
+
+        async def timed(model_self, *args, **kwargs):
+            now = time.monotonic()
+            self.first_sent = now if self.first_sent is None else min(self.first_sent, now)
+            try:
+                return await inner(model_self, *args, **kwargs)
+            finally:
+                self.last_received = time.monotonic()
+
+        api.amodel_call = timed
+
+    def reset(self) -> None:
+        self.first_sent = self.last_received = None
+
+    def seconds(self) -> float | None:
+        if self.first_sent is None or self.last_received is None:
+            return None
+        return self.last_received - self.first_sent
+
+
+def one_pass(
+    config: EvalConfig, concurrency: int, base_url: str, model: str, data, work: Path, clock: RequestClock
+) -> dict:
     at = dataclasses.replace(config, max_concurrency=concurrency)
+    clock.reset()
     started = time.monotonic()
     outcome = run_gsm8k(at, base_url, model, data, work)
     seconds = time.monotonic() - started
+    requests_seconds = clock.seconds()
     tokens = count_answer_tokens(base_url, model, outcome.samples) or {}
     texts = {qid: first_response(s) for qid, s in per_question(outcome.samples, "strict-match").items()}
     return {
         "concurrency": concurrency,
         "seconds": round(seconds, 2),
+        "requests_seconds": None if requests_seconds is None else round(requests_seconds, 2),
         "questions": outcome.num_questions,
         "accuracy": outcome.scores["strict-match"]["accuracy"],
         "output_tokens": sum(tokens.values()),
-        "output_tokens_per_s": round(sum(tokens.values()) / seconds, 1),
+        "output_tokens_per_s": round(sum(tokens.values()) / (requests_seconds or seconds), 1),
         "correct": {str(q): right for q, right in sorted(correctness(outcome.samples).items())},
         # A digest per answer: enough to say which answers changed, without storing model text.
         "answer_sha1": {str(q): hashlib.sha1(t.encode()).hexdigest()[:12] for q, t in sorted(texts.items())},
@@ -73,7 +114,7 @@ def _bools(row: dict) -> dict[int, bool]:
 def measure(args: argparse.Namespace) -> dict:
     config = load_config(args.config)
     if args.limit:
-        config = dataclasses.replace(config, num_questions=min(args.limit, config.num_questions))
+        config = dataclasses.replace(config, num_questions=args.limit)
     data = canary_data() if config.task == "canary" else gsm8k_data(args.gsm8k_dir)
     model = resolve_model(config.model_name)
     order = list(args.concurrency) + ([args.concurrency[0]] if args.repeat_first else [])
@@ -91,12 +132,18 @@ def measure(args: argparse.Namespace) -> dict:
             moe_timing=False,
         )
         passes = []
+        clock = RequestClock()
         with serving(plan, config.name, lambda line: print(line, flush=True)) as served:
+            if args.warmup:
+                warm = dataclasses.replace(config, num_questions=min(WARMUP_QUESTIONS, config.num_questions))
+                one_pass(warm, order[0], served.base_url, model, data, work, clock)
             for concurrency in order:
-                row = one_pass(config, concurrency, served.base_url, model, data, work)
+                row = one_pass(config, concurrency, served.base_url, model, data, work, clock)
                 passes.append(row)
                 print(
-                    f"{config.name} c={concurrency}: {row['seconds']} s, {row['output_tokens_per_s']} tok/s, "
+                    f"{config.name} c={concurrency}: {row['seconds']} s "
+                    f"({row['requests_seconds']} s of requests), "
+                    f"{row['output_tokens_per_s']} tok/s, "
                     f"accuracy {row['accuracy']:.4f}",
                     flush=True,
                 )
@@ -136,15 +183,17 @@ def pair(incumbent: dict, candidate: dict) -> list[dict]:
 def table(result: dict) -> str:
     lines = [
         f"{result['name']} ({result['moe_backend_used']}), {result['questions']} questions",
-        "| concurrency | seconds | output tok/s | accuracy | answers changed vs first | paired p(worse) |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| concurrency | seconds | of which requests | output tok/s | accuracy | answers changed vs first "
+        "| paired p(worse) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["passes"]:
         vs = row.get("vs_first")
         changed = "-" if vs is None else str(vs["answers_changed"])
         p = "-" if vs is None else f"{vs['paired']['p_worse']:.3g}"
         lines.append(
-            f"| {row['concurrency']} | {row['seconds']} | {row['output_tokens_per_s']} | "
+            f"| {row['concurrency']} | {row['seconds']} | {row['requests_seconds']} | "
+            f"{row['output_tokens_per_s']} | "
             f"{row['accuracy']:.4f} | {changed} | {p} |"
         )
     return "\n".join(lines)
@@ -156,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hw", default="cpu", choices=["cpu", "h100", "h200", "b200"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeat-first", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--limit", type=int, help="questions (default: the config's num_questions)")
     parser.add_argument("--gsm8k-dir", help="GSM8K train/test.jsonl folder (GSM8K configs)")
     parser.add_argument("--out", type=Path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -261,11 +262,14 @@ def run(
         raise InfraError(plan.data_stop())
     run_root = Path(resume_dir).resolve() if resume_dir else new_run_root(Path(output_dir).resolve())
     mutations = plan.mutations
-    kept = resumable_outcomes(run_root, selected, data, mutations, dependencies) if resume_dir else {}
+    resumed = resumable_outcomes(run_root, selected, data, mutations, dependencies) if resume_dir else None
+    kept = resumed.kept if resumed else {}
     append_text(run_root / "command.txt", " ".join(sys.argv) + "\n")
     atomic_write_text(run_root / "plan.tsv", "\n".join(plan.table()) + "\n")
     for note in plan.notes:
         progress(note)
+    for i, why in (resumed.rerun if resumed else {}).items():
+        progress(f"--resume: runs {selected[i].name}: {why}")
     progress(
         f"{len(selected)} config(s) from {source} on {hw}; results in {run_root}"
         + (f"; {len(kept)} kept from the earlier run" if kept else "")
@@ -346,51 +350,78 @@ def new_run_root(output_dir: Path) -> Path:
     return run_root
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """What --resume does with each selected config: kept (index -> its outcome from the earlier run) or run
+    again (index -> why, said before anything starts: a user who resumed expects a row to be kept)."""
+
+    kept: dict[int, object]
+    rerun: dict[int, str]
+
+
 def resumable_outcomes(
     run_root: Path,
     selected: list[EvalConfig],
     data,
     mutations: list[str | None] | None = None,
     dependencies: dict[int, int] | None = None,
-) -> dict[int, object]:
+) -> Resumed:
     """Configs of `selected` whose results.json in run_root holds a verdict for the same config file
     (sha256), the same versions, the same questions and the same mutation (vLLM's own kernel is never
     mutated, so its rows carry over into a `--mutate` run), and whose baseline_config (dependencies:
     index -> its baseline's index, baselines first) is kept too: a row compared with a baseline that runs
     again would keep a verdict against numbers that no longer exist. The others' old files move to
     attempts/. mutations: each selected config's own mutation, as effective_config gave it."""
-    from moe_eval.core.check import FAILED, PASSED
     from moe_eval.core.record import RESULTS_FILE, RunRecord
-    from moe_eval.core.results import versions
-    from moe_eval.evaluate.gsm8k import same_questions
-    from moe_eval.runner import ConfigOutcome, config_run_dir, task_data
+    from moe_eval.runner import ConfigOutcome, config_run_dir
     from moe_eval.scheduler import ATTEMPTS_DIR, move_run_files
 
-    kept = {}
+    kept, rerun = {}, {}
     for i, config in enumerate(selected):
-        baseline = (dependencies or {}).get(i)
         run_dir = config_run_dir(run_root, config)
         record = RunRecord.read_if_any(run_dir / RESULTS_FILE)
-        same = (
-            record is not None
-            # An incomplete row runs again: what kept a gate from running (the hub, an incumbent) may be
-            # mended since.
-            and record.status in (PASSED, FAILED)
-            and record.identity.config_sha256 == config.sha256
-            and record.environment.versions == versions()
-            and record.evaluation.num_questions_evaluated == config.num_questions
-            and same_questions(record.environment.gsm8k, task_data(config, data).describe())
-            and record.mutation == (mutations[i] if mutations else None)
-            and (baseline is None or baseline in kept)
-        )
-        if same:
+        baseline = (dependencies or {}).get(i)
+        why = _why_not_kept(record, config, data, mutations[i] if mutations else None)
+        if why is None and baseline is not None and baseline not in kept:
+            why = f"its baseline_config {selected[baseline].name} runs again"
+        if why is None:
             outcome = ConfigOutcome.from_record(config, run_dir, record)
             outcome.resumed = True
             kept[i] = outcome
-        elif run_dir.is_dir() and any(e.name != ATTEMPTS_DIR for e in run_dir.iterdir()):
+            continue
+        rerun[i] = why
+        if run_dir.is_dir() and any(e.name != ATTEMPTS_DIR for e in run_dir.iterdir()):
             earlier = sorted(int(p.name) for p in (run_dir / ATTEMPTS_DIR).glob("*") if p.name.isdigit())
             move_run_files(run_dir, run_dir / ATTEMPTS_DIR / str((earlier[-1] if earlier else 0) + 1))
-    return kept
+    return Resumed(kept, rerun)
+
+
+def _why_not_kept(record, config: EvalConfig, data, mutation: str | None) -> str | None:
+    """Why the earlier run's row of `config` cannot stand for this run (None: it can)."""
+    from moe_eval.core.check import FAILED, PASSED
+    from moe_eval.core.results import versions
+    from moe_eval.evaluate.gsm8k import same_questions
+    from moe_eval.runner import task_data
+
+    if record is None:
+        return "the earlier run has no results of it"
+    # An incomplete row runs again: what kept a gate from running (the hub, an incumbent) may be mended since.
+    if record.status not in (PASSED, FAILED):
+        return f"it ended {record.status}"
+    if record.identity.config_sha256 != config.sha256:
+        return "its config file changed"
+    now = versions()
+    if record.environment.versions != now:
+        was = record.environment.versions or {}
+        moved = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+        return "versions differ: " + ", ".join(f"{k} {was.get(k)} -> {now.get(k)}" for k in moved)
+    if record.evaluation.num_questions_evaluated != config.num_questions:
+        return f"{record.evaluation.num_questions_evaluated} questions then, {config.num_questions} now"
+    if not same_questions(record.environment.gsm8k, task_data(config, data).describe()):
+        return "other questions (the task's files differ)"
+    if record.mutation != mutation:
+        return f"mutation {record.mutation} then, {mutation} now"
+    return None
 
 
 def write_run_reports(

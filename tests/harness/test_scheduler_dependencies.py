@@ -70,9 +70,11 @@ def test_resume_reruns_a_row_whose_baseline_runs_again(tmp_path):
 
     finished(base, "passed")
     finished(user, "passed")
-    assert sorted(resumable_outcomes(run_root, [base, user], data, None, {1: 0})) == [0, 1]
+    assert sorted(resumable_outcomes(run_root, [base, user], data, None, {1: 0}).kept) == [0, 1]
     finished(base, "error")  # the baseline ended in an infrastructure error: it runs again, so does its user
-    assert sorted(resumable_outcomes(run_root, [base, user], data, None, {1: 0})) == []
+    resumed = resumable_outcomes(run_root, [base, user], data, None, {1: 0})
+    assert resumed.kept == {}
+    assert resumed.rerun == {0: "it ended error", 1: "its baseline_config M-BF16-vllm runs again"}
     assert (config_run_dir(run_root, user) / "attempts" / "1" / "results.json").is_file()  # kept, aside
 
 
@@ -114,4 +116,46 @@ def test_resume_keeps_a_row_whose_questions_were_read_from_another_folder(tmp_pa
         "mutation": None,
     }
     (run_dir / "results.json").write_text(json.dumps(record))
-    assert list(resumable_outcomes(tmp_path / "run", [config], here, None, {})) == [0]
+    assert list(resumable_outcomes(tmp_path / "run", [config], here, None, {}).kept) == [0]
+
+
+def test_resume_says_why_a_row_runs_again(tmp_path):
+    """A resumed run that runs a finished row again says why, naming what changed: on the H200 a resume
+    after FlashInfer became importable ran both finished rows again, silently, for a version the rows do
+    not use (the earlier files are kept under attempts/)."""
+    import json
+
+    from moe_eval.cli import resumable_outcomes
+    from moe_eval.core.results import versions
+    from moe_eval.evaluate.gsm8k import Gsm8kData
+    from moe_eval.plan.config import parse_config
+    from moe_eval.runner import config_run_dir, task_data
+
+    config = parse_config(
+        tmp_path / "configs" / "fam" / "M-BF16-vllm.yaml",
+        "model_name: m\naccuracy_threshold: 0.5\nnum_questions: 4\nnum_fewshot: 5\n",
+    )
+    data, run_root = Gsm8kData(None), tmp_path / "run"
+    run_dir = config_run_dir(run_root, config)
+    run_dir.mkdir(parents=True)
+    record = {
+        "status": "passed",
+        "config_sha256": config.sha256,
+        "versions": {**versions(), "flashinfer": "0.0.test"},
+        "num_questions_evaluated": 4,
+        "gsm8k": task_data(config, data).describe(),
+        "mutation": None,
+    }
+    (run_dir / "results.json").write_text(json.dumps(record))
+    resumed = resumable_outcomes(run_root, [config], data, None, {})
+    assert resumed.kept == {}
+    assert resumed.rerun == {0: f"versions differ: flashinfer 0.0.test -> {versions().get('flashinfer')}"}
+    assert (run_dir / "attempts" / "1" / "results.json").is_file()
+
+    other = parse_config(
+        config.path.with_name("N-BF16-vllm.yaml"),
+        "model_name: m\naccuracy_threshold: 0.5\nnum_questions: 4\nnum_fewshot: 5\n",
+    )
+    assert resumable_outcomes(run_root, [other], data, None, {}).rerun == {
+        0: "the earlier run has no results of it"
+    }
