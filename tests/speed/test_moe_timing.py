@@ -196,3 +196,27 @@ def test_a_rank_that_wrote_no_timing_leaves_the_gate_not_run():
     incumbent = SimpleNamespace(speed=timed, machine=None, results_path="ref")
     m = SimpleNamespace(speed=timed, incumbent=incumbent, machine=None)
     assert judge_speed(config, m, None) == "this row was timed on 1 of its 2 ranks"
+
+
+def test_a_range_whose_mean_is_a_few_calls_time_is_named_not_judged_never_passed():
+    """One call holding most of a range's time (a compile while serving) makes the mean that call's: judged,
+    the range would pass whatever the other row did, its excess drowned in the error. Either row's: not
+    judged, and said why."""
+
+    def timing(mean_us: float, spread_us: float, calls: int = 20) -> moe_timing.TimingSummary:
+        row = moe_timing.RangeTiming("M=1024-4095", calls, calls * 1500, mean_us, spread_us, mean_us / 1500)
+        return moe_timing.TimingSummary(1, ("device",), ("s",), ("triton",), (row,))
+
+    # 19 calls of 500 us and one of 1 s: mean ~50 ms, standard error ~ the mean
+    calls = [500.0] * 19 + [1_000_000.0]
+    mean = sum(calls) / len(calls)
+    spread = (sum((c - mean) ** 2 for c in calls) / (len(calls) - 1)) ** 0.5
+    compiled, plain, slow = timing(mean, spread), timing(500.0, 50.0), timing(2_000.0, 50.0)
+    for row, reference, who in ((slow, compiled, "the reference"), (compiled, plain, "this row")):
+        (judged,) = compare(row, reference, 0.15)
+        assert judged.passed is None and judged.why_not.startswith(f"{who}'s calls spread too wide")
+        check, _ = speed_check(row, reference, 0.15, "ref")
+        assert check is None  # nothing judged: the gate is not run, not a pass
+    # the eager ranges' real noise (3-23 % standard error) is still judged
+    (noisy,) = compare(timing(560.0, 560.0 * 0.23 * 20**0.5), plain, 0.15)
+    assert noisy.passed is not None
