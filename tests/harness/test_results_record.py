@@ -299,3 +299,25 @@ def test_a_speed_section_with_a_ratio_of_another_type_is_refused():
     speed["ranges"][0]["ratio"] = "x1.06"
     with pytest.raises(jsonschema.ValidationError, match="'x1.06' is not of type 'number', 'null'"):
         jsonschema.validate(record | {"speed": speed}, schema)
+
+
+def test_the_layer_checks_payload_types_list_the_fields_of_the_dataclasses_that_write_them():
+    """core/gate_payloads.py describes the layer check's section for the schema; gates/layer_gate.py's
+    dataclasses write it (asdict). The two lists are kept in step here: a field added to one alone fails."""
+    from dataclasses import fields
+    from typing import get_type_hints
+
+    from moe_eval.core import gate_payloads as payloads
+    from moe_eval.gates import layer_gate
+
+    pairs = [
+        (payloads.LayerCheckLimits, layer_gate.LayerCheckLimits),
+        (payloads.LayerRange, layer_gate.RangeRow),
+        (payloads.ScaleCell, layer_gate.ExpertCell),
+        (payloads.LayerPower, layer_gate.PowerRow),
+    ]
+    for typed, written in pairs:
+        assert set(get_type_hints(typed)) == {f.name for f in fields(written)}, (
+            typed.__name__,
+            written.__name__,
+        )
