@@ -519,6 +519,15 @@ class SweepRound(TypedDict):
     """per range, the cells still owed after it"""
 
 
+class TopUp(TypedDict):
+    """More units of the ranges the sweep called too few times for the speed gate (evaluate/moe_speed.py)."""
+
+    units: dict[str, int]
+    """per range, the units sent"""
+    requests: int
+    """requests they took"""
+
+
 class Workload(TypedDict):
     """The requests sent to reach every dispatch range (evaluate/layer_sweep.py sweep, reach_every_range)."""
 
@@ -540,6 +549,8 @@ class Workload(TypedDict):
     """the dispatch ranges' lower edges (tokens) the sweep aimed at"""
     rounds: NotRequired[list[SweepRound]]
     """the layer check's extra rounds"""
+    top_up: NotRequired[TopUp]
+    """a speed-gated row's more units of the ranges the sweep called under the gate's MIN_CALLS times"""
 
 
 class TimingCapture(TypedDict):

@@ -175,6 +175,30 @@ def fill_cells(
     return rounds
 
 
+def send_units(
+    base_url: str,
+    model: str,
+    pool: list[int],
+    units: dict[str, int],
+    *,
+    max_tokens_per_call: int,
+    model_len: int,
+    timeout: float,
+    retries: int,
+    first_index: int,
+) -> dict[str, Any]:
+    """`units[name]` more units of each range's workload (RANGE_UNITS), prompts from first_index on: the speed
+    measurement's top-up of ranges the sweep called too few times (evaluate/moe_speed.py)."""
+    index = first_index
+    for name, count in units.items():
+        for _ in range(count):
+            payloads, concurrency = _unit(name, pool, index, model, max_tokens_per_call, model_len)
+            index += len(payloads)
+            if payloads:
+                _post(base_url, payloads, concurrency, timeout, retries)
+    return {"units": dict(units), "requests": index - first_index}
+
+
 def _unit(
     name: str, pool: list[int], index: int, model: str, max_tokens_per_call: int, model_len: int
 ) -> tuple[list[dict], int]:

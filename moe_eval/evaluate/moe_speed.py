@@ -8,22 +8,38 @@ workload's per-range MoE time (core/moe_timing.summarize). On a row with the lay
 feeds the check, so the measurement costs two readings (~2 s); a row without it sends the sweep for the timing
 alone. The layer check's own kernels run after each timed call, outside the bracket.
 
+On a speed-gated row, a range the sweep called fewer than the gate's MIN_CALLS times (the prefill ranges of a
+model of few MoE layers: the two-layer twins made 2-12 calls there on the H200) gets more units of its
+workload before the second reading (`top_up_units`; `timing.workload.top_up` in results.json), so the gate
+judges it; the decode ranges get far more calls than that from the sweep alone.
+
 End to end, from the client: each single prefill's tokens per second (median of its three) and each decode
 batch's wall time per generated token (which includes its 16-token prompts' prefill).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from moe_eval.core import moe_timing
-from moe_eval.core.plugin_protocol import DEFAULT_MAX_TOKENS, STATS_INTERVAL_SECONDS
+from moe_eval.core.plugin_protocol import (
+    DEFAULT_MAX_TOKENS,
+    LAYER_RANGE_EDGES,
+    STATS_INTERVAL_SECONDS,
+    layer_range_names,
+)
 from moe_eval.evaluate.gsm8k import Gsm8kData
-from moe_eval.evaluate.layer_sweep import DECODE_TOKENS, sweep, workload_pool
+from moe_eval.evaluate.layer_sweep import DECODE_BATCHES, DECODE_TOKENS, send_units, sweep, workload_pool
+from moe_eval.gates.speed import MIN_CALLS
 from moe_eval.plan.config import EvalConfig
+
+# At most this many more units of one range (a range the sweep called once asks for 17): each is at most
+# two batched-token limits of prompts, a fraction of a second on the H200.
+MAX_TOP_UP_UNITS = 2 * MIN_CALLS
 
 
 def timed_sweep(
@@ -38,20 +54,38 @@ def timed_sweep(
     """(what was sent with its wall times, the per-range MoE time of those calls). pool: layer_sweep's
     workload_pool, when the caller has it already."""
     pool, model_len = pool or workload_pool(config, data, base_url, model)
+    per_call = max_tokens_per_call or DEFAULT_MAX_TOKENS
+    limits = {"model_len": model_len, "timeout": config.request_timeout_seconds}
+    retries = max(config.max_retries, 1)
     time.sleep(2 * STATS_INTERVAL_SECONDS)  # every process's flusher wrote what came before
     before = moe_timing.read_folder(run_dir)
-    sent = sweep(
-        base_url,
-        model,
-        pool,
-        max_tokens_per_call=max_tokens_per_call or DEFAULT_MAX_TOKENS,
-        model_len=model_len,
-        timeout=config.request_timeout_seconds,
-        retries=max(config.max_retries, 1),
-    )
+    sent = sweep(base_url, model, pool, max_tokens_per_call=per_call, retries=retries, **limits)
+    if config.speed_gated:
+        time.sleep(2 * STATS_INTERVAL_SECONDS)
+        first = moe_timing.summarize(moe_timing.since(moe_timing.read_folder(run_dir), before))
+        units = top_up_units(first)
+        if units:
+            sent["top_up"] = send_units(
+                base_url, model, pool, units, max_tokens_per_call=per_call, retries=retries,
+                first_index=sent["requests"], **limits,
+            )  # fmt: skip
+            sent["requests"] += sent["top_up"]["requests"]  # the layer check's prompts continue after these
     time.sleep(2 * STATS_INTERVAL_SECONDS)
     after = moe_timing.read_folder(run_dir)
     return sent, moe_timing.summarize(moe_timing.since(after, before))
+
+
+def top_up_units(first: moe_timing.TimingSummary, min_calls: int = MIN_CALLS) -> dict[str, int]:
+    """Per prefill-only range (above the sweep's decode batches) the sweep called 0 < c < min_calls times:
+    more units of its workload (RANGE_UNITS), enough if a unit adds two thirds of what the sweep did there
+    (two single prompts where the sweep sent three; a batched prefill adds about as many as the sweep's)."""
+    names = layer_range_names()
+    prefill_only = {names[i] for i, low in enumerate(LAYER_RANGE_EDGES) if low > max(DECODE_BATCHES)}
+    return {
+        r.range: min(MAX_TOP_UP_UNITS, math.ceil(1.5 * (min_calls - r.calls) / r.calls))
+        for r in first.ranges
+        if r.range in prefill_only and 0 < r.calls < min_calls
+    }
 
 
 def end_to_end(sent: dict[str, Any]) -> dict[str, Any]:

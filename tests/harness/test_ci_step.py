@@ -189,4 +189,5 @@ def test_resume_after_an_interrupted_run_finishes_only_the_rest(tmp_path, gsm8k_
         interrupted / "cpu" / rest.stem / "attempts" / "1" / "server.log"
     ).exists()  # the cancelled attempt, kept
     assert "1 kept from the earlier run" in stderr
+    assert f"--resume: runs {rest.stem}: it ended cancelled" in stderr  # why it runs again, said
     assert not left_running(tmp_path), left_running(tmp_path)

@@ -220,3 +220,39 @@ def test_a_range_whose_mean_is_a_few_calls_time_is_named_not_judged_never_passed
     # the eager ranges' real noise (3-23 % standard error) is still judged
     (noisy,) = compare(timing(560.0, 560.0 * 0.23 * 20**0.5), plain, 0.15)
     assert noisy.passed is not None
+
+
+def test_top_up_asks_for_enough_units_of_the_prefill_ranges_called_too_few_times():
+    from moe_eval.evaluate.moe_speed import MAX_TOP_UP_UNITS, top_up_units
+
+    def called(calls: dict[str, int]) -> moe_timing.TimingSummary:
+        ranges = tuple(moe_timing.RangeTiming(name, n, n, 100.0, 0.0, 1.0) for name, n in calls.items())
+        return moe_timing.TimingSummary(1, ("device",), ("s",), ("triton",), ranges)
+
+    # the Qwen3 twin's bundled row on the H200 (two layers): 6, 8 and 4 calls in the prefill ranges
+    calls = {"M=1": 22, "M=2-16": 58, "M=257-1023": 6, "M=1024-4095": 8, "M>=4096": 4}
+    units = top_up_units(called(calls))
+    assert units == {"M=257-1023": 2, "M=1024-4095": 1, "M>=4096": 3}  # never the decode ranges
+    # each unit adds at least two thirds of the sweep's calls there: enough for MIN_CALLS
+    assert all(calls[r] + n * calls[r] * 2 / 3 >= MIN_CALLS for r, n in units.items())
+    assert top_up_units(called({"M>=4096": 1})) == {"M>=4096": min(MAX_TOP_UP_UNITS, 17)}
+    assert top_up_units(called({"M=257-1023": MIN_CALLS, "M>=4096": 0})) == {}  # enough, or never reached
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_a_speed_gated_two_layer_row_tops_up_its_prefill_ranges_to_be_judged(tmp_path, gsm8k_dir):
+    """The random tiny MoE has two layers: the sweep's three single prompts make 6 calls in M=257-1023, under
+    the gate's MIN_CALLS. Speed-gated (as on a GPU), its server gets more units there before the second
+    reading, and every range the top-up named ends with enough calls; results.json says what was sent."""
+    from tests.conftest import run_args, run_cli, tiny_config
+    from tests.harness.running import result_record
+
+    config = tiny_config(tmp_path, "Tiny-BF16-vllm", questions=4, extra="speed_gate: true\n")
+    result = run_cli(run_args(tmp_path, gsm8k_dir, config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = result_record(tmp_path, config.stem)
+    top_up = record["timing"]["workload"]["top_up"]
+    assert "M=257-1023" in top_up["units"] and top_up["requests"] > 0
+    calls = {r["range"]: r["calls"] for r in record["timing"]["moe"]["ranges"]}
+    assert all(calls[name] >= MIN_CALLS for name in top_up["units"]), calls
