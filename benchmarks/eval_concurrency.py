@@ -10,8 +10,10 @@ server's first requests (6-8 s more on the H200 canary, 2026-12-04). Per pass: s
 from the first request sent to the last answer received (the rest is lm-eval building the task and
 scoring: ~6 s a pass on this CPU whatever the concurrency), output tokens (the server's /tokenize of each
 answer), accuracy, and against the first pass the questions whose answer text changed and the paired
-McNemar test the harness's paired gate runs. `--limit` sets the questions (a random-weight twin's config
-asks for 8; the study wants hundreds of full-length answers).
+McNemar test the harness's paired gate runs. The passes share one server, so later ones find the few-shot
+prefixes in vLLM's prefix cache (the warm-up fills it first): a pass differs from the first by its
+concurrency and by run-to-run batching, not by a cold cache. `--limit` sets the questions (a random-weight
+twin's config asks for 8; the study wants hundreds of full-length answers).
 
     python benchmarks/eval_concurrency.py CONFIG.yaml --hw h200 --concurrency 16 64 256 --limit 200 \
         [--gsm8k-dir DIR] --out ROW.json
@@ -65,6 +67,17 @@ class RequestClock:
                 self.last_received = time.monotonic()
 
         api.amodel_call = timed
+        inner_sync = api.model_call
+
+        def timed_sync(model_self, *args, **kwargs):  # lm-eval's path at concurrency 1
+            now = time.monotonic()
+            self.first_sent = now if self.first_sent is None else min(self.first_sent, now)
+            try:
+                return inner_sync(model_self, *args, **kwargs)
+            finally:
+                self.last_received = time.monotonic()
+
+        api.model_call = timed_sync
 
     def reset(self) -> None:
         self.first_sent = self.last_received = None

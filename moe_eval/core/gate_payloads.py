@@ -441,6 +441,9 @@ class SpeedGate(TypedDict):
     """calls both rows need in a range for it to be judged"""
     z: NotRequired[float]
     """absent in records before the z rule"""
+    max_relative_error: NotRequired[float]
+    """a range either row's mean has a standard error above this share of is not judged unless it fails
+    (absent in records before the rule)"""
     timed_on: list[str]
     """device (every call, CUDA-graph replays included) or host"""
     ranges: list[SpeedRange]

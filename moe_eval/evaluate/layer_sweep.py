@@ -189,14 +189,16 @@ def send_units(
 ) -> dict[str, Any]:
     """`units[name]` more units of each range's workload (RANGE_UNITS), prompts from first_index on: the speed
     measurement's top-up of ranges the sweep called too few times (evaluate/moe_speed.py)."""
-    index = first_index
+    index, sent = first_index, {}
     for name, count in units.items():
         for _ in range(count):
             payloads, concurrency = _unit(name, pool, index, model, max_tokens_per_call, model_len)
+            if not payloads:  # the server cannot make such calls: nothing to send, nothing to record
+                break
             index += len(payloads)
-            if payloads:
-                _post(base_url, payloads, concurrency, timeout, retries)
-    return {"units": dict(units), "requests": index - first_index}
+            _post(base_url, payloads, concurrency, timeout, retries)
+            sent[name] = sent.get(name, 0) + 1
+    return {"units": sent, "requests": index - first_index}
 
 
 def _unit(

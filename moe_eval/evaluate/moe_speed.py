@@ -8,10 +8,12 @@ workload's per-range MoE time (core/moe_timing.summarize). On a row with the lay
 feeds the check, so the measurement costs two readings (~2 s); a row without it sends the sweep for the timing
 alone. The layer check's own kernels run after each timed call, outside the bracket.
 
-On a speed-gated row, a range the sweep called fewer than the gate's MIN_CALLS times (the prefill ranges of a
-model of few MoE layers: the two-layer twins made 2-12 calls there on the H200) gets more units of its
-workload before the second reading (`top_up_units`; `timing.workload.top_up` in results.json), so the gate
-judges it; the decode ranges get far more calls than that from the sweep alone.
+A prefill range the sweep called fewer than the gate's MIN_CALLS times (a model of few MoE layers: the
+two-layer twins made 2-12 calls there on the H200) gets more units of its workload before the second reading
+(`top_up_units`; `timing.workload.top_up` in results.json), so the gate can judge it; the decode ranges get
+far more calls than that from the sweep alone. Units follow each row's own first reading, so a row and its
+reference can differ by a unit where chunked prefill packed their batched prompts otherwise: the gate
+compares the mean call of a range, not the workload's total.
 
 End to end, from the client: each single prefill's tokens per second (median of its three) and each decode
 batch's wall time per generated token (which includes its 16-token prompts' prefill).
@@ -60,7 +62,8 @@ def timed_sweep(
     time.sleep(2 * STATS_INTERVAL_SECONDS)  # every process's flusher wrote what came before
     before = moe_timing.read_folder(run_dir)
     sent = sweep(base_url, model, pool, max_tokens_per_call=per_call, retries=retries, **limits)
-    if config.speed_gated:
+    # Every timed row, not only gated ones: a row and its reference must send the same kinds of top-up.
+    if config.moe_timing:
         time.sleep(2 * STATS_INTERVAL_SECONDS)
         first = moe_timing.summarize(moe_timing.since(moe_timing.read_folder(run_dir), before))
         units = top_up_units(first)

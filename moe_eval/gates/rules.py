@@ -194,7 +194,9 @@ def judge_speed(config: EvalConfig, m: Measurements, out: Judgement) -> str | No
     check, section = speed_check(m.speed, reference, config.speed_margin, str(m.incumbent.results_path))
     out.sections["speed"] = section
     if check is None:
-        return "no dispatch range has enough timed calls in both this row and the reference"
+        return "no dispatch range could be judged: " + "; ".join(
+            f"{r['range']}: {r['why_not']}" for r in section["ranges"]
+        )
     out.checks.append(check)
     return None
 

@@ -374,3 +374,7 @@ def test_the_speed_gate_is_a_gpus_and_judges_each_range_against_the_incumbents(c
     ):
         got = judge(gpu, dataclasses.replace(m, **change))
         assert got.verdict == "incomplete" and why in _by_name(got)["speed_not_run"].detail
+    # No range judged: the not-run reason names each range's own why
+    few = dataclasses.replace(m, speed=_timed({"M=1": 10.0, "M=2-16": 11.0}, calls=3))
+    detail = _by_name(judge(gpu, few))["speed_not_run"].detail
+    assert "no dispatch range could be judged: M=1: fewer than 12 calls timed (3 here, 100 there)" in detail

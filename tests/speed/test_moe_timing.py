@@ -217,6 +217,10 @@ def test_a_range_whose_mean_is_a_few_calls_time_is_named_not_judged_never_passed
         assert judged.passed is None and judged.why_not.startswith(f"{who}'s calls spread too wide")
         check, _ = speed_check(row, reference, 0.15, "ref")
         assert check is None  # nothing judged: the gate is not run, not a pass
+    # a row slower beyond SPEED_Z standard errors even so still fails: only a pass is withheld
+    wide_reference = timing(1000.0, 510.0 * 20**0.5)
+    (clear,) = compare(timing(3000.0, 30.0 * 20**0.5), wide_reference, 0.15)
+    assert clear.passed is False and clear.z > 3
     # the eager ranges' real noise (3-23 % standard error) is still judged
     (noisy,) = compare(timing(560.0, 560.0 * 0.23 * 20**0.5), plain, 0.15)
     assert noisy.passed is not None
@@ -230,9 +234,9 @@ def test_top_up_asks_for_enough_units_of_the_prefill_ranges_called_too_few_times
         return moe_timing.TimingSummary(1, ("device",), ("s",), ("triton",), ranges)
 
     # the Qwen3 twin's bundled row on the H200 (two layers): 6, 8 and 4 calls in the prefill ranges
-    calls = {"M=1": 22, "M=2-16": 58, "M=257-1023": 6, "M=1024-4095": 8, "M>=4096": 4}
+    calls = {"M=1": 22, "M=2-16": 58, "M=65-256": 5, "M=257-1023": 6, "M=1024-4095": 8, "M>=4096": 4}
     units = top_up_units(called(calls))
-    assert units == {"M=257-1023": 2, "M=1024-4095": 1, "M>=4096": 3}  # never the decode ranges
+    assert units == {"M=257-1023": 2, "M=1024-4095": 1, "M>=4096": 3}  # never a decode range (M=65-256: 5)
     # each unit adds at least two thirds of the sweep's calls there: enough for MIN_CALLS
     assert all(calls[r] + n * calls[r] * 2 / 3 >= MIN_CALLS for r, n in units.items())
     assert top_up_units(called({"M>=4096": 1})) == {"M>=4096": min(MAX_TOP_UP_UNITS, 17)}
@@ -241,14 +245,14 @@ def test_top_up_asks_for_enough_units_of_the_prefill_ranges_called_too_few_times
 
 @pytest.mark.server
 @pytest.mark.slow
-def test_a_speed_gated_two_layer_row_tops_up_its_prefill_ranges_to_be_judged(tmp_path, gsm8k_dir):
+def test_a_timed_two_layer_row_tops_up_its_prefill_ranges_to_be_judged(tmp_path, gsm8k_dir):
     """The random tiny MoE has two layers: the sweep's three single prompts make 6 calls in M=257-1023, under
-    the gate's MIN_CALLS. Speed-gated (as on a GPU), its server gets more units there before the second
-    reading, and every range the top-up named ends with enough calls; results.json says what was sent."""
+    the gate's MIN_CALLS. Its server gets more units there before the second reading, and every range the
+    top-up named ends with enough calls; results.json says what was sent."""
     from tests.conftest import run_args, run_cli, tiny_config
     from tests.harness.running import result_record
 
-    config = tiny_config(tmp_path, "Tiny-BF16-vllm", questions=4, extra="speed_gate: true\n")
+    config = tiny_config(tmp_path, "Tiny-BF16-vllm", questions=4)
     result = run_cli(run_args(tmp_path, gsm8k_dir, config))
     assert result.returncode == 0, result.stderr[-3000:]
     record = result_record(tmp_path, config.stem)
@@ -256,3 +260,33 @@ def test_a_speed_gated_two_layer_row_tops_up_its_prefill_ranges_to_be_judged(tmp
     assert "M=257-1023" in top_up["units"] and top_up["requests"] > 0
     calls = {r["range"]: r["calls"] for r in record["timing"]["moe"]["ranges"]}
     assert all(calls[name] >= MIN_CALLS for name in top_up["units"]), calls
+
+
+def test_top_up_prompts_continue_after_the_sweeps_and_never_repeat_one(monkeypatch):
+    """Prefix caching would shorten a call whose prompt was sent before: the top-up's prompts start after the
+    sweep's (first_index = the sweep's requests), and what it reports sent is what it sent."""
+    from moe_eval.evaluate import layer_sweep
+
+    posted: list[tuple[int, ...]] = []
+    monkeypatch.setattr(
+        layer_sweep, "_post", lambda url, payloads, concurrency, timeout, retries: posted.extend(
+            tuple(p["prompt"]) for p in payloads
+        )
+    )  # fmt: skip
+    pool = list(range(50_000))  # distinct ids: two prompts are equal only if they start at the same offset
+    limits = {"max_tokens_per_call": 8192, "model_len": 8192, "timeout": 1.0, "retries": 1}
+    sent = layer_sweep.sweep("http://x", "m", pool, **limits)
+    assert len(posted) == sent["requests"]
+    units = {"M=257-1023": 2, "M=1024-4095": 1, "M>=4096": 1, "M=1": 0}
+    top_up = layer_sweep.send_units("http://x", "m", pool, units, first_index=sent["requests"], **limits)
+    assert top_up["units"] == {"M=257-1023": 2, "M=1024-4095": 1, "M>=4096": 1}
+    assert len(posted) == sent["requests"] + top_up["requests"]
+    assert len(set(posted)) == len(posted)
+    # the first top-up prompt is the one after the sweep's last
+    assert posted[sent["requests"]] == tuple(layer_sweep._prompt(pool, 600, sent["requests"] + 1))
+    # a range the server cannot reach sends nothing and is not reported sent
+    small = {**limits, "max_tokens_per_call": 2048, "model_len": 2048}
+    assert layer_sweep.send_units("http://x", "m", pool, {"M>=4096": 3}, first_index=0, **small) == {
+        "units": {},
+        "requests": 0,
+    }
