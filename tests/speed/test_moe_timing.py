@@ -246,9 +246,11 @@ def test_top_up_asks_for_enough_units_of_the_prefill_ranges_called_too_few_times
 @pytest.mark.server
 @pytest.mark.slow
 def test_a_timed_two_layer_row_tops_up_its_prefill_ranges_to_be_judged(tmp_path, gsm8k_dir):
-    """The random tiny MoE has two layers: the sweep's three single prompts make 6 calls in M=257-1023, under
-    the gate's MIN_CALLS. Its server gets more units there before the second reading, and every range the
-    top-up named ends with enough calls; results.json says what was sent."""
+    """The random tiny MoE has two layers: the sweep's own prompts make 6-11 calls in a prefill range (which
+    one falls short depends on how the server batched the decode batches' prompts: M=257-1023 in one run,
+    M=1024-4095 in another), under the gate's MIN_CALLS. Its server gets more units of the short ranges
+    before the second reading: every prefill range it reached ends with enough calls to be judged, and
+    results.json says what the top-up sent."""
     from tests.conftest import run_args, run_cli, tiny_config
     from tests.harness.running import result_record
 
@@ -256,10 +258,13 @@ def test_a_timed_two_layer_row_tops_up_its_prefill_ranges_to_be_judged(tmp_path,
     result = run_cli(run_args(tmp_path, gsm8k_dir, config))
     assert result.returncode == 0, result.stderr[-3000:]
     record = result_record(tmp_path, config.stem)
-    top_up = record["timing"]["workload"]["top_up"]
-    assert "M=257-1023" in top_up["units"] and top_up["requests"] > 0
+    workload = record["timing"]["workload"]
     calls = {r["range"]: r["calls"] for r in record["timing"]["moe"]["ranges"]}
-    assert all(calls[name] >= MIN_CALLS for name in top_up["units"]), calls
+    reached = [name for name in ("M=257-1023", "M=1024-4095", "M>=4096") if calls.get(name, 0) > 0]
+    assert reached, calls
+    assert all(calls[name] >= MIN_CALLS for name in reached), (calls, workload.get("top_up"))
+    top_up = workload.get("top_up", {"units": {}, "requests": 0})
+    assert set(top_up["units"]) <= set(reached) and (top_up["requests"] > 0) == bool(top_up["units"])
 
 
 def test_top_up_prompts_continue_after_the_sweeps_and_never_repeat_one(monkeypatch):
