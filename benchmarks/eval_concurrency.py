@@ -26,6 +26,7 @@ that concurrency (the way `moe-eval run` pairs two configs of one list).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -50,34 +51,33 @@ WARMUP_QUESTIONS = 8
 
 class RequestClock:
     """When lm-eval sent its first request and received its last answer: wraps the harness's client
-    (lm_eval_model.ProgressCompletionsAPI.amodel_call) for this benchmark's process only."""
+    (lm_eval_model.ProgressCompletionsAPI: amodel_call, and model_call, lm-eval's path at concurrency 1) for
+    this benchmark's process only."""
 
     def __init__(self) -> None:
         self.first_sent: float | None = None
         self.last_received: float | None = None
         api = lm_eval_model.ProgressCompletionsAPI
-        inner = api.amodel_call
+        inner_async, inner_sync = api.amodel_call, api.model_call
 
-        async def timed(model_self, *args, **kwargs):
-            now = time.monotonic()
-            self.first_sent = now if self.first_sent is None else min(self.first_sent, now)
-            try:
-                return await inner(model_self, *args, **kwargs)
-            finally:
-                self.last_received = time.monotonic()
+        async def timed_async(model_self, *args, **kwargs):
+            with self._span():
+                return await inner_async(model_self, *args, **kwargs)
 
-        api.amodel_call = timed
-        inner_sync = api.model_call
-
-        def timed_sync(model_self, *args, **kwargs):  # lm-eval's path at concurrency 1
-            now = time.monotonic()
-            self.first_sent = now if self.first_sent is None else min(self.first_sent, now)
-            try:
+        def timed_sync(model_self, *args, **kwargs):
+            with self._span():
                 return inner_sync(model_self, *args, **kwargs)
-            finally:
-                self.last_received = time.monotonic()
 
-        api.model_call = timed_sync
+        api.amodel_call, api.model_call = timed_async, timed_sync
+
+    @contextlib.contextmanager
+    def _span(self):
+        now = time.monotonic()
+        self.first_sent = now if self.first_sent is None else min(self.first_sent, now)
+        try:
+            yield
+        finally:
+            self.last_received = time.monotonic()
 
     def reset(self) -> None:
         self.first_sent = self.last_received = None

@@ -156,21 +156,13 @@ def fill_cells(
         # Three rounds in a row that judged nothing more: the cells left are not reachable this way.
         if not wanted or stalled >= STALLED_ROUNDS or time.monotonic() >= deadline:
             break
-        sent_units = []
-        for name in wanted:
-            payloads, concurrency = _unit(name, pool, index, model, max_tokens_per_call, model_len)
-            index += len(payloads)
-            if payloads:
-                _post(base_url, payloads, concurrency, timeout, retries)
-                sent_units.append(name)
-        rounds.append(
-            {
-                "owed": wanted,
-                "sent": sent_units,
-                "requests": index - first_index - sum(r["requests"] for r in rounds),
-            }
-        )
-        if not sent_units:
+        sent = send_units(
+            base_url, model, pool, dict.fromkeys(wanted, 1), max_tokens_per_call=max_tokens_per_call,
+            model_len=model_len, timeout=timeout, retries=retries, first_index=index,
+        )  # fmt: skip
+        index += sent["requests"]
+        rounds.append({"owed": wanted, "sent": list(sent["units"]), "requests": sent["requests"]})
+        if not sent["units"]:
             break
     return rounds
 
@@ -187,8 +179,9 @@ def send_units(
     retries: int,
     first_index: int,
 ) -> dict[str, Any]:
-    """`units[name]` more units of each range's workload (RANGE_UNITS), prompts from first_index on: the speed
-    measurement's top-up of ranges the sweep called too few times (evaluate/moe_speed.py)."""
+    """`units[name]` more units of each range's workload (RANGE_UNITS), prompts from first_index on: a round
+    of fill_cells, and the speed measurement's top-up of ranges the sweep called too few times
+    (evaluate/moe_speed.py). Returns the units really sent (none for a range the server cannot reach)."""
     index, sent = first_index, {}
     for name, count in units.items():
         for _ in range(count):

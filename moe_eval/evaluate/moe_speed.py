@@ -62,17 +62,17 @@ def timed_sweep(
     time.sleep(2 * STATS_INTERVAL_SECONDS)  # every process's flusher wrote what came before
     before = moe_timing.read_folder(run_dir)
     sent = sweep(base_url, model, pool, max_tokens_per_call=per_call, retries=retries, **limits)
-    # Every timed row, not only gated ones: a row and its reference must send the same kinds of top-up.
-    if config.moe_timing:
-        time.sleep(2 * STATS_INTERVAL_SECONDS)
-        first = moe_timing.summarize(moe_timing.since(moe_timing.read_folder(run_dir), before))
-        units = top_up_units(first)
-        if units:
-            sent["top_up"] = send_units(
-                base_url, model, pool, units, max_tokens_per_call=per_call, retries=retries,
-                first_index=sent["requests"], **limits,
-            )  # fmt: skip
-            sent["requests"] += sent["top_up"]["requests"]  # the layer check's prompts continue after these
+    # Every timed row (the runner times only config.moe_timing rows), not only gated ones: a row and its
+    # reference must send the same kinds of top-up.
+    time.sleep(2 * STATS_INTERVAL_SECONDS)
+    first = moe_timing.summarize(moe_timing.since(moe_timing.read_folder(run_dir), before))
+    units = top_up_units(first)
+    if units:
+        sent["top_up"] = send_units(
+            base_url, model, pool, units, max_tokens_per_call=per_call, retries=retries,
+            first_index=sent["requests"], **limits,
+        )  # fmt: skip
+        sent["requests"] += sent["top_up"]["requests"]  # the layer check's prompts continue after these
     time.sleep(2 * STATS_INTERVAL_SECONDS)
     after = moe_timing.read_folder(run_dir)
     return sent, moe_timing.summarize(moe_timing.since(after, before))
