@@ -4,7 +4,7 @@ Why: the served calls of the twin's CUDA-graph rows (H200, docs/perf.md "Run 3 a
 took 16-24 % less than the kernel benchmark's at the same M, and at those sizes a call is weight-read bound:
 its time follows the experts it hits. The benchmark draws routes uniformly; the twin routes through its own
 (random-weight) router. This replays the sweep's decode workload on the CPU with transformers: the harness's
-prompt pool (`scoring_texts`, `layer_sweep._prompt`, DECODE_PROMPT_TOKENS-token prompts), greedy decoding of
+prompt pool (`scoring_texts`, `layer_sweep.TokenPool`, DECODE_PROMPT_TOKENS-token prompts), greedy decoding of
 DECODE_TOKENS tokens, each layer's router hooked (softmax in fp32, then top-8), and counts distinct experts
 over random sets of B sequences at one step (one decode call of batch B).
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_eval.evaluate.layer_sweep import DECODE_PROMPT_TOKENS, DECODE_TOKENS, _prompt
+from moe_eval.evaluate.layer_sweep import DECODE_PROMPT_TOKENS, DECODE_TOKENS, TokenPool
 from moe_eval.evaluate.logprobs import read_rows, scoring_texts
 from moe_eval.models.builtin import resolve_model
 
@@ -80,9 +80,9 @@ def main() -> None:
     path = resolve_model("builtin:twin-qwen3-30b-a3b")
     tokenizer = AutoTokenizer.from_pretrained(path)
     train, test = read_rows(args.gsm8k_dir / "train.jsonl"), read_rows(args.gsm8k_dir / "test.jsonl")
-    texts = scoring_texts(train, test, args.fewshot, min(16, len(test)))  # workload_pool's texts
-    pool = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
-    prompts = torch.tensor([_prompt(pool, DECODE_PROMPT_TOKENS, i + 1) for i in range(args.prompts)])
+    texts = scoring_texts(train, test, args.fewshot, min(16, len(test)))  # sweep_target's texts
+    pool = TokenPool(tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"])
+    prompts = torch.tensor([pool.prompt(DECODE_PROMPT_TOKENS, i + 1) for i in range(args.prompts)])
     started = time.time()
     model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     routes = decode_routes(model, prompts)

@@ -400,7 +400,7 @@ def _why_not_kept(record, config: EvalConfig, data, mutation: str | None) -> str
     """Why the earlier run's row of `config` cannot stand for this run (None: it can)."""
     from moe_eval.core.check import FAILED, PASSED
     from moe_eval.core.results import versions
-    from moe_eval.evaluate.gsm8k import same_questions
+    from moe_eval.evaluate.gsm8k import questions_difference
     from moe_eval.runner import task_data
 
     if record is None:
@@ -417,8 +417,9 @@ def _why_not_kept(record, config: EvalConfig, data, mutation: str | None) -> str
         return "versions differ: " + ", ".join(f"{k} {was.get(k)} -> {now.get(k)}" for k in moved)
     if record.evaluation.num_questions_evaluated != config.num_questions:
         return f"{record.evaluation.num_questions_evaluated} questions then, {config.num_questions} now"
-    if not same_questions(record.environment.gsm8k, task_data(config, data).describe()):
-        return "other questions (the task's files differ)"
+    questions = questions_difference(record.environment.gsm8k, task_data(config, data).describe())
+    if questions is not None:
+        return questions
     if record.mutation != mutation:
         return f"mutation {record.mutation} then, {mutation} now"
     return None

@@ -40,7 +40,7 @@ from moe_eval.core.record import (
 from moe_eval.core.results import cpu_model, versions, write_samples
 from moe_eval.core.status import StatusWriter
 from moe_eval.evaluate.gsm8k import Gsm8kData, canary_data, run_gsm8k
-from moe_eval.evaluate.layer_sweep import reach_every_range, workload_pool
+from moe_eval.evaluate.layer_sweep import reach_every_range, sweep_target
 from moe_eval.evaluate.moe_speed import end_to_end, timed_sweep
 from moe_eval.evaluate.serving import score_texts, server_launch, serving
 from moe_eval.gates.accuracy import GateResult
@@ -366,11 +366,11 @@ def _serve_and_evaluate(
         swept, speed = None, None
         if config.moe_timing or config.layer_checked:  # one sweep workload for both, read once
             per_call = _max_tokens_per_call(run_dir)
-            pool = workload_pool(config, data, server.base_url, model)
+            target = sweep_target(config, data, server.base_url, model, per_call)
         if config.moe_timing:
             _stage(options, "timing the MoE calls")
             clock = time.monotonic()
-            swept, speed = timed_sweep(config, data, server.base_url, model, run_dir, per_call, pool)
+            swept, speed = timed_sweep(target, run_dir)
             timings["speed_seconds"] = time.monotonic() - clock
             record.captures.timing = {
                 "moe": speed.as_dict(),
@@ -382,14 +382,7 @@ def _serve_and_evaluate(
             _stage(options, "layer check: reaching every dispatch range")
             clock = time.monotonic()
             record.captures.layer_sweep = reach_every_range(
-                config,
-                data,
-                server.base_url,
-                model,
-                per_call,
-                owed=lambda: owed_cells(config, run_dir),
-                swept=swept,
-                pool=pool,
+                config, target, owed=lambda: owed_cells(config, run_dir), swept=swept
             )
             timings["layer_sweep_seconds"] = time.monotonic() - clock
         # Read while the server still runs: the counters' flusher thread wrote them within its interval.

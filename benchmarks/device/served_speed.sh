@@ -1,31 +1,41 @@
 #!/usr/bin/env bash
 # Issue 42 on the lent H200: the served MoE calls' time per dispatch range, the speed gate, the eval's concurrency.
 #   STAGE=probe      the timer's stamp kernels compile and time a sleep on this GPU (seconds; no kit needed)
-#   STAGE=shipped    the GPU canary TP1 list (vLLM's Triton, bundled Triton, and with WITH_FI=1 FlashInfer
-#                    CUTLASS), LIMIT questions, into RUN_NAME (default shipped): every row timed, the bundled
-#                    rows gated on speed against vLLM's row
+#   STAGE=shipped    the GPU canary TP1 list (ROWS of: vllm = vLLM's Triton, bundled = the bundled Triton,
+#                    fi = FlashInfer CUTLASS; default "vllm bundled", and fi with WITH_FI=1), LIMIT questions,
+#                    one run into each name of RUN_NAME (default shipped; "fi-2 fi-3": two repeated runs, one
+#                    after the other): every row timed, the bundled rows gated on speed against vLLM's row
 #   STAGE=mutations  each of MUTATIONS on the bundled Triton row alone, with --baseline the shipped run (the
 #                    same config before the change): each must fail by speed_gate alone
 #   STAGE=twin       the Qwen3-30B-A3B twin's CUDA-graph pair (vLLM's Triton, bundled Triton; needs .gsm8k/), then
 #                    the kernel benchmark at that shape (Qwen3-30B-A3B TP1) at the M the sweep serves, the bundled
 #                    kernel and the installed vLLM's fused_experts interleaved: the served times beside it
-#   STAGE=concurrency  benchmarks/eval_concurrency.py on the canary's vLLM and bundled rows (CANARY_C, all
-#                    questions) and the twin's bundled row (TWIN_C, TWIN_Q GSM8K questions): seconds, tokens/s,
-#                    answers changed, the paired gate per concurrency
+#   STAGE=concurrency  benchmarks/eval_concurrency.py on CONCURRENCY_ROWS (default "canary-vllm canary-bundled
+#                    twin"): the canary's rows at CANARY_C, 200 questions; the twin's bundled row at TWIN_C,
+#                    TWIN_Q GSM8K questions: seconds, tokens/s, answers changed, the paired gate per concurrency
 # Results: $OUT/<stage>.tar.xz (results.json, logs, timing files; no weights), $OUT/<stage>.txt (the tables).
 # Usage (repo root on the device; carried: .vgpu/, and .fi-site/ from kernel_bench.sh STAGES=fi-build):
 #   OUT=... STAGE=shipped WITH_FI=1 LIMIT=100 bash benchmarks/device/served_speed.sh
+#   OUT=... STAGE=shipped WITH_FI=1 ROWS="vllm fi" RUN_NAME="fi-2 fi-3" bash benchmarks/device/served_speed.sh
+#   OUT=... STAGE=concurrency CONCURRENCY_ROWS=twin bash benchmarks/device/served_speed.sh
 set -u
 out="${OUT:-/tmp/speed-out}"; work=/tmp/speed; mkdir -p "$out" "$work"
 stage="${STAGE:?set STAGE}"; limit="${LIMIT:-100}"
 export MOE_EVAL_GOLDEN_CACHE=/tmp/goldens; mkdir -p "$MOE_EVAL_GOLDEN_CACHE"
 tp=configs/canary-gpu-tp
-rows=("$tp/Canary-Qwen3-MoE-BF16-vllm-triton.yaml" "$tp/Canary-Qwen3-MoE-BF16-triton.yaml")
+declare -A canary_row=([vllm]=vllm-triton [bundled]=triton [fi]=fi-cutlass)
+default_rows="vllm bundled"
 if [ "${WITH_FI:-0}" = 1 ]; then
   source benchmarks/device/fi_site.sh && require_fi_site
   export EXTRA_PYTHONPATH="$PWD/$FI_SITE"
-  rows+=("$tp/Canary-Qwen3-MoE-BF16-fi-cutlass.yaml")
+  default_rows+=" fi"
 fi
+rows=()
+for name in ${ROWS:-$default_rows}; do
+  [ -n "${canary_row[$name]:-}" ] || { echo "ROWS: no row named '$name' (vllm, bundled, fi)"; exit 2; }
+  if [ "$name" = "fi" ] && [ "${WITH_FI:-0}" != 1 ]; then echo "ROWS: fi needs WITH_FI=1"; exit 2; fi
+  rows+=("$tp/Canary-Qwen3-MoE-BF16-${canary_row[$name]}.yaml")
+done
 pack() {  # written under a temporary name, then renamed: a kill mid-pack leaves the last whole archive
   tar -C "$work" -cJf "$out/$stage.tar.xz.part" --exclude='*.safetensors' --exclude='triton-cache' . \
     && mv -f "$out/$stage.tar.xz.part" "$out/$stage.tar.xz"
@@ -70,10 +80,13 @@ print("M=2-16 after 2 eager + 100 replays:", row, "mean us", row[1] / row[0] / 1
 PY
     ;;
   shipped)
-    moe_eval run --hw h200 --limit "$limit" --output-dir "$work/${RUN_NAME:-shipped}" "${rows[@]}" \
-      > "$work/${RUN_NAME:-shipped}.log" 2>&1
-    echo "shipped: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/$stage.txt"
-    tail -40 "$work/${RUN_NAME:-shipped}.log" >> "$out/$stage.txt"
+    for run in ${RUN_NAME:-shipped}; do
+      t=$(date +%s)
+      moe_eval run --hw h200 --limit "$limit" --output-dir "$work/$run" "${rows[@]}" > "$work/$run.log" 2>&1
+      echo "$run: exit $? in $(( $(date +%s) - t )) s" | tee -a "$out/$stage.txt"
+      tail -40 "$work/$run.log" >> "$out/$stage.txt"
+      pack
+    done
     ;;
   twin)
     cg=configs/twins-cuda-graph
@@ -91,11 +104,17 @@ PY
     tail -30 "$work/bench.log" >> "$out/$stage.txt"
     ;;
   concurrency)
-    tp=configs/canary-gpu-tp
-    for row in "$tp/Canary-Qwen3-MoE-BF16-vllm-triton.yaml:${CANARY_C:-16 64 200}:200" \
-               "$tp/Canary-Qwen3-MoE-BF16-triton.yaml:${CANARY_C:-16 64 200}:200" \
-               "configs/twins-cuda-graph/Qwen3-30B-A3B-BF16-triton.yaml:${TWIN_C:-16 64 256}:${TWIN_Q:-512}"; do
-      IFS=: read -r config cs q <<< "$row"; name=$(basename "$config" .yaml); t=$(date +%s)
+    declare -A study=(
+      [canary-vllm]="$tp/Canary-Qwen3-MoE-BF16-vllm-triton.yaml:${CANARY_C:-16 64 200}:200"
+      [canary-bundled]="$tp/Canary-Qwen3-MoE-BF16-triton.yaml:${CANARY_C:-16 64 200}:200"
+      [twin]="configs/twins-cuda-graph/Qwen3-30B-A3B-BF16-triton.yaml:${TWIN_C:-16 64 256}:${TWIN_Q:-512}"
+    )
+    keys="${CONCURRENCY_ROWS:-canary-vllm canary-bundled twin}"
+    for key in $keys; do  # every name known before the first server starts
+      [ -n "${study[$key]:-}" ] || { echo "CONCURRENCY_ROWS: no row named '$key' (${!study[*]})"; exit 2; }
+    done
+    for key in $keys; do
+      IFS=: read -r config cs q <<< "${study[$key]}"; name=$(basename "$config" .yaml); t=$(date +%s)
       # shellcheck disable=SC2086
       PYTHONUNBUFFERED=1 moe_eval_bench benchmarks/eval_concurrency.py "$config" --hw h200 --gsm8k-dir .gsm8k \
         --concurrency $cs --limit "$q" --out "$work/concurrency/$name.json" > "$work/concurrency-$name.log" 2>&1

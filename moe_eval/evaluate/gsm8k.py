@@ -78,7 +78,7 @@ class Gsm8kData:
             return {
                 "source": "generated",
                 "task": CANARY_TASK,
-                # An identity compared by --resume (same_questions), not an import path: kept as it was
+                # An identity compared by --resume (questions_difference), not an import path: kept as it was
                 # recorded before the task's module moved to evaluate/canary_task.py.
                 "generator": "moe_eval.canary.task",
                 "seed": SPLIT_SEED,
@@ -132,15 +132,30 @@ def hub_preflight() -> str | None:
     return None
 
 
-def same_questions(recorded: dict[str, Any] | None, current: dict[str, Any]) -> bool:
-    """Whether a results file's `gsm8k` description names the questions `current` names: the same
-    source and file hashes; where the files lie is not part of it (a resumed run may read the same files
-    from another folder: seen on a GPU machine whose generated canary task sat under another HOME)."""
+def questions_difference(recorded: dict[str, Any] | None, current: dict[str, Any]) -> str | None:
+    """How a results file's `gsm8k` description and `current` name other questions (None: the same ones):
+    the source, then each file whose hash differs. Where the files lie is not part of it (a resumed run may
+    read the same files from another folder: seen on a GPU machine whose generated canary task sat under
+    another HOME)."""
+    if not recorded:
+        return "the earlier run recorded no description of its questions"
 
     def identity(described: dict[str, Any]) -> dict[str, Any]:
         return {key: value for key, value in described.items() if key != "dir"}
 
-    return recorded is not None and identity(recorded) == identity(current)
+    was, now = identity(recorded), identity(current)
+    if was == now:
+        return None
+    if was.get("source") != now.get("source"):
+        return f"questions from {was.get('source')} then, from {now.get('source')} now"
+    hashes_then, hashes_now = was.get("sha256") or {}, now.get("sha256") or {}
+    files = sorted(
+        name for name in set(hashes_then) | set(hashes_now) if hashes_then.get(name) != hashes_now.get(name)
+    )
+    if files:
+        return "other questions: " + ", ".join(files) + (" differs" if len(files) == 1 else " differ")
+    moved = sorted(key for key in set(was) | set(now) if was.get(key) != now.get(key))
+    return "other questions: " + ", ".join(f"{key} {was.get(key)} -> {now.get(key)}" for key in moved)
 
 
 def canary_data() -> Gsm8kData:

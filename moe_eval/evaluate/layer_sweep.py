@@ -17,14 +17,19 @@ server:
    or the config's layer_check_sweep_seconds are spent. The server picks the rows that fill the cells still
    short of slots (kernels/layer_check.py), so a round costs what the missing evidence costs.
 
-Prompts are token ids cut from a pool (the tokenized scoring texts), each starting at another offset so
-that prefix caching never shortens a call. What was sent is returned for results.json.
+Prompts are token ids cut from a pool (the tokenized scoring texts; `TokenPool`). Every scoring text starts
+with the same few-shot block, so two windows can start at the same place of two copies of it; a prompt
+starts only where its first PREFIX_BLOCK ids occur nowhere earlier in the pool, and each prompt of a server
+at another such place, so prefix caching never shortens a call. One `SweepTarget` (the server, its pool and
+the limits that shape the requests) is built per row and handed to every sender. What was sent is returned
+for results.json.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import requests
@@ -61,81 +66,122 @@ RANGE_UNITS = (
 )
 MAX_ROUNDS = 64
 STALLED_ROUNDS = 3
+# vLLM's prefix cache matches a prompt block by block from its start, in blocks of 16 tokens (CacheConfig's
+# default; some attention backends ask for larger ones): two prompts whose first 16 ids differ share none.
+PREFIX_BLOCK = 16
+# Consecutive prompts start this many pool offsets apart (a prime: every offset before one repeats), so
+# neighbouring requests come from distant text and route unlike each other.
+PROMPT_STRIDE = 9973
 FALLBACK_TEXT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May? Weng earns $12 an hour for babysitting. "
 )
 
 
+class TokenPool:
+    """Token ids that prompts are cut from, and the offsets a prompt may start at: each offset whose first
+    PREFIX_BLOCK ids (wrapping around) occur at no earlier offset. Prompt `index` starts at the index-th of
+    them in `stride` order, so prompts of distinct indices (fewer than len(starts)) share no cached block."""
+
+    def __init__(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("a token pool needs at least one id")
+        self.ids = ids
+        wrapped = ids + ids[: PREFIX_BLOCK - 1]
+        seen: set[tuple[int, ...]] = set()
+        self.starts: list[int] = []
+        for offset in range(len(ids)):
+            block = tuple(wrapped[offset : offset + PREFIX_BLOCK])
+            if block not in seen:
+                seen.add(block)
+                self.starts.append(offset)
+        # A stride that divides the count would send every prompt to the same offset.
+        self.stride = PROMPT_STRIDE if len(self.starts) % PROMPT_STRIDE else 1
+
+    def prompt(self, length: int, index: int) -> list[int]:
+        """`length` ids from the pool (wrapping around), from prompt `index`'s own offset."""
+        start = self.starts[(index * self.stride) % len(self.starts)]
+        return [self.ids[(start + i) % len(self.ids)] for i in range(length)]
+
+
+@dataclass(frozen=True)
+class SweepTarget:
+    """Where the sweep's requests go and what shapes them, for one row's server: its URL and model name, the
+    token pool of its prompts, its max_model_len, the largest MoE call its processes make (the batched-token
+    limit), and the config's request timeout and retries."""
+
+    base_url: str
+    model: str
+    pool: TokenPool
+    model_len: int
+    max_tokens_per_call: int
+    timeout: float
+    retries: int
+
+    def post(self, payloads: list[dict], concurrency: int) -> None:
+        post_completions(
+            self.base_url,
+            payloads,
+            lambda reply, i: reply.get("usage", {}),
+            concurrency=concurrency,
+            timeout=self.timeout,
+            retries=self.retries,
+            backoff=1.0,
+        )
+
+    def payload(self, length: int, tokens: int, index: int) -> dict:
+        """Prompt `index` of this server, `length` tokens long, generating `tokens` tokens greedily."""
+        return {
+            "model": self.model,
+            "prompt": self.pool.prompt(length, index),
+            "max_tokens": tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+
+
+def sweep_target(
+    config: EvalConfig, data: Gsm8kData, base_url: str, model: str, max_tokens_per_call: int | None
+) -> SweepTarget:
+    """The row's SweepTarget: the pool from the config's scoring texts by the server's tokenizer, the server's
+    max_model_len. max_tokens_per_call: the largest call the server's processes said they make (None or 0:
+    vLLM's default batched-token limit)."""
+    train, test = data.train_rows(), data.test_rows()
+    texts = scoring_texts(train, test, config.num_fewshot, min(16, len(test))) if test else []
+    timeout = config.request_timeout_seconds
+    return SweepTarget(
+        base_url=base_url,
+        model=model,
+        pool=TokenPool(token_pool(base_url, model, texts, timeout)),
+        model_len=max_model_len(base_url, timeout),
+        max_tokens_per_call=max_tokens_per_call or DEFAULT_MAX_TOKENS,
+        timeout=timeout,
+        retries=max(config.max_retries, 1),
+    )
+
+
 def reach_every_range(
     config: EvalConfig,
-    data: Gsm8kData,
-    base_url: str,
-    model: str,
-    max_tokens_per_call: int | None,
+    target: SweepTarget,
     owed: Callable[[], dict[str, int]] | None = None,
     swept: dict[str, Any] | None = None,
-    pool: tuple[list[int], int] | None = None,
 ) -> dict[str, Any]:
-    """The whole workload for a config's server: the pool from its scoring texts, the server's model length,
-    then `sweep` (unless `swept` says it was sent already: the speed measurement's timed pass, which is the
-    same sweep), then (with `owed`, fill_cells) the rounds until the check can judge its cells.
-    max_tokens_per_call: the largest call the server's processes said they make (None or 0: vLLM's default
-    batched-token limit). pool: `workload_pool`'s, when the caller has it already."""
-    timeout = config.request_timeout_seconds
+    """The whole workload for a config's server: `sweep` (unless `swept` says it was sent already: the speed
+    measurement's timed pass, which is the same sweep), then (with `owed`, fill_cells) the rounds until the
+    check can judge its cells or the config's layer_check_sweep_seconds are spent."""
     started = time.monotonic()
-    pool, model_len = pool or workload_pool(config, data, base_url, model)
-    per_call = max_tokens_per_call or DEFAULT_MAX_TOKENS
-    if swept is None:
-        sent = sweep(
-            base_url,
-            model,
-            pool,
-            max_tokens_per_call=per_call,
-            model_len=model_len,
-            timeout=timeout,
-            retries=max(config.max_retries, 1),
-        )
-    else:
-        sent = dict(swept)
+    sent = sweep(target) if swept is None else dict(swept)
     if owed is not None:
         sent["rounds"] = fill_cells(
-            base_url,
-            model,
-            pool,
-            owed,
-            deadline=started + config.layer_check_sweep_seconds,
-            max_tokens_per_call=per_call,
-            model_len=model_len,
-            timeout=timeout,
-            retries=max(config.max_retries, 1),
-            first_index=sent["requests"],
+            target, owed, deadline=started + config.layer_check_sweep_seconds, first_index=sent["requests"]
         )
         sent["requests"] += sum(r["requests"] for r in sent["rounds"])
         sent["seconds"] = round(time.monotonic() - started, 2)
     return sent
 
 
-def workload_pool(config: EvalConfig, data: Gsm8kData, base_url: str, model: str) -> tuple[list[int], int]:
-    """The prompts' token pool (the config's scoring texts by the server's tokenizer) and max_model_len."""
-    train, test = data.train_rows(), data.test_rows()
-    texts = scoring_texts(train, test, config.num_fewshot, min(16, len(test))) if test else []
-    timeout = config.request_timeout_seconds
-    return token_pool(base_url, model, texts, timeout), max_model_len(base_url, timeout)
-
-
 def fill_cells(
-    base_url: str,
-    model: str,
-    pool: list[int],
-    owed: Callable[[], dict[str, int]],
-    *,
-    deadline: float,
-    max_tokens_per_call: int,
-    model_len: int,
-    timeout: float,
-    retries: int,
-    first_index: int,
+    target: SweepTarget, owed: Callable[[], dict[str, int]], *, deadline: float, first_index: int
 ) -> list[dict[str, Any]]:
     """Step 4 of the module docstring. owed(): per range, the cells the layer check still cannot judge where
     the check needs them (the runner reads the processes' tables); what each round found and sent, for
@@ -156,10 +202,7 @@ def fill_cells(
         # Three rounds in a row that judged nothing more: the cells left are not reachable this way.
         if not wanted or stalled >= STALLED_ROUNDS or time.monotonic() >= deadline:
             break
-        sent = send_units(
-            base_url, model, pool, dict.fromkeys(wanted, 1), max_tokens_per_call=max_tokens_per_call,
-            model_len=model_len, timeout=timeout, retries=retries, first_index=index,
-        )  # fmt: skip
+        sent = send_units(target, dict.fromkeys(wanted, 1), first_index=index)
         index += sent["requests"]
         rounds.append({"owed": wanted, "sent": list(sent["units"]), "requests": sent["requests"]})
         if not sent["units"]:
@@ -167,77 +210,44 @@ def fill_cells(
     return rounds
 
 
-def send_units(
-    base_url: str,
-    model: str,
-    pool: list[int],
-    units: dict[str, int],
-    *,
-    max_tokens_per_call: int,
-    model_len: int,
-    timeout: float,
-    retries: int,
-    first_index: int,
-) -> dict[str, Any]:
+def send_units(target: SweepTarget, units: dict[str, int], *, first_index: int) -> dict[str, Any]:
     """`units[name]` more units of each range's workload (RANGE_UNITS), prompts from first_index on: a round
     of fill_cells, and the speed measurement's top-up of ranges the sweep called too few times
     (evaluate/moe_speed.py). Returns the units really sent (none for a range the server cannot reach)."""
     index, sent = first_index, {}
     for name, count in units.items():
         for _ in range(count):
-            payloads, concurrency = _unit(name, pool, index, model, max_tokens_per_call, model_len)
+            payloads, concurrency = _unit(target, name, index)
             if not payloads:  # the server cannot make such calls: nothing to send, nothing to record
                 break
             index += len(payloads)
-            _post(base_url, payloads, concurrency, timeout, retries)
+            target.post(payloads, concurrency)
             sent[name] = sent.get(name, 0) + 1
     return {"units": sent, "requests": index - first_index}
 
 
-def _unit(
-    name: str, pool: list[int], index: int, model: str, max_tokens_per_call: int, model_len: int
-) -> tuple[list[dict], int]:
+def _unit(target: SweepTarget, name: str, index: int) -> tuple[list[dict], int]:
     """One unit of a range's workload (RANGE_UNITS; >= 4096: prompts that fill a step at the batched-token
     limit); [] when the server cannot make such calls."""
+    limit, model_len = target.max_tokens_per_call, target.model_len
     i = layer_range_names().index(name)
-    if LAYER_RANGE_EDGES[i] > max_tokens_per_call:
+    if LAYER_RANGE_EDGES[i] > limit:
         return [], 0
     prompts, concurrent, length, tokens = RANGE_UNITS[i]
     room = model_len - DECODE_TOKENS - 1
     if prompts == 0:  # the largest calls: long prompts sent together, packed by chunked prefill
         length = min(room, max(PREFILL_LENGTHS))
-        if length <= 0 or max_tokens_per_call <= length:
+        if length <= 0 or limit <= length:
             return [], 0
         # Twice the limit and one more, as the sweep's own batched prefill: a call of the range is a step
         # filled to the limit, and the first prompt to arrive is often scheduled alone. One limit's worth
         # plus a prompt made no such step on the CPU TEP server (limit 4096) in three rounds (2026-12-04),
         # and that row ended incomplete on the rarest expert's cell.
-        prompts, tokens = -(-2 * max_tokens_per_call // length) + 1, 1
+        prompts, tokens = -(-2 * limit // length) + 1, 1
         concurrent = prompts
-    if length > min(model_len - tokens - 1, max_tokens_per_call):
+    if length > min(model_len - tokens - 1, limit):
         return [], 0
-    return [
-        {
-            "model": model,
-            "prompt": _prompt(pool, length, index + j + 1),
-            "max_tokens": tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-        }
-        for j in range(prompts)
-    ], concurrent
-
-
-def _post(base_url: str, payloads: list[dict], concurrency: int, timeout: float, retries: int) -> None:
-    post_completions(
-        base_url,
-        payloads,
-        lambda reply, i: reply.get("usage", {}),
-        concurrency=concurrency,
-        timeout=timeout,
-        retries=retries,
-        backoff=1.0,
-    )
+    return [target.payload(length, tokens, index + j + 1) for j in range(prompts)], concurrent
 
 
 def token_pool(base_url: str, model: str, texts: list[str], timeout: float) -> list[int]:
@@ -267,24 +277,12 @@ def max_model_len(base_url: str, timeout: float) -> int:
         raise InfraError(f"layer check: GET {base_url}/v1/models gave no max_model_len: {exc}") from None
 
 
-def _prompt(pool: list[int], length: int, index: int) -> list[int]:
-    """`length` ids from the pool, starting at an offset of its own (a prime stride): distinct prefixes."""
-    start = (index * 9973 + 17 * length) % len(pool)
-    return [pool[(start + i) % len(pool)] for i in range(length)]
-
-
-def sweep(
-    base_url: str,
-    model: str,
-    pool: list[int],
-    *,
-    max_tokens_per_call: int,
-    model_len: int,
-    timeout: float,
-    retries: int,
-) -> dict[str, Any]:
+def sweep(target: SweepTarget) -> dict[str, Any]:
+    """Steps 1-3 of the module docstring, the target's prompts 1, 2, ...: what was sent, with the wall
+    seconds of each request group."""
     started = time.monotonic()
     index = 0
+    limit, model_len = target.max_tokens_per_call, target.model_len
     sent: dict[str, Any] = {
         "prefill_lengths": [],
         "batched_prefill": None,
@@ -296,31 +294,25 @@ def sweep(
 
     def post(payloads: list[dict], concurrency: int) -> float:
         clock = time.monotonic()
-        _post(base_url, payloads, concurrency, timeout, retries)
+        target.post(payloads, concurrency)
         return round(time.monotonic() - clock, 4)
 
     def payload(length: int, tokens: int) -> dict:
         nonlocal index
         index += 1
-        return {
-            "model": model,
-            "prompt": _prompt(pool, length, index),
-            "max_tokens": tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-        }
+        return target.payload(length, tokens, index)
 
     room = model_len - DECODE_TOKENS - 1
     for length in PREFILL_LENGTHS:
-        if length > min(room, max_tokens_per_call):
+        if length > min(room, limit):
             continue
         sent["prefill_seconds"][str(length)] = [post([payload(length, 1)], 1) for _ in range(PREFILL_REPEATS)]
         sent["prefill_lengths"].append(length)
     longest = min(room, max(PREFILL_LENGTHS))
-    if max_tokens_per_call > longest and longest > 0:
+    if limit > longest and longest > 0:
         # Steps at the batched-token limit: prompts sent together are packed into calls of up to
         # max_tokens_per_call tokens by chunked prefill (twice the limit: at least one full step).
-        count = -(-2 * max_tokens_per_call // longest)
+        count = -(-2 * limit // longest)
         seconds = post([payload(longest, 1) for _ in range(count)], count)
         sent["batched_prefill"] = {"prompts": count, "tokens_each": longest, "seconds": seconds}
     for batch in DECODE_BATCHES:
@@ -329,5 +321,5 @@ def sweep(
         sent["decode_batches"].append(batch)
     sent["requests"] = index
     sent["seconds"] = round(time.monotonic() - started, 2)
-    sent["ranges_targeted"] = [edge for edge in LAYER_RANGE_EDGES if edge <= max_tokens_per_call]
+    sent["ranges_targeted"] = [edge for edge in LAYER_RANGE_EDGES if edge <= limit]
     return sent

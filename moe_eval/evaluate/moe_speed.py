@@ -28,50 +28,28 @@ from pathlib import Path
 from typing import Any
 
 from moe_eval.core import moe_timing
-from moe_eval.core.plugin_protocol import (
-    DEFAULT_MAX_TOKENS,
-    LAYER_RANGE_EDGES,
-    STATS_INTERVAL_SECONDS,
-    layer_range_names,
-)
-from moe_eval.evaluate.gsm8k import Gsm8kData
-from moe_eval.evaluate.layer_sweep import DECODE_BATCHES, DECODE_TOKENS, send_units, sweep, workload_pool
+from moe_eval.core.plugin_protocol import LAYER_RANGE_EDGES, STATS_INTERVAL_SECONDS, layer_range_names
+from moe_eval.evaluate.layer_sweep import DECODE_BATCHES, DECODE_TOKENS, SweepTarget, send_units, sweep
 from moe_eval.gates.speed import MIN_CALLS
-from moe_eval.plan.config import EvalConfig
 
 # At most this many more units of one range (a range the sweep called once asks for 17): each is at most
 # two batched-token limits of prompts, a fraction of a second on the H200.
 MAX_TOP_UP_UNITS = 2 * MIN_CALLS
 
 
-def timed_sweep(
-    config: EvalConfig,
-    data: Gsm8kData,
-    base_url: str,
-    model: str,
-    run_dir: Path,
-    max_tokens_per_call: int | None,
-    pool: tuple[list[int], int] | None = None,
-) -> tuple[dict[str, Any], moe_timing.TimingSummary]:
-    """(what was sent with its wall times, the per-range MoE time of those calls). pool: layer_sweep's
-    workload_pool, when the caller has it already."""
-    pool, model_len = pool or workload_pool(config, data, base_url, model)
-    per_call = max_tokens_per_call or DEFAULT_MAX_TOKENS
-    limits = {"model_len": model_len, "timeout": config.request_timeout_seconds}
-    retries = max(config.max_retries, 1)
+def timed_sweep(target: SweepTarget, run_dir: Path) -> tuple[dict[str, Any], moe_timing.TimingSummary]:
+    """(what was sent with its wall times, the per-range MoE time of those calls), the processes' timing files
+    read from run_dir before the sweep and after it (and after the top-up, where one was sent)."""
     time.sleep(2 * STATS_INTERVAL_SECONDS)  # every process's flusher wrote what came before
     before = moe_timing.read_folder(run_dir)
-    sent = sweep(base_url, model, pool, max_tokens_per_call=per_call, retries=retries, **limits)
+    sent = sweep(target)
     # Every timed row (the runner times only config.moe_timing rows), not only gated ones: a row and its
     # reference must send the same kinds of top-up.
     time.sleep(2 * STATS_INTERVAL_SECONDS)
     first = moe_timing.summarize(moe_timing.since(moe_timing.read_folder(run_dir), before))
     units = top_up_units(first)
     if units:
-        sent["top_up"] = send_units(
-            base_url, model, pool, units, max_tokens_per_call=per_call, retries=retries,
-            first_index=sent["requests"], **limits,
-        )  # fmt: skip
+        sent["top_up"] = send_units(target, units, first_index=sent["requests"])
         sent["requests"] += sent["top_up"]["requests"]  # the layer check's prompts continue after these
     time.sleep(2 * STATS_INTERVAL_SECONDS)
     after = moe_timing.read_folder(run_dir)

@@ -14,24 +14,24 @@ from moe_eval.evaluate import layer_sweep
 def sent(monkeypatch):
     posted: list[list[dict]] = []
     monkeypatch.setattr(
-        layer_sweep, "_post", lambda url, payloads, concurrency, timeout, retries: posted.append(payloads)
+        layer_sweep.SweepTarget, "post", lambda target, payloads, concurrency: posted.append(payloads)
     )
     monkeypatch.setattr(layer_sweep, "STATS_INTERVAL_SECONDS", 0.0)
     return posted
 
 
+def target(pool=range(5000), max_tokens=8192, model_len=8192) -> layer_sweep.SweepTarget:
+    return layer_sweep.SweepTarget(
+        "http://x", "m", layer_sweep.TokenPool(list(pool)), model_len, max_tokens, timeout=1.0, retries=1
+    )
+
+
 def _fill(owed_sequence, deadline=1e9, max_tokens=8192, model_len=8192):
     answers = iter(owed_sequence)
     return layer_sweep.fill_cells(
-        "http://x",
-        "m",
-        list(range(5000)),
+        target(max_tokens=max_tokens, model_len=model_len),
         lambda: next(answers),
         deadline=time.monotonic() + deadline,
-        max_tokens_per_call=max_tokens,
-        model_len=model_len,
-        timeout=1.0,
-        retries=1,
         first_index=0,
     )
 
@@ -71,9 +71,49 @@ def test_the_largest_range_unit_fills_a_step_even_when_the_first_prompt_runs_alo
     prompt, so what follows the first prompt still fills a step."""
     from moe_eval.evaluate.layer_sweep import _unit
 
-    pool = list(range(5000))
-    payloads, concurrent = _unit("M>=4096", pool, 0, "m", 4096, 2048)
+    payloads, concurrent = _unit(target(max_tokens=4096, model_len=2048), "M>=4096", 0)
     lengths = [len(p["prompt"]) for p in payloads]
     assert concurrent == len(payloads) and all(p["max_tokens"] == 1 for p in payloads)
     assert sum(lengths) - max(lengths) >= 2 * 4096
-    assert _unit("M>=4096", pool, 0, "m", 2048, 2048) == ([], 0)  # a server whose calls stop below it
+    assert _unit(target(max_tokens=2048, model_len=2048), "M>=4096", 0) == ([], 0)  # calls stop below it
+
+
+def _few_shot_pool(copies: int = 16, block: int = 900, question: int = 40, spread: int = 0) -> list[int]:
+    """Like the scoring texts' pool: every text the same few-shot block, then a question of its own (of
+    question + spread * c ids: questions differ in length)."""
+    ids, next_id = [], 10_000
+    for c in range(copies):
+        length = question + spread * c
+        ids += list(range(block)) + list(range(next_id, next_id + length))
+        next_id += length
+    return ids
+
+
+def test_no_two_prompts_of_a_server_share_a_first_cached_block(sent):
+    """The pool repeats its few-shot block in every text, so two windows can start at the same place of two
+    copies and share their first 16 ids: vLLM's prefix cache would then shorten the second call (and move a
+    16-token decode prompt's prefill out of its range). Every prompt of the sweep and of its rounds starts at
+    an offset of its own whose first block occurs nowhere else."""
+    served = target(pool=_few_shot_pool(spread=7))
+    swept = layer_sweep.sweep(served)
+    layer_sweep.send_units(served, {"M=1": 3, "M=2-16": 2, "M=17-64": 1}, first_index=swept["requests"])
+    prompts = [p["prompt"] for payloads in sent for p in payloads]
+    assert len(prompts) > 300
+    firsts = [tuple(p[: layer_sweep.PREFIX_BLOCK]) for p in prompts]
+    assert len(set(firsts)) == len(firsts)
+
+
+def test_the_pool_offers_each_first_block_once():
+    pool = layer_sweep.TokenPool(_few_shot_pool(copies=4, block=100, question=10))
+    # The few-shot block's own 85 windows once; the 15 that run into each copy's question, and the question's
+    # 10, once per copy.
+    assert len(pool.starts) == 85 + 4 * (15 + 10)
+    blocks = {tuple(pool.prompt(16, i)) for i in range(len(pool.starts))}
+    assert len(blocks) == len(pool.starts)  # every offset reached once before any repeats
+
+
+def test_a_pool_whose_offsets_the_stride_divides_still_reaches_every_offset():
+    ids = list(range(layer_sweep.PROMPT_STRIDE))  # distinct ids: as many offsets as the stride
+    pool = layer_sweep.TokenPool(ids)
+    assert pool.stride == 1
+    assert len({pool.prompt(1, i)[0] for i in range(len(ids))}) == len(ids)

@@ -86,7 +86,7 @@ def test_resume_keeps_a_row_whose_questions_were_read_from_another_folder(tmp_pa
 
     from moe_eval.cli import resumable_outcomes
     from moe_eval.core.results import versions
-    from moe_eval.evaluate.gsm8k import Gsm8kData, same_questions
+    from moe_eval.evaluate.gsm8k import Gsm8kData, questions_difference
     from moe_eval.plan.config import parse_config
     from moe_eval.runner import config_run_dir
 
@@ -95,10 +95,15 @@ def test_resume_keeps_a_row_whose_questions_were_read_from_another_folder(tmp_pa
             (tmp_path / folder).mkdir(exist_ok=True)
             (tmp_path / folder / name).write_text('{"question": "1+1", "answer": "#### 2"}\n')
     here, there = Gsm8kData(tmp_path / "a"), Gsm8kData(tmp_path / "b")
-    assert same_questions(there.describe(), here.describe())
-    assert not same_questions(None, here.describe())
+    assert questions_difference(there.describe(), here.describe()) is None
+    assert (
+        questions_difference(None, here.describe())
+        == "the earlier run recorded no description of its questions"
+    )
     (tmp_path / "b" / "test.jsonl").write_text('{"question": "1+2", "answer": "#### 3"}\n')
-    assert not same_questions(there.describe(), here.describe())
+    assert questions_difference(there.describe(), here.describe()) == "other questions: test.jsonl differs"
+    hub = Gsm8kData(None).describe()
+    assert questions_difference(hub, here.describe()) == "questions from hub then, from local now"
     (tmp_path / "b" / "test.jsonl").write_text('{"question": "1+1", "answer": "#### 2"}\n')
 
     config = parse_config(

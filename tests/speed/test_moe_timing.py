@@ -274,24 +274,24 @@ def test_top_up_prompts_continue_after_the_sweeps_and_never_repeat_one(monkeypat
 
     posted: list[tuple[int, ...]] = []
     monkeypatch.setattr(
-        layer_sweep, "_post", lambda url, payloads, concurrency, timeout, retries: posted.extend(
+        layer_sweep.SweepTarget, "post", lambda target, payloads, concurrency: posted.extend(
             tuple(p["prompt"]) for p in payloads
         )
     )  # fmt: skip
-    pool = list(range(50_000))  # distinct ids: two prompts are equal only if they start at the same offset
-    limits = {"max_tokens_per_call": 8192, "model_len": 8192, "timeout": 1.0, "retries": 1}
-    sent = layer_sweep.sweep("http://x", "m", pool, **limits)
+    pool = layer_sweep.TokenPool(list(range(50_000)))  # distinct ids: equal prompts start at the same offset
+    target = layer_sweep.SweepTarget("http://x", "m", pool, 8192, 8192, timeout=1.0, retries=1)
+    sent = layer_sweep.sweep(target)
     assert len(posted) == sent["requests"]
     units = {"M=257-1023": 2, "M=1024-4095": 1, "M>=4096": 1, "M=1": 0}
-    top_up = layer_sweep.send_units("http://x", "m", pool, units, first_index=sent["requests"], **limits)
+    top_up = layer_sweep.send_units(target, units, first_index=sent["requests"])
     assert top_up["units"] == {"M=257-1023": 2, "M=1024-4095": 1, "M>=4096": 1}
     assert len(posted) == sent["requests"] + top_up["requests"]
     assert len(set(posted)) == len(posted)
     # the first top-up prompt is the one after the sweep's last
-    assert posted[sent["requests"]] == tuple(layer_sweep._prompt(pool, 600, sent["requests"] + 1))
+    assert posted[sent["requests"]] == tuple(pool.prompt(600, sent["requests"] + 1))
     # a range the server cannot reach sends nothing and is not reported sent
-    small = {**limits, "max_tokens_per_call": 2048, "model_len": 2048}
-    assert layer_sweep.send_units("http://x", "m", pool, {"M>=4096": 3}, first_index=0, **small) == {
+    small = layer_sweep.SweepTarget("http://x", "m", pool, 2048, 2048, timeout=1.0, retries=1)
+    assert layer_sweep.send_units(small, {"M>=4096": 3}, first_index=0) == {
         "units": {},
         "requests": 0,
     }
