@@ -554,6 +554,9 @@ class Workload(TypedDict):
     """the layer check's extra rounds"""
     top_up: NotRequired[TopUp]
     """a speed-gated row's more units of the ranges the sweep called under the gate's MIN_CALLS times"""
+    prefix_cache_hit_tokens: NotRequired[int | None]
+    """prompt tokens of the timed requests that the server's prefix cache served (0: every call as sent;
+    null: the server's /metrics did not say; absent: not timed)"""
 
 
 class TimingCapture(TypedDict):

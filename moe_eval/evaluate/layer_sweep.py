@@ -129,6 +129,21 @@ class SweepTarget:
             backoff=1.0,
         )
 
+    def prefix_cache_hits(self) -> int | None:
+        """Prompt tokens the server's prefix cache has served so far, over its engines (its /metrics counter
+        vllm:prefix_cache_hits, in vLLM 0.26 and 0.32); None where the server does not say (stats off)."""
+        try:
+            reply = requests.get(f"{self.base_url}/metrics", timeout=self.timeout)
+            reply.raise_for_status()
+        except requests.RequestException:
+            return None
+        counts = [
+            float(line.rsplit(" ", 1)[1])
+            for line in reply.text.splitlines()
+            if line.startswith("vllm:prefix_cache_hits_total")
+        ]
+        return round(sum(counts)) if counts else None
+
     def payload(self, length: int, tokens: int, index: int) -> dict:
         """Prompt `index` of this server, `length` tokens long, generating `tokens` tokens greedily."""
         return {

@@ -42,6 +42,7 @@ def timed_sweep(target: SweepTarget, run_dir: Path) -> tuple[dict[str, Any], moe
     read from run_dir before the sweep and after it (and after the top-up, where one was sent)."""
     time.sleep(2 * STATS_INTERVAL_SECONDS)  # every process's flusher wrote what came before
     before = moe_timing.read_folder(run_dir)
+    hits_before = target.prefix_cache_hits()
     sent = sweep(target)
     # Every timed row (the runner times only config.moe_timing rows), not only gated ones: a row and its
     # reference must send the same kinds of top-up.
@@ -51,6 +52,12 @@ def timed_sweep(target: SweepTarget, run_dir: Path) -> tuple[dict[str, Any], moe
     if units:
         sent["top_up"] = send_units(target, units, first_index=sent["requests"])
         sent["requests"] += sent["top_up"]["requests"]  # the layer check's prompts continue after these
+    hits_after = target.prefix_cache_hits()
+    # Calls as sent: a prompt the prefix cache shortened made a smaller call than its range's (layer_sweep's
+    # TokenPool keeps this 0; the speed gate compares rows whose workloads must match).
+    sent["prefix_cache_hit_tokens"] = (
+        hits_after - hits_before if hits_before is not None and hits_after is not None else None
+    )
     time.sleep(2 * STATS_INTERVAL_SECONDS)
     after = moe_timing.read_folder(run_dir)
     return sent, moe_timing.summarize(moe_timing.since(after, before))

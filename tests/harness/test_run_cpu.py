@@ -82,6 +82,9 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         assert all(r["calls"] > 0 and r["mean_us"] > 0 for r in moe["ranges"])
         assert record["timing"]["end_to_end"]["decode_ms_per_step"].keys() == {"1", "8", "40", "100"}
         assert record["timing"]["eval_output_tokens_per_s"] > 0
+        # Every timed call as sent: no prompt of the workload was shortened by the server's prefix cache (its
+        # /metrics counter read before and after; None would mean the counter was not found).
+        assert record["timing"]["workload"]["prefix_cache_hit_tokens"] == 0
         assert not any(c["name"].startswith("speed") for c in record["checks"]) and "speed" not in record
         assert record["decode"]["prompts"] == 8 and (run_dir / "decode.jsonl").is_file()
         samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
