@@ -410,6 +410,7 @@ def _serve_and_evaluate(
         incumbent_decode=_read_if(baseline and baseline.decode_path),
         speed=speed,
         machine=machine_of(record.environment.hardware),
+        workload=(swept or {}).get("fingerprint"),
     )
     # Scores first: a golden that cannot be made must not take the evaluation's numbers with it.
     record.evaluation = Evaluation(

@@ -550,6 +550,9 @@ class Workload(TypedDict):
     """wall seconds"""
     ranges_targeted: list[int]
     """the dispatch ranges' lower edges (tokens) the sweep aimed at"""
+    fingerprint: NotRequired[str]
+    """the sweep's requests (prompt ids, tokens to generate, concurrency) hashed: sha256, 16 hex digits; the
+    speed gate compares two rows' times only where they are the same (absent: before moe-eval recorded it)"""
     rounds: NotRequired[list[SweepRound]]
     """the layer check's extra rounds"""
     top_up: NotRequired[TopUp]

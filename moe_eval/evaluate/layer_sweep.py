@@ -27,6 +27,8 @@ for results.json.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -307,7 +309,11 @@ def sweep(target: SweepTarget) -> dict[str, Any]:
         "decode_seconds": {},
     }
 
+    requests_sent = hashlib.sha256()
+
     def post(payloads: list[dict], concurrency: int) -> float:
+        shape = [[p["prompt"], p["max_tokens"]] for p in payloads]
+        requests_sent.update(json.dumps([concurrency, shape], separators=(",", ":")).encode())
         clock = time.monotonic()
         target.post(payloads, concurrency)
         return round(time.monotonic() - clock, 4)
@@ -337,4 +343,7 @@ def sweep(target: SweepTarget) -> dict[str, Any]:
     sent["requests"] = index
     sent["seconds"] = round(time.monotonic() - started, 2)
     sent["ranges_targeted"] = [edge for edge in LAYER_RANGE_EDGES if edge <= limit]
+    # What was sent, as one value: two rows' timings of the sweep compare only where it is the same (the
+    # speed gate); the prompts follow the tokenizer, the task's texts, the limits and this module's code.
+    sent["fingerprint"] = requests_sent.hexdigest()[:16]
     return sent

@@ -98,6 +98,9 @@ class Baseline:
     decode_path: Path | None = None  # its greedy continuations (DECODE_FILE), where it made them
     speed: TimingSummary | None = None  # its MoE calls' time per range (captures.timing), where timed
     machine: str | None = None  # the GPUs (or CPU) it ran on: a speed reference holds on that machine only
+    workload: str | None = (
+        None  # its timed sweep's fingerprint (layer_sweep.sweep): the same requests, or not
+    )
 
 
 def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
@@ -152,7 +155,8 @@ def load_baseline(results_path: Path, what: str, record: RunRecord | None = None
     except UnreadableRecord as exc:
         raise ConfigError(f"{what}: {exc}") from None
     decode = results_path.parent / DECODE_FILE
-    speed = (record.captures.timing or {}).get("moe")
+    timing = record.captures.timing or {}
+    speed = timing.get("moe")
     return Baseline(
         results_path,
         correctness(samples),
@@ -162,6 +166,7 @@ def load_baseline(results_path: Path, what: str, record: RunRecord | None = None
         decode if decode.is_file() else None,
         TimingSummary.from_dict(speed) if speed else None,
         machine_of(record.environment.hardware),
+        (timing.get("workload") or {}).get("fingerprint"),
     )
 
 

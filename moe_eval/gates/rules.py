@@ -181,6 +181,14 @@ def judge_speed(config: EvalConfig, m: Measurements, out: Judgement) -> str | No
         )
     if m.machine is not None and m.incumbent.machine not in (None, m.machine):
         return f"the reference ran on {m.incumbent.machine}, this row on {m.machine}: times do not compare"
+    if m.workload != m.incumbent.workload:
+        # Other prompts route to other experts: the per-range means of two workloads are not one kernel's
+        # against another's (the sweep's prompts changed in moe-eval itself on 2026-12-05).
+        there, here = (workload or "not recorded" for workload in (m.incumbent.workload, m.workload))
+        return (
+            f"the reference's timed requests differ from this row's (workload {there} there, {here} here: "
+            "another moe-eval, tokenizer, task texts or token limit)"
+        )
     ranks = config.layout.world_size
     for what, timing in (("this row", m.speed), ("the reference", reference)):
         if timing.processes < ranks:

@@ -371,6 +371,11 @@ def test_the_speed_gate_is_a_gpus_and_judges_each_range_against_the_incumbents(c
         ({"incumbent": dataclasses.replace(incumbent, speed=None)}, "holds no MoE timing"),
         ({"machine": "NVIDIA B200"}, "ran on NVIDIA H200, this row on NVIDIA B200"),
         ({"speed": None}, "were not timed"),
+        # other requests (a reference from before the sweep's prompts changed): other routing, other means
+        (
+            {"workload": "0f3a"},
+            "timed requests differ from this row's (workload not recorded there, 0f3a here",
+        ),
     ):
         got = judge(gpu, dataclasses.replace(m, **change))
         assert got.verdict == "incomplete" and why in _by_name(got)["speed_not_run"].detail

@@ -117,3 +117,12 @@ def test_a_pool_whose_offsets_the_stride_divides_still_reaches_every_offset():
     pool = layer_sweep.TokenPool(ids)
     assert pool.stride == 1
     assert len({pool.prompt(1, i)[0] for i in range(len(ids))}) == len(ids)
+
+
+def test_the_sweeps_fingerprint_names_its_requests(sent):
+    """The speed gate compares two rows only where their timed sweeps sent the same requests: the same
+    target gives the same fingerprint; another pool (tokenizer, texts) or token limit gives another."""
+    same = [layer_sweep.sweep(target())["fingerprint"] for _ in range(2)]
+    assert same[0] == same[1] and len(same[0]) == 16
+    assert layer_sweep.sweep(target(pool=range(1, 5001)))["fingerprint"] != same[0]
+    assert layer_sweep.sweep(target(max_tokens=2048))["fingerprint"] != same[0]

@@ -91,6 +91,11 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         assert {s["doc_id"] for s in samples} == set(range(200))
         assert all(s["resps"][0][0] for s in samples), "every reply carries generated text"
         assert (run_dir / "worker.log").read_text().count("Requesting API") >= 1  # lm-eval's bars went there
+    # The rows of one layout sent the same timed requests as their reference: the speed gate compares them.
+    workloads = {key: record["timing"]["workload"]["fingerprint"] for key, record in records.items()}
+    assert workloads["Canary-Qwen3-MoE-BF16-torch/TP"] == workloads["Canary-Qwen3-MoE-BF16-vllm/TP"], (
+        workloads
+    )
     reference = records.pop("Canary-Qwen3-MoE-BF16-vllm/TP")
     assert reference["moe_backend_used"] == "vllm:CPU" and reference["bundled_kernel_logged"] == []
     assert reference["timing"]["moe"]["scopes"] == ["vLLM method apply (routed experts)"]

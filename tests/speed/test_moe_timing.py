@@ -193,8 +193,8 @@ def test_a_rank_that_wrote_no_timing_leaves_the_gate_not_run():
 
     config = SimpleNamespace(layout=SimpleNamespace(world_size=2), speed_margin=0.15)
     timed = _summary({"M=1": 10.0})  # one process
-    incumbent = SimpleNamespace(speed=timed, machine=None, results_path="ref")
-    m = SimpleNamespace(speed=timed, incumbent=incumbent, machine=None)
+    incumbent = SimpleNamespace(speed=timed, machine=None, results_path="ref", workload="w")
+    m = SimpleNamespace(speed=timed, incumbent=incumbent, machine=None, workload="w")
     assert judge_speed(config, m, None) == "this row was timed on 1 of its 2 ranks"
 
 
