@@ -51,6 +51,7 @@ from moe_eval.gates.checks import (
     first_response,
     machine_of,
     per_question,
+    workload_identity,
 )
 from moe_eval.gates.judge import judge
 from moe_eval.gates.layer_gate import MIN_ROWS, reachable_ranges, summarize
@@ -410,7 +411,7 @@ def _serve_and_evaluate(
         incumbent_decode=_read_if(baseline and baseline.decode_path),
         speed=speed,
         machine=machine_of(record.environment.hardware),
-        workload=(swept or {}).get("fingerprint"),
+        workload=workload_identity(swept),
     )
     # Scores first: a golden that cannot be made must not take the evaluation's numbers with it.
     record.evaluation = Evaluation(

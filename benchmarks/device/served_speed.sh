@@ -36,6 +36,8 @@ for name in ${ROWS:-$default_rows}; do
   if [ "$name" = "fi" ] && [ "${WITH_FI:-0}" != 1 ]; then echo "ROWS: fi needs WITH_FI=1"; exit 2; fi
   rows+=("$tp/Canary-Qwen3-MoE-BF16-${canary_row[$name]}.yaml")
 done
+# No configs would make moe-eval run the whole H200 list: never on a blank ROWS.
+[ "${#rows[@]}" -gt 0 ] || { echo "ROWS: no row named (vllm, bundled, fi)"; exit 2; }
 pack() {  # written under a temporary name, then renamed: a kill mid-pack leaves the last whole archive
   tar -C "$work" -cJf "$out/$stage.tar.xz.part" --exclude='*.safetensors' --exclude='triton-cache' . \
     && mv -f "$out/$stage.tar.xz.part" "$out/$stage.tar.xz"

@@ -551,15 +551,17 @@ class Workload(TypedDict):
     ranges_targeted: list[int]
     """the dispatch ranges' lower edges (tokens) the sweep aimed at"""
     fingerprint: NotRequired[str]
-    """the sweep's requests (prompt ids, tokens to generate, concurrency) hashed: sha256, 16 hex digits; the
-    speed gate compares two rows' times only where they are the same (absent: before moe-eval recorded it)"""
+    """the sweep's requests (prompt ids, tokens to generate, concurrency; not the top-up's or the rounds')
+    hashed: sha256, 16 hex digits; the speed gate compares two rows' times only where they are the same
+    (absent: before moe-eval recorded it)"""
     rounds: NotRequired[list[SweepRound]]
     """the layer check's extra rounds"""
     top_up: NotRequired[TopUp]
     """a speed-gated row's more units of the ranges the sweep called under the gate's MIN_CALLS times"""
     prefix_cache_hit_tokens: NotRequired[int | None]
-    """prompt tokens of the timed requests that the server's prefix cache served (0: every call as sent;
-    null: the server's /metrics did not say; absent: not timed)"""
+    """prompt tokens of the timed requests (the sweep and its top-up, not the layer check's rounds) that the
+    server's prefix cache served (0: every call as sent; null: its /metrics did not say; absent: not timed);
+    the speed gate compares rows whose counts match"""
 
 
 class TimingCapture(TypedDict):

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,9 +73,10 @@ STALLED_ROUNDS = 3
 # vLLM's prefix cache matches a prompt block by block from its start, in blocks of 16 tokens (CacheConfig's
 # default; some attention backends ask for larger ones): two prompts whose first 16 ids differ share none.
 PREFIX_BLOCK = 16
-# Consecutive prompts start this many pool offsets apart (a prime: every offset before one repeats), so
-# neighbouring requests come from distant text and route unlike each other.
-PROMPT_STRIDE = 9973
+# Consecutive prompts start about this fraction of the pool's offsets apart (the golden ratio's: the k-th
+# prompt lands in the largest gap the earlier ones left), so a decode batch's prompts come from distant text
+# and route unlike each other.
+PROMPT_SPREAD = (math.sqrt(5) - 1) / 2
 FALLBACK_TEXT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May? Weng earns $12 an hour for babysitting. "
@@ -81,29 +84,57 @@ FALLBACK_TEXT = (
 
 
 class TokenPool:
-    """Token ids that prompts are cut from, and the offsets a prompt may start at: each offset whose first
-    PREFIX_BLOCK ids (wrapping around) occur at no earlier offset. Prompt `index` starts at the index-th of
-    them in `stride` order, so prompts of distinct indices (fewer than len(starts)) share no cached block."""
+    """Token ids that prompts are cut from, and the offsets a prompt may start at: the first offset of each
+    distinct PREFIX_BLOCK-id window (wrapping around), so no two starts share a cached first block. Prompt
+    `index` starts at starts[index * stride mod len(starts)], stride coprime to len(starts): indices that
+    differ modulo len(starts) start at different offsets (a sweep sends ~170 prompts; pools hold thousands
+    of starts, the repeating fallback text far fewer)."""
 
     def __init__(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("a token pool needs at least one id")
         self.ids = ids
-        wrapped = ids + ids[: PREFIX_BLOCK - 1]
         seen: set[tuple[int, ...]] = set()
         self.starts: list[int] = []
         for offset in range(len(ids)):
-            block = tuple(wrapped[offset : offset + PREFIX_BLOCK])
+            block = tuple(ids[(offset + i) % len(ids)] for i in range(PREFIX_BLOCK))
             if block not in seen:
                 seen.add(block)
                 self.starts.append(offset)
-        # A stride that divides the count would send every prompt to the same offset.
-        self.stride = PROMPT_STRIDE if len(self.starts) % PROMPT_STRIDE else 1
+        self.stride = spread_stride(len(self.starts))
 
     def prompt(self, length: int, index: int) -> list[int]:
         """`length` ids from the pool (wrapping around), from prompt `index`'s own offset."""
         start = self.starts[(index * self.stride) % len(self.starts)]
         return [self.ids[(start + i) % len(self.ids)] for i in range(length)]
+
+
+def spread_stride(n: int) -> int:
+    """The step nearest PROMPT_SPREAD * n that is coprime to n (1 for n <= 2): every index below n its own."""
+    if n <= 2:
+        return 1
+    near = round(PROMPT_SPREAD * n)
+    return min(
+        (step for step in range(1, n) if math.gcd(step, n) == 1), key=lambda step: (abs(step - near), step)
+    )
+
+
+def prefix_cache_hits_in(metrics_text: str) -> int | None:
+    """The prompt tokens served from the prefix cache, summed over the engines, in a Prometheus /metrics text
+    (vLLM 0.26 and 0.32: the counter vllm:prefix_cache_hits, exposed as vllm:prefix_cache_hits_total); None
+    where the counter is not there (stats off) or a sample line does not parse."""
+    counts = []
+    for line in metrics_text.splitlines():
+        match = _HITS_SAMPLE.match(line)
+        if match:
+            try:
+                counts.append(float(match.group(1)))
+            except ValueError:
+                return None
+    return round(sum(counts)) if counts else None
+
+
+_HITS_SAMPLE = re.compile(r"vllm:prefix_cache_hits_total(?:\{[^}]*\})?\s+(\S+)")
 
 
 @dataclass(frozen=True)
@@ -139,12 +170,7 @@ class SweepTarget:
             reply.raise_for_status()
         except requests.RequestException:
             return None
-        counts = [
-            float(line.rsplit(" ", 1)[1])
-            for line in reply.text.splitlines()
-            if line.startswith("vllm:prefix_cache_hits_total")
-        ]
-        return round(sum(counts)) if counts else None
+        return prefix_cache_hits_in(reply.text)
 
     def payload(self, length: int, tokens: int, index: int) -> dict:
         """Prompt `index` of this server, `length` tokens long, generating `tokens` tokens greedily."""

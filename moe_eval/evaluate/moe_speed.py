@@ -54,7 +54,8 @@ def timed_sweep(target: SweepTarget, run_dir: Path) -> tuple[dict[str, Any], moe
         sent["requests"] += sent["top_up"]["requests"]  # the layer check's prompts continue after these
     hits_after = target.prefix_cache_hits()
     # Calls as sent: a prompt the prefix cache shortened made a smaller call than its range's (layer_sweep's
-    # TokenPool keeps this 0; the speed gate compares rows whose workloads must match).
+    # TokenPool keeps this 0); the speed gate compares rows only where their counts match
+    # (checks.workload_identity).
     sent["prefix_cache_hit_tokens"] = (
         hits_after - hits_before if hits_before is not None and hits_after is not None else None
     )

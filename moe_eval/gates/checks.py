@@ -98,9 +98,7 @@ class Baseline:
     decode_path: Path | None = None  # its greedy continuations (DECODE_FILE), where it made them
     speed: TimingSummary | None = None  # its MoE calls' time per range (captures.timing), where timed
     machine: str | None = None  # the GPUs (or CPU) it ran on: a speed reference holds on that machine only
-    workload: str | None = (
-        None  # its timed sweep's fingerprint (layer_sweep.sweep): the same requests, or not
-    )
+    workload: str | None = None  # what its timed sweep computed (workload_identity): must match the row's
 
 
 def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
@@ -166,8 +164,19 @@ def load_baseline(results_path: Path, what: str, record: RunRecord | None = None
         decode if decode.is_file() else None,
         TimingSummary.from_dict(speed) if speed else None,
         machine_of(record.environment.hardware),
-        (timing.get("workload") or {}).get("fingerprint"),
+        workload_identity(timing.get("workload")),
     )
+
+
+def workload_identity(workload: dict[str, Any] | None) -> str | None:
+    """What a row's timed sweep computed, for the speed gate to compare: the fingerprint of its requests
+    (layer_sweep.sweep), and the prompt tokens the server's prefix cache served instead, where any did (those
+    calls were shorter than sent). None: not recorded (a run before moe-eval recorded it)."""
+    fingerprint = (workload or {}).get("fingerprint")
+    if fingerprint is None:
+        return None
+    cached = (workload or {}).get("prefix_cache_hit_tokens")
+    return f"{fingerprint} with {cached} prompt tokens from the prefix cache" if cached else fingerprint
 
 
 def machine_of(hardware: Any) -> str:

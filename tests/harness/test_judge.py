@@ -383,3 +383,16 @@ def test_the_speed_gate_is_a_gpus_and_judges_each_range_against_the_incumbents(c
     few = dataclasses.replace(m, speed=_timed({"M=1": 10.0, "M=2-16": 11.0}, calls=3))
     detail = _by_name(judge(gpu, few))["speed_not_run"].detail
     assert "no dispatch range could be judged: M=1: fewer than 12 calls timed (3 here, 100 there)" in detail
+
+
+def test_a_sweep_the_prefix_cache_shortened_is_another_workload():
+    """Two rows' times compare where their sweeps sent the same requests and the server computed them as
+    sent: prompt tokens served from the prefix cache make shorter calls, so they are part of the identity."""
+    from moe_eval.gates.checks import workload_identity
+
+    assert workload_identity(None) is None and workload_identity({"requests": 3}) is None  # not recorded
+    assert workload_identity({"fingerprint": "ab", "prefix_cache_hit_tokens": 0}) == "ab"
+    assert workload_identity({"fingerprint": "ab", "prefix_cache_hit_tokens": None}) == "ab"  # stats off
+    assert workload_identity({"fingerprint": "ab", "prefix_cache_hit_tokens": 32}) == (
+        "ab with 32 prompt tokens from the prefix cache"
+    )

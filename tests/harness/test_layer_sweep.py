@@ -93,7 +93,7 @@ def test_no_two_prompts_of_a_server_share_a_first_cached_block(sent):
     """The pool repeats its few-shot block in every text, so two windows can start at the same place of two
     copies and share their first 16 ids: vLLM's prefix cache would then shorten the second call (and move a
     16-token decode prompt's prefill out of its range). Every prompt of the sweep and of its rounds starts at
-    an offset of its own whose first block occurs nowhere else."""
+    an offset of its own whose first block no other prompt shares."""
     served = target(pool=_few_shot_pool(spread=7))
     swept = layer_sweep.sweep(served)
     layer_sweep.send_units(served, {"M=1": 3, "M=2-16": 2, "M=17-64": 1}, first_index=swept["requests"])
@@ -112,11 +112,48 @@ def test_the_pool_offers_each_first_block_once():
     assert len(blocks) == len(pool.starts)  # every offset reached once before any repeats
 
 
-def test_a_pool_whose_offsets_the_stride_divides_still_reaches_every_offset():
-    ids = list(range(layer_sweep.PROMPT_STRIDE))  # distinct ids: as many offsets as the stride
-    pool = layer_sweep.TokenPool(ids)
-    assert pool.stride == 1
-    assert len({pool.prompt(1, i)[0] for i in range(len(ids))}) == len(ids)
+@pytest.mark.parametrize(
+    "n",
+    [
+        1,  # a pool of one distinct window
+        831,  # 9973 % 831 == 1: a fixed prime stride would have stepped one offset at a time
+        997,  # 9973 % 997 == 3
+        1477,  # the canary task's pool
+        8052,  # GSM8K's five-shot pool by the tiny MoE's tokenizer
+        9973,  # a fixed stride of 9973 would have stood still
+    ],
+)
+def test_consecutive_prompts_start_far_apart_and_every_offset_comes_once(n):
+    """Neighbouring prompts (one decode batch) must come from distant text, or they route alike: each start
+    is at least an eighth of the pool's starts away from the one before; the first n prompts use n offsets."""
+    pool = layer_sweep.TokenPool(list(range(n)))  # distinct ids: n starts
+    assert len(pool.starts) == n
+    order = [(i * pool.stride) % n for i in range(n)]
+    assert len(set(order)) == n
+    if n > 8:
+        assert all(min(abs(a - b), n - abs(a - b)) >= n / 8 for a, b in zip(order, order[1:], strict=False))
+
+
+def test_a_pool_shorter_than_a_block_offers_each_distinct_window_once():
+    assert layer_sweep.TokenPool([5, 5, 5]).starts == [0]  # every window is 5, 5, 5, ...
+    assert layer_sweep.TokenPool([1, 2] * 5).starts == [0, 1]
+
+
+def test_the_prefix_cache_counter_is_read_from_the_servers_metrics_text():
+    text = "\n".join(
+        [
+            "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.",
+            "# TYPE vllm:prefix_cache_hits_total counter",
+            'vllm:prefix_cache_hits_total{engine="0",model_name="/m/a b"} 1.6e+02',
+            'vllm:prefix_cache_hits_total{engine="1",model_name="/m/a b"} 32.0',
+            'vllm:prefix_cache_hits_created{engine="0",model_name="/m/a b"} 1.7e+09',
+            'vllm:prefix_cache_hits_total_by_source{engine="0"} 999.0',  # another metric: not counted
+            'vllm:prefix_cache_queries_total{engine="0",model_name="/m/a b"} 4000.0',
+        ]
+    )
+    assert layer_sweep.prefix_cache_hits_in(text) == 192  # both engines
+    assert layer_sweep.prefix_cache_hits_in("vllm:num_requests_running 0.0") is None  # stats off
+    assert layer_sweep.prefix_cache_hits_in('vllm:prefix_cache_hits_total{engine="0"} nan?') is None
 
 
 def test_the_sweeps_fingerprint_names_its_requests(sent):
