@@ -33,7 +33,7 @@ from moe_eval.core.logprob_texts import LOGPROBS_FILE, TextLogprobs, read_logpro
 from moe_eval.core.plugin_protocol import layer_range_names
 from moe_eval.core.record import RunRecord, UnreadableRecord, result_files
 from moe_eval.evaluate.gsm8k import FILTERS
-from moe_eval.gates.checks import correctness
+from moe_eval.gates.checks import correctness, machine_of, workload_identity
 from moe_eval.gates.divergence import divergence
 from moe_eval.gates.stats import paired_compare
 from moe_eval.report.table import divergence_cell, markdown_table, power_counts, rich_table
@@ -60,6 +60,8 @@ class RunResult:
     golden_path: Path | None = None
     layer_check: dict | None = None  # results.json "layer_check" (gates/layer_gate.py), bundled kernels only
     moe_timing: dict | None = None  # results.json captures "speed.moe" (core/moe_timing.py), every timed row
+    machine: str | None = None  # where it ran (checks.machine_of): times compare on one machine only
+    workload: str | None = None  # what its timed sweep computed (checks.workload_identity)
 
     @property
     def questions(self) -> frozenset[int]:
@@ -117,6 +119,8 @@ def load_run(path: Path) -> RunResult | None:
         golden_path=Path(golden["path"]) if golden.get("path") else None,
         layer_check=record.judged.layer_check if isinstance(record.judged.layer_check, dict) else None,
         moe_timing=(record.captures.timing or {}).get("moe"),
+        machine=machine_of(record.environment.hardware),
+        workload=workload_identity((record.captures.timing or {}).get("workload")),
     )
 
 
@@ -261,11 +265,13 @@ def _layer_rows(members: list[RunResult]) -> list[list[str]]:
 
 
 def _speed_rows(members: list[RunResult], ref: int) -> list[list[str]]:
-    """Per dispatch range, each run's served MoE call (us) and its ratio to the reference column's: the same
-    timed workload on every run (evaluate/moe_speed.py), so "correct and not slower" reads per range."""
+    """Per dispatch range, each run's served MoE call (us) and its ratio to the reference column's, so
+    "correct and not slower" reads per range. A ratio only where the two timed the same requests on the same
+    machine (what the speed gate asks too); elsewhere the time stands alone, saying why."""
     timed = [{r["range"]: r for r in (m.moe_timing or {}).get("ranges", [])} for m in members]
     if not any(timed):
         return []
+    apart = [_why_times_do_not_compare(m, members[ref]) for m in members]
     rows = []
     for name in layer_range_names():
         if not any(name in t for t in timed):
@@ -276,12 +282,25 @@ def _speed_rows(members: list[RunResult], ref: int) -> list[list[str]]:
             row = t.get(name)
             if row is None:
                 cells.append("-")
+            elif apart[i]:
+                cells.append(f"{row['mean_us']:.1f} us ({apart[i]})")
             elif i == ref or base is None or not base["mean_us"]:
                 cells.append(f"{row['mean_us']:.1f} us")
             else:
                 cells.append(f"{row['mean_us']:.1f} us (x{row['mean_us'] / base['mean_us']:.2f})")
         rows.append([f"MoE time {name}", "", "us per call (x reference)", *cells])
     return rows
+
+
+def _why_times_do_not_compare(run: RunResult, reference: RunResult) -> str | None:
+    """'other machine' or 'other requests' where a run's MoE times cannot be read against the reference's."""
+    if run is reference:
+        return None
+    if run.machine and reference.machine and run.machine != reference.machine:
+        return "other machine"
+    if run.workload != reference.workload:
+        return "other requests"
+    return None
 
 
 def _judged_cell(check: dict | None) -> str:

@@ -3,6 +3,7 @@ summary, the speed gate's comparison, and the perf mutations' bits."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -164,6 +165,13 @@ def test_compare_shows_each_runs_moe_time_per_range_against_the_reference_column
         ["MoE time M=2-16", "", "us per call (x reference)", "15.2 us", "-", "-"],
     ]
     assert _speed_rows([run("a", None)], 0) == []  # runs from before the timing: no rows
+    # A ratio only where the speed gate would compare too: the same machine, the same timed requests.
+    base = dataclasses.replace(run("vllm", {"M=1": 12.5}), machine="NVIDIA H200", workload="ab")
+    same = dataclasses.replace(run("triton", {"M=1": 10.0}), machine="NVIDIA H200", workload="ab")
+    elsewhere = dataclasses.replace(same, machine="NVIDIA B200")
+    other = dataclasses.replace(same, workload="cd")  # a run before the prompts changed, say
+    cells = _speed_rows([base, same, elsewhere, other], 0)[0][3:]
+    assert cells == ["12.5 us", "10.0 us (x0.80)", "10.0 us (other machine)", "10.0 us (other requests)"]
 
 
 def test_the_speed_check_says_judged_over_total_and_names_what_it_did_not_judge():
