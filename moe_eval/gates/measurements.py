@@ -56,9 +56,7 @@ class Measurements:
     golden: GoldenRecord | None = None
     speed: TimingSummary | None = None  # the timed workload's MoE calls per range (evaluate/moe_speed.py)
     machine: str | None = None  # where they ran (checks.machine_of): a speed reference must match it
-    workload: str | None = (
-        None  # what the timed sweep computed (checks.workload_identity): as the reference's
-    )
+    workload: str | None = None  # what the timed sweep computed (checks.workload_identity)
     not_measured: dict[str, str] = field(default_factory=dict)  # gate name -> why nothing was measured
 
 

@@ -27,7 +27,7 @@ from moe_eval.gates.golden_gate import (
 )
 from moe_eval.gates.layer_gate import LayerCheckLimits, layer_checks, summary_record
 from moe_eval.gates.measurements import Judgement, Measurements
-from moe_eval.gates.speed import speed_check
+from moe_eval.gates.speed import speed_check, times_differ_by
 from moe_eval.gates.stats import describe_power, detectable_drop
 from moe_eval.plan.config import EvalConfig
 
@@ -179,9 +179,10 @@ def judge_speed(config: EvalConfig, m: Measurements, out: Judgement) -> str | No
             f"the reference ({m.incumbent.results_path}) holds no MoE timing: it ran with moe_timing: false "
             "or before moe-eval timed its calls"
         )
-    if m.machine is not None and m.incumbent.machine not in (None, m.machine):
+    apart = times_differ_by(m.machine, m.workload, m.incumbent.machine, m.incumbent.workload)
+    if apart == "machine":
         return f"the reference ran on {m.incumbent.machine}, this row on {m.machine}: times do not compare"
-    if m.workload != m.incumbent.workload:
+    if apart == "requests":
         # Other prompts route to other experts: the per-range means of two workloads are not one kernel's
         # against another's (the sweep's prompts changed in moe-eval itself on 2026-12-05).
         there, here = (workload or "not recorded" for workload in (m.incumbent.workload, m.workload))

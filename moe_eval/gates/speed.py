@@ -34,6 +34,19 @@ SPEED_Z = 3.0
 MAX_RELATIVE_ERROR = 0.5
 
 
+def times_differ_by(
+    machine: str | None, workload: str | None, reference_machine: str | None, reference_workload: str | None
+) -> str | None:
+    """Why two rows' MoE times cannot be read against each other: "machine" (timed on other GPUs or another
+    CPU; an unknown machine is no objection) or "requests" (other timed requests, checks.workload_identity);
+    None where they compare. The speed gate and `moe-eval compare` ask the same question here."""
+    if machine and reference_machine and machine != reference_machine:
+        return "machine"
+    if workload != reference_workload:
+        return "requests"
+    return None
+
+
 @dataclass(frozen=True)
 class RangeSpeed:
     range: str

@@ -35,6 +35,7 @@ from moe_eval.core.record import RunRecord, UnreadableRecord, result_files
 from moe_eval.evaluate.gsm8k import FILTERS
 from moe_eval.gates.checks import correctness, machine_of, workload_identity
 from moe_eval.gates.divergence import divergence
+from moe_eval.gates.speed import times_differ_by
 from moe_eval.gates.stats import paired_compare
 from moe_eval.report.table import divergence_cell, markdown_table, power_counts, rich_table
 
@@ -271,7 +272,13 @@ def _speed_rows(members: list[RunResult], ref: int) -> list[list[str]]:
     timed = [{r["range"]: r for r in (m.moe_timing or {}).get("ranges", [])} for m in members]
     if not any(timed):
         return []
-    apart = [_why_times_do_not_compare(m, members[ref]) for m in members]
+    reference = members[ref]
+    apart = [
+        None
+        if m is reference
+        else times_differ_by(m.machine, m.workload, reference.machine, reference.workload)
+        for m in members
+    ]
     rows = []
     for name in layer_range_names():
         if not any(name in t for t in timed):
@@ -283,24 +290,13 @@ def _speed_rows(members: list[RunResult], ref: int) -> list[list[str]]:
             if row is None:
                 cells.append("-")
             elif apart[i]:
-                cells.append(f"{row['mean_us']:.1f} us ({apart[i]})")
+                cells.append(f"{row['mean_us']:.1f} us (other {apart[i]})")
             elif i == ref or base is None or not base["mean_us"]:
                 cells.append(f"{row['mean_us']:.1f} us")
             else:
                 cells.append(f"{row['mean_us']:.1f} us (x{row['mean_us'] / base['mean_us']:.2f})")
         rows.append([f"MoE time {name}", "", "us per call (x reference)", *cells])
     return rows
-
-
-def _why_times_do_not_compare(run: RunResult, reference: RunResult) -> str | None:
-    """'other machine' or 'other requests' where a run's MoE times cannot be read against the reference's."""
-    if run is reference:
-        return None
-    if run.machine and reference.machine and run.machine != reference.machine:
-        return "other machine"
-    if run.workload != reference.workload:
-        return "other requests"
-    return None
 
 
 def _judged_cell(check: dict | None) -> str:
