@@ -428,6 +428,9 @@ class SpeedRange(TypedDict):
     """why it was not judged"""
     z: NotRequired[float | None]
     """the excess over the margin in standard errors (absent in records before the z rule)"""
+    fails_above: NotRequired[float | None]
+    """the ratio above which this range would have failed at its measured standard errors: the slowdown
+    the gate could see here (absent in records before 2026-12-05)"""
 
 
 class SpeedGate(TypedDict):

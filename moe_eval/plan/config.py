@@ -115,7 +115,13 @@ class EvalConfig:
     max_tokens: int = Field(256, gt=0, description="generation limit per answer")
     temperature: float = Field(0.0, ge=0, description="sampling temperature")
     seed: int = Field(42, ge=0, description="server and sampling seed")
-    max_concurrency: int = Field(16, gt=0, description="concurrent requests from lm-eval")
+    # None: from the run's hardware (effective_config): DEFAULT_CONCURRENCY.
+    max_concurrency: int | None = Field(
+        None,
+        gt=0,
+        description="concurrent requests from lm-eval; absent: 16 for --hw cpu, 256 on GPUs (docs/perf.md, "
+        "'Eval concurrency')",
+    )
     request_timeout_seconds: float = Field(600, gt=0, description="per-request timeout")
     # --- moe-eval keys ---
     # absent: vLLM's own MoE path
@@ -440,14 +446,25 @@ def load_config(path: Path) -> EvalConfig:
     return parse_config(path, text)
 
 
+# lm-eval's concurrent requests where a config names none. On the H200 the Qwen3-30B-A3B twin's 512-question
+# eval took 39 s at 16, 27 at 64 and 23 at 256 (requests 25 -> 11 -> 7 s), and the canary's answers did not
+# change from 16 to 200 (docs/perf.md, "Eval concurrency"). The CPU stays at 16: a 2-core server gains
+# nothing from wider batches, and the CPU KV cache (VLLM_CPU_KVCACHE_SPACE) is small.
+DEFAULT_CONCURRENCY = {"cpu": 16, "gpu": 256}
+
+
 def effective_config(
     config: EvalConfig, limit: int | None, mutation: str | None, hw: str | None = None
 ) -> tuple[EvalConfig, str | None]:
     """What one run does with a config: `--limit` caps its questions (results.json records the cap),
     `--mutate` reaches bundled kernels only: vLLM's own kernel is never mutated (such configs are a mutation
-    run's references, kept by --resume across mutations), and an absent speed_gate is on for a GPU `hw`."""
+    run's references, kept by --resume across mutations), an absent speed_gate is on for a GPU `hw`, and an
+    absent max_concurrency is DEFAULT_CONCURRENCY's for it (the CPU's where `hw` is not known)."""
     if limit is not None:
         config = dataclasses.replace(config, num_questions=min(limit, config.num_questions))
     if config.speed_gate is None and hw is not None:
         config = dataclasses.replace(config, speed_gate=hw != "cpu")
+    if config.max_concurrency is None:
+        on_gpu = hw is not None and hw != "cpu"
+        config = dataclasses.replace(config, max_concurrency=DEFAULT_CONCURRENCY["gpu" if on_gpu else "cpu"])
     return config, (mutation if config.moe_backend is not None else None)

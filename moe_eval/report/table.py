@@ -93,13 +93,16 @@ def layer_cell(check: dict | None) -> str:
 
 
 def speed_cell(gate: dict | None, timing: dict | None) -> str:
-    """'x1.03 worst (M=2-16), 6 ranges': the speed gate's worst range against its reference; a row timed but
+    """'x1.03 worst (M=2-16), 6/7 ranges judged': the speed gate's worst range against its reference ('x1.31
+    worst (M=257-1023, within noise), ...' where it passed over the margin); a row timed but
     not gated shows its slowest range's call ('412.4 us at M>=1024, 6 ranges timed, not gated')."""
     if gate and gate.get("worst_ratio") is not None:
         judged = [r for r in gate["ranges"] if r.get("ratio") is not None]
         worst = max(judged, key=lambda r: r["ratio"])
         counted = f"{len(judged)}/{len(gate['ranges'])} ranges judged"
-        return f"x{worst['ratio']:.2f} worst ({worst['range']}), {counted}"
+        # Passed over the margin: the excess was within the range's noise, which the cell must not hide.
+        noise = ", within noise" if worst.get("passed") and worst["ratio"] > 1 + gate["margin"] else ""
+        return f"x{worst['ratio']:.2f} worst ({worst['range']}{noise}), {counted}"
     ranges = (timing or {}).get("ranges") or []
     if not ranges:
         return "-"

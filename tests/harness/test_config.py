@@ -202,3 +202,19 @@ def test_random_weights_drop_the_accuracy_threshold():
         parse_config(P, MINIMAL + "random_weights: true\n")
     with pytest.raises(ConfigError, match="missing required key 'accuracy_threshold'"):
         parse_config(P, "model_name: m\nnum_questions: 10\nnum_fewshot: 5\n")
+
+
+def test_an_absent_max_concurrency_comes_from_the_hardware_and_a_set_one_stays():
+    from moe_eval.plan.config import DEFAULT_CONCURRENCY, effective_config
+
+    absent = parse_config(P, MINIMAL)
+    assert absent.max_concurrency is None
+    assert effective_config(absent, None, None, "cpu")[0].max_concurrency == DEFAULT_CONCURRENCY["cpu"] == 16
+    assert effective_config(absent, None, None, None)[0].max_concurrency == 16  # unknown hardware: the CPU's
+    assert DEFAULT_CONCURRENCY["gpu"] == 256
+    for gpu in ("h200", "b200", "h100"):
+        assert effective_config(absent, None, None, gpu)[0].max_concurrency == 256
+    named = parse_config(P, MINIMAL + "max_concurrency: 32\n")
+    assert effective_config(named, None, None, "h200")[0].max_concurrency == 32
+    with pytest.raises(ConfigError, match="max_concurrency"):
+        parse_config(P, MINIMAL + "max_concurrency: 0\n")
