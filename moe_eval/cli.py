@@ -422,6 +422,11 @@ def _why_not_kept(record, config: EvalConfig, data, mutation: str | None) -> str
         return questions
     if record.mutation != mutation:
         return f"mutation {record.mutation} then, {mutation} now"
+    # The same file can ask for other concurrency when the default moved (16 -> 256 on GPUs, 2026-12-05):
+    # a kept row beside a new one would pair answers made in other batches.
+    then = (record.identity.config or {}).get("max_concurrency")
+    if then is not None and then != config.max_concurrency:
+        return f"max_concurrency {then} then, {config.max_concurrency} now"
     return None
 
 

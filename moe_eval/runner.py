@@ -365,13 +365,13 @@ def _serve_and_evaluate(
         timings.update(scoring.seconds)
         logprobs, decode = scoring.prefill, scoring.decode
         swept, speed = None, None
-        if config.moe_timing or config.layer_checked:  # one sweep workload for both, read once
+        if config.moe_timing or config.layer_checked:  # one sweep workload for both, its pool read once
             per_call = _max_tokens_per_call(run_dir)
             target = sweep_target(config, data, server.base_url, model, per_call)
         if config.moe_timing:
             _stage(options, "timing the MoE calls")
             clock = time.monotonic()
-            swept, speed = timed_sweep(target, run_dir)
+            swept, speed = timed_sweep(target, run_dir, pause_layer_check=config.layer_checked)
             timings["speed_seconds"] = time.monotonic() - clock
             record.captures.timing = {
                 "moe": speed.as_dict(),
@@ -382,9 +382,12 @@ def _serve_and_evaluate(
         if config.layer_checked:
             _stage(options, "layer check: reaching every dispatch range")
             clock = time.monotonic()
+            # The check was paused through the timed requests (or tried to be): its own sweep, on the prompts
+            # after them (prompts sent before are in the prefix cache and would make smaller calls).
             record.captures.layer_sweep = reach_every_range(
-                config, target, owed=lambda: owed_cells(config, run_dir), swept=swept
-            )
+                config, target, owed=lambda: owed_cells(config, run_dir),
+                first_index=swept["requests"] if swept else 0,
+            )  # fmt: skip
             timings["layer_sweep_seconds"] = time.monotonic() - clock
         # Read while the server still runs: the counters' flusher thread wrote them within its interval.
         time.sleep(2 * STATS_INTERVAL_SECONDS)

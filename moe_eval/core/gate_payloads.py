@@ -430,7 +430,7 @@ class SpeedRange(TypedDict):
     """the excess over the margin in standard errors (absent in records before the z rule)"""
     fails_above: NotRequired[float | None]
     """the ratio above which this range would have failed at its measured standard errors: the slowdown
-    the gate could see here (absent in records before 2026-12-05)"""
+    the gate could see here (absent in records made before commit d9342f0)"""
 
 
 class SpeedGate(TypedDict):
@@ -561,6 +561,10 @@ class Workload(TypedDict):
     """the layer check's extra rounds"""
     top_up: NotRequired[TopUp]
     """a speed-gated row's more units of the ranges the sweep called under the gate's MIN_CALLS times"""
+    layer_check_paused: NotRequired[bool | str]
+    """a layer-checked row's timed requests: true where every process of the check said it paused before
+    them and resumed after; else why not (the check may then have sampled some of them); absent: no check
+    on the row, or timed before 2026-12-05 (the check sampled them all)"""
     prefix_cache_hit_tokens: NotRequired[int | None]
     """prompt tokens of the timed requests (the sweep and its top-up, not the layer check's rounds) that the
     server's prefix cache served (0: every call as sent; null: its /metrics did not say; absent: not timed);

@@ -96,6 +96,15 @@ def write(
     os.replace(tmp, path)
 
 
+def read_meta(path: Path) -> dict[str, Any]:
+    """One file's meta alone (np.load reads an .npz member only when asked); ValueError when unreadable."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return json.loads(str(data["meta"]))
+    except (OSError, KeyError, ValueError, EOFError) as exc:
+        raise ValueError(f"{path}: not a layer-check file ({exc})") from None
+
+
 def read(path: Path) -> LayerFile:
     """One file; ValueError when it is not a layer-check file of this format."""
     try:

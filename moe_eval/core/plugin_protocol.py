@@ -36,6 +36,10 @@ LAYER_CHECK_SLOTS_ENV = (
     "MOE_EVAL_LAYER_CHECK_SLOTS"  # slots a cell collects before rows stop being picked for it
 )
 LAYER_CHECK_DIR = "layer-check"  # <run dir>/layer-check/<pid>.npz (core/layer_cells.py)
+# While <run dir>/layer-check/<LAYER_CHECK_PAUSE> exists, every process's check samples nothing (its flusher
+# looks each STATS_INTERVAL_SECONDS and says so in its file's meta, "paused"): the speed measurement's timed
+# requests run without the check's work beside them (evaluate/moe_speed.py).
+LAYER_CHECK_PAUSE = "paused"
 # Dispatch ranges by the call's token count M: the lower edge of each range. They follow the bundled Triton
 # kernel's launch plan: M = 1 (one decode sequence), the small-BLOCK_M decode batches up to 16 and up to 64
 # (CUDA-graph sizes), mid batches, single-text prefills, and the persistent prefill path from M = 1024

@@ -4,7 +4,7 @@ lm-eval's own `gsm8k` task (prompt, few-shot split, `strict-match` and `flexible
 filters) is used as is. With a local data folder the task is re-pointed at its two JSONL
 files and the hub is switched off, so nothing reaches the network. Usage:
 
-    outcome = run_gsm8k(config, base_url, model, data_dir=Path("../shared/data/gsm8k"))
+    outcome = run_gsm8k(config, base_url, model, Gsm8kData(Path("../shared/data/gsm8k")), work_dir)
 """
 
 from __future__ import annotations
@@ -231,6 +231,10 @@ def run_gsm8k(
     listener: Callable[[str, str], None] | None = None,
 ) -> Gsm8kOutcome:
     """lm-eval against the server; `listener(prompt, text)` hears every answer as it arrives."""
+    if config.max_concurrency is None:  # plan.config.effective_config resolves it from the hardware
+        raise ValueError(
+            f"{config.path}: max_concurrency unresolved (run the config through effective_config)"
+        )
     if data.dir is not None:
         # Set before `datasets` is imported: without HF_DATASETS_OFFLINE it pings the hub.
         os.environ["HF_HUB_OFFLINE"] = "1"

@@ -208,15 +208,20 @@ def reach_every_range(
     target: SweepTarget,
     owed: Callable[[], dict[str, int]] | None = None,
     swept: dict[str, Any] | None = None,
+    first_index: int = 0,
 ) -> dict[str, Any]:
-    """The whole workload for a config's server: `sweep` (unless `swept` says it was sent already: the speed
-    measurement's timed pass, which is the same sweep), then (with `owed`, fill_cells) the rounds until the
-    check can judge its cells or the config's layer_check_sweep_seconds are spent."""
+    """The whole workload for a config's server: `sweep` on prompts from first_index on (unless `swept` says
+    the check saw one already: the speed measurement's timed pass where the check could not be paused), then
+    (with `owed`, fill_cells) the rounds until the check can judge its cells or the config's
+    layer_check_sweep_seconds are spent."""
     started = time.monotonic()
-    sent = sweep(target) if swept is None else dict(swept)
+    sent = sweep(target, first_index) if swept is None else dict(swept)
     if owed is not None:
         sent["rounds"] = fill_cells(
-            target, owed, deadline=started + config.layer_check_sweep_seconds, first_index=sent["requests"]
+            target,
+            owed,
+            deadline=started + config.layer_check_sweep_seconds,
+            first_index=first_index + sent["requests"] if swept is None else sent["requests"],
         )
         sent["requests"] += sum(r["requests"] for r in sent["rounds"])
         sent["seconds"] = round(time.monotonic() - started, 2)
@@ -320,11 +325,11 @@ def max_model_len(base_url: str, timeout: float) -> int:
         raise InfraError(f"layer check: GET {base_url}/v1/models gave no max_model_len: {exc}") from None
 
 
-def sweep(target: SweepTarget) -> dict[str, Any]:
-    """Steps 1-3 of the module docstring, the target's prompts 1, 2, ...: what was sent, with the wall
-    seconds of each request group."""
+def sweep(target: SweepTarget, first_index: int = 0) -> dict[str, Any]:
+    """Steps 1-3 of the module docstring, the target's prompts first_index + 1, + 2, ...: what was sent, with
+    the wall seconds of each request group."""
     started = time.monotonic()
-    index = 0
+    index = first_index
     limit, model_len = target.max_tokens_per_call, target.model_len
     sent: dict[str, Any] = {
         "prefill_lengths": [],
@@ -366,7 +371,7 @@ def sweep(target: SweepTarget) -> dict[str, Any]:
         seconds = post([payload(DECODE_PROMPT_TOKENS, DECODE_TOKENS) for _ in range(batch)], batch)
         sent["decode_seconds"][str(batch)] = seconds
         sent["decode_batches"].append(batch)
-    sent["requests"] = index
+    sent["requests"] = index - first_index
     sent["seconds"] = round(time.monotonic() - started, 2)
     sent["ranges_targeted"] = [edge for edge in LAYER_RANGE_EDGES if edge <= limit]
     # What was sent, as one value: two rows' timings of the sweep compare only where it is the same (the

@@ -1,12 +1,14 @@
 """The speed measurement: the layer sweep's workload, timed, on every row's server (the incumbent's too).
 
-The workload is the layer check's first sweep (evaluate/layer_sweep.sweep: single prompts of 24-1500 tokens
+The workload is the layer check's sweep (evaluate/layer_sweep.sweep: single prompts of 24-1500 tokens
 three times each, the batched prefill at the server's token limit, decode batches of 1, 8, 40 and 100
 sequences): fixed prompts and lengths, so every row of a model and layout serves the same calls. The MoE
 timer of each server process (kernels/moe_timer.py) is read before and after it; the difference is the
-workload's per-range MoE time (core/moe_timing.summarize). On a row with the layer check the same sweep then
-feeds the check, so the measurement costs two readings (~2 s); a row without it sends the sweep for the timing
-alone. The layer check's own kernels run after each timed call, outside the bracket.
+workload's per-range MoE time (core/moe_timing.summarize). On a row with the layer check the check is paused
+while the timed requests run (`layer_check_paused`: every process says so in its file before the sweep
+starts), so the client's end-to-end times are the served model's alone, as on a row without the check; the
+check then gets a sweep of its own on later prompts (evaluate/layer_sweep.reach_every_range). The MoE bracket
+never held the check's work: its end stamp comes before the check's kernels.
 
 A prefill range the sweep called fewer than the gate's MIN_CALLS times (a model of few MoE layers: the
 two-layer twins made 2-12 calls there on the H200) gets more units of its workload before the second reading
@@ -27,8 +29,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moe_eval.core import moe_timing
-from moe_eval.core.plugin_protocol import LAYER_RANGE_EDGES, STATS_INTERVAL_SECONDS, layer_range_names
+from moe_eval.core import layer_cells, moe_timing
+from moe_eval.core.plugin_protocol import (
+    LAYER_CHECK_DIR,
+    LAYER_CHECK_PAUSE,
+    LAYER_RANGE_EDGES,
+    STATS_INTERVAL_SECONDS,
+    layer_range_names,
+)
 from moe_eval.evaluate.layer_sweep import DECODE_BATCHES, DECODE_TOKENS, SweepTarget, send_units, sweep
 from moe_eval.gates.speed import MIN_CALLS
 
@@ -37,9 +45,62 @@ from moe_eval.gates.speed import MIN_CALLS
 MAX_TOP_UP_UNITS = 2 * MIN_CALLS
 
 
-def timed_sweep(target: SweepTarget, run_dir: Path) -> tuple[dict[str, Any], moe_timing.TimingSummary]:
+# How long the processes get to say they paused (each looks every STATS_INTERVAL_SECONDS; a loaded 2-core
+# machine's server threads can lag a few intervals).
+PAUSE_WAIT_SECONDS = 10 * STATS_INTERVAL_SECONDS
+
+
+def timed_sweep(
+    target: SweepTarget, run_dir: Path, pause_layer_check: bool = False
+) -> tuple[dict[str, Any], moe_timing.TimingSummary]:
     """(what was sent with its wall times, the per-range MoE time of those calls), the processes' timing files
-    read from run_dir before the sweep and after it (and after the top-up, where one was sent)."""
+    read from run_dir before the sweep and after it (and after the top-up, where one was sent).
+    pause_layer_check: the row's layer check samples nothing meanwhile (`layer_check_paused` in what was
+    sent: true, or why not)."""
+    paused = switch_layer_check(run_dir, paused=True) if pause_layer_check else None
+    try:
+        sent, summary = _timed(target, run_dir)
+    finally:
+        resumed = switch_layer_check(run_dir, paused=False) if pause_layer_check else None
+    if pause_layer_check:
+        # True only where every process said so before the first request and after the last; else the
+        # reason, and the check may have sampled some timed calls (the end-to-end times then hold its work).
+        sent["layer_check_paused"] = True if paused is None and resumed is None else (paused or resumed)
+    return sent, summary
+
+
+def switch_layer_check(run_dir: Path, paused: bool, wait: float = PAUSE_WAIT_SECONDS) -> str | None:
+    """Pause (or resume) every layer-check process of the row through LAYER_CHECK_PAUSE in its folder, and
+    wait until each process's file says it follows: None once they all do; else why not (no process has
+    written a file yet, or those that lag)."""
+    folder = run_dir / LAYER_CHECK_DIR
+    control = folder / LAYER_CHECK_PAUSE
+    if paused:
+        folder.mkdir(parents=True, exist_ok=True)
+        control.touch()
+    else:
+        control.unlink(missing_ok=True)
+    deadline = time.monotonic() + wait
+    while True:
+        states = {}
+        for path in sorted(folder.glob("*.npz")):
+            try:
+                states[path.name] = layer_cells.read_meta(path).get("paused")
+            except ValueError:
+                states[path.name] = None  # mid-rewrite on a file system without atomic renames: read again
+        lagging = sorted(name for name, state in states.items() if state is not paused)
+        if states and not lagging:
+            return None
+        if time.monotonic() >= deadline:
+            state = "paused" if paused else "resumed"
+            if not states:
+                return f"no layer-check process had written its file in {folder} to say it {state}"
+            who = f"{len(lagging)} of {len(states)} layer-check processes"
+            return f"{who} did not say they {state} in {wait:g} s"
+        time.sleep(STATS_INTERVAL_SECONDS / 5)
+
+
+def _timed(target: SweepTarget, run_dir: Path) -> tuple[dict[str, Any], moe_timing.TimingSummary]:
     time.sleep(2 * STATS_INTERVAL_SECONDS)  # every process's flusher wrote what came before
     before = moe_timing.read_folder(run_dir)
     hits_before = target.prefix_cache_hits()

@@ -147,15 +147,22 @@ def speed_check(
             f"slower than x{1 + margin:.2f} of {reference_name} in {len(slow)} of {len(judged)} dispatch "
             f"ranges; slower: {listed}"
         )
+    elif over:
+        listed = "; ".join(
+            f"{r.range} {r.us:.1f} us x{r.ratio:.2f} (fails above "
+            f"{'n/a' if r.fails_above is None else f'x{r.fails_above:.2f}'}, z = {r.z:.1f} of {SPEED_Z:g})"
+            for r in sorted(over, key=lambda r: -r.ratio)
+        )
+        detail = (
+            f"no range beyond noise: within x{1 + margin:.2f} of {reference_name} in "
+            f"{len(judged) - len(over)} of {len(judged)} dispatch ranges, over it but within noise in "
+            f"{len(over)}: {listed}"
+        )
     else:
         detail = (
-            f"within x{1 + margin:.2f} of {reference_name} in {len(judged) - len(over)} of {len(judged)} "
-            f"dispatch ranges; worst: {worst.range} {worst.us:.1f} us x{worst.ratio:.2f}"
+            f"within x{1 + margin:.2f} of {reference_name} in {len(judged)} of {len(judged)} dispatch "
+            f"ranges; worst: {worst.range} {worst.us:.1f} us x{worst.ratio:.2f}"
         )
-        if over:
-            detail += "; over the margin but within noise: " + "; ".join(
-                f"{r.range} x{r.ratio:.2f} (fails above x{r.fails_above:.2f}, z = {r.z:.1f})" for r in over
-            )
     detail += f"; judged {len(judged)}/{len(ranges)} ranges"
     if unjudged:
         detail += " (not judged: " + "; ".join(f"{r.range}: {r.why_not}" for r in unjudged) + ")"

@@ -18,7 +18,7 @@ replays, its rows decided on the device at each replay):
    every cell it changed to the layer's host mirror (pinned memory the flusher thread reads).
 
 Kernels 2-5 read the row count first and return at once when it is 0, so a call that compares nothing costs
-the pick and four near-empty launches.
+the pick and four near-empty launches; so does a captured call replayed while the check is paused.
 
 T tokens, D hidden, F intermediate per rank, E experts (global), e local experts, K top-k, R compared rows
 (at most CAP), NR dispatch ranges, NF cell fields, NRF row fields.
@@ -43,6 +43,7 @@ def _pick_rows_kernel(
     expert_map_ptr,  # (E,) int32, local slot or -1 (unused without HAS_MAP)
     rows_ptr,  # (CAP,) int32 out: the compared rows
     count_ptr,  # (1,) int32 out: how many
+    paused_ptr,  # (1,) int32, host memory the host writes: nonzero, the call is neither counted nor compared
     T,
     E,
     range_index,
@@ -58,13 +59,17 @@ def _pick_rows_kernel(
     BLOCK_CAP: tl.constexpr,
     BLOCK_E: tl.constexpr,  # > E: the histogram's last bins take the slots of other ranks
 ):
+    # Paused (the speed measurement's timed requests, LayerCheck.set_paused): read at every replay of a
+    # captured call; the call then has no rows, so nothing is counted and kernels 2-5 return at once.
+    active = tl.load(paused_ptr, volatile=True) == 0
+    T = tl.where(active, T, 0)
     # One program, one stream: the layers' calls run in order, so the counters need no atomic.
     seen = tl.load(seen_ptr + range_index)
-    tl.store(seen_ptr + range_index, seen + 1)
-    tl.store(seen_mirror_ptr + range_index, seen + 1)
+    tl.store(seen_ptr + range_index, seen + active.to(tl.int64))
+    tl.store(seen_mirror_ptr + range_index, seen + active.to(tl.int64))
     count = tl.minimum(T, cap)
     searching = (seen >= burst) & ((seen % period) != 0)  # not a background call: needy rows
-    start = (seen * ROW_STRIDE) % T
+    start = (seen * ROW_STRIDE) % tl.maximum(T, 1)
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
     offs_e = tl.arange(0, BLOCK_E)

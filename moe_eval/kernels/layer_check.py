@@ -36,7 +36,12 @@ import torch
 
 from moe_eval.core import layer_cells
 from moe_eval.core.layer_cells import CELL_FIELDS, ROW_FIELDS
-from moe_eval.core.plugin_protocol import LAYER_RANGE_EDGES, layer_range_index, layer_range_names
+from moe_eval.core.plugin_protocol import (
+    LAYER_CHECK_PAUSE,
+    LAYER_RANGE_EDGES,
+    layer_range_index,
+    layer_range_names,
+)
 from moe_eval.kernels import layer_check_ref as ref
 from moe_eval.kernels.stats_file import StatsFile
 
@@ -112,7 +117,14 @@ class LayerCheck:
         self.experts_held: list[int] | None = None  # global experts this rank holds (None: every one)
         self._lock = threading.Lock()
         self._scratch: dict[tuple, tuple[torch.Tensor, ...]] = {}
-        self.file = StatsFile(path, self.snapshot, "moe-eval-layer-check", write=_write, same=_same)
+        # Paused: calls are neither counted nor compared (set_paused). The device reads the flag from host
+        # memory at every call, so captured graphs keep their check kernels and obey it at replay.
+        self.paused = False
+        self._pause_flag = torch.zeros(1, dtype=torch.int32)
+        self.file = StatsFile(
+            path, self.snapshot, "moe-eval-layer-check", write=_write, same=_same,
+            before_flush=self.follow_pause_file,
+        )  # fmt: skip
 
     # --- set-up (weight loading, before vLLM's warm-up and graph capture) ---
 
@@ -121,6 +133,22 @@ class LayerCheck:
         interpreter on a machine without CUDA)."""
         assert not self.layers, "attach the device before the first layer registers"
         self.device, self.pin = device, pin
+        if pin and device.type == "cuda":
+            self._pause_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+
+    def set_paused(self, paused: bool) -> None:
+        """Paused, the calls from now on are neither counted nor compared (an eager call launches nothing;
+        a captured one runs the pick, which finds the flag, and four launches that return at once)."""
+        self._pause_flag.fill_(int(paused))
+        self.paused = paused
+
+    def follow_pause_file(self) -> None:
+        """Paused while <run dir>/layer-check/LAYER_CHECK_PAUSE exists (the flusher's tick; the harness reads
+        the state back from this process's file)."""
+        if self.file.path is not None:
+            paused = (self.file.path.parent / LAYER_CHECK_PAUSE).exists()
+            if paused != self.paused:
+                self.set_paused(paused)
 
     def register_layer(self, name: str | None = None) -> int:
         """A new MoE layer's tables; its index is what `observe` takes."""
@@ -169,6 +197,9 @@ class LayerCheck:
         T = hidden_TD.shape[0]
         if T == 0:
             return
+        self.file.start()
+        if self.paused and not (hidden_TD.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return
         range_index = layer_range_index(T)
         tables = self.layers[layer]
         args = (hidden_TD, out_TD, topk_weights_TK, topk_ids_TK, expert_map_E, w13_eFD, w2_eDF)
@@ -176,7 +207,6 @@ class LayerCheck:
             self._observe_on_device(tables, range_index, *args, apply_router_weight_on_input)
         else:
             self._observe_on_host(tables, range_index, *args, apply_router_weight_on_input)
-        self.file.start()
 
     def _observe_on_host(
         self,
@@ -278,7 +308,7 @@ class LayerCheck:
         _, _, seen_mirror, routed_mirror = tables.mirrors
         kernels._pick_rows_kernel[(1,)](
             tables.seen, seen_mirror, tables.cells, tables.routed, routed_mirror, ids, emap, rows, count,
-            T, E, range_index, self.cap, self.burst, self.period, self.target,
+            self._pause_flag, T, E, range_index, self.cap, self.burst, self.period, self.target,
             K=K, NF=NUM_CELL_FIELDS, HAS_MAP=has_map, BLOCK_K=block_k, BLOCK_T=max(16, 256 // block_k),
             BLOCK_CAP=triton.next_power_of_2(self.cap), BLOCK_E=triton.next_power_of_2(E + 1), num_warps=4,
         )  # fmt: skip
@@ -327,6 +357,7 @@ class LayerCheck:
             "ranges": list(layer_range_names()),
             "sampling": {"target": self.target, "cap": self.cap, "burst": self.burst, "period": self.period},
             "counted_on": "device" if self.device is not None else "host",
+            "paused": self.paused,
         }
         return meta, cells, rows, seen, routed
 
@@ -351,5 +382,11 @@ def _write(path: Path, snapshot: tuple) -> None:
 
 
 def _same(a: tuple, b: tuple) -> bool:
-    """Every call moves `seen` and every compared row moves `rows`: equal tables need no rewrite."""
-    return np.array_equal(a[3], b[3]) and np.array_equal(a[2], b[2]) and a[0]["layers"] == b[0]["layers"]
+    """Every counted call moves `seen` and every compared row moves `rows`: equal tables need no rewrite
+    (unless the pause changed: the harness waits to read it)."""
+    return (
+        np.array_equal(a[3], b[3])
+        and np.array_equal(a[2], b[2])
+        and a[0]["layers"] == b[0]["layers"]
+        and a[0]["paused"] == b[0]["paused"]
+    )

@@ -27,7 +27,8 @@ def _write_json(path: Path, record: Any) -> None:
 
 class StatsFile:
     """`write(path, record)` writes atomically (JSON by default); `same(a, b)` says two snapshots need no
-    rewrite (equality by default)."""
+    rewrite (equality by default); `before_flush()` runs first at every flush (the flusher's tick: where a
+    process follows what the harness asks of it through files beside its own)."""
 
     def __init__(
         self,
@@ -36,12 +37,14 @@ class StatsFile:
         name: str,
         write: Callable[[Path, Any], None] = _write_json,
         same: Callable[[Any, Any], bool] = lambda a, b: a == b,
+        before_flush: Callable[[], None] | None = None,
     ) -> None:
         self.path = path
         self.snapshot = snapshot
         self.name = name  # the flusher thread's name
         self.write = write
         self.same = same
+        self.before_flush = before_flush
         self._lock = threading.Lock()
         self._last_written: Any = None
         self._flusher: threading.Thread | None = None
@@ -50,6 +53,8 @@ class StatsFile:
         if self.path is None:
             return
         with self._lock:
+            if self.before_flush is not None:
+                self.before_flush()
             record = self.snapshot()
             if self._last_written is not None and self.same(record, self._last_written):
                 return

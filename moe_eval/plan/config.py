@@ -120,7 +120,7 @@ class EvalConfig:
         None,
         gt=0,
         description="concurrent requests from lm-eval; absent: 16 for --hw cpu, 256 on GPUs (docs/perf.md, "
-        "'Eval concurrency')",
+        '"The eval\'s concurrency")',
     )
     request_timeout_seconds: float = Field(600, gt=0, description="per-request timeout")
     # --- moe-eval keys ---
@@ -448,7 +448,7 @@ def load_config(path: Path) -> EvalConfig:
 
 # lm-eval's concurrent requests where a config names none. On the H200 the Qwen3-30B-A3B twin's 512-question
 # eval took 39 s at 16, 27 at 64 and 23 at 256 (requests 25 -> 11 -> 7 s), and the canary's answers did not
-# change from 16 to 200 (docs/perf.md, "Eval concurrency"). The CPU stays at 16: a 2-core server gains
+# change from 16 to 200 (docs/perf.md, "The eval's concurrency"). The CPU stays at 16: a 2-core server gains
 # nothing from wider batches, and the CPU KV cache (VLLM_CPU_KVCACHE_SPACE) is small.
 DEFAULT_CONCURRENCY = {"cpu": 16, "gpu": 256}
 

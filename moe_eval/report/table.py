@@ -98,7 +98,9 @@ def speed_cell(gate: dict | None, timing: dict | None) -> str:
     not gated shows its slowest range's call ('412.4 us at M>=1024, 6 ranges timed, not gated')."""
     if gate and gate.get("worst_ratio") is not None:
         judged = [r for r in gate["ranges"] if r.get("ratio") is not None]
-        worst = max(judged, key=lambda r: r["ratio"])
+        # A failed gate shows its worst failing range: a wider ratio passed by noise must not stand for it.
+        failed = [r for r in judged if r.get("passed") is False]
+        worst = max(failed or judged, key=lambda r: r["ratio"])
         counted = f"{len(judged)}/{len(gate['ranges'])} ranges judged"
         # Passed over the margin: the excess was within the range's noise, which the cell must not hide.
         noise = ", within noise" if worst.get("passed") and worst["ratio"] > 1 + gate["margin"] else ""

@@ -70,11 +70,13 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         assert record["versions"]["vllm"] == "0.32.0" and record["versions"]["lm-eval"] == "0.4.13"
         run_dir = Path(record["server"]["log"]).parent
         log = (run_dir / "server.log").read_text()
-        # Every question, scored text and decode prompt reached the server (plus the launcher's warm-up), and
-        # for a bundled kernel the layer check's sweep.
-        # The speed measurement's timed sweep (every row) is the layer check's first pass (bundled rows).
-        sweep = (record.get("layer_sweep") or record["timing"]["workload"])["requests"]
-        assert log.count("POST /v1/completions") == 200 + 16 + 8 + 1 + sweep
+        # Every question, scored text and decode prompt reached the server (plus the launcher's warm-up), the
+        # speed measurement's timed sweep (every row), and for a bundled kernel the layer check's own sweep
+        # and rounds: the check was paused through the timed requests, every server process saying so.
+        timed = record["timing"]["workload"]["requests"]
+        checked = record["layer_sweep"]["requests"] if "layer_sweep" in record else 0
+        assert log.count("POST /v1/completions") == 200 + 16 + 8 + 1 + timed + checked
+        assert record["timing"]["workload"].get("layer_check_paused") is ("layer_sweep" in record or None)
         # Every row's served MoE calls timed per dispatch range on the same workload (reported on the CPU,
         # never gated: the speed gate is off for --hw cpu), vLLM's own kernel's too.
         moe = record["timing"]["moe"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from moe_eval.plan.devices import DevicePool
@@ -164,3 +165,14 @@ def test_resume_says_why_a_row_runs_again(tmp_path):
     assert resumable_outcomes(run_root, [other], data, None, {}).rerun == {
         0: "the earlier run has no results of it"
     }
+
+    # The same file where the default concurrency moved (16 -> 256 on GPUs): its rows pair other batches.
+    gpu = dataclasses.replace(config, max_concurrency=256)
+    record |= {"versions": versions(), "config": {"max_concurrency": 16}}
+    (run_dir / "results.json").write_text(json.dumps(record))
+    assert resumable_outcomes(run_root, [gpu], data, None, {}).rerun == {
+        0: "max_concurrency 16 then, 256 now"
+    }
+    (run_dir / "results.json").write_text(json.dumps(record))
+    same = dataclasses.replace(config, max_concurrency=16)
+    assert list(resumable_outcomes(run_root, [same], data, None, {}).kept) == [0]

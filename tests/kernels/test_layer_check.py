@@ -333,6 +333,47 @@ def test_the_tables_are_flushed_to_the_run_folder(tmp_path):
     )
 
 
+def test_a_paused_check_counts_and_compares_nothing_and_says_so_in_its_file(tmp_path):
+    """The speed measurement's pause (evaluate/moe_speed.switch_layer_check): while the folder holds
+    LAYER_CHECK_PAUSE the process's flusher pauses the check, whose calls are then neither counted nor
+    compared, and the file's meta says "paused"; without it the check counts again. The harness's wait reads
+    the same meta back, and names the processes that do not follow."""
+    from moe_eval.evaluate.moe_speed import switch_layer_check
+
+    run_dir = tmp_path / "run"
+    path = run_dir / "layer-check" / "1.npz"
+    check = lc.LayerCheck("torch", 8, path, {"tp_rank": 0, "tp_size": 1}, 2048)
+    index = check.register_layer()
+    layer = _layer(8, 32, 64)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    weights, ids = _routing(5, 8, 2, g)
+    out = torch_moe(x, layer.w13_weight.data, layer.w2_weight.data, weights, ids)
+
+    def call() -> None:
+        check.observe(index, x, out, weights, ids, None, layer.w13_weight.data, layer.w2_weight.data, False)
+
+    call()  # the flusher starts with the first call
+    assert switch_layer_check(run_dir, paused=True) is None
+    assert check.paused and layer_cells.read_meta(path)["paused"] is True
+    before = check.snapshot()
+    for _ in range(3):
+        call()
+    after = check.snapshot()
+    for counted_before, counted_after in zip(before[1:], after[1:], strict=True):
+        assert np.array_equal(counted_before, counted_after)  # cells, rows, seen, routed: untouched
+    assert switch_layer_check(run_dir, paused=False) is None
+    assert not check.paused and not (run_dir / "layer-check" / "paused").exists()
+    call()
+    assert check.snapshot()[3].sum() == before[3].sum() + 1  # counted again
+    # A process that never follows (here: a file nobody rewrites) is named, not waited for forever.
+    layer_cells.write(run_dir / "layer-check" / "2.npz", {"paused": False}, *[np.zeros((0,))] * 4)
+    why = switch_layer_check(run_dir, paused=True, wait=3 * STATS_INTERVAL_SECONDS)
+    assert why == f"1 of 2 layer-check processes did not say they paused in {3 * STATS_INTERVAL_SECONDS:g} s"
+    empty = tmp_path / "other"
+    assert switch_layer_check(empty, paused=True, wait=0.1).startswith("no layer-check process had written")
+
+
 # --- the Triton kernels against the torch definition ---------------------------------------------
 
 _INTERPRETED = r"""
@@ -362,6 +403,18 @@ for m in (None, emap):
             check.observe(layer, x, out, w, ids, m, lw13, lw2, False)
         _, cells, rows, seen, routed = check.snapshot()
         snaps.append([cells.tolist(), rows.tolist(), seen.tolist(), routed.tolist()])
+        if device is not None:
+            # The pick kernel itself reads the pause flag (what a captured call does at each replay; an eager
+            # call paused launches nothing): a paused call is neither counted nor compared.
+            x, w, ids = calls[3]
+            out = torch_moe(x, lw13, lw2, w, ids, expert_map_E=m)
+            check.set_paused(True)
+            check._observe_on_device(check.layers[layer], 3, x, out, w, ids, m, lw13, lw2, False)
+            paused_snap = [a.tolist() for a in check.snapshot()[1:]]
+            check.set_paused(False)
+            check._observe_on_device(check.layers[layer], 3, x, out, w, ids, m, lw13, lw2, False)
+            resumed_seen = check.snapshot()[3].tolist()
+            snaps.append([paused_snap, resumed_seen])
     result.append(snaps)
 json.dump(result, sys.stdout)
 """
@@ -379,10 +432,15 @@ def test_triton_kernels_match_the_torch_definition_in_the_interpreter():
         cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    for host, device in json.loads(done.stdout):
+    for host, device, (paused, resumed_seen) in json.loads(done.stdout):
         (h_cells, h_rows, h_seen, h_routed), (d_cells, d_rows, d_seen, d_routed) = map(
             lambda s: [np.array(t) for t in s], (host, device)
         )
+        # paused: the tables exactly as before the call; resumed: the same call counted
+        assert all(
+            np.array_equal(np.array(a), b) for a, b in zip(paused, (d_cells, d_rows, d_seen, d_routed))
+        )
+        assert np.array(resumed_seen).sum() == d_seen.sum() + 1
         assert np.array_equal(h_seen, d_seen) and h_seen.sum() == 11
         assert np.array_equal(h_routed, d_routed) and h_routed.sum() > 0
         assert np.array_equal(h_cells[..., CELL["n"]], d_cells[..., CELL["n"]])  # the same rows picked
@@ -452,6 +510,21 @@ def test_device_path_matches_torch_under_cuda_graphs(expert_map):
     np.testing.assert_allclose(d_rows[..., ROW["sa"]], h_rows[..., ROW["sa"]], rtol=0, atol=sa_tol)
     for field in ("calls", "rows", "sq_res", "sq_exact", "sq_ref", "sb"):
         np.testing.assert_allclose(d_rows[..., ROW[field]], h_rows[..., ROW[field]], rtol=1e-2, atol=1e-9)
+    # Paused, the same graphs replay their check kernels, which read the flag and count nothing; resumed, the
+    # next replays count again (the speed measurement pauses the check while a server serves its timed
+    # requests, with the graphs captured long before).
+    device.set_paused(True)
+    for graph, _ in graphs:
+        graph.replay()
+    torch.cuda.synchronize()
+    paused = device.snapshot()
+    assert np.array_equal(paused[3], d_seen) and np.array_equal(paused[1], d_cells)
+    assert np.array_equal(paused[4], d_routed)
+    device.set_paused(False)
+    for graph, _ in graphs:
+        graph.replay()
+    torch.cuda.synchronize()
+    assert device.snapshot()[3].sum() == d_seen.sum() + len(graphs)
     # The incumbent's: a bf16 rounding that falls the other way on one element (summation order) moves the
     # signed sum a_inc relatively more, so compare the scale it gives where a cell has evidence.
     b = h_cells[..., CELL["b"]]

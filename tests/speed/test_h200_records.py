@@ -172,8 +172,10 @@ def test_a_pass_over_the_margin_is_named_with_what_the_range_would_fail_above(tw
     eager = [r for name, r in ranges.items() if name not in GRAPH_REPLAYED]
     assert max(ranges[r].fails_above for r in GRAPH_REPLAYED) < min(r.fails_above for r in eager), ranges
     check, _ = speed_check(bundled, vllm, MARGIN, "vllm")
-    assert "over the margin but within noise: M=257-1023 x1.31 (fails above x" in check.detail
-    assert "in 5 of 7 dispatch ranges" in check.detail  # M=1024-4095 read x1.18: over the margin too
+    assert check.detail.startswith("no range beyond noise: within x1.15 of vllm in 5 of 7 dispatch ranges")
+    assert "over it but within noise in 2: M=257-1023 661.3 us x1.31 (fails above x1.59, z = 1.1 of 3)" in (
+        check.detail
+    )  # and M=1024-4095 at x1.18
 
 
 def test_the_tables_speed_cell_says_when_its_worst_range_passed_by_noise(twin2):
@@ -184,3 +186,24 @@ def test_the_tables_speed_cell_says_when_its_worst_range_passed_by_noise(twin2):
     assert speed_cell(section, None) == "x1.31 worst (M=257-1023, within noise), 7/7 ranges judged"
     _, within = speed_check(bundled, vllm, 0.5, "vllm")  # a margin the range stays under
     assert speed_cell(within, None) == "x1.31 worst (M=257-1023), 7/7 ranges judged"
+    # A failed gate's cell shows the range that failed, not a wider ratio that passed by noise.
+    failed = {**section, "ranges": [dict(r) for r in section["ranges"]]}
+    m1 = next(r for r in failed["ranges"] if r["range"] == "M=1")
+    m1.update(ratio=1.2, passed=False)
+    assert speed_cell(failed, None) == "x1.20 worst (M=1), 7/7 ranges judged"
+
+
+def test_a_reference_mean_of_zero_is_named_never_a_crash():
+    """A broken reference timer (mean 0) gives an infinite ratio and no fails_above: the message says so."""
+    row = TimingSummary.from_dict(
+        {"ranges": [{"range": "M=1", "calls": 16, "tokens": 16, "mean_us": 10.0, "spread_us": 16.0,
+                     "us_per_token": 10.0}], "timed_on": ["device"], "processes": 1}
+    )  # fmt: skip
+    zero = TimingSummary.from_dict(
+        {"ranges": [{"range": "M=1", "calls": 16, "tokens": 16, "mean_us": 0.0, "spread_us": 0.0,
+                     "us_per_token": 0.0}], "timed_on": ["device"], "processes": 1}
+    )  # fmt: skip
+    check, section = speed_check(row, zero, MARGIN, "broken")
+    assert check is not None and section["ranges"][0]["fails_above"] is None
+    # 10 us over a zero mean at a 4 us standard error: z = 2.5, a pass by noise, named as one
+    assert check.passed and "M=1 10.0 us xinf (fails above n/a, z = 2.5 of 3)" in check.detail
