@@ -563,8 +563,11 @@ class Workload(TypedDict):
     """a speed-gated row's more units of the ranges the sweep called under the gate's MIN_CALLS times"""
     layer_check_paused: NotRequired[bool | str]
     """a layer-checked row's timed requests: true where every process of the check said it paused before
-    them and resumed after; else why not (the check may then have sampled some of them); absent: no check
-    on the row, or timed before 2026-12-05 (the check sampled them all)"""
+    them; else why not (the check may then have sampled some of them); absent: no check on the row, or a
+    record made before commit 36f5692 (the check sampled them all)"""
+    layer_check_resumed: NotRequired[str]
+    """why not every process of the check said it resumed after the timed requests (absent: they all did):
+    the check's own sweep may have started with one still paused"""
     prefix_cache_hit_tokens: NotRequired[int | None]
     """prompt tokens of the timed requests (the sweep and its top-up, not the layer check's rounds) that the
     server's prefix cache served (0: every call as sent; null: its /metrics did not say; absent: not timed);

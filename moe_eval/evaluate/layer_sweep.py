@@ -207,24 +207,22 @@ def reach_every_range(
     config: EvalConfig,
     target: SweepTarget,
     owed: Callable[[], dict[str, int]] | None = None,
-    swept: dict[str, Any] | None = None,
     first_index: int = 0,
 ) -> dict[str, Any]:
-    """The whole workload for a config's server: `sweep` on prompts from first_index on (unless `swept` says
-    the check saw one already: the speed measurement's timed pass where the check could not be paused), then
-    (with `owed`, fill_cells) the rounds until the check can judge its cells or the config's
-    layer_check_sweep_seconds are spent."""
-    started = time.monotonic()
-    sent = sweep(target, first_index) if swept is None else dict(swept)
+    """The whole workload for a config's server: `sweep` on prompts from first_index on (those before went to
+    the speed measurement, with the check paused), then (with `owed`, fill_cells) the rounds until the check
+    can judge its cells or the config's layer_check_sweep_seconds, counted after the sweep, are spent."""
+    sent = sweep(target, first_index)
     if owed is not None:
+        started = time.monotonic()
         sent["rounds"] = fill_cells(
             target,
             owed,
             deadline=started + config.layer_check_sweep_seconds,
-            first_index=first_index + sent["requests"] if swept is None else sent["requests"],
+            first_index=first_index + sent["requests"],
         )
         sent["requests"] += sum(r["requests"] for r in sent["rounds"])
-        sent["seconds"] = round(time.monotonic() - started, 2)
+        sent["seconds"] = round(sent["seconds"] + time.monotonic() - started, 2)
     return sent
 
 

@@ -6,9 +6,11 @@ sequences): fixed prompts and lengths, so every row of a model and layout serves
 timer of each server process (kernels/moe_timer.py) is read before and after it; the difference is the
 workload's per-range MoE time (core/moe_timing.summarize). On a row with the layer check the check is paused
 while the timed requests run (`layer_check_paused`: every process says so in its file before the sweep
-starts), so the client's end-to-end times are the served model's alone, as on a row without the check; the
-check then gets a sweep of its own on later prompts (evaluate/layer_sweep.reach_every_range). The MoE bracket
-never held the check's work: its end stamp comes before the check's kernels.
+starts): no row is compared, so the client's end-to-end times hold none of the check's sampled work. What
+stays is fixed: an eager call launches nothing for the check, but a captured call replays the check's pick
+(which reads the flag) and four launches that return at once. The check then gets a sweep of its own on
+later prompts (evaluate/layer_sweep.reach_every_range). The MoE bracket never held the check's work: its end
+stamp comes before the check's kernels.
 
 A prefill range the sweep called fewer than the gate's MIN_CALLS times (a model of few MoE layers: the
 two-layer twins made 2-12 calls there on the H200) gets more units of its workload before the second reading
@@ -48,6 +50,7 @@ MAX_TOP_UP_UNITS = 2 * MIN_CALLS
 # How long the processes get to say they paused (each looks every STATS_INTERVAL_SECONDS; a loaded 2-core
 # machine's server threads can lag a few intervals).
 PAUSE_WAIT_SECONDS = 10 * STATS_INTERVAL_SECONDS
+NO_PROCESS = "no layer-check process had written its file"
 
 
 def timed_sweep(
@@ -57,15 +60,22 @@ def timed_sweep(
     read from run_dir before the sweep and after it (and after the top-up, where one was sent).
     pause_layer_check: the row's layer check samples nothing meanwhile (`layer_check_paused` in what was
     sent: true, or why not)."""
-    paused = switch_layer_check(run_dir, paused=True) if pause_layer_check else None
+    paused: str | None = None
     try:
+        if pause_layer_check:  # inside the try: an interrupt while waiting still removes the pause file
+            paused = switch_layer_check(run_dir, paused=True)
         sent, summary = _timed(target, run_dir)
     finally:
-        resumed = switch_layer_check(run_dir, paused=False) if pause_layer_check else None
+        # No process that could have paused (none had written a file): remove the file, wait for nobody.
+        idle = paused is not None and paused.startswith(NO_PROCESS)
+        resumed = switch_layer_check(run_dir, paused=False, wait=0 if idle else PAUSE_WAIT_SECONDS)
+        resumed = None if idle else resumed
     if pause_layer_check:
-        # True only where every process said so before the first request and after the last; else the
-        # reason, and the check may have sampled some timed calls (the end-to-end times then hold its work).
-        sent["layer_check_paused"] = True if paused is None and resumed is None else (paused or resumed)
+        # True where every process said so before the first timed request; else why not (the check may then
+        # have sampled some timed calls, whose end-to-end times hold its work).
+        sent["layer_check_paused"] = True if paused is None else paused
+        if resumed is not None:  # the check's own sweep may then have started with a process still paused
+            sent["layer_check_resumed"] = resumed
     return sent, summary
 
 
@@ -94,7 +104,7 @@ def switch_layer_check(run_dir: Path, paused: bool, wait: float = PAUSE_WAIT_SEC
         if time.monotonic() >= deadline:
             state = "paused" if paused else "resumed"
             if not states:
-                return f"no layer-check process had written its file in {folder} to say it {state}"
+                return f"{NO_PROCESS} in {folder} to say it {state}"
             who = f"{len(lagging)} of {len(states)} layer-check processes"
             return f"{who} did not say they {state} in {wait:g} s"
         time.sleep(STATS_INTERVAL_SECONDS / 5)

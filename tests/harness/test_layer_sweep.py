@@ -163,3 +163,26 @@ def test_the_sweeps_fingerprint_names_its_requests(sent):
     assert same[0] == same[1] and len(same[0]) == 16
     assert layer_sweep.sweep(target(pool=range(1, 5001)))["fingerprint"] != same[0]
     assert layer_sweep.sweep(target(max_tokens=2048))["fingerprint"] != same[0]
+
+
+def test_the_checks_own_sweep_and_rounds_continue_after_the_timed_prompts(sent, monkeypatch):
+    """The speed measurement times prompts 1..n with the check paused; the check's own sweep and rounds then
+    take n+1, n+2, ...: every prompt once (one sent again would be served from the prefix cache, a smaller
+    call than its range's)."""
+    from types import SimpleNamespace
+
+    indices: list[int] = []
+    payload = layer_sweep.SweepTarget.payload
+
+    def recorded(self, length, tokens, index):
+        indices.append(index)
+        return payload(self, length, tokens, index)
+
+    monkeypatch.setattr(layer_sweep.SweepTarget, "payload", recorded)
+    timed = layer_sweep.sweep(target())["requests"]
+    assert indices == list(range(1, timed + 1))
+    answers = iter([{"M=1": 1}, {}])
+    config = SimpleNamespace(layer_check_sweep_seconds=60)
+    checked = layer_sweep.reach_every_range(config, target(), owed=lambda: next(answers), first_index=timed)
+    assert [r["requests"] for r in checked["rounds"]] == [8]
+    assert indices == list(range(1, timed + checked["requests"] + 1))  # contiguous, none twice
