@@ -87,8 +87,9 @@ class TokenPool:
     """Token ids that prompts are cut from, and the offsets a prompt may start at: the first offset of each
     distinct PREFIX_BLOCK-id window (wrapping around), so no two starts share a cached first block. Prompt
     `index` starts at starts[index * stride mod len(starts)], stride coprime to len(starts): indices that
-    differ modulo len(starts) start at different offsets (a sweep sends ~170 prompts; pools hold thousands
-    of starts, the repeating fallback text far fewer)."""
+    differ modulo len(starts) start at different offsets (one index space per server: the timed sweep and its
+    top-up, then the check's own sweep and rounds, a few hundred prompts; pools hold thousands of starts, the
+    repeating fallback text far fewer)."""
 
     def __init__(self, ids: list[int]) -> None:
         if not ids:
@@ -204,25 +205,21 @@ def sweep_target(
 
 
 def reach_every_range(
-    config: EvalConfig,
-    target: SweepTarget,
-    owed: Callable[[], dict[str, int]] | None = None,
-    first_index: int = 0,
+    config: EvalConfig, target: SweepTarget, owed: Callable[[], dict[str, int]], first_index: int = 0
 ) -> dict[str, Any]:
     """The whole workload for a config's server: `sweep` on prompts from first_index on (those before went to
-    the speed measurement, with the check paused), then (with `owed`, fill_cells) the rounds until the check
-    can judge its cells or the config's layer_check_sweep_seconds, counted after the sweep, are spent."""
+    the speed measurement, with the check paused), then fill_cells' rounds until the check can judge its
+    cells or the config's layer_check_sweep_seconds, counted after the sweep, are spent."""
     sent = sweep(target, first_index)
-    if owed is not None:
-        started = time.monotonic()
-        sent["rounds"] = fill_cells(
-            target,
-            owed,
-            deadline=started + config.layer_check_sweep_seconds,
-            first_index=first_index + sent["requests"],
-        )
-        sent["requests"] += sum(r["requests"] for r in sent["rounds"])
-        sent["seconds"] = round(sent["seconds"] + time.monotonic() - started, 2)
+    started = time.monotonic()
+    sent["rounds"] = fill_cells(
+        target,
+        owed,
+        deadline=started + config.layer_check_sweep_seconds,
+        first_index=first_index + sent["requests"],
+    )
+    sent["requests"] += sum(r["requests"] for r in sent["rounds"])
+    sent["seconds"] = round(sent["seconds"] + time.monotonic() - started, 2)
     return sent
 
 

@@ -50,32 +50,32 @@ MAX_TOP_UP_UNITS = 2 * MIN_CALLS
 # How long the processes get to say they paused (each looks every STATS_INTERVAL_SECONDS; a loaded 2-core
 # machine's server threads can lag a few intervals).
 PAUSE_WAIT_SECONDS = 10 * STATS_INTERVAL_SECONDS
-NO_PROCESS = "no layer-check process had written its file"
 
 
 def timed_sweep(
     target: SweepTarget, run_dir: Path, pause_layer_check: bool = False
 ) -> tuple[dict[str, Any], moe_timing.TimingSummary]:
     """(what was sent with its wall times, the per-range MoE time of those calls), the processes' timing files
-    read from run_dir before the sweep and after it (and after the top-up, where one was sent).
+    read from run_dir before the sweep, after it and after the top-up (where one was sent).
     pause_layer_check: the row's layer check samples nothing meanwhile (`layer_check_paused` in what was
     sent: true, or why not)."""
+    if not pause_layer_check:
+        return _timed(target, run_dir)
     paused: str | None = None
-    try:
-        if pause_layer_check:  # inside the try: an interrupt while waiting still removes the pause file
-            paused = switch_layer_check(run_dir, paused=True)
+    try:  # the pause inside it: an interrupt while waiting still removes the pause file
+        paused = switch_layer_check(run_dir, paused=True)
         sent, summary = _timed(target, run_dir)
     finally:
-        # No process that could have paused (none had written a file): remove the file, wait for nobody.
-        idle = paused is not None and paused.startswith(NO_PROCESS)
-        resumed = switch_layer_check(run_dir, paused=False, wait=0 if idle else PAUSE_WAIT_SECONDS)
-        resumed = None if idle else resumed
-    if pause_layer_check:
-        # True where every process said so before the first timed request; else why not (the check may then
-        # have sampled some timed calls, whose end-to-end times hold its work).
-        sent["layer_check_paused"] = True if paused is None else paused
-        if resumed is not None:  # the check's own sweep may then have started with a process still paused
-            sent["layer_check_resumed"] = resumed
+        # Where no process had written a file, none could have paused: remove the file, wait for nobody.
+        anyone = any((run_dir / LAYER_CHECK_DIR).glob("*.npz"))
+        resumed = switch_layer_check(run_dir, paused=False) if anyone else None
+        if not anyone:
+            (run_dir / LAYER_CHECK_DIR / LAYER_CHECK_PAUSE).unlink(missing_ok=True)
+    # True where every process said so before the first timed request; else why not (the check may then
+    # have sampled some timed calls, whose end-to-end times hold its work).
+    sent["layer_check_paused"] = True if paused is None else paused
+    if resumed is not None:  # the check's own sweep may then have started with a process still paused
+        sent["layer_check_resumed"] = resumed
     return sent, summary
 
 
@@ -104,7 +104,7 @@ def switch_layer_check(run_dir: Path, paused: bool, wait: float = PAUSE_WAIT_SEC
         if time.monotonic() >= deadline:
             state = "paused" if paused else "resumed"
             if not states:
-                return f"{NO_PROCESS} in {folder} to say it {state}"
+                return f"no layer-check process had written its file in {folder} to say it {state}"
             who = f"{len(lagging)} of {len(states)} layer-check processes"
             return f"{who} did not say they {state} in {wait:g} s"
         time.sleep(STATS_INTERVAL_SECONDS / 5)

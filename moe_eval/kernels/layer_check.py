@@ -133,8 +133,8 @@ class LayerCheck:
         interpreter on a machine without CUDA)."""
         assert not self.layers, "attach the device before the first layer registers"
         self.device, self.pin = device, pin
-        if pin and device.type == "cuda":
-            self._pause_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        if pin:  # the mirrors' rule: host memory the device reads
+            self._pause_flag = self._pause_flag.pin_memory()
 
     def set_paused(self, paused: bool) -> None:
         """Paused, the calls from now on are neither counted nor compared (an eager call launches nothing;
@@ -145,10 +145,9 @@ class LayerCheck:
     def follow_pause_file(self) -> None:
         """Paused while <run dir>/layer-check/LAYER_CHECK_PAUSE exists (the flusher's tick; the harness reads
         the state back from this process's file)."""
-        if self.file.path is not None:
-            paused = (self.file.path.parent / LAYER_CHECK_PAUSE).exists()
-            if paused != self.paused:
-                self.set_paused(paused)
+        paused = (self.file.path.parent / LAYER_CHECK_PAUSE).exists()  # flush runs only with a path
+        if paused != self.paused:
+            self.set_paused(paused)
 
     def register_layer(self, name: str | None = None) -> int:
         """A new MoE layer's tables; its index is what `observe` takes."""

@@ -273,12 +273,7 @@ def _speed_rows(members: list[RunResult], ref: int) -> list[list[str]]:
     if not any(timed):
         return []
     reference = members[ref]
-    apart = [
-        None
-        if m is reference
-        else times_differ_by(m.machine, m.workload, reference.machine, reference.workload)
-        for m in members
-    ]
+    apart = [times_differ_by(m.machine, m.workload, reference.machine, reference.workload) for m in members]
     rows = []
     for name in layer_range_names():
         if not any(name in t for t in timed):

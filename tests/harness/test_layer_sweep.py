@@ -128,7 +128,7 @@ def test_consecutive_prompts_start_far_apart_and_every_offset_comes_once(n):
     is at least an eighth of the pool's starts away from the one before; the first n prompts use n offsets."""
     pool = layer_sweep.TokenPool(list(range(n)))  # distinct ids: n starts
     assert len(pool.starts) == n
-    order = [(i * pool.stride) % n for i in range(n)]
+    order = [pool.prompt(1, i)[0] for i in range(n)]  # the ids are the offsets
     assert len(set(order)) == n
     if n > 8:
         assert all(min(abs(a - b), n - abs(a - b)) >= n / 8 for a, b in zip(order, order[1:], strict=False))
