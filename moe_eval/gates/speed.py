@@ -4,8 +4,9 @@ The reference is the row's incumbent: vLLM's own kernel at the same layout (base
 `run --baseline RUN` the same config's row of an earlier run (the regression case, "before my change"). Both
 were timed on the same workload (evaluate/moe_speed.py), so per range the mean call compares directly:
 time <= reference x (1 + speed_margin), a range failing only where the excess is beyond SPEED_Z standard
-errors too. A range is judged where both rows timed at least MIN_CALLS calls; the reference must have run on
-the same machine (GPU names, or CPU model), or nothing is judged.
+errors too. A range is judged where both rows timed at least MIN_CALLS calls and the reference's mean call is
+above 0; the reference must have run on the same machine (GPU names, or CPU model) and sent the same timed
+requests (times_differ_by), or nothing is judged.
 """
 
 from __future__ import annotations
@@ -71,19 +72,20 @@ def compare(
     mine = {timing.range for timing in row.ranges}
     for timing in row.ranges:
         other = ref.get(timing.range)
-        if other is None or other.calls < min_calls or timing.calls < min_calls:
-            why = (
-                "the reference made no call there"
-                if other is None
-                else f"fewer than {min_calls} calls timed ({timing.calls} here, {other.calls} there)"
-            )
+        if other is None or other.calls < min_calls or timing.calls < min_calls or other.mean_us <= 0:
+            if other is None:
+                why = "the reference made no call there"
+            elif other.calls < min_calls or timing.calls < min_calls:
+                why = f"fewer than {min_calls} calls timed ({timing.calls} here, {other.calls} there)"
+            else:  # no ratio to judge (a timer that summed nothing): never a pass by an infinite ratio
+                why = f"the reference's mean call is {other.mean_us:g} us"
             out.append(
                 RangeSpeed(timing.range, timing.mean_us, other and other.mean_us, None, timing.calls,
                            other.calls if other else 0, None, why)
             )  # fmt: skip
             continue
         mine_error, ref_error = (t.spread_us / math.sqrt(t.calls) for t in (timing, other))
-        ratio = timing.mean_us / other.mean_us if other.mean_us > 0 else float("inf")
+        ratio = timing.mean_us / other.mean_us
         error = math.hypot(mine_error, ref_error)
         excess = timing.mean_us - (1 + margin) * other.mean_us
         z = excess / error if error > 0 else (math.inf if excess > 0 else -math.inf)
@@ -99,12 +101,12 @@ def compare(
                            None, "; ".join(wide))
             )  # fmt: skip
             continue
-        fails_above = (1 + margin) + SPEED_Z * error / other.mean_us if other.mean_us > 0 else None
+        fails_above = (1 + margin) + SPEED_Z * error / other.mean_us
         out.append(
             RangeSpeed(
                 timing.range, timing.mean_us, other.mean_us, round(ratio, 4), timing.calls, other.calls,
                 not (excess > 0 and z > SPEED_Z), z=round(z, 2) if math.isfinite(z) else None,
-                fails_above=round(fails_above, 3) if fails_above is not None else None,
+                fails_above=round(fails_above, 3),
             )
         )  # fmt: skip
     # A range only the reference reached is one this row was not judged in, never silently left out.
@@ -149,8 +151,8 @@ def speed_check(
         )
     elif over:
         listed = "; ".join(
-            f"{r.range} {r.us:.1f} us x{r.ratio:.2f} (fails above "
-            f"{'n/a' if r.fails_above is None else f'x{r.fails_above:.2f}'}, z = {r.z:.1f} of {SPEED_Z:g})"
+            f"{r.range} {r.us:.1f} us x{r.ratio:.2f} (fails above x{r.fails_above:.2f}, "
+            f"z = {r.z:.1f} of {SPEED_Z:g})"
             for r in sorted(over, key=lambda r: -r.ratio)
         )
         detail = (

@@ -97,7 +97,7 @@ def speed_cell(gate: dict | None, timing: dict | None) -> str:
     worst (M=257-1023, within noise), ...' where it passed over the margin); a row timed but
     not gated shows its slowest range's call ('412.4 us at M>=1024, 6 ranges timed, not gated')."""
     if gate and gate.get("worst_ratio") is not None:
-        judged = [r for r in gate["ranges"] if r.get("ratio") is not None]
+        judged = [r for r in gate["ranges"] if r.get("passed") is not None]
         # A failed gate shows its worst failing range: a wider ratio passed by noise must not stand for it.
         failed = [r for r in judged if r.get("passed") is False]
         worst = max(failed or judged, key=lambda r: r["ratio"])

@@ -193,8 +193,9 @@ def test_the_tables_speed_cell_says_when_its_worst_range_passed_by_noise(twin2):
     assert speed_cell(failed, None) == "x1.20 worst (M=1), 7/7 ranges judged"
 
 
-def test_a_reference_mean_of_zero_is_named_never_a_crash():
-    """A broken reference timer (mean 0) gives an infinite ratio and no fails_above: the message says so."""
+def test_a_reference_mean_of_zero_is_named_not_judged_never_a_pass():
+    """A broken reference timer (mean 0) leaves no ratio to judge: the range is named not judged with why,
+    never passed by an infinite ratio (results.json would hold that ratio as null: a pass nobody judged)."""
     row = TimingSummary.from_dict(
         {"ranges": [{"range": "M=1", "calls": 16, "tokens": 16, "mean_us": 10.0, "spread_us": 16.0,
                      "us_per_token": 10.0}], "timed_on": ["device"], "processes": 1}
@@ -204,6 +205,6 @@ def test_a_reference_mean_of_zero_is_named_never_a_crash():
                      "us_per_token": 0.0}], "timed_on": ["device"], "processes": 1}
     )  # fmt: skip
     check, section = speed_check(row, zero, MARGIN, "broken")
-    assert check is not None and section["ranges"][0]["fails_above"] is None
-    # 10 us over a zero mean at a 4 us standard error: z = 2.5, a pass by noise, named as one
-    assert check.passed and "M=1 10.0 us xinf (fails above n/a, z = 2.5 of 3)" in check.detail
+    assert check is None and section["judged"] == 0  # the gate then reads not run (rules.judge_speed)
+    assert section["ranges"][0]["passed"] is None
+    assert section["ranges"][0]["why_not"] == "the reference's mean call is 0 us"
