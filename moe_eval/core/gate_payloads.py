@@ -454,7 +454,10 @@ class SpeedGate(TypedDict):
     judged: NotRequired[int]
     """ranges judged (absent in records before it was counted)"""
     worst_ratio: NotRequired[float | None]
-    """the largest judged ratio; absent when no range was judged"""
+    """the largest failing ratio where a range failed, else the largest judged one; absent when no range was
+    judged"""
+    worst_range: NotRequired[str]
+    """the range of worst_ratio (absent in records before it was written)"""
 
 
 # --- the captures the speed gate and the layer check are fed by (moe_eval.runner) -------------------------

@@ -25,6 +25,13 @@ def _properties(parent: ET.Element, values: dict[str, object]) -> None:
         ET.SubElement(props, "property", name=name, value="" if value is None else str(value))
 
 
+def _judged_ranges(speed: dict | None) -> str | None:
+    """'6/7': the dispatch ranges the speed gate judged of those timed, so a pass over few ranges shows."""
+    if not speed or "judged" not in speed:
+        return None
+    return f"{speed['judged']}/{len(speed['ranges'])}"
+
+
 def junit_xml(outcomes: list[ConfigOutcome], hw: str, gpus: list[str]) -> str:
     root = ET.Element("testsuites", name="moe-eval")
     totals = {"tests": 0, "failures": 0, "errors": 0, "time": 0.0}
@@ -66,6 +73,8 @@ def junit_xml(outcomes: list[ConfigOutcome], hw: str, gpus: list[str]) -> str:
                     for k in ("mean_abs_dlogp", "p99_abs_dlogp", "top1_flip_rate", "kl_topk", "comparison")
                 },
                 "speed.worst_ratio": (o.speed or {}).get("worst_ratio"),
+                "speed.worst_range": (o.speed or {}).get("worst_range"),
+                "speed.judged": _judged_ranges(o.speed),
                 "speed.reference": (o.speed or {}).get("reference"),
                 **{f"version.{k}": v for k, v in versions().items()},
             },

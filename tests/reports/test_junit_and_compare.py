@@ -74,6 +74,33 @@ def test_junit_validates_and_a_real_consumer_reads_it(tmp_path):
     assert doc.get("tests") == "3" and doc.get("failures") == "1" and doc.get("errors") == "1"
 
 
+def test_junit_carries_the_speed_gates_worst_range_and_how_many_ranges_it_judged(tmp_path):
+    from junitparser import JUnitXml
+
+    from moe_eval.core.moe_timing import RangeTiming, TimingSummary
+    from moe_eval.gates.speed import speed_check
+
+    def timing(*means: float) -> TimingSummary:
+        names = ("M=1", "M=2-16", "M>=4096")
+        # a mean of 0 stands for a range timed in too few calls to judge
+        ranges = tuple(
+            RangeTiming(n, 100 if us else 3, 100, us or 5.0, 0.0, us or 5.0) for n, us in zip(names, means)
+        )
+        return TimingSummary(1, ("device",), ("s",), ("triton",), ranges)
+
+    outcome = _outcome(tmp_path, "Slow-BF16-torch", "failed")
+    check, outcome.speed = speed_check(timing(10.0, 30.0, 0), timing(10.0, 20.0, 0), 0.15, "vllm")
+    outcome.checks.append(check)
+    path = tmp_path / "junit.xml"
+    path.write_text(junit_xml([outcome], "h200", ["NVIDIA H200"]))
+    (suite,) = JUnitXml.fromfile(str(path))
+    props = {p.name: p.value for p in suite.properties()}
+    assert props["speed.worst_ratio"] == "1.5" and props["speed.worst_range"] == "M=2-16"
+    assert props["speed.judged"] == "2/3" and props["speed.reference"] == "vllm"
+    case = next(iter(suite))
+    assert "speed_gate" in case.result[0].type
+
+
 def _write_run(
     root: Path,
     run: str,

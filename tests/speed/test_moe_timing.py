@@ -196,6 +196,22 @@ def test_the_speed_check_says_judged_over_total_and_names_what_it_did_not_judge(
     assert "M>=4096: this row made no call there" in check.detail
 
 
+def test_a_failed_gates_worst_is_its_worst_failing_range_not_a_wider_pass_by_noise():
+    """M=2-16 fails (x1.25 on tight calls); M>=4096 reads x1.40 but its calls spread so wide that it passes by
+    noise. results.json's worst_ratio and worst_range (and JUnit's properties) must name the failure."""
+    reference = _summary({"M=1": 10.0, "M=2-16": 20.0})
+    wide = moe_timing.RangeTiming("M>=4096", 100, 100, 1000.0, 3000.0, 1000.0)
+    reference = dataclasses.replace(reference, ranges=(*reference.ranges, wide))
+    row = _summary({"M=1": 10.0, "M=2-16": 25.0})
+    row = dataclasses.replace(row, ranges=(*row.ranges, dataclasses.replace(wide, mean_us=1400.0)))
+    check, section = speed_check(row, reference, 0.10, "ref")
+    by_range = {r["range"]: r for r in section["ranges"]}
+    assert by_range["M>=4096"]["passed"] is True and by_range["M>=4096"]["ratio"] == 1.4
+    assert not check.passed and section["worst_ratio"] == 1.25 and section["worst_range"] == "M=2-16"
+    check, section = speed_check(_summary({"M=1": 10.2, "M=2-16": 21.0}), reference, 0.10, "ref")
+    assert check.passed and (section["worst_ratio"], section["worst_range"]) == (1.05, "M=2-16")
+
+
 def test_a_rank_that_wrote_no_timing_leaves_the_gate_not_run():
     from moe_eval.gates.rules import judge_speed
 
