@@ -1,9 +1,10 @@
 """The MoE timer's files (kernels/moe_timer.py) as the harness reads them: no torch, no vLLM.
 
 Each process of a server writes <run dir>/moe-timing/<pid>.json: per dispatch range the calls, nanoseconds,
-their squares and tokens since it started. `read_folder` reads them, `since(after, before)` keeps what a
-workload added between two readings, and `summarize` gives per range the mean time of one call (the slowest
-rank's, where the layout has several: a step waits for it), what the speed gate compares.
+their squares, tokens and the calls that were CUDA-graph replays (FIELDS) since it started. `read_folder`
+reads them, `since(after, before)` keeps what a workload added between two readings, and `summarize` gives
+per range the mean time of one call (the slowest rank's, where the layout has several: a step waits for it)
+and how many calls were replays, what the speed gate compares.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from typing import Any
 
 from moe_eval.core.plugin_protocol import MOE_TIMING_DIR, layer_range_names
 
-FIELDS = ("calls", "ns", "ns_sq", "tokens")
+# replayed: calls that were CUDA-graph replays (a call captured into a graph counts at each replay); the rest
+# ran eagerly, launched by the host inside the timer's bracket.
+FIELDS = ("calls", "ns", "ns_sq", "tokens", "replayed")
+CALLS, NS, NS_SQ, TOKENS, REPLAYED = range(len(FIELDS))
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class RangeTiming:
     mean_us: float  # per call: the slowest process's mean (one process: its own)
     spread_us: float  # that process's standard deviation of one call (calls differ in M within a range)
     us_per_token: float
+    # Calls that were CUDA-graph replays, over every process; None in records written before it was counted.
+    replayed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -118,12 +124,12 @@ def summarize(processes: list[ProcessTiming]) -> TimingSummary:
             continue
         # The slowest process's mean call: under TP and EP every rank's call of a step ends before the next
         # layer, so the step waits for it.
-        slowest = max(rows, key=lambda row: row[1] / row[0])
-        calls, ns, ns_sq, _ = slowest
+        slowest = max(rows, key=lambda row: row[NS] / row[CALLS])
+        calls, ns, ns_sq = slowest[CALLS], slowest[NS], slowest[NS_SQ]
         mean = ns / calls
         variance = max(ns_sq / calls - mean * mean, 0.0)
-        total_calls = int(sum(row[0] for row in rows))
-        tokens = int(sum(row[3] for row in rows))
+        total_calls = int(sum(row[CALLS] for row in rows))
+        tokens = int(sum(row[TOKENS] for row in rows))
         ranges.append(
             RangeTiming(
                 range=name,
@@ -131,7 +137,8 @@ def summarize(processes: list[ProcessTiming]) -> TimingSummary:
                 tokens=tokens,
                 mean_us=round(mean / 1e3, 3),
                 spread_us=round(math.sqrt(variance) / 1e3, 3),
-                us_per_token=round(sum(row[1] for row in rows) / 1e3 / max(tokens, 1), 4),
+                us_per_token=round(sum(row[NS] for row in rows) / 1e3 / max(tokens, 1), 4),
+                replayed=int(sum(row[REPLAYED] for row in rows)),
             )
         )
     return TimingSummary(

@@ -6,18 +6,21 @@ in BundledExperts.apply (after the routing a mutation may change, before the lay
 
 On a CUDA device the bracket is two one-thread kernels on the call's stream: the first stores the device's
 %globaltimer (nanoseconds) in device memory, the second reads it again after the MoE kernels ended (one stream
-runs them in order) and adds the difference, the call and its tokens to its dispatch range's cells in pinned
-host memory. Both are launched in apply(), so under CUDA graphs they are captured beside the MoE kernels and
-every replay is timed with no host work: device-side timestamps, not a profiler, because vLLM's torch profiler
-(0.26) and its profiler config (0.32) trace a window of steps into a trace file per rank that would need
-parsing and does not exist on the CPU build, while this needs only the sums, on both releases and under
-graphs. What it adds to the measured time: the gap between two graph nodes and the stamp kernel's own
-launch, the same for every row (not measured apart; docs/perf.md, "Served speed"). On the CPU (eager) the
-bracket is time.perf_counter_ns() around the call, which returns when the work is done.
+runs them in order) and adds the difference, the call, its tokens and whether it was a graph replay to its
+dispatch range's cells in pinned host memory. Both are launched in apply(), so under CUDA graphs they are
+captured beside the MoE kernels and every replay is timed with no host work (a call launched while the stream
+is capturing bakes replayed = 1 into its end stamp, so each replay counts as a replayed call; an eager call
+adds 0): device-side timestamps, not a profiler, because vLLM's torch profiler (0.26) and its profiler config
+(0.32) trace a window of steps into a trace file per rank that would need parsing and does not exist on the
+CPU build, while this needs only the sums, on both releases and under graphs. What it adds to the measured
+time: the gap between two graph nodes and the stamp kernel's own launch, the same for every row (not measured
+apart; docs/perf.md, "Served speed"). On the CPU (eager) the bracket is time.perf_counter_ns() around the
+call, which returns when the work is done.
 
 A flusher thread (kernels/stats_file.py) writes <run dir>/moe-timing/<pid>.json (core/moe_timing.py reads it):
-per range the calls, the nanoseconds, their squares and the tokens, since the process started. The harness
-reads the files before and after its timed workload and takes the difference.
+per range the calls, the nanoseconds, their squares, the tokens and the calls that were CUDA-graph replays
+(core/moe_timing.FIELDS), since the process started. The harness reads the files before and after its timed
+workload and takes the difference.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from moe_eval.core.plugin_protocol import LAYER_RANGE_EDGES, layer_range_index, 
 from moe_eval.kernels.stats_file import StatsFile
 
 NUM_RANGES = len(LAYER_RANGE_EDGES)  # the pinned table: per range, FIELDS (float64)
+NUM_FIELDS = len(FIELDS)
 
 
 def _stamp_kernels():
@@ -50,16 +54,25 @@ def _stamp_kernels():
     def _stamp_start_kernel(start_ptr):
         tl.store(start_ptr, _globaltimer())
 
-    # do_not_specialize: a value of 1 (M = 1, range 1) must not compile a second variant while serving.
-    @triton.jit(do_not_specialize=["range_index", "tokens"])
-    def _stamp_end_kernel(start_ptr, table_ptr, range_index, tokens):
+    # do_not_specialize: a value of 1 (M = 1, range 1, a captured call's replayed) must not compile a second
+    # variant while serving.
+    @triton.jit(do_not_specialize=["range_index", "tokens", "replayed"])
+    def _stamp_end_kernel(
+        start_ptr,  # (1,) int64: the start stamp, ns
+        table_ptr,  # (NUM_RANGES, NUM_FIELDS) float64, pinned host memory
+        range_index,
+        tokens,
+        replayed,  # 1 where the call was captured into a CUDA graph (then counted at every replay), else 0
+        FIELDS_PER_RANGE: tl.constexpr,  # len(FIELDS): the table's row stride
+    ):
         elapsed = (_globaltimer() - tl.load(start_ptr)).to(tl.float64)
         # One stream runs a process's MoE layers in order: a plain read-modify-write needs no atomic.
-        cell = table_ptr + range_index * 4
+        cell = table_ptr + range_index * FIELDS_PER_RANGE
         tl.store(cell, tl.load(cell, volatile=True) + 1.0)
         tl.store(cell + 1, tl.load(cell + 1, volatile=True) + elapsed)
         tl.store(cell + 2, tl.load(cell + 2, volatile=True) + elapsed * elapsed)
         tl.store(cell + 3, tl.load(cell + 3, volatile=True) + tokens.to(tl.float64))
+        tl.store(cell + 4, tl.load(cell + 4, volatile=True) + replayed.to(tl.float64))
 
     return _stamp_start_kernel, _stamp_end_kernel
 
@@ -75,7 +88,7 @@ class MoeTimer:
     def __init__(self, backend: str, path: Path | None, scope: str) -> None:
         self.backend = backend
         self.scope = scope  # what the bracket holds, for the record
-        self.table = torch.zeros(NUM_RANGES, len(FIELDS), dtype=torch.float64)  # host sums (CPU timing)
+        self.table = torch.zeros(NUM_RANGES, NUM_FIELDS, dtype=torch.float64)  # host sums (CPU timing)
         self.device_problem: str | None = None
         self._kernels: tuple[Any, Any] | None = None
         self._start: torch.Tensor | None = None
@@ -91,15 +104,17 @@ class MoeTimer:
         try:
             start_kernel, end_kernel = _stamp_kernels()
             start = torch.zeros(1, dtype=torch.int64, device=device)
-            probe = torch.zeros(NUM_RANGES, len(FIELDS), dtype=torch.float64).pin_memory()
+            probe = torch.zeros(NUM_RANGES, NUM_FIELDS, dtype=torch.float64).pin_memory()
             start_kernel[(1,)](start, num_warps=1)
             torch.cuda._sleep(100_000)  # a few tens of microseconds: the stamp must see time pass
-            end_kernel[(1,)](start, probe, 2, 7, num_warps=1)
+            end_kernel[(1,)](start, probe, 2, 7, 0, NUM_FIELDS, num_warps=1)  # an eager call: replayed 0
             torch.cuda.synchronize(device)
-            calls, ns, _, tokens = probe[2].tolist()
-            if (calls, tokens) != (1.0, 7.0) or not 0 < ns < 1e9:
-                raise RuntimeError(f"stamp kernels wrote {probe[2].tolist()}, expected 1 call of 7 tokens")
-            self.table = torch.zeros(NUM_RANGES, len(FIELDS), dtype=torch.float64).pin_memory()
+            calls, ns, _, tokens, replayed = probe[2].tolist()
+            if (calls, tokens, replayed) != (1.0, 7.0, 0.0) or not 0 < ns < 1e9:
+                raise RuntimeError(
+                    f"stamp kernels wrote {probe[2].tolist()}, expected 1 eager call of 7 tokens"
+                )
+            self.table = torch.zeros(NUM_RANGES, NUM_FIELDS, dtype=torch.float64).pin_memory()
             self._kernels, self._start, self._on_device = (start_kernel, end_kernel), start, True
         except Exception as exc:  # noqa: BLE001  timed on the host instead, and the record says why
             self.device_problem = f"{type(exc).__name__}: {exc}"
@@ -121,15 +136,20 @@ class MoeTimer:
             return
         range_index = layer_range_index(tokens)
         if self._on_device and hidden_TD.device.type == "cuda":
-            self._kernels[1][(1,)](self._start, self.table, range_index, tokens, num_warps=1)
+            # Asked at capture time: a captured call is counted as replayed at every replay of its graph.
+            replayed = 1 if torch.cuda.is_current_stream_capturing() else 0
+            self._kernels[1][(1,)](
+                self._start, self.table, range_index, tokens, replayed, NUM_FIELDS, num_warps=1
+            )
         else:
             if hidden_TD.device.type == "cuda":
                 if torch.cuda.is_current_stream_capturing():
                     return  # no host timing inside a graph capture (the record says timed_on host and why)
                 torch.cuda.synchronize(hidden_TD.device)  # host timing on a device: the work must be done
             elapsed = float(time.perf_counter_ns() - started_ns)
+            # replayed 0: a host-timed call is never a graph replay (inside a capture it returned above)
             self.table[range_index] += torch.tensor(
-                [1.0, elapsed, elapsed * elapsed, float(tokens)], dtype=torch.float64
+                [1.0, elapsed, elapsed * elapsed, float(tokens), 0.0], dtype=torch.float64
             )
         self.file.start()
 
