@@ -79,6 +79,8 @@ for _ in range(100):
 torch.cuda.synchronize()
 row = t.snapshot()["table"][1]
 print("M=2-16 after 2 eager + 100 replays:", row, "mean us", row[1] / row[0] / 1e3)
+calls, replayed = row[0], row[4]  # core/moe_timing.FIELDS: the replays counted apart from the eager calls
+print("replayed", replayed, "of", calls, "calls:", "OK" if (calls, replayed) == (102, 100) else "WRONG")
 PY
     ;;
   shipped)
