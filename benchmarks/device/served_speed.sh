@@ -10,6 +10,7 @@
 #   STAGE=twin       the Qwen3-30B-A3B twin's CUDA-graph pair (vLLM's Triton, bundled Triton; needs .gsm8k/), then
 #                    the kernel benchmark at that shape (Qwen3-30B-A3B TP1) at the M the sweep serves, the bundled
 #                    kernel and the installed vLLM's fused_experts interleaved: the served times beside it
+#                    (BENCH=0: the pair alone)
 #   STAGE=concurrency  benchmarks/eval_concurrency.py on CONCURRENCY_ROWS (default "canary-vllm canary-bundled
 #                    twin"): the canary's rows at CANARY_C, 200 questions; the twin's bundled row at TWIN_C,
 #                    TWIN_Q GSM8K questions: seconds, tokens/s, answers changed, the paired gate per concurrency
@@ -99,6 +100,7 @@ PY
     echo "twin pair: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/$stage.txt"
     tail -30 "$work/twin.log" >> "$out/$stage.txt"
     pack
+    [ "${BENCH:-1}" = 1 ] || { echo "kernel bench: skipped (BENCH=0)" | tee -a "$out/$stage.txt"; exit 0; }
     t=$(date +%s)
     VLLM_PEER_INSTALLED=1 PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-240}" bash .vgpu/device_env.sh python3 \
       benchmarks/bench_fused_moe.py --out-dir "$work/bench" --shapes "Qwen3-30B-A3B TP1" \
