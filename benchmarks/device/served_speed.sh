@@ -100,14 +100,17 @@ PY
     echo "twin pair: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/$stage.txt"
     tail -30 "$work/twin.log" >> "$out/$stage.txt"
     pack
-    [ "${BENCH:-1}" = 1 ] || { echo "kernel bench: skipped (BENCH=0)" | tee -a "$out/$stage.txt"; exit 0; }
-    t=$(date +%s)
-    VLLM_PEER_INSTALLED=1 PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-240}" bash .vgpu/device_env.sh python3 \
-      benchmarks/bench_fused_moe.py --out-dir "$work/bench" --shapes "Qwen3-30B-A3B TP1" \
-      --m ${BENCH_M:-1 8 40 100 600 1500 8192} --peers triton vllm_installed --skip-alignment --skip-eager \
-      --no-gemms-alone --repeats 3 > "$work/bench.log" 2>&1
-    echo "kernel bench: exit $? in $(( $(date +%s) - t )) s" | tee -a "$out/$stage.txt"
-    tail -30 "$work/bench.log" >> "$out/$stage.txt"
+    if [ "${BENCH:-1}" != 1 ]; then
+      echo "kernel bench: skipped (BENCH=0)" | tee -a "$out/$stage.txt"
+    else
+      t=$(date +%s)
+      VLLM_PEER_INSTALLED=1 PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-240}" bash .vgpu/device_env.sh python3 \
+        benchmarks/bench_fused_moe.py --out-dir "$work/bench" --shapes "Qwen3-30B-A3B TP1" \
+        --m ${BENCH_M:-1 8 40 100 600 1500 8192} --peers triton vllm_installed --skip-alignment --skip-eager \
+        --no-gemms-alone --repeats 3 > "$work/bench.log" 2>&1
+      echo "kernel bench: exit $? in $(( $(date +%s) - t )) s" | tee -a "$out/$stage.txt"
+      tail -30 "$work/bench.log" >> "$out/$stage.txt"
+    fi
     ;;
   concurrency)
     declare -A study=(
