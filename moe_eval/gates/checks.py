@@ -163,9 +163,16 @@ def load_baseline(results_path: Path, what: str, record: RunRecord | None = None
         record.layout,
         decode if decode.is_file() else None,
         TimingSummary.from_dict(speed) if speed else None,
-        machine_of(record.environment.hardware),
-        workload_identity(timing.get("workload")),
+        *timed_where(record),
     )
+
+
+def timed_where(record: RunRecord) -> tuple[str, str | None]:
+    """(machine, workload): where a record's MoE calls were timed and on which requests. Two rows' times
+    compare only where both match (gates/speed.times_differ_by); the speed gate's reference and `moe-eval
+    compare`'s columns are read by this one function."""
+    timing = record.captures.timing or {}
+    return machine_of(record.environment.hardware), workload_identity(timing.get("workload"))
 
 
 def workload_identity(workload: dict[str, Any] | None) -> str | None:

@@ -33,7 +33,7 @@ from moe_eval.core.logprob_texts import LOGPROBS_FILE, TextLogprobs, read_logpro
 from moe_eval.core.plugin_protocol import layer_range_names
 from moe_eval.core.record import RunRecord, UnreadableRecord, result_files
 from moe_eval.evaluate.gsm8k import FILTERS
-from moe_eval.gates.checks import correctness, machine_of, workload_identity
+from moe_eval.gates.checks import correctness, timed_where
 from moe_eval.gates.divergence import divergence
 from moe_eval.gates.speed import times_differ_by
 from moe_eval.gates.stats import paired_compare
@@ -105,6 +105,7 @@ def load_run(path: Path) -> RunResult | None:
     golden = record.captures.golden if isinstance(record.captures.golden, dict) else {}
     correct = correctness(samples)
     logprobs = path.parent / LOGPROBS_FILE
+    machine, workload = timed_where(record)
     return RunResult(
         path=path,
         model=record.config["model_name"],
@@ -120,8 +121,8 @@ def load_run(path: Path) -> RunResult | None:
         golden_path=Path(golden["path"]) if golden.get("path") else None,
         layer_check=record.judged.layer_check if isinstance(record.judged.layer_check, dict) else None,
         moe_timing=(record.captures.timing or {}).get("moe"),
-        machine=machine_of(record.environment.hardware),
-        workload=workload_identity((record.captures.timing or {}).get("workload")),
+        machine=machine,
+        workload=workload,
     )
 
 
