@@ -10,7 +10,8 @@
 #   STAGE=twin       the Qwen3-30B-A3B twin's CUDA-graph pair (vLLM's Triton, bundled Triton; needs .gsm8k/), then
 #                    the kernel benchmark at that shape (Qwen3-30B-A3B TP1) at the M the sweep serves, the bundled
 #                    kernel and the installed vLLM's fused_experts interleaved: the served times beside it
-#                    (BENCH=0: the pair alone)
+#                    (BENCH=0: the pair alone; NOCHECK=1: a third row, the bundled one with layer_check false,
+#                    to see what end-to-end time the paused layer check still costs)
 #   STAGE=concurrency  benchmarks/eval_concurrency.py on CONCURRENCY_ROWS (default "canary-vllm canary-bundled
 #                    twin"): the canary's rows at CANARY_C, 200 questions; the twin's bundled row at TWIN_C,
 #                    TWIN_Q GSM8K questions: seconds, tokens/s, answers changed, the paired gate per concurrency
@@ -95,8 +96,14 @@ PY
     ;;
   twin)
     cg=configs/twins-cuda-graph
-    moe_eval run --hw h200 --gsm8k-dir .gsm8k --output-dir "$work/twin" \
-      "$cg/Qwen3-30B-A3B-BF16-vllm.yaml" "$cg/Qwen3-30B-A3B-BF16-triton.yaml" > "$work/twin.log" 2>&1
+    pair=("$cg/Qwen3-30B-A3B-BF16-vllm.yaml" "$cg/Qwen3-30B-A3B-BF16-triton.yaml")
+    if [ "${NOCHECK:-0}" = 1 ]; then  # the bundled row again without the layer check, gated against vLLM's
+      nocheck="$work/nocheck/Qwen3-30B-A3B-BF16-triton-nocheck.yaml"; mkdir -p "$work/nocheck"
+      sed "s|^baseline_config: .*|baseline_config: $PWD/$cg/Qwen3-30B-A3B-BF16-vllm.yaml|" "${pair[1]}" > "$nocheck"
+      echo "layer_check: false" >> "$nocheck"
+      pair+=("$nocheck")
+    fi
+    moe_eval run --hw h200 --gsm8k-dir .gsm8k --output-dir "$work/twin" "${pair[@]}" > "$work/twin.log" 2>&1
     echo "twin pair: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/$stage.txt"
     tail -30 "$work/twin.log" >> "$out/$stage.txt"
     pack
