@@ -431,10 +431,10 @@ class SpeedRange(TypedDict):
     fails_above: NotRequired[float | None]
     """the ratio above which this range would have failed at its measured standard errors: the slowdown
     the gate could see here (absent in records made before commit d9342f0)"""
-    eager: NotRequired[bool | None]
-    """judged as eager: device-timed and, in either row, fewer than half of its calls CUDA-graph replays,
-    so its error holds eager_between_servers (null: neither row counted replays, or not judged; absent in
-    records before the count)"""
+    eager_share: NotRequired[float | None]
+    """the larger of the two rows' shares of this range's time in eager device-timed calls (not CUDA-graph
+    replays): that share of each row's time adds eager_between_servers to the error (0 for host-timed rows;
+    null: neither row counted it, or not judged; absent in records before the count)"""
 
 
 class SpeedGate(TypedDict):
@@ -452,8 +452,8 @@ class SpeedGate(TypedDict):
     """a range either row's mean has a standard error above this share of is not judged unless it fails
     (absent in records before the rule)"""
     eager_between_servers: NotRequired[float]
-    """an eager range's error adds this share of each row's mean (the row's at reference x (1 + margin)):
-    what such a mean moves between two servers of one kernel (absent in records before the rule)"""
+    """a range's error adds this share of each row's eager time (the row's at reference x (1 + margin)):
+    what such time moves between two servers of one kernel (absent in records before the rule)"""
     timed_on: list[str]
     """device (every call, CUDA-graph replays included) or host"""
     ranges: list[SpeedRange]
@@ -487,6 +487,9 @@ class RangeTiming(TypedDict):
     """every process's time / tokens"""
     replayed: NotRequired[int | None]
     """calls that were CUDA-graph replays, over every process (the rest ran eagerly); null or absent in
+    records before it was counted"""
+    eager_share: NotRequired[float | None]
+    """the share of the slowest process's time in calls that were not CUDA-graph replays; null or absent in
     records before it was counted"""
 
 

@@ -1,10 +1,11 @@
 """The MoE timer's files (kernels/moe_timer.py) as the harness reads them: no torch, no vLLM.
 
 Each process of a server writes <run dir>/moe-timing/<pid>.json: per dispatch range the calls, nanoseconds,
-their squares, tokens and the calls that were CUDA-graph replays (FIELDS) since it started. `read_folder`
+their squares, tokens, and the calls that were CUDA-graph replays with their nanoseconds (FIELDS) since it
+started. `read_folder`
 reads them, `since(after, before)` keeps what a workload added between two readings, and `summarize` gives
 per range the mean time of one call (the slowest rank's, where the layout has several: a step waits for it)
-and how many calls were replays, what the speed gate compares.
+and how many calls were replays and what share of the time was not, what the speed gate compares.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from typing import Any
 
 from moe_eval.core.plugin_protocol import MOE_TIMING_DIR, layer_range_names
 
-# replayed: calls that were CUDA-graph replays (a call captured into a graph counts at each replay); the rest
-# ran eagerly, launched by the host inside the timer's bracket.
-FIELDS = ("calls", "ns", "ns_sq", "tokens", "replayed")
-CALLS, NS, NS_SQ, TOKENS, REPLAYED = range(len(FIELDS))
+# replayed, replayed_ns: the calls that were CUDA-graph replays (a call captured into a graph counts at each
+# replay) and their time; the rest ran eagerly, launched by the host inside the timer's bracket.
+FIELDS = ("calls", "ns", "ns_sq", "tokens", "replayed", "replayed_ns")
+CALLS, NS, NS_SQ, TOKENS, REPLAYED, REPLAYED_NS = range(len(FIELDS))
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class RangeTiming:
     us_per_token: float
     # Calls that were CUDA-graph replays, over every process; None in records written before it was counted.
     replayed: int | None = None
+    # The share of the mean's process's time in calls that were not replays (eager calls, whose time moves
+    # between servers: gates/speed.py); None in records written before it was counted.
+    eager_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,7 @@ def summarize(processes: list[ProcessTiming]) -> TimingSummary:
                 spread_us=round(math.sqrt(variance) / 1e3, 3),
                 us_per_token=round(sum(row[NS] for row in rows) / 1e3 / max(tokens, 1), 4),
                 replayed=int(sum(row[REPLAYED] for row in rows)),
+                eager_share=round(min(max(1 - slowest[REPLAYED_NS] / ns, 0.0), 1.0), 4) if ns > 0 else None,
             )
         )
     return TimingSummary(

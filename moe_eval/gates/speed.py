@@ -4,10 +4,11 @@ The reference is the row's incumbent: vLLM's own kernel at the same layout (base
 `run --baseline RUN` the same config's row of an earlier run (the regression case, "before my change"). Both
 were timed on the same workload (evaluate/moe_speed.py), so per range the mean call compares directly:
 time <= reference x (1 + speed_margin), a range failing only where the excess is beyond SPEED_Z standard
-errors too: the two means' within-run errors and, in a range of mostly eager device-timed calls, what such a
-mean moves between two servers of one kernel (EAGER_BETWEEN_SERVERS). A range is judged where both rows timed
-at least MIN_CALLS calls and the reference's mean call is above 0; the reference must have run on the same
-machine (GPU names, or CPU model) and sent the same timed requests (times_differ_by), or nothing is judged.
+errors too: the two means' within-run errors and, for the time a range spent in eager device-timed calls, what
+such time moves between two servers of one kernel (EAGER_BETWEEN_SERVERS). A range is judged where both rows
+timed at least MIN_CALLS calls and the reference's mean call is above 0; the reference must have run on the
+same machine (GPU names, or CPU model) and sent the same timed requests (times_differ_by), or nothing is
+judged.
 """
 
 from __future__ import annotations
@@ -71,31 +72,36 @@ class RangeSpeed:
     # The ratio above which this range would have failed, at its measured standard errors: what the gate
     # could see here (near 1 + margin where graphs replay; ~x2.2 in the H200's eager prefill ranges).
     fails_above: float | None = None
-    # Judged as eager (mostly not graph-replayed, device-timed: its error holds EAGER_BETWEEN_SERVERS);
-    # None where neither row counted its replayed calls (records before the count) or it was not judged.
-    eager: bool | None = None
+    # The larger of the two rows' shares of this range's time in eager calls (device-timed, not CUDA-graph
+    # replays), by which its error holds EAGER_BETWEEN_SERVERS; None where neither row counted it (records
+    # before the count) or it was not judged; 0 for host-timed rows.
+    eager_share: float | None = None
 
 
-def judged_as_eager(
+def eager_shares(
     row: TimingSummary, reference: TimingSummary, mine: RangeTiming, other: RangeTiming
-) -> bool | None:
-    """Whether a range's calls ran mostly eagerly on a device in either row (fewer than half of its calls
-    graph replays): its mean then moves between servers by more than its within-run error. None where
-    neither row counted replays. Host-timed rows (the CPU) are never judged as eager: their rule is as it
-    was."""
-    counted = [t for t in (mine, other) if t.replayed is not None]
-    if not counted:
+) -> tuple[float, float] | None:
+    """Each row's share of the range's time in eager calls on a device, whose pace moves between servers
+    beyond the within-run error; a row that did not count it (a record before the count) is taken to have
+    the other's (the same timed requests). None where neither counted; (0, 0) for host-timed rows (the
+    CPU), whose rule is as it was. By time, not calls: in a range of graph-replayed decode calls and a few
+    eager prefill ones, the eager calls can hold most of the time."""
+    if mine.eager_share is None and other.eager_share is None:
         return None
-    on_device = "device" in row.timed_on or "device" in reference.timed_on
-    return on_device and any(t.replayed < t.calls / 2 for t in counted)
+    if "device" not in row.timed_on and "device" not in reference.timed_on:
+        return 0.0, 0.0
+    mine_share = other.eager_share if mine.eager_share is None else mine.eager_share
+    reference_share = mine.eager_share if other.eager_share is None else other.eager_share
+    return mine_share, reference_share
 
 
-def between_servers_error(reference_us: float, margin: float) -> float:
-    """The floor of an eager range's error, in us: each row's EAGER_BETWEEN_SERVERS, the row's taken at the
-    mean the rule tests for ((1 + margin) x the reference), not at its measured mean, so a slower row does
-    not widen its own error (at the measured mean a x3 row would pass) and fails_above stays the ratio
-    above which the range fails."""
-    return EAGER_BETWEEN_SERVERS * reference_us * math.hypot(1 + margin, 1)
+def between_servers_error(reference_us: float, margin: float, shares: tuple[float, float]) -> float:
+    """The floor of a range's error from its eager time, in us: each row's EAGER_BETWEEN_SERVERS of its eager
+    time, the row's taken at the mean the rule tests for ((1 + margin) x the reference), not at its measured
+    mean, so a slower row does not widen its own error (at the measured mean a x3 row would pass) and
+    fails_above stays the ratio above which the range fails."""
+    mine_share, reference_share = shares
+    return EAGER_BETWEEN_SERVERS * reference_us * math.hypot((1 + margin) * mine_share, reference_share)
 
 
 def compare(
@@ -120,10 +126,10 @@ def compare(
             continue
         mine_error, ref_error = (t.spread_us / math.sqrt(t.calls) for t in (timing, other))
         ratio = timing.mean_us / other.mean_us
-        eager = judged_as_eager(row, reference, timing, other)
+        shares = eager_shares(row, reference, timing, other)
         error = math.hypot(mine_error, ref_error)
-        if eager:
-            error = math.hypot(error, between_servers_error(other.mean_us, margin))
+        if shares:
+            error = math.hypot(error, between_servers_error(other.mean_us, margin, shares))
         excess = timing.mean_us - (1 + margin) * other.mean_us
         z = excess / error if error > 0 else (math.inf if excess > 0 else -math.inf)
         wide = [
@@ -143,7 +149,7 @@ def compare(
             RangeSpeed(
                 timing.range, timing.mean_us, other.mean_us, round(ratio, 4), timing.calls, other.calls,
                 not (excess > 0 and z > SPEED_Z), z=round(z, 2) if math.isfinite(z) else None,
-                fails_above=round(fails_above, 3), eager=eager,
+                fails_above=round(fails_above, 3), eager_share=shares and round(max(shares), 3),
             )
         )  # fmt: skip
     # A range only the reference reached is one this row was not judged in, never silently left out.
@@ -204,10 +210,10 @@ def speed_check(
             f"within x{1 + margin:.2f} of {reference_name} in {len(judged)} of {len(judged)} dispatch "
             f"ranges; worst: {_named(worst)}"
         )
-    if any(r.eager for r in judged):
+    if any(r.eager_share for r in judged):
         detail += (
-            f"; an eager range (calls mostly not graph replays) adds {EAGER_BETWEEN_SERVERS:.0%} a row to "
-            "its error: what such a mean moves between servers"
+            f"; a range's eager time (calls not graph replays) adds {EAGER_BETWEEN_SERVERS:.0%} of it a row "
+            "to its error: what such a mean moves between servers"
         )
     detail += f"; judged {len(judged)}/{len(ranges)} ranges"
     if unjudged:
@@ -218,5 +224,6 @@ def speed_check(
 
 
 def _named(r: RangeSpeed) -> str:
-    """A judged range as a message names it; "eager" says why its fails_above is ~x2."""
-    return f"{r.range}{' eager' if r.eager else ''} {r.us:.1f} us x{r.ratio:.2f}"
+    """A judged range as a message names it; "(97% eager)" says why its fails_above is ~x2."""
+    eager = f" ({r.eager_share:.0%} eager)" if r.eager_share and r.eager_share >= 0.05 else ""
+    return f"{r.range}{eager} {r.us:.1f} us x{r.ratio:.2f}"

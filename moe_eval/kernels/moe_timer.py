@@ -9,18 +9,18 @@ On a CUDA device the bracket is two one-thread kernels on the call's stream: the
 runs them in order) and adds the difference, the call, its tokens and whether it was a graph replay to its
 dispatch range's cells in pinned host memory. Both are launched in apply(), so under CUDA graphs they are
 captured beside the MoE kernels and every replay is timed with no host work (a call launched while the stream
-is capturing bakes replayed = 1 into its end stamp, so each replay counts as a replayed call; an eager call
-adds 0): device-side timestamps, not a profiler, because vLLM's torch profiler (0.26) and its profiler config
-(0.32) trace a window of steps into a trace file per rank that would need parsing and does not exist on the
-CPU build, while this needs only the sums, on both releases and under graphs. What it adds to the measured
-time: the gap between two graph nodes and the stamp kernel's own launch, the same for every row (not measured
-apart; docs/perf.md, "Served speed"). On the CPU (eager) the bracket is time.perf_counter_ns() around the
-call, which returns when the work is done.
+is capturing bakes replayed = 1 into its end stamp, so each replay counts as a replayed call and its time as
+replayed time; an eager call adds 0): device-side timestamps, not a profiler, because vLLM's torch profiler
+(0.26) and its profiler config (0.32) trace a window of steps into a trace file per rank that would need
+parsing and does not exist on the CPU build, while this needs only the sums, on both releases and under
+graphs. What it adds to the measured time: the gap between two graph nodes and the stamp kernel's own launch,
+the same for every row (not measured apart; docs/perf.md, "Served speed"). On the CPU (eager) the bracket is
+time.perf_counter_ns() around the call, which returns when the work is done.
 
 A flusher thread (kernels/stats_file.py) writes <run dir>/moe-timing/<pid>.json (core/moe_timing.py reads it):
-per range the calls, the nanoseconds, their squares, the tokens and the calls that were CUDA-graph replays
-(core/moe_timing.FIELDS), since the process started. The harness reads the files before and after its timed
-workload and takes the difference.
+per range the calls, the nanoseconds, their squares, the tokens, and the calls that were CUDA-graph replays
+with their nanoseconds (core/moe_timing.FIELDS), since the process started. The harness reads the files before
+and after its timed workload and takes the difference.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def _stamp_kernels():
         tl.store(cell + 2, tl.load(cell + 2, volatile=True) + elapsed * elapsed)
         tl.store(cell + 3, tl.load(cell + 3, volatile=True) + tokens.to(tl.float64))
         tl.store(cell + 4, tl.load(cell + 4, volatile=True) + replayed.to(tl.float64))
+        tl.store(cell + 5, tl.load(cell + 5, volatile=True) + replayed.to(tl.float64) * elapsed)
 
     return _stamp_start_kernel, _stamp_end_kernel
 
@@ -109,8 +110,8 @@ class MoeTimer:
             torch.cuda._sleep(100_000)  # a few tens of microseconds: the stamp must see time pass
             end_kernel[(1,)](start, probe, 2, 7, 0, NUM_FIELDS, num_warps=1)  # an eager call: replayed 0
             torch.cuda.synchronize(device)
-            calls, ns, _, tokens, replayed = probe[2].tolist()
-            if (calls, tokens, replayed) != (1.0, 7.0, 0.0) or not 0 < ns < 1e9:
+            calls, ns, _, tokens, replayed, replayed_ns = probe[2].tolist()
+            if (calls, tokens, replayed, replayed_ns) != (1.0, 7.0, 0.0, 0.0) or not 0 < ns < 1e9:
                 raise RuntimeError(
                     f"stamp kernels wrote {probe[2].tolist()}, expected 1 eager call of 7 tokens"
                 )
@@ -149,7 +150,7 @@ class MoeTimer:
             elapsed = float(time.perf_counter_ns() - started_ns)
             # replayed 0: a host-timed call is never a graph replay (inside a capture it returned above)
             self.table[range_index] += torch.tensor(
-                [1.0, elapsed, elapsed * elapsed, float(tokens), 0.0], dtype=torch.float64
+                [1.0, elapsed, elapsed * elapsed, float(tokens), 0.0, 0.0], dtype=torch.float64
             )
         self.file.start()
 

@@ -229,12 +229,15 @@ def _stored_rows(repo_root) -> list[tuple[str, dict]]:
 
 
 def _replays_marked(row: dict) -> TimingSummary:
-    """The row's timing with `replayed` filled in as these runs served: the records predate the count, so it
-    is marked from their CUDA graph sizes (docs/perf.md: M <= 256 graph-replayed, M >= 257 eager, above the
-    graph sizes), every call of a range either a replay or not."""
+    """The row's timing with `replayed` and `eager_share` filled in as these runs served: the records predate
+    the count, so it is marked from their CUDA graph sizes (docs/perf.md: M <= 256 graph-replayed, M >= 257
+    eager, above the graph sizes), every call of a range either a replay or not."""
     timing = _timing(row)
     ranges = tuple(
-        dataclasses.replace(r, replayed=r.calls if r.range in GRAPH_REPLAYED else 0) for r in timing.ranges
+        dataclasses.replace(r, replayed=r.calls, eager_share=0.0)
+        if r.range in GRAPH_REPLAYED
+        else dataclasses.replace(r, replayed=0, eager_share=1.0)
+        for r in timing.ranges
     )
     return dataclasses.replace(timing, ranges=ranges)
 
@@ -298,7 +301,7 @@ def test_with_eager_ranges_marked_every_correct_pair_passes_and_every_perf_mutat
     ):
         judged = compare(_replays_marked(run2[mutation]), reference, MARGIN)
         assert {r.range for r in judged if r.passed is False} == slow_ranges, mutation
-        assert {r.range for r in judged if r.eager} == {"M=257-1023", "M=1024-4095"}  # M>=4096: 8 calls
+        assert {r.range for r in judged if r.eager_share} == {"M=257-1023", "M=1024-4095"}  # M>=4096: 8 calls
 
 
 def test_the_twins_eager_ranges_would_fail_above_about_x2_with_the_floor(twin2):
@@ -308,9 +311,12 @@ def test_the_twins_eager_ranges_would_fail_above_about_x2_with_the_floor(twin2):
     bundled = _replays_marked(twin2["Qwen3-30B-A3B-BF16-triton"])
     vllm = _replays_marked(twin2["Qwen3-30B-A3B-BF16-vllm"])
     ranges = {r.range: r for r in compare(bundled, vllm, MARGIN)}
-    assert all(ranges[name].eager and 2.1 < ranges[name].fails_above < 2.25 for name in EAGER_RANGES), ranges
-    assert not any(ranges[name].eager for name in GRAPH_REPLAYED)
+    assert all(
+        ranges[name].eager_share == 1 and 2.1 < ranges[name].fails_above < 2.25 for name in EAGER_RANGES
+    ), ranges
+    assert not any(ranges[name].eager_share for name in GRAPH_REPLAYED)
     check, _ = speed_check(bundled, vllm, MARGIN, "vllm")
     assert (
-        check.passed and "M=257-1023 eager 661.3 us x1.31 (fails above x2.21, z = 0.5 of 3)" in check.detail
+        check.passed
+        and "M=257-1023 (100% eager) 661.3 us x1.31 (fails above x2.21, z = 0.5 of 3)" in check.detail
     )

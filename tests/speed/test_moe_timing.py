@@ -19,7 +19,7 @@ RANGES = layer_range_names()
 
 
 def _process(pid: int, rows: dict[str, tuple[float, ...]], timed_on="device") -> dict:
-    """rows: per range calls, ns, ns_sq, tokens and optionally replayed (else 0: eager calls)."""
+    """rows: per range calls, ns, ns_sq, tokens and optionally replayed, replayed_ns (else 0: eager calls)."""
     blank = (0.0,) * len(moe_timing.FIELDS)
     table = [[*rows.get(name, blank), *blank][: len(blank)] for name in RANGES]
     return {"pid": pid, "backend": "triton", "scope": "s", "timed_on": timed_on, "rank": {}, "table": table}
@@ -48,14 +48,16 @@ def test_the_host_timer_sums_each_call_into_its_range_and_writes_its_file(tmp_pa
     timer.flush()
     snap = json.loads(path.read_text())
     assert snap["timed_on"] == "host" and snap["ranges"] == list(RANGES)
-    assert snap["fields"] == ["calls", "ns", "ns_sq", "tokens", "replayed"]
-    assert all(len(row) == 5 and row[4] == 0 for row in snap["table"])  # a host-timed call is never a replay
+    assert snap["fields"] == ["calls", "ns", "ns_sq", "tokens", "replayed", "replayed_ns"]
+    assert all(
+        len(row) == 6 and row[4] == row[5] == 0 for row in snap["table"]
+    )  # a host-timed call: no replay
     table = {name: row for name, row in zip(RANGES, snap["table"], strict=True)}
     assert table["M=1"][0] == 2 and table["M=1"][3] == 2
     assert table["M=2-16"][0] == 1 and table["M=2-16"][3] == 5
     assert table["M=257-1023"][0] == 1 and table["M=257-1023"][3] == 300
     assert all(row[1] > 0 for row in snap["table"] if row[0] > 0)  # time passed in each timed call
-    assert table["M=17-64"] == [0.0, 0.0, 0.0, 0.0, 0.0]
+    assert table["M=17-64"] == [0.0] * 6
 
 
 def test_since_keeps_only_what_the_workload_added_and_summarize_takes_the_slowest_rank(tmp_path):
@@ -90,61 +92,83 @@ def test_the_speed_gate_fails_a_range_beyond_the_margin_and_judges_none_without_
     assert unmatched.why_not == "the reference made no call there"
 
 
-def test_summarize_sums_replayed_calls_over_processes_and_an_old_record_reads_none(tmp_path):
-    """Two ranks' graph-replayed calls add up per range like their calls; a record written before the timer
-    counted replays has no `replayed` and reads None (unknown), never 0 (which would say eager)."""
+def test_summarize_counts_replays_and_the_eager_share_of_the_time_and_an_old_record_reads_none(tmp_path):
+    """Two ranks' graph-replayed calls add up per range like their calls; the eager share is the time of the
+    calls that were not replays, in the process whose mean the range reports (the slowest). A record written
+    before the timer counted replays reads None (unknown), never 0 (which would say every call replayed)."""
     _write(
         tmp_path,
-        _process(1, {"M=1": (40, 40_000, 4e7, 40, 40), "M>=4096": (8, 8e6, 8e12, 40_000, 0)}),
-        _process(2, {"M=1": (40, 48_000, 6e7, 40, 36), "M>=4096": (8, 9e6, 1e13, 40_000, 0)}),
+        # M=1: 40 replays of 1 us; M=65-256: 36 replays of 10 us and 4 eager calls of 600 us (a range of
+        # decode batches and a few prefill chunks: 10 % of the calls, 87 % of the time)
+        _process(1, {"M=1": (40, 40_000, 4e4, 40, 40, 40_000), "M>=4096": (8, 8e6, 8e12, 40_000, 0, 0)}),
+        _process(
+            2, {"M=1": (40, 48_000, 6e4, 40, 36, 36_000), "M=65-256": (40, 2_760_000, 0, 4000, 36, 360_000)}
+        ),
     )
     by = moe_timing.summarize(moe_timing.read_folder(tmp_path)).by_range()
-    assert (by["M=1"].calls, by["M=1"].replayed) == (80, 76)
-    assert (by["M>=4096"].calls, by["M>=4096"].replayed) == (16, 0)
+    assert (by["M=1"].calls, by["M=1"].replayed, by["M=1"].eager_share) == (
+        80,
+        76,
+        0.25,
+    )  # rank 2's 12 of 48 us
+    assert (by["M>=4096"].calls, by["M>=4096"].replayed, by["M>=4096"].eager_share) == (8, 0, 1.0)
+    assert (by["M=65-256"].replayed, by["M=65-256"].eager_share) == (36, 0.8696)
     old = {"range": "M=1", "calls": 16, "tokens": 16, "mean_us": 10.0, "spread_us": 1.0, "us_per_token": 10.0}
     summary = moe_timing.TimingSummary.from_dict({"processes": 1, "timed_on": ["device"], "ranges": [old]})
-    assert summary.ranges[0].replayed is None
+    assert summary.ranges[0].replayed is None and summary.ranges[0].eager_share is None
 
 
-def _prefill(mean_us: float, replayed: int | None, timed_on: str = "device") -> moe_timing.TimingSummary:
-    """One prefill range of 100 calls with tight within-run errors (1 % standard error)."""
-    row = moe_timing.RangeTiming("M>=4096", 100, 100 * 5000, mean_us, mean_us * 0.1, mean_us / 5000, replayed)
+def _prefill(mean_us: float, eager: float | None, timed_on: str = "device") -> moe_timing.TimingSummary:
+    """One prefill range of 100 calls with tight within-run errors (1 % standard error), `eager` the share
+    of its time in calls that were not graph replays."""
+    replayed = None if eager is None else round(100 * (1 - eager))
+    row = moe_timing.RangeTiming(
+        "M>=4096", 100, 100 * 5000, mean_us, mean_us * 0.1, mean_us / 5000, replayed, eager
+    )
     return moe_timing.TimingSummary(1, (timed_on,), ("s",), ("triton",), (row,))
 
 
-def test_an_eager_range_is_judged_with_the_between_server_floor():
-    """At x1.5 with 1 % standard errors the within-run rule fails a range (z ~ 19); eager calls' means move
+def test_a_ranges_eager_time_is_judged_with_the_between_server_floor():
+    """At x1.5 with 1 % standard errors the within-run rule fails a range (z ~ 19); eager calls' time moves
     ~20 % between two servers of one kernel (EAGER_BETWEEN_SERVERS), so an eager range passes there and
-    names what it would fail above (~x2). Graph-replayed calls keep the within-run rule."""
-    reference = _prefill(1000.0, replayed=0)
-    (eager,) = compare(_prefill(1500.0, replayed=0), reference, 0.15)
-    assert eager.passed and eager.eager is True and 1.9 < eager.fails_above < 2.2
-    check, section = speed_check(_prefill(1500.0, replayed=0), reference, 0.15, "ref")
-    assert check.passed and "M>=4096 eager 1500.0 us x1.50 (fails above x2.1" in check.detail
-    assert section["ranges"][0]["eager"] is True and section["eager_between_servers"] == EAGER_BETWEEN_SERVERS
+    names what it would fail above (~x2). Graph-replayed calls keep the within-run rule; a range between
+    gets the floor in proportion to its eager time."""
+    reference = _prefill(1000.0, eager=1.0)
+    (eager,) = compare(_prefill(1500.0, eager=1.0), reference, 0.15)
+    assert eager.passed and eager.eager_share == 1.0 and 1.9 < eager.fails_above < 2.2
+    check, section = speed_check(_prefill(1500.0, eager=1.0), reference, 0.15, "ref")
+    assert check.passed and "M>=4096 (100% eager) 1500.0 us x1.50 (fails above x2.1" in check.detail
+    assert section["ranges"][0]["eager_share"] == 1.0
+    assert section["eager_between_servers"] == EAGER_BETWEEN_SERVERS
     # the same numbers, every call a graph replay (in both rows): fails as before
-    (replayed,) = compare(_prefill(1500.0, replayed=100), _prefill(1000.0, replayed=100), 0.15)
-    assert replayed.passed is False and replayed.eager is False and replayed.fails_above < 1.25
-    # mostly eager in one row is enough: its mean carries the between-server noise
-    (half,) = compare(_prefill(1500.0, replayed=49), _prefill(1000.0, replayed=100), 0.15)
-    assert half.eager is True and half.passed
+    (replayed,) = compare(_prefill(1500.0, eager=0.0), _prefill(1000.0, eager=0.0), 0.15)
+    assert replayed.passed is False and replayed.eager_share == 0.0 and replayed.fails_above < 1.25
+    # eager time in one row is enough: its mean carries the between-server noise
+    (one_row,) = compare(_prefill(1500.0, eager=1.0), _prefill(1000.0, eager=0.0), 0.15)
+    assert one_row.eager_share == 1.0 and one_row.passed
+    # a third of the time eager: a floor a third as wide
+    (part,) = compare(_prefill(1500.0, eager=1 / 3), _prefill(1000.0, eager=1 / 3), 0.15)
+    assert part.passed is False and eager.fails_above > part.fails_above > replayed.fails_above
     # a x3 slowdown stays beyond the floor: the row's floor is taken at reference x (1 + margin), not at its
     # own mean, so a slower row does not widen its own error
-    (slow,) = compare(_prefill(3000.0, replayed=0), reference, 0.15)
-    assert slow.passed is False and slow.eager is True and slow.z > SPEED_Z
-    check, _ = speed_check(_prefill(3000.0, replayed=0), reference, 0.15, "ref")
-    assert not check.passed and "slower: M>=4096 eager 3000.0 us x3.00" in check.detail
+    (slow,) = compare(_prefill(3000.0, eager=1.0), reference, 0.15)
+    assert slow.passed is False and slow.eager_share == 1.0 and slow.z > SPEED_Z
+    check, _ = speed_check(_prefill(3000.0, eager=1.0), reference, 0.15, "ref")
+    assert not check.passed and "slower: M>=4096 (100% eager) 3000.0 us x3.00" in check.detail
+    # a record before the count beside one with it: the same requests, so the counted share stands for both
+    (old,) = compare(_prefill(1500.0, eager=1.0), _prefill(1000.0, eager=None), 0.15)
+    assert old.eager_share == 1.0 and old.passed
 
 
-def test_records_without_the_replayed_count_and_host_timed_rows_keep_the_within_run_rule():
+def test_records_without_the_eager_share_and_host_timed_rows_keep_the_within_run_rule():
     """Neither row counted replays (records before the count): judged as before, eager unknown. Host-timed
-    rows (the CPU's: every call eager, replayed 0) are never judged as eager: their rule is unchanged."""
-    for row, reference, eager in (
+    rows (the CPU's: every call eager, none replayed) get no floor: their rule is unchanged."""
+    for row, reference, share in (
         (_prefill(1500.0, None), _prefill(1000.0, None), None),
-        (_prefill(1500.0, 0, "host"), _prefill(1000.0, 0, "host"), False),
+        (_prefill(1500.0, 1.0, "host"), _prefill(1000.0, 1.0, "host"), 0.0),
     ):
         (judged,) = compare(row, reference, 0.15)
-        assert judged.passed is False and judged.eager is eager and judged.fails_above < 1.25
+        assert judged.passed is False and judged.eager_share == share and judged.fails_above < 1.25
         check, _ = speed_check(row, reference, 0.15, "ref")
         assert "eager" not in check.detail
 
