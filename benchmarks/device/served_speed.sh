@@ -72,19 +72,22 @@ g = torch.cuda.CUDAGraph()
 s = torch.cuda.Stream()
 with torch.cuda.stream(s):
     for _ in range(2):
-        st = t.start(x); torch.cuda._sleep(20000); t.stop(st, x)
+        st = t.start(x); torch.cuda._sleep(2_000_000); t.stop(st, x)
     torch.cuda.synchronize()
     with torch.cuda.graph(g):
-        st = t.start(x); torch.cuda._sleep(20000); t.stop(st, x)
+        st = t.start(x); torch.cuda._sleep(2_000_000); t.stop(st, x)
 for _ in range(100):
     g.replay()
 torch.cuda.synchronize()
 row = t.snapshot()["table"][1]
 print("M=2-16 after 2 eager + 100 replays:", row, "mean us", row[1] / row[0] / 1e3)
 calls, ns, replayed, replayed_ns = row[0], row[1], row[4], row[5]  # core/moe_timing.FIELDS
-ok = (calls, replayed) == (102, 100) and 0.9 * ns < replayed_ns < ns  # 100 of 102 like calls replayed
+# 100 of 102 calls of ~1 ms replayed: ~98 % of the time (the host's launch gaps are small beside a 1 ms sleep)
+ok = (calls, replayed) == (102, 100) and 0.95 * ns < replayed_ns < ns
 print("replayed", replayed, "of", calls, "calls,", replayed_ns / ns, "of the time:", "OK" if ok else "WRONG")
+raise SystemExit(0 if ok else 1)
 PY
+    echo "probe: exit ${PIPESTATUS[0]}" | tee -a "$out/probe.txt"
     ;;
   shipped)
     for run in ${RUN_NAME:-shipped}; do

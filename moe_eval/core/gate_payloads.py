@@ -432,9 +432,10 @@ class SpeedRange(TypedDict):
     """the ratio above which this range would have failed at its measured standard errors: the slowdown
     the gate could see here (absent in records made before commit d9342f0)"""
     eager_share: NotRequired[float | None]
-    """the larger of the two rows' shares of this range's time in eager device-timed calls (not CUDA-graph
-    replays): that share of each row's time adds eager_between_servers to the error (0 for host-timed rows;
-    null: neither row counted it, or not judged; absent in records before the count)"""
+    """the larger of the two rows' shares of this range's time in calls not replayed from a CUDA graph (the
+    error holds each row's own share, a row that did not count it taking the other's; 0 where neither row
+    was timed on the device; null: neither row counted it, or not judged; absent in records before the
+    count)"""
 
 
 class SpeedGate(TypedDict):
@@ -452,8 +453,9 @@ class SpeedGate(TypedDict):
     """a range either row's mean has a standard error above this share of is not judged unless it fails
     (absent in records before the rule)"""
     eager_between_servers: NotRequired[float]
-    """a range's error adds this share of each row's eager time (the row's at reference x (1 + margin)):
-    what such time moves between two servers of one kernel (absent in records before the rule)"""
+    """the standard deviation of the log of a range's eager time between two servers of one kernel, by
+    which an eager range's error widens (gates/speed.between_servers_error; absent in records before the
+    rule)"""
     timed_on: list[str]
     """device (every call, CUDA-graph replays included) or host"""
     ranges: list[SpeedRange]

@@ -2,10 +2,10 @@
 
 Each process of a server writes <run dir>/moe-timing/<pid>.json: per dispatch range the calls, nanoseconds,
 their squares, tokens, and the calls that were CUDA-graph replays with their nanoseconds (FIELDS) since it
-started. `read_folder`
-reads them, `since(after, before)` keeps what a workload added between two readings, and `summarize` gives
-per range the mean time of one call (the slowest rank's, where the layout has several: a step waits for it)
-and how many calls were replays and what share of the time was not, what the speed gate compares.
+started. `read_folder` reads them, `since(after, before)` keeps what a workload added between two readings,
+and `summarize` gives per range the mean time of one call (the slowest rank's, where the layout has several:
+a step waits for it), how many calls were replays and what share of the time was not: what the speed gate
+compares.
 """
 
 from __future__ import annotations

@@ -106,14 +106,26 @@ class MoeTimer:
             start_kernel, end_kernel = _stamp_kernels()
             start = torch.zeros(1, dtype=torch.int64, device=device)
             probe = torch.zeros(NUM_RANGES, NUM_FIELDS, dtype=torch.float64).pin_memory()
-            start_kernel[(1,)](start, num_warps=1)
-            torch.cuda._sleep(100_000)  # a few tens of microseconds: the stamp must see time pass
-            end_kernel[(1,)](start, probe, 2, 7, 0, NUM_FIELDS, num_warps=1)  # an eager call: replayed 0
+            # An eager call into range 2 (replayed 0) and a replayed one into range 3 (replayed 1, as a
+            # captured call's stamp carries): each field lands in its cell (the arguments are not specialized,
+            # so the second launch compiles nothing).
+            for range_index, replayed in ((2, 0), (3, 1)):
+                start_kernel[(1,)](start, num_warps=1)
+                torch.cuda._sleep(100_000)  # a few tens of microseconds: the stamp must see time pass
+                end_kernel[(1,)](start, probe, range_index, 7, replayed, NUM_FIELDS, num_warps=1)
             torch.cuda.synchronize(device)
-            calls, ns, _, tokens, replayed, replayed_ns = probe[2].tolist()
-            if (calls, tokens, replayed, replayed_ns) != (1.0, 7.0, 0.0, 0.0) or not 0 < ns < 1e9:
+            (calls, ns, _, tokens, eager, eager_ns), (_, replay_ns, _, _, replays, replayed_ns) = (
+                probe[2].tolist(),
+                probe[3].tolist(),
+            )
+            if (
+                (calls, tokens, eager, eager_ns, replays) != (1.0, 7.0, 0.0, 0.0, 1.0)
+                or not 0 < ns < 1e9
+                or replayed_ns != replay_ns
+            ):
                 raise RuntimeError(
-                    f"stamp kernels wrote {probe[2].tolist()}, expected 1 eager call of 7 tokens"
+                    f"stamp kernels wrote {probe[2:4].tolist()}, expected 1 eager call of 7 tokens in range "
+                    "2 and 1 replayed call in range 3"
                 )
             self.table = torch.zeros(NUM_RANGES, NUM_FIELDS, dtype=torch.float64).pin_memory()
             self._kernels, self._start, self._on_device = (start_kernel, end_kernel), start, True

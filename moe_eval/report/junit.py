@@ -26,7 +26,8 @@ def _properties(parent: ET.Element, values: dict[str, object]) -> None:
 
 
 def _judged_ranges(speed: dict | None) -> str | None:
-    """'6/7': the dispatch ranges the speed gate judged of those timed, so a pass over few ranges shows."""
+    """'6/7': the dispatch ranges the speed gate judged of those either row timed, so a pass over few
+    ranges shows."""
     if not speed or "judged" not in speed:
         return None
     return f"{speed['judged']}/{len(speed['ranges'])}"

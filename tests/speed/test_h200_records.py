@@ -312,11 +312,11 @@ def test_the_twins_eager_ranges_would_fail_above_about_x2_with_the_floor(twin2):
     vllm = _replays_marked(twin2["Qwen3-30B-A3B-BF16-vllm"])
     ranges = {r.range: r for r in compare(bundled, vllm, MARGIN)}
     assert all(
-        ranges[name].eager_share == 1 and 2.1 < ranges[name].fails_above < 2.25 for name in EAGER_RANGES
+        ranges[name].eager_share == 1 and 2.8 < ranges[name].fails_above < 2.9 for name in EAGER_RANGES
     ), ranges
     assert not any(ranges[name].eager_share for name in GRAPH_REPLAYED)
     check, _ = speed_check(bundled, vllm, MARGIN, "vllm")
     assert (
         check.passed
-        and "M=257-1023 (100% eager) 661.3 us x1.31 (fails above x2.21, z = 0.5 of 3)" in check.detail
+        and "M=257-1023 (100% eager) 661.3 us x1.31 (fails above x2.86, z = 0.3 of 3)" in check.detail
     )
