@@ -87,8 +87,9 @@ def eager_shares(
     beyond the within-run error; a row that did not count it (a record before the count) is taken to have
     the other's (the same timed requests). None where neither counted; (0, 0) where neither row was timed
     on the device (the CPU), whose rule is as it was. A row timed on the host beside one timed on the
-    device (a GPU whose stamp kernels failed) reads wholly eager, as its calls' host time is. By time, not calls: in a range of graph-replayed decode calls and a few
-    eager prefill ones, the eager calls can hold most of the time."""
+    device (a GPU whose stamp kernels failed) reads wholly eager, as its calls' host time is. By time, not
+    calls: in a range of graph-replayed decode calls and a few eager prefill ones, the eager calls can hold
+    most of the time."""
     if mine.eager_share is None and other.eager_share is None:
         return None
     if "device" not in row.timed_on and "device" not in reference.timed_on:
