@@ -23,7 +23,7 @@ from moe_eval.core.check import VERDICTS, Check
 from moe_eval.core.errors import ConfigError, InfraError, MoeEvalError
 from moe_eval.core.layout import LayoutKind
 from moe_eval.core.logprob_texts import TextLogprobs, read_logprobs
-from moe_eval.core.plugin_protocol import LAYER_CHECK_DIR, STATS_INTERVAL_SECONDS
+from moe_eval.core.plugin_protocol import STATS_INTERVAL_SECONDS
 from moe_eval.core.record import (
     RESULTS_FILE,
     Attempt,
@@ -463,12 +463,8 @@ def owed_cells(config: EvalConfig, run_dir: Path) -> dict[str, int]:
 
 def _max_tokens_per_call(run_dir: Path) -> int:
     """The largest call the server's processes said they can make (0: none said; the sweep's default)."""
-    said = []
-    for path in (run_dir / LAYER_CHECK_DIR).glob("*.npz"):
-        try:
-            said.append(int(layer_cells.read_meta(path).get("max_tokens", 0)))
-        except ValueError:
-            continue  # not a layer-check file: the gate names it where it reads the tables
+    # An unreadable file says nothing here: the gate names it where it reads the tables.
+    said = [int(meta.get("max_tokens", 0)) for meta in layer_cells.read_metas(run_dir).values() if meta]
     said += [p.max_tokens for p in moe_timing.read_folder(run_dir)]
     return max(said, default=0)
 

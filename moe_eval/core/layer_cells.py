@@ -123,11 +123,27 @@ def read(path: Path) -> LayerFile:
     return LayerFile(meta, cells, rows, seen, routed, path)
 
 
+def paths(run_dir: Path) -> list[Path]:
+    """The processes' files of a config's run folder, in name order (none before any process wrote one)."""
+    folder = Path(run_dir) / LAYER_CHECK_DIR
+    return sorted(folder.glob("*.npz")) if folder.is_dir() else []
+
+
+def read_metas(run_dir: Path) -> dict[str, dict[str, Any] | None]:
+    """Each process's file name and its meta alone (None: unreadable, such as mid-rewrite)."""
+    metas: dict[str, dict[str, Any] | None] = {}
+    for path in paths(run_dir):
+        try:
+            metas[path.name] = read_meta(path)
+        except ValueError:
+            metas[path.name] = None
+    return metas
+
+
 def read_folder(run_dir: Path) -> tuple[list[LayerFile], list[str]]:
     """Every process's file of a config's run folder, and the problems met (a file that is not one)."""
-    folder = Path(run_dir) / LAYER_CHECK_DIR
     files, problems = [], []
-    for path in sorted(folder.glob("*.npz")) if folder.is_dir() else []:
+    for path in paths(run_dir):
         try:
             files.append(read(path))
         except ValueError as exc:

@@ -67,7 +67,7 @@ def timed_sweep(
         sent, summary = _timed(target, run_dir)
     finally:
         # Where no process had written a file, none could have paused: remove the file, wait for nobody.
-        anyone = any((run_dir / LAYER_CHECK_DIR).glob("*.npz"))
+        anyone = bool(layer_cells.paths(run_dir))
         resumed = switch_layer_check(run_dir, paused=False) if anyone else None
         if not anyone:
             (run_dir / LAYER_CHECK_DIR / LAYER_CHECK_PAUSE).unlink(missing_ok=True)
@@ -92,12 +92,8 @@ def switch_layer_check(run_dir: Path, paused: bool, wait: float = PAUSE_WAIT_SEC
         control.unlink(missing_ok=True)
     deadline = time.monotonic() + wait
     while True:
-        states = {}
-        for path in sorted(folder.glob("*.npz")):
-            try:
-                states[path.name] = layer_cells.read_meta(path).get("paused")
-            except ValueError:
-                states[path.name] = None  # mid-rewrite on a file system without atomic renames: read again
+        # An unreadable file (mid-rewrite on a file system without atomic renames) lags: read again.
+        states = {name: (meta or {}).get("paused") for name, meta in layer_cells.read_metas(run_dir).items()}
         lagging = sorted(name for name, state in states.items() if state is not paused)
         if states and not lagging:
             return None

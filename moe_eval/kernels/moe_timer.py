@@ -135,31 +135,33 @@ class MoeTimer:
     # --- the bracket (hot path) ---
 
     def start(self, hidden_TD: torch.Tensor) -> int:
+        """The token stop() takes: on the device, 1 where the call is being captured into a CUDA graph (then
+        counted as replayed at every replay), else 0, asked before the start stamp so that an eager call's
+        bracket holds no host work of the timer's; on the host, the start time in ns."""
         if hidden_TD.device.type == "cuda":
             if not self._on_device and self.device_problem is None:
                 self.attach_device(hidden_TD.device)
             if self._on_device:
+                replayed = int(torch.cuda.is_current_stream_capturing())
                 self._kernels[0][(1,)](self._start, num_warps=1)
-                return 0
+                return replayed
         return time.perf_counter_ns()
 
-    def stop(self, started_ns: int, hidden_TD: torch.Tensor) -> None:
+    def stop(self, started: int, hidden_TD: torch.Tensor) -> None:
         tokens = hidden_TD.shape[0]
         if tokens == 0:
             return
         range_index = layer_range_index(tokens)
         if self._on_device and hidden_TD.device.type == "cuda":
-            # Asked at capture time: a captured call is counted as replayed at every replay of its graph.
-            replayed = 1 if torch.cuda.is_current_stream_capturing() else 0
             self._kernels[1][(1,)](
-                self._start, self.table, range_index, tokens, replayed, NUM_FIELDS, num_warps=1
-            )
+                self._start, self.table, range_index, tokens, started, NUM_FIELDS, num_warps=1
+            )  # started: whether the call is being captured (start())
         else:
             if hidden_TD.device.type == "cuda":
                 if torch.cuda.is_current_stream_capturing():
                     return  # no host timing inside a graph capture (the record says timed_on host and why)
                 torch.cuda.synchronize(hidden_TD.device)  # host timing on a device: the work must be done
-            elapsed = float(time.perf_counter_ns() - started_ns)
+            elapsed = float(time.perf_counter_ns() - started)
             # replayed 0: a host-timed call is never a graph replay (inside a capture it returned above)
             self.table[range_index] += torch.tensor(
                 [1.0, elapsed, elapsed * elapsed, float(tokens), 0.0, 0.0], dtype=torch.float64
