@@ -16,7 +16,8 @@
 #                    twin"): the canary's rows at CANARY_C, 200 questions; the twin's bundled row at TWIN_C,
 #                    TWIN_Q GSM8K questions: seconds, tokens/s, answers changed, the paired gate per concurrency
 # Results: $OUT/<stage>.tar.xz (results.json, logs, timing files; no weights), $OUT/<stage>.txt (the tables).
-# Usage (repo root on the device; carried: .vgpu/, and .fi-site/ from kernel_bench.sh STAGES=fi-build):
+# Usage (repo root on the device; carried: .vgpu/, and for WITH_FI=1 .fi-lite/ from benchmarks/fi_module_cpu.sh,
+# built with no GPU, or .fi-site/ left by kernel_bench.sh STAGES=fi-build on this warm machine):
 #   OUT=... STAGE=shipped WITH_FI=1 LIMIT=100 bash benchmarks/device/served_speed.sh
 #   OUT=... STAGE=shipped WITH_FI=1 ROWS="vllm fi" RUN_NAME="fi-2 fi-3" bash benchmarks/device/served_speed.sh
 #   OUT=... STAGE=concurrency CONCURRENCY_ROWS=twin bash benchmarks/device/served_speed.sh
@@ -30,6 +31,11 @@ default_rows="vllm bundled"
 if [ "${WITH_FI:-0}" = 1 ]; then
   source benchmarks/device/fi_site.sh && require_fi_site
   export EXTRA_PYTHONPATH="$PWD/$FI_SITE"
+  # The module loads, as placed and with no build, before any server starts: one built on another machine
+  # (.fi-lite/) that did not load here would otherwise end the call only after vLLM's row (~110 s).
+  FLASHINFER_DISABLE_JIT=1 bash .vgpu/device_env.sh python3 -c 'from flashinfer.fused_moe import core
+core.get_cutlass_fused_moe_module("90"); print("fused_moe_90 loads")' \
+    || { echo "WITH_FI=1: FlashInfer's fused_moe_90 does not load from $FI_SITE/ (the error above)"; exit 2; }
   default_rows+=" fi"
 fi
 rows=()

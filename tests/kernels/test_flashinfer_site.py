@@ -1,0 +1,59 @@
+"""benchmarks/device/fi_site.sh: where the H200 scripts find FlashInfer and its BF16 module.
+
+A `.fi-lite/fi-lite.tar.xz` built with no GPU (benchmarks/fi_module_cpu.sh) is unpacked into `.fi-site/`
+on the first WITH_FI=1 call, so FlashInfer's rows need neither the wheels nor the ~430 s build there.
+Here a stand-in archive (a two-file tree; the real one holds FlashInfer and the 14 MB module) checks
+the placement and the error that names both remedies.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MODULE = "flashinfer/data/aot/fused_moe_90/fused_moe_90.so"
+
+
+def source_fi_site(cwd: Path, call: str) -> subprocess.CompletedProcess:
+    script = f"source {ROOT / 'benchmarks/device/fi_site.sh'} && {call} && echo ready"
+    return subprocess.run(["bash", "-c", script], cwd=cwd, capture_output=True, text=True, check=False)
+
+
+def write_lite_archive(cwd: Path, module_bytes: bytes) -> None:
+    tree = cwd / "tree"
+    (tree / MODULE).parent.mkdir(parents=True)
+    (tree / MODULE).write_bytes(module_bytes)
+    (tree / "flashinfer/__init__.py").write_text("")
+    (cwd / ".fi-lite").mkdir()
+    with tarfile.open(cwd / ".fi-lite/fi-lite.tar.xz", "w:xz") as archive:
+        archive.add(tree, arcname=".")
+    (cwd / ".fi-lite/BUILD.txt").write_text("fused_moe_90.so md5 0123abcd, 6 bytes\n")
+
+
+def test_a_carried_light_site_is_unpacked_where_the_rows_look(tmp_path):
+    write_lite_archive(tmp_path, b"module")
+    run = source_fi_site(tmp_path, "require_fi_site")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (tmp_path / ".fi-site" / MODULE).read_bytes() == b"module"
+    assert "placed from .fi-lite/fi-lite.tar.xz (md5 0123abcd)" in run.stdout
+
+
+def test_a_placed_module_is_kept_and_the_archive_not_unpacked_again(tmp_path):
+    placed = tmp_path / ".fi-site" / MODULE
+    placed.parent.mkdir(parents=True)
+    placed.write_bytes(b"built on this machine")
+    write_lite_archive(tmp_path, b"carried")
+    run = source_fi_site(tmp_path, "require_fi_site")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert placed.read_bytes() == b"built on this machine"
+    assert "placed from" not in run.stdout
+
+
+def test_without_module_or_archive_it_exits_2_naming_both_remedies(tmp_path):
+    run = source_fi_site(tmp_path, "require_fi_site")
+    assert run.returncode == 2
+    assert "ready" not in run.stdout
+    assert "carry .fi-lite/ (benchmarks/fi_module_cpu.sh)" in run.stdout
+    assert "kernel_bench.sh STAGES=fi-build" in run.stdout
