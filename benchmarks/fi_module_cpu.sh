@@ -56,7 +56,13 @@ ln -s libcuda.so "$cuda/lib64/stubs/libcuda.so.1"
 
 export CUDA_HOME="$cuda" FLASHINFER_WORKSPACE_BASE="$WORK/ws" MAX_JOBS="$JOBS" PYTHONPATH="$site:$ROOT/benchmarks:$ROOT"
 T0=$(date +%s)
-find "$WORK/ws" -name fused_moe_90.so -delete 2> /dev/null || true  # always linked again (seconds)
+# Two modules: the MoE itself, and trtllm_utils, the delay kernel of FlashInfer's autotuner. vLLM autotunes
+# FlashInfer's MoE while it warms up; on 2026-12-05 (H100) a site without trtllm_utils could not build it
+# there (no C++ sources), every tactic's profile failed without a word, and the untuned MoE served its
+# decode ranges at x1.22-1.67 of vLLM's Triton; with it, tuned, 46.1 / 450.3 us against Triton's 38.6 /
+# 445.1 at Qwen3-30B-A3B TP1 M = 1 / 256 (docs/flashinfer.md).
+MODULES=(fused_moe_90 trtllm_utils)
+for name in "${MODULES[@]}"; do find "$WORK/ws" -name "$name.so" -delete 2> /dev/null || true; done  # linked again (seconds)
 "$PY" - <<'PY'
 import os
 from flashinfer_h200 import BUILD_ENV, install_bf16_source_filter
@@ -64,26 +70,32 @@ for key, value in BUILD_ENV.items():
     os.environ.setdefault(key, value)  # MAX_JOBS is set above: this machine's cores, not the H200's 16
 stats = install_bf16_source_filter()
 from flashinfer.fused_moe import core
+from flashinfer.jit.tllm_utils import gen_trtllm_utils_module
 spec = core.gen_cutlass_fused_moe_sm90_module()
 print(f"fused_moe_90: {stats['kept_sources']} of {stats['total_sources']} sources, {os.environ['MAX_JOBS']} jobs", flush=True)
 spec.build(verbose=False)
-print(spec.jit_library_path)
+gen_trtllm_utils_module().build(verbose=False)
 PY
-SO="$(find "$WORK/ws" -name fused_moe_90.so | head -1)"
-[[ -f "$SO" ]] || { echo "fi_module_cpu.sh: the build left no fused_moe_90.so under $WORK/ws" >&2; exit 1; }
+declare -A SO
+for name in "${MODULES[@]}"; do
+  SO[$name]="$(find "$WORK/ws" -name "$name.so" | head -1)"
+  [[ -f "${SO[$name]}" ]] || { echo "fi_module_cpu.sh: the build left no $name.so under $WORK/ws" >&2; exit 1; }
+done
 BUILD_S=$(( $(date +%s) - T0 ))
 
-# The load check, through FlashInfer's own loader as the server calls it: a site made like the travelling
-# one (sources removed, module placed) but with this machine's tvm-ffi, an empty JIT cache, and JIT
-# disabled, so the module is loaded as placed or the call raises; the arch is named as the H200's (no GPU to ask). The libcuda stub stands in for the
-# driver: nothing runs on a device, the library only has to load and hold the entry points.
-make_site() {  # DEST FFI: FlashInfer's wheel unpacked into DEST (a wheel is a zip), tvm-ffi from FFI, module placed
+# The load check, through FlashInfer's own loaders as the server calls them: a site made like the
+# travelling one (sources removed, modules placed) but with this machine's tvm-ffi, an empty JIT cache, and
+# JIT disabled, so each module is loaded as placed or the call raises. The arch is named as the H200's (no
+# GPU to ask); the libcuda stub stands in for the driver: nothing runs, the libraries only have to load
+# and hold their entry points.
+make_site() {  # DEST FFI: FlashInfer's wheel unpacked into DEST (a wheel is a zip), tvm-ffi from FFI, modules placed
   rm -rf "$1"; mkdir -p "$1"
   "$PY" -m zipfile -e "$FI_WHEEL" "$1"
   if [[ -f "$2" ]]; then "$PY" -m zipfile -e "$2" "$1"; else cp -r "$2" "$1/"; fi
   rm -rf "$1"/flashinfer/data/{csrc,cutlass,cccl,include,spdlog}
-  mkdir -p "$1/flashinfer/data/aot/fused_moe_90"
-  cp "$SO" "$1/flashinfer/data/aot/fused_moe_90/fused_moe_90.so"
+  for name in "${MODULES[@]}"; do
+    mkdir -p "$1/flashinfer/data/aot/$name" && cp "${SO[$name]}" "$1/flashinfer/data/aot/$name/$name.so"
+  done
 }
 make_site "$WORK/check" "$site/tvm_ffi"
 rm -rf "$WORK/check-ws"
@@ -91,9 +103,12 @@ FLASHINFER_DISABLE_JIT=1 FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BAS
   PYTHONPATH="$WORK/check:$site" LD_LIBRARY_PATH="$cuda/lib64:$cuda/lib64/stubs" "$PY" - <<'PY'
 from flashinfer.fused_moe import core
 from flashinfer.jit import env as jit_env
+from flashinfer.tllm_utils import get_trtllm_utils_module
 
 runner = core.get_cutlass_fused_moe_module("90")  # raises if it would have to build
 print("loaded", jit_env.get_aot_path("fused_moe_90"), "entry points:", sorted(vars(runner)))
+get_trtllm_utils_module().delay_kernel  # the autotuner's; raises if absent
+print("loaded", jit_env.get_aot_path("trtllm_utils"), "entry point: delay_kernel")
 PY
 
 # The travelling site: the same, with the H200's cp312 tvm-ffi wheel (--no-deps, as the kit installs).
@@ -104,10 +119,14 @@ tar -C "$lite" -cJf .fi-lite/fi-lite.tar.xz.part . && mv -f .fi-lite/fi-lite.tar
   echo "built $(date -u +%FT%TZ) on $(uname -m), $JOBS jobs; this invocation's build step ${BUILD_S} s (a rerun only links)"
   "$cuda/bin/nvcc" --version | tail -1
   echo "flashinfer 0.7.0.post1, apache-tvm-ffi 0.1.15.post2 (cp312), FLASHINFER_CUDA_ARCH_LIST=9.0a"
-  echo "fused_moe_90.so md5 $(md5sum "$SO" | cut -d' ' -f1), $(stat -c %s "$SO") bytes"
-  echo "needs: $(readelf -d "$SO" | grep -o 'NEEDED.*' | grep -o '\[.*\]' | tr -d '[]' | tr '\n' ' ')"
-  echo "driver functions it calls: $(nm -D --undefined-only "$SO" | grep -cE ' cu[A-Z]')"
-  echo "newest symbol versions: $(objdump -T "$SO" | grep -oE '(GLIBC|GLIBCXX|CXXABI)_[0-9.]+' | sort -u -V \
+  for name in "${MODULES[@]}"; do
+    so="${SO[$name]}"
+    echo "$name.so md5 $(md5sum "$so" | cut -d' ' -f1), $(stat -c %s "$so") bytes;" \
+      "needs: $(readelf -d "$so" | grep -o 'NEEDED.*' | grep -o '\[.*\]' | tr -d '[]' | tr '\n' ' ')"
+  done
+  so="${SO[fused_moe_90]}"
+  echo "fused_moe_90's driver functions: $(nm -D --undefined-only "$so" | grep -cE ' cu[A-Z]');" \
+    "newest symbol versions: $(objdump -T "$so" | grep -oE '(GLIBC|GLIBCXX|CXXABI)_[0-9.]+' | sort -u -V \
     | awk -F_ '{v[$1]=$0} END {for (k in v) printf "%s ", v[k]}')"
   echo "fi-lite.tar.xz $(stat -c %s .fi-lite/fi-lite.tar.xz) bytes"
 } | tee .fi-lite/BUILD.txt

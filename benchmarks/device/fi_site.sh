@@ -12,7 +12,7 @@ place_fi_lite() {  # unpack the carried light site where no module is placed yet
   [ -f "$FI_AOT_DIR/fused_moe_90.so" ] && return 0
   [ -f "$FI_LITE" ] || return 0
   rm -rf "$FI_SITE" && mkdir -p "$FI_SITE" && tar -C "$FI_SITE" -xJf "$FI_LITE" \
-    && echo "FlashInfer placed from $FI_LITE ($(grep -o 'md5 [0-9a-f]*' .fi-lite/BUILD.txt 2> /dev/null))"
+    && echo "FlashInfer placed from $FI_LITE ($(grep -o 'fused_moe_90.so md5 [0-9a-f]*' .fi-lite/BUILD.txt 2> /dev/null))"
 }
 
 require_fi_site() {  # exit 2, saying what to run, where FlashInfer's module is not here

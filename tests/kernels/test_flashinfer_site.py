@@ -29,7 +29,9 @@ def write_lite_archive(cwd: Path, module_bytes: bytes) -> None:
     (cwd / ".fi-lite").mkdir()
     with tarfile.open(cwd / ".fi-lite/fi-lite.tar.xz", "w:xz") as archive:
         archive.add(tree, arcname=".")
-    (cwd / ".fi-lite/BUILD.txt").write_text("fused_moe_90.so md5 0123abcd, 6 bytes\n")
+    (cwd / ".fi-lite/BUILD.txt").write_text(
+        "fused_moe_90.so md5 0123abcd, 6 bytes; needs: libc.so.6\ntrtllm_utils.so md5 4567ef01, 9 bytes\n"
+    )
 
 
 def test_a_carried_light_site_is_unpacked_where_the_rows_look(tmp_path):
@@ -37,7 +39,7 @@ def test_a_carried_light_site_is_unpacked_where_the_rows_look(tmp_path):
     run = source_fi_site(tmp_path, "require_fi_site")
     assert run.returncode == 0, run.stdout + run.stderr
     assert (tmp_path / ".fi-site" / MODULE).read_bytes() == b"module"
-    assert "placed from .fi-lite/fi-lite.tar.xz (md5 0123abcd)" in run.stdout
+    assert "placed from .fi-lite/fi-lite.tar.xz (fused_moe_90.so md5 0123abcd)" in run.stdout
 
 
 def test_a_placed_module_is_kept_and_the_archive_not_unpacked_again(tmp_path):
