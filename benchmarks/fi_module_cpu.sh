@@ -68,6 +68,7 @@ import os
 from flashinfer_h200 import BUILD_ENV, install_bf16_source_filter
 for key, value in BUILD_ENV.items():
     os.environ.setdefault(key, value)  # MAX_JOBS is set above: this machine's cores, not the H200's 16
+os.environ["FLASHINFER_CUDA_ARCH_LIST"] = "9.0a"  # the H200's, whatever the caller exported (BUILD.txt says so)
 stats = install_bf16_source_filter()
 from flashinfer.fused_moe import core
 from flashinfer.jit.tllm_utils import gen_trtllm_utils_module
@@ -114,7 +115,9 @@ PY
 # The travelling site: the same, with the H200's cp312 tvm-ffi wheel (--no-deps, as the kit installs).
 make_site "$lite" "$FFI_WHEEL_312"
 mkdir -p .fi-lite
-tar -C "$lite" -cJf .fi-lite/fi-lite.tar.xz.part . && mv -f .fi-lite/fi-lite.tar.xz.part .fi-lite/fi-lite.tar.xz
+# Written under temporary names, then renamed (set -e stops at a failed step): the archive and its
+# BUILD.txt always describe each other.
+tar -C "$lite" -cJf .fi-lite/fi-lite.tar.xz.part .
 {
   echo "built $(date -u +%FT%TZ) on $(uname -m), $JOBS jobs; this invocation's build step ${BUILD_S} s (a rerun only links)"
   "$cuda/bin/nvcc" --version | tail -1
@@ -128,5 +131,8 @@ tar -C "$lite" -cJf .fi-lite/fi-lite.tar.xz.part . && mv -f .fi-lite/fi-lite.tar
   echo "fused_moe_90's driver functions: $(nm -D --undefined-only "$so" | grep -cE ' cu[A-Z]');" \
     "newest symbol versions: $(objdump -T "$so" | grep -oE '(GLIBC|GLIBCXX|CXXABI)_[0-9.]+' | sort -u -V \
     | awk -F_ '{v[$1]=$0} END {for (k in v) printf "%s ", v[k]}')"
-  echo "fi-lite.tar.xz $(stat -c %s .fi-lite/fi-lite.tar.xz) bytes"
-} | tee .fi-lite/BUILD.txt
+  echo "fi-lite.tar.xz $(stat -c %s .fi-lite/fi-lite.tar.xz.part) bytes"
+} > .fi-lite/BUILD.txt.part
+mv -f .fi-lite/fi-lite.tar.xz.part .fi-lite/fi-lite.tar.xz
+mv -f .fi-lite/BUILD.txt.part .fi-lite/BUILD.txt
+cat .fi-lite/BUILD.txt

@@ -47,6 +47,7 @@ if [ "${WITH_FI:-0}" = 1 ]; then
   [ "$layout" = tp ] || { echo "WITH_FI=1: the FlashInfer canary config is TP1 only (configs/canary-gpu-tp)"; exit 2; }
   source benchmarks/device/fi_site.sh && require_fi_site
   export EXTRA_PYTHONPATH="$PWD/$FI_SITE"
+  check_fi_modules
   pair+=("configs/canary-gpu-tp/Canary-Qwen3-MoE-BF16-fi-cutlass.yaml")
 fi
 # ROWS="fi-cutlass": only configs whose file name holds one of these words (vLLM's incumbent always) run,

@@ -57,11 +57,13 @@ stage "env ($STAGES)"
 
 # FlashInfer from the carried wheels, once per machine; a carried fused_moe_90.so is placed where
 # FlashInfer loads it instead of building.
-if ! python3 -c 'import flashinfer.jit, tvm_ffi.libinfo' 2> /dev/null; then
+# A light site (benchmarks/fi_module_cpu.sh: no C++ sources, so no JIT) is replaced by the wheels here.
+if ! python3 -c 'import flashinfer.jit, tvm_ffi.libinfo' 2> /dev/null || [[ ! -d "$FI_SITE/flashinfer/data/csrc" ]]; then
   # --upgrade: a folder left half-written by an earlier call is replaced whole (a stale tvm_ffi without
   # `libinfo` broke the build on 2026-12-01).
   python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target "$FI_SITE" .whl/*.whl \
     || echo "FlashInfer wheels not installed" >&2
+  rm -f "$FI_SITE/.from-fi-lite"  # a wheel install now: fi_site.sh unpacks no archive over it
 fi
 AOT="$FI_AOT_DIR"
 if [[ -f .whl/fused_moe_90.so && ! -f "$AOT/fused_moe_90.so" ]]; then

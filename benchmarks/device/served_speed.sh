@@ -31,20 +31,7 @@ default_rows="vllm bundled"
 if [ "${WITH_FI:-0}" = 1 ]; then
   source benchmarks/device/fi_site.sh && require_fi_site
   export EXTRA_PYTHONPATH="$PWD/$FI_SITE"
-  # FlashInfer's two modules load before any server starts: one built on another machine (.fi-lite/) that
-  # did not load here would otherwise end the call only after vLLM's row (~110 s). fused_moe_90 with JIT
-  # off (where it failed to load, FlashInfer would rebuild it unfiltered: 247 files); trtllm_utils, the
-  # delay kernel of the autotuner that vLLM runs while it warms up, placed or built from the sources where
-  # they are: without it every tactic's profile failed silently and FlashInfer served untuned (2026-12-05).
-  bash .vgpu/device_env.sh python3 -c 'import os
-from flashinfer.fused_moe import core
-from flashinfer.tllm_utils import get_trtllm_utils_module
-os.environ["FLASHINFER_DISABLE_JIT"] = "1"
-core.get_cutlass_fused_moe_module("90")
-del os.environ["FLASHINFER_DISABLE_JIT"]
-get_trtllm_utils_module().delay_kernel
-print("fused_moe_90 and trtllm_utils load")' \
-    || { echo "WITH_FI=1: FlashInfer's modules do not load from $FI_SITE/ (the error above)"; exit 2; }
+  check_fi_modules
   default_rows+=" fi"
 fi
 rows=()
