@@ -101,16 +101,7 @@ make_site() {  # DEST FFI: FlashInfer's wheel unpacked into DEST (a wheel is a z
 make_site "$WORK/check" "$site/tvm_ffi"
 rm -rf "$WORK/check-ws"
 FLASHINFER_DISABLE_JIT=1 FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE="$WORK/check-ws" \
-  PYTHONPATH="$WORK/check:$site" LD_LIBRARY_PATH="$cuda/lib64:$cuda/lib64/stubs" "$PY" - <<'PY'
-from flashinfer.fused_moe import core
-from flashinfer.jit import env as jit_env
-from flashinfer.tllm_utils import get_trtllm_utils_module
-
-runner = core.get_cutlass_fused_moe_module("90")  # raises if it would have to build
-print("loaded", jit_env.get_aot_path("fused_moe_90"), "entry points:", sorted(vars(runner)))
-get_trtllm_utils_module().delay_kernel  # the autotuner's; raises if absent
-print("loaded", jit_env.get_aot_path("trtllm_utils"), "entry point: delay_kernel")
-PY
+  PYTHONPATH="$WORK/check:$site" LD_LIBRARY_PATH="$cuda/lib64:$cuda/lib64/stubs" "$PY" "$ROOT/benchmarks/fi_modules_load.py"
 
 # The travelling site: the same, with the H200's cp312 tvm-ffi wheel (--no-deps, as the kit installs).
 make_site "$lite" "$FFI_WHEEL_312"

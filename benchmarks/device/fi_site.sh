@@ -35,21 +35,9 @@ require_fi_site() {  # exit 2, saying what to run, where FlashInfer's module is 
   exit 2
 }
 
-check_fi_modules() {
-  # FlashInfer's two modules load (with the carried kit) before any server starts: one built on another
-  # machine that did not load here would otherwise end the call only after the first row. fused_moe_90 with
-  # JIT off (where it failed to load, FlashInfer would rebuild it unfiltered: 247 files); trtllm_utils, the
-  # delay kernel of the autotuner that vLLM runs while it warms up, placed or built from the sources where
-  # a wheel install has them: without it every tactic's profile failed and FlashInfer served untuned.
-  EXTRA_PYTHONPATH="$PWD/$FI_SITE" bash .vgpu/device_env.sh python3 -c 'import os
-from flashinfer.fused_moe import core
-from flashinfer.tllm_utils import get_trtllm_utils_module
-os.environ["FLASHINFER_DISABLE_JIT"] = "1"
-try:
-    core.get_cutlass_fused_moe_module("90")
-finally:
-    os.environ.pop("FLASHINFER_DISABLE_JIT")
-get_trtllm_utils_module().delay_kernel
-print("fused_moe_90 and trtllm_utils load")' \
+check_fi_modules() {  # both modules load (with the carried kit) before any server starts: exit 2 if not
+  # One built on another machine that did not load here would otherwise end the call only after the first
+  # row (~110 s); what is loaded and why: benchmarks/fi_modules_load.py.
+  EXTRA_PYTHONPATH="$PWD/$FI_SITE" bash .vgpu/device_env.sh python3 benchmarks/fi_modules_load.py \
     || { echo "WITH_FI=1: FlashInfer's modules do not load from $FI_SITE/ (the error above)"; exit 2; }
 }
