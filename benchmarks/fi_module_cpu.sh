@@ -54,6 +54,9 @@ gcc -E -P -I "$cuda/include" "$cuda/include/cuda.h" | grep -oE '\bcu[A-Z][A-Za-z
 gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$cuda/lib64/stubs/libcuda.so" "$WORK/libcuda_stub.c"
 ln -s libcuda.so "$cuda/lib64/stubs/libcuda.so.1"
 
+# FlashInfer runs `ninja` by name: a machine with none gets the wheel's binary, placed after the system's
+# so that a machine with one keeps building with it (a change of ninja rebuilds every step).
+export PATH="$PATH:$site/bin"
 export CUDA_HOME="$cuda" FLASHINFER_WORKSPACE_BASE="$WORK/ws" MAX_JOBS="$JOBS" PYTHONPATH="$site:$ROOT/benchmarks:$ROOT"
 T0=$(date +%s)
 # Two modules: the MoE itself, and trtllm_utils, the delay kernel of FlashInfer's autotuner. vLLM autotunes
