@@ -66,6 +66,7 @@ from moe_eval.serve.server_log import (
     kernel_call_counts,
     memory_reported,
     read_log,
+    speed_warnings,
     vllm_moe_backends,
 )
 
@@ -287,6 +288,7 @@ def _read_server_log(record: RunRecord, run_dir: Path, log_path: Path) -> None:
     evidence.vllm_moe_backends_logged = vllm_moe_backends(log_text)
     evidence.bundled_kernel_logged = bundled_kernel_lines(log_text)
     evidence.jit_while_serving = jit_while_serving(log_text)
+    evidence.speed_warnings_logged = speed_warnings(log_text)
     evidence.gpu_memory_logged = memory_reported(log_text)
 
 
@@ -400,10 +402,12 @@ def _serve_and_evaluate(
     write_samples(run_dir / "samples.jsonl", result.samples)
     stats = answer_stats(result.samples, token_counts, config.max_tokens)
     baseline = options.baselines.get(config.path)
+    log_text = read_log(log_path)
     measured = Measurements(
         moe_backend_used=served_by,
         answers=Answers(result.scores, result.num_questions, stats, correctness(result.samples)),
-        jit=jit_while_serving(read_log(log_path)),
+        jit=jit_while_serving(log_text),
+        speed_warnings=speed_warnings(log_text),
         kernel_calls=record.serving.bundled_kernel_calls,
         layer=layer_summary,
         logprobs=logprobs,

@@ -39,8 +39,9 @@ from moe_eval.core.gate_payloads import (
 )
 from moe_eval.core.results import atomic_write_json
 
-RESULTS_SCHEMA_VERSION = 6
+RESULTS_SCHEMA_VERSION = 7
 SCHEMA_HISTORY = (  # what each version added; a reader takes every version up to RESULTS_SCHEMA_VERSION
+    "7: serving.speed_warnings_logged (FlashInfer served untuned), named in the speed gate's message; "
     "6: timing (the served MoE calls' time per dispatch range on a fixed workload, the client's view of it), "
     "speed (the speed gate: per range against the incumbent's), the checks speed_gate and speed_not_run; "
     "the judged sections' fields typed in the schema; "
@@ -175,6 +176,11 @@ class Serving:
         "the bundled kernel's own call counters, per process", factory=dict
     )
     jit_while_serving: JsonObject = key("kernel compilations after the server was ready", factory=dict)
+    speed_warnings_logged: list[str] | None = key(
+        "the server's warnings that bear on its kernels' speed (FlashInfer's autotune fell back to default "
+        "tactics), each with how many times it was logged; absent from records before version 7",
+        optional=True,
+    )
     gpu_memory_logged: JsonObject = key(
         "GiB for weights, KV cache and CUDA graphs, per process", factory=dict
     )

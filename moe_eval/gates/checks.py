@@ -99,6 +99,7 @@ class Baseline:
     speed: TimingSummary | None = None  # its MoE calls' time per range (captures.timing), where timed
     machine: str | None = None  # the GPUs (or CPU) it ran on: a speed reference holds on that machine only
     workload: str | None = None  # what its timed sweep computed (workload_identity): must match the row's
+    speed_warnings: tuple[str, ...] = ()  # its server's (serving.speed_warnings_logged)
 
 
 def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
@@ -164,6 +165,7 @@ def load_baseline(results_path: Path, what: str, record: RunRecord | None = None
         decode if decode.is_file() else None,
         TimingSummary.from_dict(speed) if speed else None,
         *timed_where(record),
+        tuple(record.serving.speed_warnings_logged or ()),
     )
 
 

@@ -57,6 +57,7 @@ class Measurements:
     speed: TimingSummary | None = None  # the timed workload's MoE calls per range (evaluate/moe_speed.py)
     machine: str | None = None  # where they ran (checks.machine_of): a speed reference must match it
     workload: str | None = None  # what the timed sweep computed (checks.workload_identity)
+    speed_warnings: list[str] = field(default_factory=list)  # server_log.speed_warnings: named with its speed
     not_measured: dict[str, str] = field(default_factory=dict)  # gate name -> why nothing was measured
 
 

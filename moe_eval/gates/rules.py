@@ -206,6 +206,11 @@ def judge_speed(config: EvalConfig, m: Measurements, out: Judgement) -> str | No
         return "no dispatch range could be judged: " + "; ".join(
             f"{r['range']}: {r['why_not']}" for r in section["ranges"]
         )
+    logged = (("this row's", m.speed_warnings), ("the reference's", m.incumbent.speed_warnings))
+    warned = [f"{whose} server logged: {'; '.join(warnings)}" for whose, warnings in logged if warnings]
+    if warned:
+        # Not a verdict of its own: a change that breaks the autotune is a slowdown the gate must still show.
+        check = replace(check, detail=f"{check.detail}; {'; '.join(warned)}")
     out.checks.append(check)
     return None
 

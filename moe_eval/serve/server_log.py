@@ -131,6 +131,21 @@ def jit_while_serving(log_text: str) -> dict:
     }
 
 
+# vLLM 0.26 (model_executor/warmup/kernel_warmup.py, flashinfer_autotune): logged when its warm-up's autotune
+# left no entry, and FlashInfer then serves its default tactics. On the H100 (2026-12-05) a FlashInfer site
+# without the autotuner's delay kernel (trtllm_utils) did so, and FlashInfer's decode ranges served at
+# x1.22-1.67 of vLLM's Triton: a setup problem that reads as a slow kernel (docs/flashinfer.md). vLLM 0.32
+# logs nothing there.
+_UNTUNED = re.compile(r"No FlashInfer autotune cache entries found\.\s*Falling back to default tactics\.")
+
+
+def speed_warnings(log_text: str) -> list[str]:
+    """What the server said that bears on its kernels' speed, not their result: each distinct warning, with
+    how many times (processes) it was logged."""
+    found = [m[0] for m in _UNTUNED.finditer(log_text)]
+    return [f"{text} ({found.count(text)}x)" for text in dict.fromkeys(found)]
+
+
 def read_log(path: Path) -> str:
     try:
         return path.read_text(errors="replace")

@@ -6,7 +6,7 @@ import pytest
 
 from moe_eval.gates.accuracy import GateResult
 from moe_eval.launch import allowlisted_env, cpu_bind_per_rank, server_environment
-from moe_eval.serve.server_log import vllm_moe_backends
+from moe_eval.serve.server_log import speed_warnings, vllm_moe_backends
 
 
 @pytest.mark.parametrize(
@@ -97,6 +97,19 @@ def test_vllm_backend_line_is_parsed():
     )
     assert vllm_moe_backends(log) == ["CPU"]
     assert vllm_moe_backends("nothing here") == []
+
+
+def test_flashinfers_autotune_falling_back_is_read_from_the_log_once_with_its_count():
+    # vLLM 0.26.0's words, two literals joined with no space between them (kernel_warmup.py)
+    warning = (
+        "WARNING [kernel_warmup.py:258] No FlashInfer autotune cache entries found."
+        "Falling back to default tactics."
+    )
+    log = f"(Worker pid=1) {warning}\nINFO ready\n(Worker pid=2) {warning}\n"
+    assert speed_warnings(log) == [
+        "No FlashInfer autotune cache entries found.Falling back to default tactics. (2x)"
+    ]
+    assert speed_warnings("INFO FlashInfer autotune cache loaded on rank 0 from /c.json.") == []
 
 
 def test_log_errors_surface_the_cause_before_the_shutdown_noise(tmp_path):

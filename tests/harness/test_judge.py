@@ -379,6 +379,18 @@ def test_the_speed_gate_is_a_gpus_and_judges_each_range_against_the_incumbents(c
     ):
         got = judge(gpu, dataclasses.replace(m, **change))
         assert got.verdict == "incomplete" and why in _by_name(got)["speed_not_run"].detail
+    # A server that served FlashInfer untuned is named in the message (a setup problem that reads as a slow
+    # kernel), whichever row it was; the verdict stays the times' own.
+    untuned = "No FlashInfer autotune cache entries found.Falling back to default tactics. (1x)"
+    for change, whose in (
+        ({"speed_warnings": [untuned]}, "this row's"),
+        ({"incumbent": dataclasses.replace(incumbent, speed_warnings=(untuned,))}, "the reference's"),
+    ):
+        for row, expected in ((m, "passed"), (slower, "failed")):
+            got = judge(gpu, dataclasses.replace(row, **change))
+            assert got.verdict == expected
+            assert _by_name(got)["speed_gate"].detail.endswith(f"; {whose} server logged: {untuned}")
+    assert "server logged" not in _by_name(judge(gpu, m))["speed_gate"].detail
     # No range judged: the not-run reason names each range's own why
     few = dataclasses.replace(m, speed=_timed({"M=1": 10.0, "M=2-16": 11.0}, calls=3))
     detail = _by_name(judge(gpu, few))["speed_not_run"].detail

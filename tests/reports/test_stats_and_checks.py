@@ -101,7 +101,9 @@ def test_garbage_checks_count_empty_truncated_and_invalid():
     assert not {c.name: c for c in unknown}["max_truncated_rate"].passed  # cannot count: never a silent pass
 
 
-def _results_dir(root: Path, name: str, model: str, n: int, status: str = "passed", fewshot: int = 5) -> Path:
+def _results_dir(
+    root: Path, name: str, model: str, n: int, status: str = "passed", fewshot: int = 5, **keys
+) -> Path:
     run = root / name / "fam" / "cfg"
     run.mkdir(parents=True)
     record = {
@@ -109,6 +111,7 @@ def _results_dir(root: Path, name: str, model: str, n: int, status: str = "passe
         "config_name": "cfg",
         "num_questions_evaluated": n,
         "config": {"model_name": model, "num_fewshot": fewshot},
+        **keys,
     }
     (run / "results.json").write_text(json.dumps(record))
     (run / "samples.jsonl").write_text(
@@ -122,6 +125,10 @@ def test_find_baseline_matches_model_questions_and_fewshot(tmp_path):
     run = _results_dir(tmp_path, "run1", "m", 4)
     baseline = find_baseline(run, config)
     assert baseline.correctness == {0: True, 1: False, 2: True, 3: False}
+    assert baseline.speed_warnings == ()  # a record from before version 7 has none
+    untuned = ["No FlashInfer autotune cache entries found.Falling back to default tactics. (1x)"]
+    warned = find_baseline(_results_dir(tmp_path, "run4", "m", 4, speed_warnings_logged=untuned), config)
+    assert warned.speed_warnings == tuple(untuned)  # the speed gate names the reference's too
     with pytest.raises(ConfigError, match="holds no finished result for model m with 4 questions"):
         find_baseline(_results_dir(tmp_path, "run2", "other-model", 4), config)
     with pytest.raises(ConfigError, match="holds no finished result"):
