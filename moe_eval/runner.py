@@ -288,7 +288,7 @@ def _read_server_log(record: RunRecord, run_dir: Path, log_path: Path) -> None:
     evidence.vllm_moe_backends_logged = vllm_moe_backends(log_text)
     evidence.bundled_kernel_logged = bundled_kernel_lines(log_text)
     evidence.jit_while_serving = jit_while_serving(log_text)
-    evidence.speed_warnings_logged = speed_warnings(log_text)
+    evidence.speed_warnings_logged = speed_warnings(log_text, evidence.moe_backend_used)
     evidence.gpu_memory_logged = memory_reported(log_text)
 
 
@@ -407,7 +407,7 @@ def _serve_and_evaluate(
         moe_backend_used=served_by,
         answers=Answers(result.scores, result.num_questions, stats, correctness(result.samples)),
         jit=jit_while_serving(log_text),
-        speed_warnings=speed_warnings(log_text),
+        speed_warnings=speed_warnings(log_text, served_by),
         kernel_calls=record.serving.bundled_kernel_calls,
         layer=layer_summary,
         logprobs=logprobs,

@@ -135,13 +135,17 @@ def jit_while_serving(log_text: str) -> dict:
 # left no entry, and FlashInfer then serves its default tactics. On the H100 (2026-12-05) a FlashInfer site
 # without the autotuner's delay kernel (trtllm_utils) did so, and FlashInfer's decode ranges served at
 # x1.22-1.67 of vLLM's Triton: a setup problem that reads as a slow kernel (docs/flashinfer.md). vLLM 0.32
-# logs nothing there.
+# logs nothing there. vLLM autotunes wherever FlashInfer is importable on an SM90+ GPU, and FlashInfer saves
+# no file where nothing was tuned (autotuner.py: only when `_dirty`), so a Triton row's server logs the same
+# words with no FlashInfer op to tune: they bear on a row's speed only where FlashInfer computed its experts.
 _UNTUNED = re.compile(r"No FlashInfer autotune cache entries found\.\s*Falling back to default tactics\.")
 
 
-def speed_warnings(log_text: str) -> list[str]:
-    """What the server said that bears on its kernels' speed, not their result: each distinct warning, with
-    how many times (processes) it was logged."""
+def speed_warnings(log_text: str, moe_backend_used: str | None) -> list[str]:
+    """What the server said that bears on its MoE kernel's speed, not its result: each distinct warning, with
+    how many times (processes) it was logged; `moe_backend_used` as verify_moe_backend returned it."""
+    if "flashinfer" not in (moe_backend_used or "").lower():
+        return []
     found = [m[0] for m in _UNTUNED.finditer(log_text)]
     return [f"{text} ({found.count(text)}x)" for text in dict.fromkeys(found)]
 

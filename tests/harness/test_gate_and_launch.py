@@ -106,10 +106,14 @@ def test_flashinfers_autotune_falling_back_is_read_from_the_log_once_with_its_co
         "Falling back to default tactics."
     )
     log = f"(Worker pid=1) {warning}\nINFO ready\n(Worker pid=2) {warning}\n"
-    assert speed_warnings(log) == [
-        "No FlashInfer autotune cache entries found.Falling back to default tactics. (2x)"
-    ]
-    assert speed_warnings("INFO FlashInfer autotune cache loaded on rank 0 from /c.json.") == []
+    untuned = ["No FlashInfer autotune cache entries found.Falling back to default tactics. (2x)"]
+    assert speed_warnings(log, "bundled:flashinfer_cutlass") == untuned
+    assert speed_warnings(log, "vllm:FlashInfer CUTLASS") == untuned
+    # A Triton row's server logs the same words (FlashInfer importable, nothing of it tuned): not its speed.
+    assert speed_warnings(log, "vllm:TRITON") == speed_warnings(log, "bundled:triton") == []
+    assert speed_warnings(log, None) == []
+    loaded = "INFO FlashInfer autotune cache loaded on rank 0 from /c.json."
+    assert speed_warnings(loaded, "bundled:flashinfer_cutlass") == []
 
 
 def test_log_errors_surface_the_cause_before_the_shutdown_noise(tmp_path):
