@@ -280,8 +280,11 @@ def _new_record(config: EvalConfig, options: RunOptions, data: Gsm8kData, path: 
 
 
 def _read_server_log(record: RunRecord, run_dir: Path, log_path: Path) -> None:
-    """What the server's log and the kernel's counters say, however far the config got."""
+    """What the server's log and the kernel's counters say, however far the config got: read once, after the
+    server stopped (by `_serve_and_evaluate`, whose judge reads these fields, or else by the `finally`)."""
     evidence = record.serving
+    if evidence.jit_while_serving:  # read already: the judge and the record hold the same reading
+        return
     log_text = read_log(log_path)
     if not evidence.bundled_kernel_calls:  # read while the server served, unless it never got there
         evidence.bundled_kernel_calls = kernel_call_counts(run_dir)
@@ -402,12 +405,12 @@ def _serve_and_evaluate(
     write_samples(run_dir / "samples.jsonl", result.samples)
     stats = answer_stats(result.samples, token_counts, config.max_tokens)
     baseline = options.baselines.get(config.path)
-    log_text = read_log(log_path)
+    _read_server_log(record, run_dir, log_path)
     measured = Measurements(
         moe_backend_used=served_by,
         answers=Answers(result.scores, result.num_questions, stats, correctness(result.samples)),
-        jit=jit_while_serving(log_text),
-        speed_warnings=speed_warnings(log_text, served_by),
+        jit=record.serving.jit_while_serving,
+        speed_warnings=record.serving.speed_warnings_logged or [],
         kernel_calls=record.serving.bundled_kernel_calls,
         layer=layer_summary,
         logprobs=logprobs,

@@ -116,6 +116,26 @@ def test_flashinfers_autotune_falling_back_is_read_from_the_log_once_with_its_co
     assert speed_warnings(loaded, "bundled:flashinfer_cutlass") == []
 
 
+def test_the_server_log_is_read_once_so_the_judge_and_the_record_hold_one_reading(tmp_path):
+    from moe_eval.core.record import RunRecord
+    from moe_eval.runner import _read_server_log
+
+    warning = "No FlashInfer autotune cache entries found.Falling back to default tactics."
+    log = tmp_path / "server.log"
+    log.write_text(f"INFO Kernel JIT monitor activated\nWARNING {warning}\n")
+    record = RunRecord()
+    record.serving.moe_backend_used = "bundled:flashinfer_cutlass"
+    _read_server_log(record, tmp_path, log)  # the runner's reading, after the server stopped
+    assert record.serving.speed_warnings_logged == [f"{warning} (1x)"]
+    assert record.serving.jit_while_serving["monitored_processes"] == 1
+    log.write_text("")  # the finally's call keeps what the judge was given
+    _read_server_log(record, tmp_path, log)
+    assert record.serving.speed_warnings_logged == [f"{warning} (1x)"]
+    fresh = RunRecord()  # a row that failed before the reading: the finally reads it
+    _read_server_log(fresh, tmp_path, log)
+    assert fresh.serving.jit_while_serving["monitored_processes"] == 0
+
+
 def test_log_errors_surface_the_cause_before_the_shutdown_noise(tmp_path):
     from moe_eval.launch import describe_log
 
