@@ -513,12 +513,19 @@ class MoeTiming(TypedDict):
 
 
 class EndToEnd(TypedDict):
-    """The client's view of the timed workload (evaluate/moe_speed.py end_to_end)."""
+    """The timed workload end to end (evaluate/moe_speed.py end_to_end): the client's wall time, and the
+    engine's own (vLLM's /metrics: evaluate/server_metrics.py)."""
 
     prefill_tokens_per_s: dict[str, float]
-    """per prompt length, the median of its single prefills"""
+    """per prompt length, the median of its single prefills, the client's wall time"""
     decode_ms_per_step: dict[str, float]
-    """per decode batch size"""
+    """per decode batch size, the client's wall time of the group over its tokens (its prefill and HTTP
+    included)"""
+    engine_prefill_tokens_per_s: NotRequired[dict[str, float]]
+    """per prompt length, over the engine's mean prefill time of its requests (scheduled to first token);
+    lengths the server's /metrics did not time are left out (absent: a record before the engine's view)"""
+    engine_decode_ms_per_step: NotRequired[dict[str, float]]
+    """per decode batch size, the engine's mean time between a sequence's consecutive tokens"""
 
 
 class BatchedPrefill(TypedDict):
@@ -565,6 +572,10 @@ class Workload(TypedDict):
     """per prompt length, each single prefill's wall seconds (this and the next: absent before the timing)"""
     decode_seconds: NotRequired[dict[str, float]]
     """per decode batch size, its wall seconds"""
+    engine_prefill_seconds: NotRequired[dict[str, float | None]]
+    """per prompt length, the engine's mean prefill seconds a request (vLLM's /metrics; null: not said)"""
+    engine_decode_step_seconds: NotRequired[dict[str, float | None]]
+    """per decode batch size, the engine's mean seconds between a sequence's consecutive tokens"""
     requests: int
     """requests sent"""
     seconds: float

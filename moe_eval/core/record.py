@@ -39,8 +39,11 @@ from moe_eval.core.gate_payloads import (
 )
 from moe_eval.core.results import atomic_write_json
 
-RESULTS_SCHEMA_VERSION = 7
+RESULTS_SCHEMA_VERSION = 8
 SCHEMA_HISTORY = (  # what each version added; a reader takes every version up to RESULTS_SCHEMA_VERSION
+    "8: timing.end_to_end.engine_prefill_tokens_per_s and engine_decode_ms_per_step (the engine's own times "
+    "of the timed requests, from vLLM's /metrics), timing.workload.engine_prefill_seconds and "
+    "engine_decode_step_seconds; "
     "7: serving.speed_warnings_logged (FlashInfer served untuned), named in the speed gate's message; "
     "6: timing (the served MoE calls' time per dispatch range on a fixed workload, the client's view of it), "
     "speed (the speed gate: per range against the incumbent's), the checks speed_gate and speed_not_run; "

@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from moe_eval.core.plugin_protocol import (
     STATS_INTERVAL_SECONDS,
     layer_range_names,
 )
+from moe_eval.evaluate import server_metrics
 from moe_eval.evaluate.gsm8k import Gsm8kData
 from moe_eval.evaluate.logprobs import post_completions, scoring_texts
 from moe_eval.plan.config import EvalConfig
@@ -120,24 +120,6 @@ def spread_stride(n: int) -> int:
     )
 
 
-def prefix_cache_hits_in(metrics_text: str) -> int | None:
-    """The prompt tokens served from the prefix cache, summed over the engines, in a Prometheus /metrics text
-    (vLLM 0.26 and 0.32: the counter vllm:prefix_cache_hits, exposed as vllm:prefix_cache_hits_total); None
-    where the counter is not there (stats off) or a sample line does not parse."""
-    counts = []
-    for line in metrics_text.splitlines():
-        match = _HITS_SAMPLE.match(line)
-        if match:
-            try:
-                counts.append(float(match.group(1)))
-            except ValueError:
-                return None
-    return round(sum(counts)) if counts else None
-
-
-_HITS_SAMPLE = re.compile(r"vllm:prefix_cache_hits_total(?:\{[^}]*\})?\s+(\S+)")
-
-
 @dataclass(frozen=True)
 class SweepTarget:
     """Where the sweep's requests go and what shapes them, for one row's server: its URL and model name, the
@@ -163,15 +145,15 @@ class SweepTarget:
             backoff=1.0,
         )
 
+    def server_totals(self) -> server_metrics.Totals | None:
+        """The server's own counters now (its /metrics); None where it does not answer."""
+        return server_metrics.read_totals(self.base_url, self.timeout)
+
     def prefix_cache_hits(self) -> int | None:
         """Prompt tokens the server's prefix cache has served so far, over its engines (its /metrics counter
         vllm:prefix_cache_hits, in vLLM 0.26 and 0.32); None where the server does not say (stats off)."""
-        try:
-            reply = requests.get(f"{self.base_url}/metrics", timeout=self.timeout)
-            reply.raise_for_status()
-        except requests.RequestException:
-            return None
-        return prefix_cache_hits_in(reply.text)
+        hits = (self.server_totals() or {}).get(server_metrics.PREFIX_CACHE_HITS)
+        return None if hits is None else round(hits)
 
     def payload(self, length: int, tokens: int, index: int) -> dict:
         """Prompt `index` of this server, `length` tokens long, generating `tokens` tokens greedily."""
@@ -333,6 +315,10 @@ def sweep(target: SweepTarget, first_index: int = 0) -> dict[str, Any]:
         # Wall seconds of each request group as the client saw them (the speed measurement's end-to-end view).
         "prefill_seconds": {},
         "decode_seconds": {},
+        # The same groups as the engine timed them (server_metrics): mean prefill seconds a request, mean
+        # seconds between a sequence's tokens; None where the server's /metrics did not say.
+        "engine_prefill_seconds": {},
+        "engine_decode_step_seconds": {},
     }
 
     requests_sent = hashlib.sha256()
@@ -353,7 +339,11 @@ def sweep(target: SweepTarget, first_index: int = 0) -> dict[str, Any]:
     for length in PREFILL_LENGTHS:
         if length > min(room, limit):
             continue
+        before = target.server_totals()
         sent["prefill_seconds"][str(length)] = [post([payload(length, 1)], 1) for _ in range(PREFILL_REPEATS)]
+        sent["engine_prefill_seconds"][str(length)] = server_metrics.mean_between(
+            before, target.server_totals(), server_metrics.PREFILL_TIME
+        )
         sent["prefill_lengths"].append(length)
     longest = min(room, max(PREFILL_LENGTHS))
     if limit > longest and longest > 0:
@@ -363,8 +353,12 @@ def sweep(target: SweepTarget, first_index: int = 0) -> dict[str, Any]:
         seconds = post([payload(longest, 1) for _ in range(count)], count)
         sent["batched_prefill"] = {"prompts": count, "tokens_each": longest, "seconds": seconds}
     for batch in DECODE_BATCHES:
+        before = target.server_totals()
         seconds = post([payload(DECODE_PROMPT_TOKENS, DECODE_TOKENS) for _ in range(batch)], batch)
         sent["decode_seconds"][str(batch)] = seconds
+        sent["engine_decode_step_seconds"][str(batch)] = server_metrics.mean_between(
+            before, target.server_totals(), server_metrics.INTER_TOKEN_LATENCY
+        )
         sent["decode_batches"].append(batch)
     sent["requests"] = index - first_index
     sent["seconds"] = round(time.monotonic() - started, 2)

@@ -145,7 +145,9 @@ def top_up_units(first: moe_timing.TimingSummary, min_calls: int = MIN_CALLS) ->
 
 
 def end_to_end(sent: dict[str, Any]) -> dict[str, Any]:
-    """The client's view of the timed workload: prefill tokens/s per prompt length, ms per decode step."""
+    """The timed workload seen by the client (wall time per request: prefill tokens/s per prompt length, ms
+    per decode step including the request's prefill and HTTP) and by the engine (vLLM's /metrics: the same
+    without either; the view to compare between rows: server_metrics)."""
     prefill = {
         length: round(int(length) / statistics.median(seconds), 1)
         for length, seconds in (sent.get("prefill_seconds") or {}).items()
@@ -155,4 +157,19 @@ def end_to_end(sent: dict[str, Any]) -> dict[str, Any]:
         batch: round(1e3 * seconds / DECODE_TOKENS, 2)
         for batch, seconds in (sent.get("decode_seconds") or {}).items()
     }
-    return {"prefill_tokens_per_s": prefill, "decode_ms_per_step": decode}
+    engine_prefill = {
+        length: round(int(length) / seconds, 1)
+        for length, seconds in (sent.get("engine_prefill_seconds") or {}).items()
+        if seconds
+    }
+    engine_decode = {
+        batch: round(1e3 * seconds, 3)
+        for batch, seconds in (sent.get("engine_decode_step_seconds") or {}).items()
+        if seconds
+    }
+    return {
+        "prefill_tokens_per_s": prefill,
+        "decode_ms_per_step": decode,
+        "engine_prefill_tokens_per_s": engine_prefill,
+        "engine_decode_ms_per_step": engine_decode,
+    }

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from moe_eval.evaluate import layer_sweep
+from moe_eval.evaluate import layer_sweep, server_metrics
 
 
 @pytest.fixture
@@ -17,6 +17,7 @@ def sent(monkeypatch):
         layer_sweep.SweepTarget, "post", lambda target, payloads, concurrency: posted.append(payloads)
     )
     monkeypatch.setattr(layer_sweep, "STATS_INTERVAL_SECONDS", 0.0)
+    monkeypatch.setattr(layer_sweep.SweepTarget, "server_totals", lambda target: None)  # no /metrics here
     return posted
 
 
@@ -151,9 +152,40 @@ def test_the_prefix_cache_counter_is_read_from_the_servers_metrics_text():
             'vllm:prefix_cache_queries_total{engine="0",model_name="/m/a b"} 4000.0',
         ]
     )
-    assert layer_sweep.prefix_cache_hits_in(text) == 192  # both engines
-    assert layer_sweep.prefix_cache_hits_in("vllm:num_requests_running 0.0") is None  # stats off
-    assert layer_sweep.prefix_cache_hits_in('vllm:prefix_cache_hits_total{engine="0"} nan?') is None
+    assert server_metrics.prefix_cache_hits_in(text) == 192  # both engines
+    assert server_metrics.prefix_cache_hits_in("vllm:num_requests_running 0.0") is None  # stats off
+    assert server_metrics.prefix_cache_hits_in('vllm:prefix_cache_hits_total{engine="0"} nan?') is None
+
+
+def test_the_engines_decode_step_and_prefill_time_are_read_between_two_metrics_texts():
+    """vLLM's histograms (0.26 and 0.32: vllm:inter_token_latency_seconds, vllm:request_prefill_time_seconds),
+    one per engine: the mean of what they gained between two readings, bucket lines ignored."""
+
+    def text(itl_sum, itl_count, prefill_sum, prefill_count):
+        return "\n".join(
+            [
+                "# TYPE vllm:inter_token_latency_seconds histogram",
+                'vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="/m/a b"} 5.0',
+                f'vllm:inter_token_latency_seconds_sum{{engine="0",model_name="/m/a b"}} {itl_sum}',
+                f'vllm:inter_token_latency_seconds_count{{engine="0",model_name="/m/a b"}} {itl_count}',
+                'vllm:inter_token_latency_seconds_sum{engine="1",model_name="/m/a b"} 1.0',
+                'vllm:inter_token_latency_seconds_count{engine="1",model_name="/m/a b"} 100.0',
+                f'vllm:request_prefill_time_seconds_sum{{engine="0",model_name="/m/a b"}} {prefill_sum}',
+                f'vllm:request_prefill_time_seconds_count{{engine="0",model_name="/m/a b"}} {prefill_count}',
+            ]
+        )
+
+    before = server_metrics.totals_in(text(0.5, 50.0, 0.2, 4.0))
+    after = server_metrics.totals_in(text(0.533, 61.0, 0.26, 7.0))
+    itl = server_metrics.mean_between(before, after, server_metrics.INTER_TOKEN_LATENCY)
+    assert itl == pytest.approx(0.003)  # 11 steps of 3 ms
+    prefill = server_metrics.mean_between(before, after, server_metrics.PREFILL_TIME)
+    assert prefill == pytest.approx(0.02)
+    # nothing gained, a reading missing, a server without the histograms (stats off): no number, never 0
+    assert server_metrics.mean_between(after, after, server_metrics.INTER_TOKEN_LATENCY) is None
+    assert server_metrics.mean_between(None, after, server_metrics.INTER_TOKEN_LATENCY) is None
+    stats_off = server_metrics.totals_in("vllm:num_requests_running 0.0")
+    assert server_metrics.mean_between(stats_off, after, server_metrics.PREFILL_TIME) is None
 
 
 def test_the_sweeps_fingerprint_names_its_requests(sent):

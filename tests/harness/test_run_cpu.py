@@ -82,7 +82,15 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         moe = record["timing"]["moe"]
         assert moe["timed_on"] == ["host"] and len(moe["ranges"]) >= 5
         assert all(r["calls"] > 0 and r["mean_us"] > 0 for r in moe["ranges"])
-        assert record["timing"]["end_to_end"]["decode_ms_per_step"].keys() == {"1", "8", "40", "100"}
+        seen = record["timing"]["end_to_end"]
+        assert seen["decode_ms_per_step"].keys() == {"1", "8", "40", "100"}
+        # The engine's own view from vLLM's /metrics histograms (0.32's names): every group timed, a decode
+        # step within the client's time a token (that one holds the request's prefill and HTTP too).
+        assert seen["engine_decode_ms_per_step"].keys() == seen["decode_ms_per_step"].keys()
+        assert all(
+            0 < seen["engine_decode_ms_per_step"][b] < seen["decode_ms_per_step"][b] for b in ("1", "8")
+        )
+        assert seen["engine_prefill_tokens_per_s"].keys() == seen["prefill_tokens_per_s"].keys()
         assert record["timing"]["eval_output_tokens_per_s"] > 0
         # Every timed call as sent: no prompt of the workload was shortened by the server's prefix cache (its
         # /metrics counter read before and after; None would mean the counter was not found).

@@ -394,6 +394,7 @@ def test_top_up_prompts_continue_after_the_sweeps_and_never_repeat_one(monkeypat
             tuple(p["prompt"]) for p in payloads
         )
     )  # fmt: skip
+    monkeypatch.setattr(layer_sweep.SweepTarget, "server_totals", lambda target: None)  # no /metrics here
     pool = layer_sweep.TokenPool(list(range(50_000)))  # distinct ids: equal prompts start at the same offset
     target = layer_sweep.SweepTarget("http://x", "m", pool, 8192, 8192, timeout=1.0, retries=1)
     sent = layer_sweep.sweep(target)
