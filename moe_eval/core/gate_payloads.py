@@ -522,7 +522,7 @@ class EndToEnd(TypedDict):
     """per decode batch size, the client's wall time of the group over its tokens (its prefill and HTTP
     included)"""
     engine_prefill_tokens_per_s: NotRequired[dict[str, float]]
-    """per prompt length, over the engine's mean prefill time of its requests (scheduled to first token);
+    """per prompt length, over the median of its single prefills' engine time (scheduled to first token);
     lengths the server's /metrics did not time are left out (absent: a record before the engine's view)"""
     engine_decode_ms_per_step: NotRequired[dict[str, float]]
     """per decode batch size, the engine's mean time between a sequence's consecutive tokens"""
@@ -572,8 +572,8 @@ class Workload(TypedDict):
     """per prompt length, each single prefill's wall seconds (this and the next: absent before the timing)"""
     decode_seconds: NotRequired[dict[str, float]]
     """per decode batch size, its wall seconds"""
-    engine_prefill_seconds: NotRequired[dict[str, float | None]]
-    """per prompt length, the engine's mean prefill seconds a request (vLLM's /metrics; null: not said)"""
+    engine_prefill_seconds: NotRequired[dict[str, list[float | None]]]
+    """per prompt length, each single prefill's seconds by the engine (vLLM's /metrics; null: not said)"""
     engine_decode_step_seconds: NotRequired[dict[str, float | None]]
     """per decode batch size, the engine's mean seconds between a sequence's consecutive tokens"""
     requests: int

@@ -157,11 +157,11 @@ def end_to_end(sent: dict[str, Any]) -> dict[str, Any]:
         batch: round(1e3 * seconds / DECODE_TOKENS, 2)
         for batch, seconds in (sent.get("decode_seconds") or {}).items()
     }
-    engine_prefill = {
-        length: round(int(length) / seconds, 1)
-        for length, seconds in (sent.get("engine_prefill_seconds") or {}).items()
-        if seconds
-    }
+    engine_prefill = {}
+    for length, seconds in (sent.get("engine_prefill_seconds") or {}).items():
+        timed = [s for s in seconds if s]
+        if timed:
+            engine_prefill[length] = round(int(length) / statistics.median(timed), 1)
     engine_decode = {
         batch: round(1e3 * seconds, 3)
         for batch, seconds in (sent.get("engine_decode_step_seconds") or {}).items()

@@ -152,3 +152,21 @@ def test_the_qwen3_twin_pair_with_the_layer_check_paused(repo_root):
     assert check.passed and "judged 7/7 ranges" in check.detail
     power = next(c for c in bundled["checks"] if c["name"] == "layer_check_power")
     assert "896 of 896" in power["detail"]
+
+
+def test_the_engines_view_ran_inside_cuda_vllm_026(repo_root):
+    """The H100 run of 2026-12-05 16:00 UTC (vLLM's canary row, 20 questions, commit fe2a3b2): vLLM 0.26's
+    histograms were read around every group; the engine's decode step was under the client's time a token at
+    every batch (the client's holds the request's prefill and HTTP)."""
+    rows = json.loads((repo_root / "docs/data/speed_h100/canary-tp1-engine-view.json").read_text())
+    seen = rows[0]["timing"]["end_to_end"]
+    assert (
+        seen["engine_decode_ms_per_step"].keys()
+        == seen["decode_ms_per_step"].keys()
+        == {"1", "8", "40", "100"}
+    )
+    assert all(
+        0 < seen["engine_decode_ms_per_step"][b] < seen["decode_ms_per_step"][b]
+        for b in ("1", "8", "40", "100")
+    )
+    assert seen["engine_prefill_tokens_per_s"].keys() == {"24", "120", "600", "1500"}
