@@ -152,8 +152,7 @@ class SweepTarget:
     def prefix_cache_hits(self) -> int | None:
         """Prompt tokens the server's prefix cache has served so far, over its engines (its /metrics counter
         vllm:prefix_cache_hits, in vLLM 0.26 and 0.32); None where the server does not say (stats off)."""
-        hits = (self.server_totals() or {}).get(server_metrics.PREFIX_CACHE_HITS)
-        return None if hits is None else round(hits)
+        return server_metrics.prefix_cache_hits(self.server_totals())
 
     def payload(self, length: int, tokens: int, index: int) -> dict:
         """Prompt `index` of this server, `length` tokens long, generating `tokens` tokens greedily."""
@@ -335,6 +334,15 @@ def sweep(target: SweepTarget, first_index: int = 0) -> dict[str, Any]:
         index += 1
         return target.payload(length, tokens, index)
 
+    # The engine's times of each group: what a /metrics histogram gained since the reading before it (one
+    # reading between two groups serves as the first's end and the second's start).
+    reading = target.server_totals()
+
+    def engine_mean(histogram: str) -> float | None:
+        nonlocal reading
+        before, reading = reading, target.server_totals()
+        return server_metrics.mean_between(before, reading, histogram)
+
     room = model_len - DECODE_TOKENS - 1
     for length in PREFILL_LENGTHS:
         if length > min(room, limit):
@@ -343,11 +351,8 @@ def sweep(target: SweepTarget, first_index: int = 0) -> dict[str, Any]:
         # call of 1500 tokens on the H100) moves a mean of three, not their median.
         walls, engine = [], []
         for _ in range(PREFILL_REPEATS):
-            before = target.server_totals()
             walls.append(post([payload(length, 1)], 1))
-            engine.append(
-                server_metrics.mean_between(before, target.server_totals(), server_metrics.PREFILL_TIME)
-            )
+            engine.append(engine_mean(server_metrics.PREFILL_TIME))
         sent["prefill_seconds"][str(length)] = walls
         sent["engine_prefill_seconds"][str(length)] = engine
         sent["prefill_lengths"].append(length)
@@ -358,13 +363,11 @@ def sweep(target: SweepTarget, first_index: int = 0) -> dict[str, Any]:
         count = -(-2 * limit // longest)
         seconds = post([payload(longest, 1) for _ in range(count)], count)
         sent["batched_prefill"] = {"prompts": count, "tokens_each": longest, "seconds": seconds}
+        reading = target.server_totals()  # the decode groups' readings start after it
     for batch in DECODE_BATCHES:
-        before = target.server_totals()
         seconds = post([payload(DECODE_PROMPT_TOKENS, DECODE_TOKENS) for _ in range(batch)], batch)
         sent["decode_seconds"][str(batch)] = seconds
-        sent["engine_decode_step_seconds"][str(batch)] = server_metrics.mean_between(
-            before, target.server_totals(), server_metrics.INTER_TOKEN_LATENCY
-        )
+        sent["engine_decode_step_seconds"][str(batch)] = engine_mean(server_metrics.INTER_TOKEN_LATENCY)
         sent["decode_batches"].append(batch)
     sent["requests"] = index - first_index
     sent["seconds"] = round(time.monotonic() - started, 2)

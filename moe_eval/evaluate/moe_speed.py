@@ -148,28 +148,29 @@ def end_to_end(sent: dict[str, Any]) -> dict[str, Any]:
     """The timed workload seen by the client (wall time per request: prefill tokens/s per prompt length, ms
     per decode step including the request's prefill and HTTP) and by the engine (vLLM's /metrics: the same
     without either; the view to compare between rows: server_metrics)."""
-    prefill = {
-        length: round(int(length) / statistics.median(seconds), 1)
-        for length, seconds in (sent.get("prefill_seconds") or {}).items()
-        if seconds and statistics.median(seconds) > 0
-    }
     decode = {
         batch: round(1e3 * seconds / DECODE_TOKENS, 2)
         for batch, seconds in (sent.get("decode_seconds") or {}).items()
     }
-    engine_prefill = {}
-    for length, seconds in (sent.get("engine_prefill_seconds") or {}).items():
-        timed = [s for s in seconds if s]
-        if timed:
-            engine_prefill[length] = round(int(length) / statistics.median(timed), 1)
     engine_decode = {
         batch: round(1e3 * seconds, 3)
         for batch, seconds in (sent.get("engine_decode_step_seconds") or {}).items()
         if seconds
     }
     return {
-        "prefill_tokens_per_s": prefill,
+        "prefill_tokens_per_s": _prefill_tokens_per_second(sent.get("prefill_seconds")),
         "decode_ms_per_step": decode,
-        "engine_prefill_tokens_per_s": engine_prefill,
+        "engine_prefill_tokens_per_s": _prefill_tokens_per_second(sent.get("engine_prefill_seconds")),
         "engine_decode_ms_per_step": engine_decode,
     }
+
+
+def _prefill_tokens_per_second(seconds_by_length: dict[str, list[float | None]] | None) -> dict[str, float]:
+    """Per prompt length, its tokens over the median of its single prefills' seconds; a prefill with no time
+    (the engine's /metrics did not say) is left out, and a length with none."""
+    rates = {}
+    for length, seconds in (seconds_by_length or {}).items():
+        timed = [s for s in seconds if s]
+        if timed:
+            rates[length] = round(int(length) / statistics.median(timed), 1)
+    return rates

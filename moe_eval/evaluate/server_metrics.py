@@ -57,10 +57,10 @@ def read_totals(base_url: str, timeout: float) -> Totals | None:
     return totals_in(reply.text)
 
 
-def prefix_cache_hits_in(metrics_text: str) -> int | None:
-    """The prompt tokens served from the prefix cache over the engines; None where the counter is not there or
-    a sample does not parse."""
-    hits = totals_in(metrics_text).get(PREFIX_CACHE_HITS)
+def prefix_cache_hits(totals: Totals | None) -> int | None:
+    """The prompt tokens served from the prefix cache over the engines; None where the counter is not there, a
+    sample does not parse, or /metrics did not answer."""
+    hits = (totals or {}).get(PREFIX_CACHE_HITS)
     return None if hits is None else round(hits)
 
 

@@ -152,9 +152,16 @@ def test_the_prefix_cache_counter_is_read_from_the_servers_metrics_text():
             'vllm:prefix_cache_queries_total{engine="0",model_name="/m/a b"} 4000.0',
         ]
     )
-    assert server_metrics.prefix_cache_hits_in(text) == 192  # both engines
-    assert server_metrics.prefix_cache_hits_in("vllm:num_requests_running 0.0") is None  # stats off
-    assert server_metrics.prefix_cache_hits_in('vllm:prefix_cache_hits_total{engine="0"} nan?') is None
+    assert server_metrics.prefix_cache_hits(server_metrics.totals_in(text)) == 192  # both engines
+    assert (
+        server_metrics.prefix_cache_hits(server_metrics.totals_in("vllm:num_requests_running 0.0")) is None
+    )  # stats off
+    assert (
+        server_metrics.prefix_cache_hits(
+            server_metrics.totals_in('vllm:prefix_cache_hits_total{engine="0"} nan?')
+        )
+        is None
+    )
 
 
 def test_the_engines_decode_step_and_prefill_time_are_read_between_two_metrics_texts():
