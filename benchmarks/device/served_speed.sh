@@ -12,6 +12,12 @@
 #                    kernel and the installed vLLM's fused_experts interleaved: the served times beside it
 #                    (BENCH=0: the pair alone; NOCHECK=1: a third row, the bundled one with layer_check false,
 #                    to see what end-to-end time the paused layer check still costs)
+#   STAGE=power      issue 54: the speed gate's evidence and power, per call size. MODEL=canary (the GPU canary
+#                    TP1) or twin (Qwen3-30B-A3B, CUDA graphs; needs .gsm8k/), speed-only copies of its pair
+#                    (no golden, texts or layer check; LIMIT questions): vLLM's row and the bundled row, then
+#                    REPEATS more bundled rows and each of MUTATIONS ("slow_range:range=R,pct=P ...") with
+#                    --baseline the pair's run, so each is judged against its own earlier run (and, by the
+#                    tests, against vLLM's row). SPIN=1 first checks the slowdown's spin on this GPU.
 #   STAGE=concurrency  benchmarks/eval_concurrency.py on CONCURRENCY_ROWS (default "canary-vllm canary-bundled
 #                    twin"): the canary's rows at CANARY_C, 200 questions; the twin's bundled row at TWIN_C,
 #                    TWIN_Q GSM8K questions: seconds, tokens/s, answers changed, the paired gate per concurrency
@@ -124,6 +130,42 @@ PY
       echo "kernel bench: exit $? in $(( $(date +%s) - t )) s" | tee -a "$out/$stage.txt"
       tail -30 "$work/bench.log" >> "$out/$stage.txt"
     fi
+    ;;
+  power)
+    if [ "${SPIN:-0}" = 1 ]; then
+      bash .vgpu/device_env.sh python3 benchmarks/device/slowdown_probe.py 2>&1 | tee "$out/spin.txt"
+    fi
+    case "${MODEL:-canary}" in
+      canary) src=$tp; v=Canary-Qwen3-MoE-BF16-vllm-triton; b=Canary-Qwen3-MoE-BF16-triton; data=() ;;
+      twin) src=configs/twins-cuda-graph; v=Qwen3-30B-A3B-BF16-vllm; b=Qwen3-30B-A3B-BF16-triton
+            data=(--gsm8k-dir .gsm8k) ;;
+      *) echo "MODEL: canary or twin"; exit 2 ;;
+    esac
+    lite="$work/${MODEL:-canary}-lite/$(basename "$src")"; mkdir -p "$lite"
+    for name in $v $b; do  # the speed measurement alone: the other gates' work left out (last key wins)
+      { cat "$src/$name.yaml"; printf '\ngolden: false\nlogprob_texts: 0\ndecode_texts: 0\nlayer_check: false\n'; } \
+        > "$lite/$name.yaml"
+    done
+    pairdir="$work/${MODEL:-canary}-pair"
+    t=$(date +%s)
+    moe_eval run --hw h200 --limit "${LIMIT:-20}" "${data[@]}" --output-dir "$pairdir" "$lite/$v.yaml" "$lite/$b.yaml" \
+      > "$pairdir.log" 2>&1
+    echo "pair: exit $? in $(( $(date +%s) - t )) s" | tee -a "$out/$stage.txt"
+    grep -E "speed_gate|PASS|FAIL" "$pairdir.log" | cut -c1-600 >> "$out/$stage.txt"
+    pack
+    base=$(ls -d "$pairdir"/*/ | tail -1)
+    runs=()
+    for i in $(seq 1 "${REPEATS:-1}"); do runs+=("repeat$i:"); done
+    for m in ${MUTATIONS:-}; do runs+=("mut:$m"); done
+    for entry in "${runs[@]}"; do
+      name=${entry%%:*}; m=${entry#*:}; t=$(date +%s)
+      [ "$name" = mut ] && name="mut-$(echo "$m" | tr -c 'A-Za-z0-9.-' '_')"
+      moe_eval run --hw h200 --limit "${LIMIT:-20}" "${data[@]}" --baseline "$base" ${m:+--mutate "$m"} \
+        --output-dir "$work/${MODEL:-canary}-$name" "$lite/$b.yaml" > "$work/${MODEL:-canary}-$name.log" 2>&1
+      echo "$name ${m:-}: exit $? in $(( $(date +%s) - t )) s" | tee -a "$out/$stage.txt"
+      grep -E "speed_gate" "$work/${MODEL:-canary}-$name.log" | cut -c1-600 >> "$out/$stage.txt"
+      pack
+    done
     ;;
   concurrency)
     declare -A study=(

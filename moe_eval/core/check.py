@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_eval.core.evidence import Evidence
+
 PASSED, FAILED, INCOMPLETE = "passed", "failed", "incomplete"
 # A config's end that is a verdict; "error" and "cancelled" are not. Incomplete: a gate the config calls
 # for could not run (moe_eval.gates.table), and the config did not declare it optional.
@@ -23,6 +25,7 @@ class Check:
     passed: bool  # did not stand in the way of a pass (a skipped check did not either)
     detail: str
     ran: bool = True  # False: a check the config calls for could not measure (moe_eval.gates)
+    evidence: Evidence | None = None  # what it judged from (core/evidence.py), where the gate counts it
 
     @property
     def status(self) -> str:
@@ -31,13 +34,17 @@ class Check:
         return CHECK_SKIPPED if self.passed else CHECK_NOT_RUN
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "passed": self.passed, "detail": self.detail, "status": self.status} | (
-            {} if self.ran else {"ran": False}
-        )
+        out = {"name": self.name, "passed": self.passed, "detail": self.detail, "status": self.status}
+        if not self.ran:
+            out["ran"] = False
+        if self.evidence is not None:
+            out["evidence"] = self.evidence.as_dict()
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> Check:
-        return cls(d["name"], d["passed"], d.get("detail", ""), d.get("ran", True))
+        evidence = Evidence.from_dict(d["evidence"]) if d.get("evidence") else None
+        return cls(d["name"], d["passed"], d.get("detail", ""), d.get("ran", True), evidence)
 
 
 def verdict(checks: list[Check]) -> str:

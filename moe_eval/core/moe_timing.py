@@ -1,27 +1,29 @@
 """The MoE timer's files (kernels/moe_timer.py) as the harness reads them: no torch, no vLLM.
 
-Each process of a server writes <run dir>/moe-timing/<pid>.json: per dispatch range the calls, nanoseconds,
-their squares, tokens, and the calls that were CUDA-graph replays with their nanoseconds (FIELDS) since it
-started. `read_folder` reads them, `since(after, before)` keeps what a workload added between two readings,
-and `summarize` gives per range the mean time of one call (the slowest rank's, where the layout has several:
-a step waits for it), how many calls were replays and what share of the time was not: what the speed gate
-compares.
+Each process of a server writes <run dir>/moe-timing/<pid>.json: per call size M that was called, the calls,
+nanoseconds, their squares, tokens, and the calls that were CUDA-graph replays with their nanoseconds (FIELDS)
+since it started. `read_folder` reads them, `since(after, before)` keeps what a workload added between two
+readings, and `summarize` gives per dispatch range its calls and mean call (the slowest rank's, where the
+layout has several: a step waits for it) and, per size inside it, the slowest rank's calls, mean and spread:
+what the speed gate compares, size for size.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from moe_eval.core.plugin_protocol import MOE_TIMING_DIR, layer_range_names
+from moe_eval.core.plugin_protocol import MOE_TIMING_DIR, layer_range_index, layer_range_names
 
 # replayed, replayed_ns: the calls that were CUDA-graph replays (a call captured into a graph counts at each
 # replay) and their time; the rest ran eagerly, launched by the host inside the timer's bracket.
 FIELDS = ("calls", "ns", "ns_sq", "tokens", "replayed", "replayed_ns")
 CALLS, NS, NS_SQ, TOKENS, REPLAYED, REPLAYED_NS = range(len(FIELDS))
+
+Cell = tuple[float, ...]  # FIELDS of one size (or of a range: the sum of its sizes)
 
 
 @dataclass(frozen=True)
@@ -31,9 +33,30 @@ class ProcessTiming:
     scope: str
     timed_on: str  # "device" (every call, CUDA-graph replays included) or "host"
     rank: dict[str, Any]
-    table: tuple[tuple[float, ...], ...]  # per range: FIELDS
+    sizes: dict[int, Cell]  # call size M -> FIELDS
     device_problem: str | None = None
     max_tokens: int = 0  # the most tokens one call of the process can carry
+
+    def range_cells(self) -> dict[str, Cell]:
+        """FIELDS per dispatch range: the sum of its sizes."""
+        names = layer_range_names()
+        out: dict[str, list[float]] = {}
+        for size, cell in self.sizes.items():
+            total = out.setdefault(names[layer_range_index(size)], [0.0] * len(FIELDS))
+            for i, value in enumerate(cell):
+                total[i] += value
+        return {name: tuple(values) for name, values in out.items()}
+
+
+@dataclass(frozen=True)
+class SizeTiming:
+    """The calls of one size M in a dispatch range, on the rank whose mean call of that size was slowest."""
+
+    tokens: int  # M; kernels/moe_timer.TIMER_MAX_SIZE holds every call of at least that many
+    calls: int  # that rank's calls of this size
+    mean_us: float
+    spread_us: float  # the standard deviation of one call
+    replayed: int  # of them, CUDA-graph replays
 
 
 @dataclass(frozen=True)
@@ -51,6 +74,11 @@ class RangeTiming:
     # The share of the mean's process's time in calls that were not replays (eager calls, whose time moves
     # between servers: gates/speed.py); None in records written before it was counted.
     eager_share: float | None = None
+    # Per call size, the slowest rank's calls (what the speed gate compares); None in records written before
+    # the timer kept sizes apart (results schema 8 and older).
+    sizes: tuple[SizeTiming, ...] | None = None
+    # The fewest calls one rank made in the range (a rank's own evidence); None in older records.
+    rank_calls: int | None = None
 
 
 @dataclass(frozen=True)
@@ -75,13 +103,22 @@ class TimingSummary:
             timed_on=tuple(data.get("timed_on", ())),
             scopes=tuple(data.get("scopes", ())),
             backends=tuple(data.get("backends", ())),
-            ranges=tuple(RangeTiming(**r) for r in data.get("ranges", ())),
+            ranges=tuple(_range_from_dict(r) for r in data.get("ranges", ())),
             problems=tuple(data.get("problems", ())),
         )
 
 
+def _range_from_dict(data: dict[str, Any]) -> RangeTiming:
+    sizes = data.get("sizes")
+    timing = RangeTiming(**{k: v for k, v in data.items() if k != "sizes"})
+    if sizes is None:
+        return timing
+    return replace(timing, sizes=tuple(SizeTiming(**s) for s in sizes))
+
+
 def read_folder(run_dir: Path) -> list[ProcessTiming]:
-    """Every process's last flushed table (a file being replaced or unreadable is left out)."""
+    """Every process's last flushed table (a file being replaced, unreadable, or written by a timer from
+    before per-size cells is left out)."""
     found = []
     for path in sorted((run_dir / MOE_TIMING_DIR).glob("*.json")):
         try:
@@ -93,57 +130,89 @@ def read_folder(run_dir: Path) -> list[ProcessTiming]:
                     scope=str(data["scope"]),
                     timed_on=str(data["timed_on"]),
                     rank=dict(data.get("rank") or {}),
-                    table=tuple(tuple(float(v) for v in row) for row in data["table"]),
+                    sizes={int(row[0]): tuple(float(v) for v in row[1:]) for row in data["sizes"]},
                     device_problem=data.get("device_problem"),
                     max_tokens=int(data.get("max_tokens") or 0),
                 )
             )
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
             continue
     return found
 
 
 def since(after: list[ProcessTiming], before: list[ProcessTiming]) -> list[ProcessTiming]:
-    """What each process added between two readings (a process new since `before` counts whole)."""
+    """What each process added between two readings (a process new since `before` counts whole); a size it
+    did not call meanwhile is left out."""
     earlier = {p.pid: p for p in before}
     out = []
     for process in after:
         prior = earlier.get(process.pid)
         if prior is not None:
-            table = tuple(
-                tuple(a - b for a, b in zip(row, old, strict=True))
-                for row, old in zip(process.table, prior.table, strict=True)
-            )
-            process = ProcessTiming(**{**asdict(process), "table": table})
+            blank = (0.0,) * len(FIELDS)
+            sizes = {}
+            for size, cell in process.sizes.items():
+                added = tuple(a - b for a, b in zip(cell, prior.sizes.get(size, blank), strict=True))
+                if added[CALLS] > 0:
+                    sizes[size] = added
+            process = replace(process, sizes=sizes)
         out.append(process)
     return out
 
 
+def _mean_and_spread(cell: Cell) -> tuple[float, float]:
+    """One call's mean and standard deviation, ns."""
+    mean = cell[NS] / cell[CALLS]
+    return mean, math.sqrt(max(cell[NS_SQ] / cell[CALLS] - mean * mean, 0.0))
+
+
+def _slowest_sizes(processes: list[ProcessTiming], sizes: list[int]) -> tuple[SizeTiming, ...]:
+    out = []
+    for size in sorted(sizes):
+        cells = [p.sizes[size] for p in processes if p.sizes.get(size, (0.0,))[CALLS] > 0]
+        slowest = max(cells, key=lambda cell: cell[NS] / cell[CALLS])
+        mean, spread = _mean_and_spread(slowest)
+        out.append(
+            SizeTiming(
+                size,
+                int(slowest[CALLS]),
+                round(mean / 1e3, 3),
+                round(spread / 1e3, 3),
+                int(slowest[REPLAYED]),
+            )
+        )
+    return tuple(out)
+
+
 def summarize(processes: list[ProcessTiming]) -> TimingSummary:
     names = layer_range_names()
+    per_process = [p.range_cells() for p in processes]
     ranges = []
-    for i, name in enumerate(names):
-        rows = [p.table[i] for p in processes if i < len(p.table) and p.table[i][0] > 0]
+    for name in names:
+        rows = [cells[name] for cells in per_process if cells.get(name, (0.0,))[CALLS] > 0]
         if not rows:
             continue
         # The slowest process's mean call: under TP and EP every rank's call of a step ends before the next
         # layer, so the step waits for it.
         slowest = max(rows, key=lambda row: row[NS] / row[CALLS])
-        calls, ns, ns_sq = slowest[CALLS], slowest[NS], slowest[NS_SQ]
-        mean = ns / calls
-        variance = max(ns_sq / calls - mean * mean, 0.0)
-        total_calls = int(sum(row[CALLS] for row in rows))
+        mean, spread = _mean_and_spread(slowest)
+        ns = slowest[NS]
         tokens = int(sum(row[TOKENS] for row in rows))
+        sizes = sorted(
+            {size for p in processes for size in p.sizes if names[layer_range_index(size)] == name}
+        )
         ranges.append(
             RangeTiming(
                 range=name,
-                calls=total_calls,
+                calls=int(sum(row[CALLS] for row in rows)),
                 tokens=tokens,
                 mean_us=round(mean / 1e3, 3),
-                spread_us=round(math.sqrt(variance) / 1e3, 3),
+                spread_us=round(spread / 1e3, 3),
                 us_per_token=round(sum(row[NS] for row in rows) / 1e3 / max(tokens, 1), 4),
                 replayed=int(sum(row[REPLAYED] for row in rows)),
                 eager_share=round(min(max(1 - slowest[REPLAYED_NS] / ns, 0.0), 1.0), 4) if ns > 0 else None,
+                sizes=_slowest_sizes(processes, sizes),
+                # A rank that made no call here has no row: under TP every rank makes every call.
+                rank_calls=int(min(row[CALLS] for row in rows)) if len(rows) == len(processes) else 0,
             )
         )
     return TimingSummary(

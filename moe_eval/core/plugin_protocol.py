@@ -70,3 +70,7 @@ def layer_range_index(tokens: int) -> int:
 # into <run dir>/moe-timing/<pid>.json. On with MOE_EVAL_MOE_TIMING=1 (the launcher sets it from the config).
 MOE_TIMING_ENV = "MOE_EVAL_MOE_TIMING"
 MOE_TIMING_DIR = "moe-timing"
+# The timer keeps one cell per call size M (token count) up to this many tokens, so that two rows' calls are
+# compared size for size (matched work), never as a range's mean over a mix of sizes that differs between
+# runs; larger calls share the last cell (vLLM's default batched-token limits are 2,048-16,384).
+TIMER_MAX_SIZE = 16384

@@ -107,10 +107,16 @@ def switch_layer_check(run_dir: Path, paused: bool, wait: float = PAUSE_WAIT_SEC
 
 
 def _timed(target: SweepTarget, run_dir: Path) -> tuple[dict[str, Any], moe_timing.TimingSummary]:
+    # The same workload once untimed first, on prompts of its own: every call size the timed one makes has
+    # been made once in every process (a size's first call can hold an allocation or a first launch's
+    # setup), so the two rows' timed calls start from the same state.
+    warm_up = sweep(target)
     time.sleep(2 * STATS_INTERVAL_SECONDS)  # every process's flusher wrote what came before
     before = moe_timing.read_folder(run_dir)
     hits_before = target.prefix_cache_hits()
-    sent = sweep(target)
+    sent = sweep(target, first_index=warm_up["requests"])
+    sent["warm_up"] = {"requests": warm_up["requests"], "seconds": warm_up["seconds"]}
+    sent["requests"] += warm_up["requests"]  # prompts used, so the later senders continue after them
     # Every timed row (the runner times only config.moe_timing rows), not only gated ones: a row and its
     # reference must send the same kinds of top-up.
     time.sleep(2 * STATS_INTERVAL_SECONDS)

@@ -14,7 +14,7 @@ from dataclasses import replace
 from moe_eval.core.check import Check, verdict
 from moe_eval.core.errors import InfraError
 from moe_eval.gates.measurements import Answers, GoldenRecord, Judgement, Measurements
-from moe_eval.gates.table import NOT_RUN_SUFFIX, Gate, planned
+from moe_eval.gates.table import GATES, NOT_RUN_SUFFIX, Gate, planned
 from moe_eval.plan.config import EvalConfig
 
 __all__ = ["Answers", "GoldenRecord", "Judgement", "Measurements", "judge", "not_run", "skipped"]
@@ -42,6 +42,10 @@ def judge(config: EvalConfig, m: Measurements, optional: frozenset[str] = frozen
         gate_checks = set(gate.checks) | {f"{gate.name}{NOT_RUN_SUFFIX}"}
         if gate.name in optional:  # what an optional gate could not measure is skipped, not a pass
             out.checks = [skipped(c) if c.name in gate_checks and not c.ran else c for c in out.checks]
+    called = {gate.name for gate, _ in planned(config, m.incumbent is not None)}
+    for gate in GATES:
+        if gate.name not in called and gate.report is not None:
+            gate.report(config, m, out)  # a section only: no check, so no verdict rests on it
     out.verdict = verdict(out.checks)
     return out
 

@@ -27,7 +27,7 @@ from moe_eval.gates.golden_gate import (
 )
 from moe_eval.gates.layer_gate import LayerCheckLimits, layer_checks, summary_record
 from moe_eval.gates.measurements import Judgement, Measurements
-from moe_eval.gates.speed import speed_check, times_differ_by
+from moe_eval.gates.speed import Margins, speed_check, times_differ_by
 from moe_eval.gates.stats import describe_power, detectable_drop
 from moe_eval.plan.config import EvalConfig
 
@@ -169,10 +169,12 @@ def judge_kernel_calls(config: EvalConfig, m: Measurements, out: Judgement) -> s
     return None
 
 
-def judge_speed(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
-    """Per dispatch range, the served MoE call's time against the incumbent's (gates/speed.py)."""
+def _speed_comparable(config: EvalConfig, m: Measurements) -> str | None:
+    """Why this row's MoE times cannot be compared with its reference's (None: they can)."""
     if m.speed is None:
         return "the row's MoE calls were not timed"
+    if m.incumbent is None:
+        return NO_INCUMBENT_SPEED
     reference = m.incumbent.speed
     if reference is None:
         return (
@@ -183,7 +185,7 @@ def judge_speed(config: EvalConfig, m: Measurements, out: Judgement) -> str | No
     if apart == "machine":
         return f"the reference ran on {m.incumbent.machine}, this row on {m.machine}: times do not compare"
     if apart == "requests":
-        # Other prompts route to other experts: the per-range means of two workloads are not one kernel's
+        # Other prompts route to other experts: the per-size means of two workloads are not one kernel's
         # against another's (the sweep's prompts changed in moe-eval itself on 2026-12-05).
         there, here = (workload or "not recorded" for workload in (m.incumbent.workload, m.workload))
         return (
@@ -200,7 +202,25 @@ def judge_speed(config: EvalConfig, m: Measurements, out: Judgement) -> str | No
             f"this row was timed on the {'/'.join(m.speed.timed_on)}, the reference on the "
             f"{'/'.join(reference.timed_on)}: the brackets differ"
         )
-    check, section = speed_check(m.speed, reference, config.speed_margin, str(m.incumbent.results_path))
+    return None
+
+
+NO_INCUMBENT_SPEED = "no reference to compare the MoE calls' time with (no incumbent, no --baseline)"
+
+
+def _speed_margins(config: EvalConfig) -> Margins:
+    return Margins(replayed=config.speed_margin, eager=config.speed_margin_eager)
+
+
+def judge_speed(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
+    """Per dispatch range, the served MoE calls' time against the reference's at matched sizes
+    (gates/speed.py)."""
+    why = _speed_comparable(config, m)
+    if why is not None:
+        return why
+    check, section = speed_check(
+        m.speed, m.incumbent.speed, _speed_margins(config), str(m.incumbent.results_path)
+    )
     out.sections["speed"] = section
     if check is None:
         return "no dispatch range could be judged: " + "; ".join(
@@ -213,6 +233,16 @@ def judge_speed(config: EvalConfig, m: Measurements, out: Judgement) -> str | No
         check = replace(check, detail=f"{check.detail}; {'; '.join(warned)}")
     out.checks.append(check)
     return None
+
+
+def report_speed(config: EvalConfig, m: Measurements, out: Judgement) -> None:
+    """A row timed beside an incumbent but not gated (the CPU): the same comparison, reported only."""
+    if not config.speed_reported(m.incumbent is not None) or _speed_comparable(config, m) is not None:
+        return
+    _, section = speed_check(
+        m.speed, m.incumbent.speed, _speed_margins(config), str(m.incumbent.results_path)
+    )
+    out.sections["speed"] = section | {"gated": False}
 
 
 def layer_check_limits(config: EvalConfig) -> LayerCheckLimits:

@@ -1,14 +1,29 @@
-"""The speed gate: per dispatch range, the served MoE call's time against the reference's (no I/O).
+"""The speed gate: per dispatch range, the served MoE calls' time against the reference's on matched work
+(no I/O).
 
 The reference is the row's incumbent: vLLM's own kernel at the same layout (baseline_config), or with
 `run --baseline RUN` the same config's row of an earlier run (the regression case, "before my change"). Both
-were timed on the same workload (evaluate/moe_speed.py), so per range the mean call compares directly:
-time <= reference x (1 + speed_margin), a range failing only where the excess is beyond SPEED_Z standard
-errors too: the two means' within-run errors and, for the time a range spent in eager device-timed calls, what
-such time moves between two servers of one kernel (EAGER_BETWEEN_SERVERS). A range is judged where both rows
-timed at least MIN_CALLS calls and the reference's mean call is above 0; the reference must have run on the
-same machine (GPU names, or CPU model) and sent the same timed requests (times_differ_by), or nothing is
-judged.
+were timed on the same workload (evaluate/moe_speed.py) on the same machine, the timer keeping one cell
+per call size (kernels/moe_timer.py). Within a range a call's time grows with its size and the mix of sizes
+differs between runs (at the Qwen3-30B-A3B shape M=65-256's mean moved 12 % between rows running
+identical code), so a range is judged size for size:
+
+- matched sizes: those both rows called at least MIN_SIZE_CALLS times on the slowest rank and whose mean is
+  steady (standard error at most MAX_RELATIVE_ERROR of it in both rows);
+- the range's ratio: the geometric mean of the sizes' ratios weighted by the reference's time at each size
+  (what the reference's own calls of the range would take at this row's pace);
+- its error: the sizes' within-run errors, and what a mean moves between two servers of one kernel
+  (`between_servers`: a log standard deviation per server, by how each size ran: CUDA-graph replays or eager
+  launches, whose pace follows the host's);
+- it fails where the ratio is above (1 + margin) beyond SPEED_Z standard errors: the margin is the config's
+  `speed_margin` where graphs replay (a decode slowdown of 5 % must fail) and `speed_margin_eager` for eager
+  ranges (10 % at real shapes). Each judged range says what it fails above, and what it would catch with 80 %
+  probability (`would_catch`).
+
+Evidence: a range is judged only with MIN_CALLS matched calls per rank and matched sizes holding at least
+MIN_MATCHED_SHARE of both rows' time there; the gate passes only where every graph-replayed range either row
+reached was judged and none failed. What it could not judge is named, and a row whose own time there is zero
+(a timer that summed nothing) is never judged, so never passed.
 """
 
 from __future__ import annotations
@@ -18,33 +33,34 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from moe_eval.core.check import Check
-from moe_eval.core.moe_timing import RangeTiming, TimingSummary
+from moe_eval.core.evidence import Evidence
+from moe_eval.core.moe_timing import RangeTiming, SizeTiming, TimingSummary
 
-# A range's mean call from fewer calls is mostly one or two calls' luck (the first prefill of a size, a
-# scheduler hiccup); the timed workload makes >= 3 calls per layer in every range it reaches.
+# A size's mean from fewer calls (per rank) is one or two calls' luck.
+MIN_SIZE_CALLS = 3
+# A range's matched calls (per rank, the smaller row's at each size, summed) below this are too few to judge.
 MIN_CALLS = 12
-# A range fails only where its excess over the margin is also beyond this many standard errors of the two
-# means (each: the calls' spread / sqrt(calls), the spread including the M mix of the range, the same in both
-# rows). On the H200 canary the CUDA-graph decode ranges read 0.2-0.5 % standard error and two runs of one
-# kernel agreed within 1 %; the eager prefill ranges (12-16 calls, host-launch bound) read 3-13 % and moved
-# 445-772 us between runs of the same kernel, and vLLM's row once held a 1.1 s JIT compile in one of them.
+# The matched sizes must hold at least this share of each row's time in the range: a ratio over a sliver of
+# the work says nothing of the rest.
+MIN_MATCHED_SHARE = 0.5
+# A range fails only where its ratio is beyond this many standard errors above 1 + margin.
 SPEED_Z = 3.0
-# A mean whose standard error is over half of it is a few calls' time, not the kernel's: one call holding
-# most of a range's time reads ~100 % (vLLM's row held a ~1 s compile in one of 20 prefill calls on the H200,
-# runs 2 and 3: a 48 ms mean), where the H200's eager ranges read 3-23 % and its graph-replayed ones under
-# 3 %. Such a range passes by drowning the excess in the error, so a pass there is named as not judged; a
-# range slower beyond SPEED_Z standard errors even so still fails.
-MAX_RELATIVE_ERROR = 0.5
-# A row's standard deviation of the log of a range's mean call between two servers of one kernel, for eager
-# device-timed calls (not CUDA-graph replays: the GPU waits inside the timer's bracket for the host's
-# launches, whose pace differs between server processes far beyond the within-run errors). Measured on the
-# H200 (docs/data/speed_h200/*.json): the same kernel's rows in two files (the canary's bundled and vLLM rows
-# over runs 1-3, the Qwen3 twin's over runs 1-2), ranges M >= 257 neither holding a compile: the log ratio's
-# rms was 0.294 over 15 pairs, 0.208 per server (tests/speed/test_h200_records.py recomputes it; the 6 pairs
-# of ranges the gate would judge, >= MIN_CALLS calls in both, read 0.154). The graph-replayed ranges agreed
-# within 1-5 % between servers and get no floor. A wholly eager range then fails above (1 + margin) x
-# exp(3 x 0.21 x sqrt 2), x2.80 at the default margin: only gross slowdowns show there.
-EAGER_BETWEEN_SERVERS = 0.21
+# z of 80 % power: a range's `would_catch` is the slowdown it fails with that probability.
+POWER_Z = 0.8416
+# A size whose mean's standard error is over this share of it is a few calls' time (a compile while serving,
+# seen in vLLM's row on the H200: one ~1 s call among 20): left out of the ratio and named.
+MAX_RELATIVE_ERROR = 0.25
+# What a size's mean moves between two servers of one kernel on one machine, a standard deviation of its log
+# per server. CUDA-graph replays: the GPU alone sets their pace (the canary's decode ranges repeated within
+# 1 % between servers on the H200 and the H100, docs/perf.md). Eager calls: the host launches inside the
+# bracket, so their pace follows the host's as well; at least BETWEEN_SERVERS_EAGER, and at least the size's
+# own spread of one call (a launch-bound call, such as the canary's tiny layer, spreads 10-25 % within a run
+# and moved 20-30 % between servers; a GPU-bound one at real shapes spreads a few %).
+BETWEEN_SERVERS_REPLAYED = 0.006
+BETWEEN_SERVERS_EAGER = 0.01
+# A range whose time is mostly in calls replayed from CUDA graphs is a graph-replayed range: every one either
+# row reached must be judged for a pass.
+REPLAYED_RANGE = 0.5
 
 
 def times_differ_by(
@@ -61,182 +77,233 @@ def times_differ_by(
 
 
 @dataclass(frozen=True)
+class Margins:
+    replayed: float  # speed_margin: graph-replayed ranges
+    eager: float  # speed_margin_eager
+
+
+@dataclass(frozen=True)
 class RangeSpeed:
     range: str
-    us: float | None  # None: this row made no call there
+    us: float | None  # this row's mean call in the range (None: it made no call there)
     reference_us: float | None
-    ratio: float | None  # us / reference_us; None: not judged
-    calls: int
+    ratio: float | None  # matched sizes' ratio (this row / the reference); None: not judged
+    calls: int  # matched calls per rank, this row
     reference_calls: int
     passed: bool | None  # None: not judged
     why_not: str | None = None
     z: float | None = None  # the excess over the margin in standard errors (fails beyond SPEED_Z)
-    # The ratio above which this range would have failed, at its measured standard errors: what the gate
-    # could see here (near 1 + margin where graphs replay; ~x2.2 in the H200's eager prefill ranges).
-    fails_above: float | None = None
-    # The larger of the two rows' shares of this range's time in calls not replayed from a CUDA graph (the
-    # error holds each row's own, eager_shares); None where neither row counted it (records before the
-    # count) or it was not judged; 0 where neither row was timed on the device.
-    eager_share: float | None = None
+    fails_above: float | None = None  # the ratio above which this range fails, at its errors
+    would_catch: float | None = None  # the slowdown it fails with 80 % probability
+    replayed: bool = False  # a graph-replayed range: must be judged for a pass
+    margin: float | None = None
+    sizes_matched: int = 0  # sizes compared, of the sizes either row called in the range
+    sizes: int = 0
+    matched_share: float | None = None  # the smaller of the two rows' time shares in the matched sizes
+    unsteady: tuple[int, ...] = ()  # sizes left out: their mean was a few calls' time
+    between_servers: float | None = None  # the floor's log standard deviation per server, time-weighted
 
 
-def eager_shares(
-    row: TimingSummary, reference: TimingSummary, mine: RangeTiming, other: RangeTiming
-) -> tuple[float, float] | None:
-    """Each row's share of the range's time in eager calls on a device, whose pace moves between servers
-    beyond the within-run error; a row that did not count it (a record before the count) is taken to have
-    the other's (the same timed requests). None where neither counted; (0, 0) where neither row was timed
-    on the device (the CPU), whose rule is as it was. A row timed on the host beside one timed on the
-    device (a GPU whose stamp kernels failed) reads wholly eager, as its calls' host time is. By time, not
-    calls: in a range of graph-replayed decode calls and a few eager prefill ones, the eager calls can hold
-    most of the time."""
-    if mine.eager_share is None and other.eager_share is None:
-        return None
-    if "device" not in row.timed_on and "device" not in reference.timed_on:
-        return 0.0, 0.0
-    mine_share = other.eager_share if mine.eager_share is None else mine.eager_share
-    reference_share = mine.eager_share if other.eager_share is None else other.eager_share
-    return mine_share, reference_share
+def _eager(size: SizeTiming) -> float:
+    return 1.0 - size.replayed / size.calls if size.calls else 1.0
 
 
-def between_servers_error(reference_us: float, margin: float, shares: tuple[float, float]) -> float:
-    """The floor a range's eager time adds to its error, in us. Between servers a mean moves by a factor
-    (log-normal: EAGER_BETWEEN_SERVERS is a standard deviation of its log), so two rows' ratio by
-    exp(EAGER_BETWEEN_SERVERS x hypot of their eager shares); the floor is that factor's Z-standard-error
-    width at the rule's threshold ((1 + margin) x the reference), so that a range with no within-run error
-    fails above exactly (1 + margin) x exp(SPEED_Z x that log spread), and a slower row does not widen its
-    own error (taken at its measured mean, a x3 row would pass)."""
-    log_spread = EAGER_BETWEEN_SERVERS * math.hypot(*shares)
-    return (1 + margin) * reference_us * math.expm1(SPEED_Z * log_spread) / SPEED_Z
+def _relative_error(size: SizeTiming) -> float:
+    return size.spread_us / math.sqrt(size.calls) / size.mean_us if size.mean_us > 0 else math.inf
 
 
-def compare(
-    row: TimingSummary, reference: TimingSummary, margin: float, min_calls: int = MIN_CALLS
-) -> list[RangeSpeed]:
-    ref = reference.by_range()
-    out = []
-    mine = {timing.range for timing in row.ranges}
-    for timing in row.ranges:
-        other = ref.get(timing.range)
-        if other is None or other.calls < min_calls or timing.calls < min_calls or other.mean_us <= 0:
-            if other is None:
-                why = "the reference made no call there"
-            elif other.calls < min_calls or timing.calls < min_calls:
-                why = f"fewer than {min_calls} calls timed ({timing.calls} here, {other.calls} there)"
-            else:  # no ratio to judge (a timer that summed nothing): never a pass by an infinite ratio
-                why = f"the reference's mean call is {other.mean_us:g} us"
-            out.append(
-                RangeSpeed(timing.range, timing.mean_us, other and other.mean_us, None, timing.calls,
-                           other.calls if other else 0, None, why)
-            )  # fmt: skip
+def between_servers(mine: SizeTiming, other: SizeTiming) -> float:
+    """The log standard deviation one server adds to a size's mean: by its replayed and eager shares."""
+    eager = max(_eager(mine), _eager(other))
+    spread = max(s.spread_us / s.mean_us for s in (mine, other) if s.mean_us > 0)
+    eager_floor = max(BETWEEN_SERVERS_EAGER, spread)
+    return eager * eager_floor + (1 - eager) * BETWEEN_SERVERS_REPLAYED
+
+
+def _replayed_range(*timings: RangeTiming | None) -> bool:
+    """A range whose time, in either row, was mostly graph replays."""
+    return any(
+        t is not None and t.eager_share is not None and t.eager_share < REPLAYED_RANGE for t in timings
+    )
+
+
+def judge_range(mine: RangeTiming | None, other: RangeTiming | None, margins: Margins) -> RangeSpeed:
+    name = (mine or other).range
+    replayed = _replayed_range(mine, other)
+    margin = margins.replayed if replayed else margins.eager
+    base = {
+        "range": name,
+        "us": mine.mean_us if mine else None,
+        "reference_us": other.mean_us if other else None,
+        "replayed": replayed,
+        "margin": margin,
+    }
+
+    def not_judged(why: str, **more: Any) -> RangeSpeed:
+        return RangeSpeed(**base, ratio=None, calls=0, reference_calls=0, passed=None, why_not=why, **more)
+
+    if mine is None or mine.mean_us <= 0:
+        return not_judged("this row made no call there" if mine is None else "this row's mean call is 0 us")
+    if other is None or other.mean_us <= 0:
+        return not_judged(
+            "the reference made no call there" if other is None else "the reference's mean call is 0 us"
+        )
+    if mine.sizes is None or other.sizes is None:
+        return not_judged("timed per range only (a record from before moe-eval timed each call size)")
+    if mine.rank_calls == 0:
+        return not_judged("a rank of this row made no call there")
+    theirs = {s.tokens: s for s in other.sizes}
+    sizes = {s.tokens for s in mine.sizes} | set(theirs)
+    pairs, unsteady = [], []
+    for size in mine.sizes:
+        ref = theirs.get(size.tokens)
+        if (
+            ref is None
+            or min(size.calls, ref.calls) < MIN_SIZE_CALLS
+            or size.mean_us <= 0
+            or ref.mean_us <= 0
+        ):
             continue
-        mine_error, ref_error = (t.spread_us / math.sqrt(t.calls) for t in (timing, other))
-        ratio = timing.mean_us / other.mean_us
-        shares = eager_shares(row, reference, timing, other)
-        error = math.hypot(mine_error, ref_error)
-        if shares:
-            error = math.hypot(error, between_servers_error(other.mean_us, margin, shares))
-        excess = timing.mean_us - (1 + margin) * other.mean_us
-        z = excess / error if error > 0 else (math.inf if excess > 0 else -math.inf)
-        wide = [
-            f"{who}'s calls spread too wide (standard error {err / t.mean_us:.0%} of its mean "
-            f"{t.mean_us:.1f} us: a few calls hold most of the time, such as a compile while serving)"
-            for who, t, err in (("this row", timing, mine_error), ("the reference", other, ref_error))
-            if t.mean_us > 0 and err > MAX_RELATIVE_ERROR * t.mean_us
-        ]
-        if wide and not (excess > 0 and z > SPEED_Z):
-            out.append(
-                RangeSpeed(timing.range, timing.mean_us, other.mean_us, None, timing.calls, other.calls,
-                           None, "; ".join(wide))
-            )  # fmt: skip
+        if max(_relative_error(size), _relative_error(ref)) > MAX_RELATIVE_ERROR:
+            unsteady.append(size.tokens)
             continue
-        fails_above = (1 + margin) + SPEED_Z * error / other.mean_us
-        out.append(
-            RangeSpeed(
-                timing.range, timing.mean_us, other.mean_us, round(ratio, 4), timing.calls, other.calls,
-                not (excess > 0 and z > SPEED_Z), z=round(z, 2) if math.isfinite(z) else None,
-                fails_above=round(fails_above, 3),
-                eager_share=None if shares is None else round(max(shares), 3),
-            )
-        )  # fmt: skip
-    # A range only the reference reached is one this row was not judged in, never silently left out.
-    for other in reference.ranges:
-        if other.range not in mine:
-            out.append(
-                RangeSpeed(other.range, None, other.mean_us, None, 0, other.calls, None,
-                           "this row made no call there")
-            )  # fmt: skip
-    return out
+        pairs.append((size, ref))
+    counts = {"sizes": len(sizes), "sizes_matched": len(pairs), "unsteady": tuple(unsteady)}
+    time_mine = sum(s.calls * s.mean_us for s in mine.sizes)
+    time_ref = sum(s.calls * s.mean_us for s in other.sizes)
+    share = min(
+        sum(s.calls * s.mean_us for s, _ in pairs) / time_mine if time_mine else 0.0,
+        sum(r.calls * r.mean_us for _, r in pairs) / time_ref if time_ref else 0.0,
+    )
+    matched_calls = sum(min(s.calls, r.calls) for s, r in pairs)
+    if matched_calls < MIN_CALLS:
+        return not_judged(
+            f"fewer than {MIN_CALLS} calls per rank at sizes both rows called at least {MIN_SIZE_CALLS} "
+            "times "
+            f"({matched_calls}; {len(pairs)} of {len(sizes)} sizes)",
+            matched_share=round(share, 3),
+            **counts,
+        )
+    if share < MIN_MATCHED_SHARE:
+        return not_judged(
+            f"the sizes both rows called enough hold {share:.0%} of a row's time there (at least "
+            f"{MIN_MATCHED_SHARE:.0%} needed)",
+            matched_share=round(share, 3),
+            **counts,
+        )
+    weights = [r.calls * r.mean_us for _, r in pairs]
+    total = sum(weights)
+    weights = [w / total for w in weights]
+    log_ratio = sum(w * math.log(s.mean_us / r.mean_us) for w, (s, r) in zip(weights, pairs, strict=True))
+    within = sum(
+        w * w * (_relative_error(s) ** 2 + _relative_error(r) ** 2)
+        for w, (s, r) in zip(weights, pairs, strict=True)
+    )
+    # A server's drift moves every size of a row alike: weighted sum, then the two rows' drifts apart.
+    floor = sum(w * between_servers(s, r) for w, (s, r) in zip(weights, pairs, strict=True))
+    sd = math.sqrt(within + 2 * floor * floor)
+    excess = log_ratio - math.log1p(margin)
+    z = excess / sd if sd > 0 else (math.inf if excess > 0 else -math.inf)
+    return RangeSpeed(
+        **base,
+        ratio=round(math.exp(log_ratio), 4),
+        calls=sum(s.calls for s, _ in pairs),
+        reference_calls=sum(r.calls for _, r in pairs),
+        passed=not z > SPEED_Z,
+        z=round(z, 2) if math.isfinite(z) else None,
+        fails_above=round((1 + margin) * math.exp(SPEED_Z * sd), 4),
+        would_catch=round((1 + margin) * math.exp((SPEED_Z + POWER_Z) * sd), 4),
+        matched_share=round(share, 3),
+        between_servers=round(floor, 4),
+        **counts,
+    )
+
+
+def compare(row: TimingSummary, reference: TimingSummary, margins: Margins) -> list[RangeSpeed]:
+    """Every range either row called, in the ranges' order."""
+    mine, theirs = row.by_range(), reference.by_range()
+    names = [r.range for r in row.ranges] + [r.range for r in reference.ranges if r.range not in mine]
+    order = {name: i for i, name in enumerate(_range_order(row, reference))}
+    return [judge_range(mine.get(n), theirs.get(n), margins) for n in sorted(names, key=order.__getitem__)]
+
+
+def _range_order(*summaries: TimingSummary) -> list[str]:
+    from moe_eval.core.plugin_protocol import layer_range_names
+
+    names = list(layer_range_names())
+    return names + [r.range for s in summaries for r in s.ranges if r.range not in names]
 
 
 def speed_check(
-    row: TimingSummary, reference: TimingSummary, margin: float, reference_name: str
+    row: TimingSummary, reference: TimingSummary, margins: Margins, reference_name: str
 ) -> tuple[Check | None, dict[str, Any]]:
     """The check (None when no range could be judged) and results.json's `speed` section."""
-    ranges = compare(row, reference, margin)
+    ranges = compare(row, reference, margins)
     judged = [r for r in ranges if r.passed is not None]
     unjudged = [r for r in ranges if r.passed is None]
+    # Graph-replayed ranges either row reached that were not judged: a pass cannot stand on the others.
+    missing = [r for r in unjudged if r.replayed]
+    slow = [r for r in judged if not r.passed]
+    evidence = Evidence(
+        unit="dispatch range",
+        judged=len(judged),
+        total=len(ranges),
+        required=len(judged) + len(missing) if missing else None,
+        would_catch=(
+            f"x{max(r.would_catch for r in judged):.3f} in its least sensitive range" if judged else None
+        ),
+    )
     section = {
         "reference": reference_name,
-        "margin": margin,
+        "rule": "matched call sizes",
+        "margin": margins.replayed,
+        "margin_eager": margins.eager,
         "min_calls": MIN_CALLS,
+        "min_size_calls": MIN_SIZE_CALLS,
+        "min_matched_share": MIN_MATCHED_SHARE,
         "z": SPEED_Z,
         "max_relative_error": MAX_RELATIVE_ERROR,
-        "eager_between_servers": EAGER_BETWEEN_SERVERS,
+        "between_servers": {"replayed": BETWEEN_SERVERS_REPLAYED, "eager": BETWEEN_SERVERS_EAGER},
         "timed_on": list(row.timed_on),
         "ranges": [asdict(r) for r in ranges],
         "judged": len(judged),
+        "required_not_judged": [r.range for r in missing],
+        "evidence": asdict(evidence),
     }
     if not judged:
         return None, section
-    slow = [r for r in judged if not r.passed]
     # A failed gate's worst is its worst failing range: a wider ratio that passed by noise must not stand for
     # the failure in results.json, JUnit or the table.
     worst = max(slow or judged, key=lambda r: r.ratio)
-    # A pass over the margin is not "within" it: such a range is named with the ratio it would fail above,
-    # so a reader sees that the gate let a slowdown through as noise, and how large one it would have caught.
-    over = [r for r in judged if r.passed and r.ratio > 1 + margin]
-    if slow:
-        listed = "; ".join(_named(r) for r in slow)
-        detail = (
-            f"slower than x{1 + margin:.2f} of {reference_name} in {len(slow)} of {len(judged)} dispatch "
-            f"ranges; slower: {listed}"
-        )
-    elif over:
-        listed = "; ".join(
-            f"{_named(r)} (fails above x{r.fails_above:.2f}, z = {r.z:.1f} of {SPEED_Z:g})"
-            for r in sorted(over, key=lambda r: -r.ratio)
-        )
-        detail = (
-            f"no range beyond noise: within x{1 + margin:.2f} of {reference_name} in "
-            f"{len(judged) - len(over)} of {len(judged)} dispatch ranges, over it but within noise in "
-            f"{len(over)}: {listed}"
-        )
-    else:
-        detail = (
-            f"within x{1 + margin:.2f} of {reference_name} in {len(judged)} of {len(judged)} dispatch "
-            f"ranges; worst: {_named(worst)}"
-        )
-    if any(_eager_named(r) for r in judged):
-        detail += (
-            "; a range's eager time (calls not replayed from a CUDA graph) widens its error by what such "
-            "time moves between two servers of one kernel (a factor of "
-            f"exp({EAGER_BETWEEN_SERVERS:g}) per row, one standard deviation)"
-        )
-    detail += f"; judged {len(judged)}/{len(ranges)} ranges"
-    if unjudged:
-        detail += " (not judged: " + "; ".join(f"{r.range}: {r.why_not}" for r in unjudged) + ")"
     section["worst_ratio"] = worst.ratio
     section["worst_range"] = worst.range
-    return Check("speed_gate", not slow, detail), section
+    counted = f"judged {len(judged)}/{len(ranges)} ranges"
+    if unjudged:
+        counted += " (not judged: " + "; ".join(f"{r.range}: {r.why_not}" for r in unjudged) + ")"
+    if slow:
+        listed = "; ".join(_named(r) for r in slow)
+        detail = f"slower than {reference_name} in {len(slow)} of {len(judged)} dispatch ranges: {listed}"
+        return Check("speed_gate", False, f"{detail}; {counted}", evidence=evidence), section
+    sensitivity = "; ".join(f"{r.range} x{r.would_catch:.3f}" for r in judged)
+    if missing:
+        detail = (
+            f"not run: {len(missing)} graph-replayed range(s) either row reached could not be judged "
+            f"({', '.join(r.range for r in missing)}), so no pass stands on the other {len(judged)}; "
+            f"none judged was slower; {counted}"
+        )
+        return Check("speed_gate", False, detail, ran=False, evidence=evidence), section
+    detail = (
+        f"no range slower than {reference_name} beyond x(1 + margin) and noise in {len(judged)} of "
+        f"{len(judged)} judged ranges; worst {_named(worst)}; would catch (80 %): {sensitivity}; {counted}"
+    )
+    return Check("speed_gate", True, detail, evidence=evidence), section
 
 
 def _named(r: RangeSpeed) -> str:
-    """A judged range as a message names it; "(97% eager)" says why its fails_above is ~x2."""
-    eager = f" ({r.eager_share:.0%} eager)" if _eager_named(r) else ""
-    return f"{r.range}{eager} {r.us:.1f} us x{r.ratio:.2f}"
-
-
-def _eager_named(r: RangeSpeed) -> bool:
-    """A range whose eager time is large enough to name (5 %): below it the floor barely widens the error."""
-    return r.eager_share is not None and r.eager_share >= 0.05
+    """A judged range as a message names it, with the sizes it compared and where it would fail."""
+    kind = "graph-replayed" if r.replayed else "eager"
+    return (
+        f"{r.range} x{r.ratio:.3f} ({kind}, {r.sizes_matched}/{r.sizes} sizes, "
+        f"fails above x{r.fails_above:.3f}, "
+        f"z = {r.z if r.z is not None else 'inf'})"
+    )

@@ -39,6 +39,12 @@ class Gate:
     # Appends the gate's checks and results.json section; returns why it could not judge (None: judged).
     rule: Callable[[EvalConfig, Measurements, Judgement], str | None]
     what: str  # what it checks, in one line: the table read as documentation (the README says it at length)
+    # Why the config alone keeps it from running where it is called for (None: nothing does), with the short
+    # words `moe-eval list` shows: (why, short).
+    blocked: Callable[[EvalConfig], tuple[str, str] | None] = lambda c: None
+    # Where it is not called for but could still be computed: its results.json section, reported only (no
+    # check, so never a verdict).
+    report: Callable[[EvalConfig, Measurements, Judgement], None] | None = None
 
 
 GATES: tuple[Gate, ...] = (
@@ -124,11 +130,17 @@ GATES: tuple[Gate, ...] = (
     Gate(
         "speed",
         ("speed_gate",),
-        lambda c, incumbent: c.speed_gated and incumbent,
+        lambda c, incumbent: c.speed_gated(incumbent),
         True,
         rules.judge_speed,
-        "per dispatch range, the served MoE call's time within x(1 + speed_margin) of the incumbent's "
-        "(or --baseline's) on the same workload and machine",
+        "per dispatch range, the served MoE calls' time at matched call sizes within x(1 + speed_margin) of "
+        "the incumbent's (or --baseline's) on the same workload and machine, beyond noise",
+        blocked=lambda c: (
+            None
+            if c.moe_timing
+            else ("moe_timing is false: the row's MoE calls are not timed", "moe_timing false")
+        ),
+        report=rules.report_speed,
     ),
 )
 
@@ -147,12 +159,20 @@ def gates_for(config: EvalConfig, has_incumbent: bool) -> list[Gate]:
     return [gate for gate in GATES if gate.called_for(config, has_incumbent)]
 
 
+def _blocked(gate: Gate, config: EvalConfig, has_incumbent: bool) -> tuple[str, str] | None:
+    """(why, short words) the gate cannot run, known before anything is measured; None: it runs."""
+    if gate.needs_incumbent and not has_incumbent:
+        return NO_INCUMBENT, "no incumbent"
+    return gate.blocked(config)
+
+
 def planned(config: EvalConfig, has_incumbent: bool) -> list[tuple[Gate, str | None]]:
     """Each gate the config calls for, with the reason it cannot run before anything is measured (None:
     it runs). `moe-eval list` prints this; the judge starts from it."""
     return [
-        (gate, NO_INCUMBENT if gate.needs_incumbent and not has_incumbent else None)
+        (gate, (blocked or (None,))[0])
         for gate in gates_for(config, has_incumbent)
+        for blocked in [_blocked(gate, config, has_incumbent)]
     ]
 
 
@@ -161,9 +181,11 @@ def describe_plan(
 ) -> list[str]:
     """`moe-eval list`'s gates column: a gate's name, or `name(not run: why)`, or `name(skipped: why)` for
     one that is optional here (the config's optional_gates, `--optional-gate`)."""
-    return [
-        gate.name
-        if why is None
-        else f"{gate.name}({'skipped' if gate.name in optional else 'not run'}: no incumbent)"
-        for gate, why in planned(config, has_incumbent)
-    ]
+    out = []
+    for gate in gates_for(config, has_incumbent):
+        blocked = _blocked(gate, config, has_incumbent)
+        if blocked is None:
+            out.append(gate.name)
+        else:
+            out.append(f"{gate.name}({'skipped' if gate.name in optional else 'not run'}: {blocked[1]})")
+    return out

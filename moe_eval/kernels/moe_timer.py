@@ -1,4 +1,4 @@
-"""The served MoE calls' own time, per dispatch range, measured inside a vLLM server (the speed gate's input).
+"""The served MoE calls' own time, per call size, measured inside a vLLM server (the speed gate's input).
 
 A timer brackets the routed-expert computation of every MoE call the server makes: the bundled kernel's call
 in BundledExperts.apply (after the routing a mutation may change, before the layer check), and vLLM's own
@@ -6,8 +6,8 @@ in BundledExperts.apply (after the routing a mutation may change, before the lay
 
 On a CUDA device the bracket is two one-thread kernels on the call's stream: the first stores the device's
 %globaltimer (nanoseconds) in device memory, the second reads it again after the MoE kernels ended (one stream
-runs them in order) and adds the difference, the call, its tokens and whether it was a graph replay to its
-dispatch range's cells in pinned host memory. Both are launched in apply(), so under CUDA graphs they are
+runs them in order) and adds the difference, the call, its tokens and whether it was a graph replay to the
+cell of the call's size M in pinned host memory. Both are launched in apply(), so under CUDA graphs they are
 captured beside the MoE kernels and every replay is timed with no host work (a call launched while the stream
 is capturing bakes replayed = 1 into its end stamp, so each replay counts as a replayed call and its time as
 replayed time; an eager call adds 0): device-side timestamps, not a profiler, because vLLM's torch profiler
@@ -17,10 +17,14 @@ graphs. What it adds to the measured time: the gap between two graph nodes and t
 the same for every row (not measured apart; docs/perf.md, "Served speed"). On the CPU (eager) the bracket is
 time.perf_counter_ns() around the call, which returns when the work is done.
 
+One cell per size (TIMER_MAX_SIZE; larger calls share the last): the speed gate compares two rows size for
+size, since within a dispatch range a call's time grows with its size and the mix of sizes differs between
+runs.
+
 A flusher thread (kernels/stats_file.py) writes <run dir>/moe-timing/<pid>.json (core/moe_timing.py reads it):
-per range the calls, the nanoseconds, their squares, the tokens, and the calls that were CUDA-graph replays
-with their nanoseconds (core/moe_timing.FIELDS), since the process started. The harness reads the files before
-and after its timed workload and takes the difference.
+per size that was called, FIELDS (calls, nanoseconds, their squares, tokens, the replayed calls and their
+nanoseconds), since the process started. The harness reads the files before and after its
+timed workload and takes the difference.
 """
 
 from __future__ import annotations
@@ -33,11 +37,16 @@ from typing import Any
 import torch
 
 from moe_eval.core.moe_timing import FIELDS
-from moe_eval.core.plugin_protocol import LAYER_RANGE_EDGES, layer_range_index, layer_range_names
+from moe_eval.core.plugin_protocol import TIMER_MAX_SIZE
 from moe_eval.kernels.stats_file import StatsFile
 
-NUM_RANGES = len(LAYER_RANGE_EDGES)  # the pinned table: per range, FIELDS (float64)
+NUM_CELLS = TIMER_MAX_SIZE + 1  # the pinned table: row M holds the calls of M tokens (row 0 unused)
 NUM_FIELDS = len(FIELDS)
+
+
+def size_cell(tokens: int) -> int:
+    """The table's row of a call of `tokens` tokens: its size, or the last row for larger calls."""
+    return min(tokens, TIMER_MAX_SIZE)
 
 
 def _stamp_kernels():
@@ -54,20 +63,20 @@ def _stamp_kernels():
     def _stamp_start_kernel(start_ptr):
         tl.store(start_ptr, _globaltimer())
 
-    # do_not_specialize: a value of 1 (M = 1, range 1, a captured call's replayed) must not compile a second
-    # variant while serving.
-    @triton.jit(do_not_specialize=["range_index", "tokens", "replayed"])
+    # do_not_specialize: a value of 1 (M = 1, a captured call's replayed) must not compile a second variant
+    # while serving.
+    @triton.jit(do_not_specialize=["cell_index", "tokens", "replayed"])
     def _stamp_end_kernel(
         start_ptr,  # (1,) int64: the start stamp, ns
-        table_ptr,  # (NUM_RANGES, NUM_FIELDS) float64, pinned host memory
-        range_index,
+        table_ptr,  # (NUM_CELLS, NUM_FIELDS) float64, pinned host memory
+        cell_index,
         tokens,
         replayed,  # 1 where the call was captured into a CUDA graph (then counted at every replay), else 0
-        FIELDS_PER_RANGE: tl.constexpr,  # len(FIELDS): the table's row stride
+        FIELDS_PER_CELL: tl.constexpr,  # len(FIELDS): the table's row stride
     ):
         elapsed = (_globaltimer() - tl.load(start_ptr)).to(tl.float64)
         # One stream runs a process's MoE layers in order: a plain read-modify-write needs no atomic.
-        cell = table_ptr + range_index * FIELDS_PER_RANGE
+        cell = table_ptr + cell_index * FIELDS_PER_CELL
         tl.store(cell, tl.load(cell, volatile=True) + 1.0)
         tl.store(cell + 1, tl.load(cell + 1, volatile=True) + elapsed)
         tl.store(cell + 2, tl.load(cell + 2, volatile=True) + elapsed * elapsed)
@@ -89,7 +98,7 @@ class MoeTimer:
     def __init__(self, backend: str, path: Path | None, scope: str) -> None:
         self.backend = backend
         self.scope = scope  # what the bracket holds, for the record
-        self.table = torch.zeros(NUM_RANGES, NUM_FIELDS, dtype=torch.float64)  # host sums (CPU timing)
+        self.table = torch.zeros(NUM_CELLS, NUM_FIELDS, dtype=torch.float64)  # host sums (CPU timing)
         self.device_problem: str | None = None
         self._kernels: tuple[Any, Any] | None = None
         self._start: torch.Tensor | None = None
@@ -105,14 +114,14 @@ class MoeTimer:
         try:
             start_kernel, end_kernel = _stamp_kernels()
             start = torch.zeros(1, dtype=torch.int64, device=device)
-            probe = torch.zeros(NUM_RANGES, NUM_FIELDS, dtype=torch.float64).pin_memory()
-            # An eager call into range 2 (replayed 0) and a replayed one into range 3 (replayed 1, as a
-            # captured call's stamp carries): each field lands in its cell (the arguments are not specialized,
-            # so the second launch compiles nothing).
-            for range_index, replayed in ((2, 0), (3, 1)):
+            probe = torch.zeros(4, NUM_FIELDS, dtype=torch.float64).pin_memory()
+            # An eager call into cell 2 (replayed 0) and a replayed one into cell 3 (replayed 1, as a captured
+            # call's stamp carries): each field lands in its cell (the arguments are not specialized, so the
+            # second launch compiles nothing).
+            for cell_index, replayed in ((2, 0), (3, 1)):
                 start_kernel[(1,)](start, num_warps=1)
                 torch.cuda._sleep(100_000)  # a few tens of microseconds: the stamp must see time pass
-                end_kernel[(1,)](start, probe, range_index, 7, replayed, NUM_FIELDS, num_warps=1)
+                end_kernel[(1,)](start, probe, cell_index, 7, replayed, NUM_FIELDS, num_warps=1)
             torch.cuda.synchronize(device)
             (calls, ns, _, tokens, eager, eager_ns), (_, replay_ns, _, _, replays, replayed_ns) = (
                 probe[2].tolist(),
@@ -124,10 +133,10 @@ class MoeTimer:
                 or replayed_ns != replay_ns
             ):
                 raise RuntimeError(
-                    f"stamp kernels wrote {probe[2:4].tolist()}, expected 1 eager call of 7 tokens in range "
-                    "2 and 1 replayed call in range 3"
+                    f"stamp kernels wrote {probe[2:4].tolist()}, expected 1 eager call of 7 tokens in cell "
+                    "2 and 1 replayed call in cell 3"
                 )
-            self.table = torch.zeros(NUM_RANGES, NUM_FIELDS, dtype=torch.float64).pin_memory()
+            self.table = torch.zeros(NUM_CELLS, NUM_FIELDS, dtype=torch.float64).pin_memory()
             self._kernels, self._start, self._on_device = (start_kernel, end_kernel), start, True
         except Exception as exc:  # noqa: BLE001  timed on the host instead, and the record says why
             self.device_problem = f"{type(exc).__name__}: {exc}"
@@ -151,10 +160,10 @@ class MoeTimer:
         tokens = hidden_TD.shape[0]
         if tokens == 0:
             return
-        range_index = layer_range_index(tokens)
+        cell = size_cell(tokens)
         if self._on_device and hidden_TD.device.type == "cuda":
             self._kernels[1][(1,)](
-                self._start, self.table, range_index, tokens, started, NUM_FIELDS, num_warps=1
+                self._start, self.table, cell, tokens, started, NUM_FIELDS, num_warps=1
             )  # started: whether the call is being captured (start())
         else:
             if hidden_TD.device.type == "cuda":
@@ -163,7 +172,7 @@ class MoeTimer:
                 torch.cuda.synchronize(hidden_TD.device)  # host timing on a device: the work must be done
             elapsed = float(time.perf_counter_ns() - started)
             # replayed 0: a host-timed call is never a graph replay (inside a capture it returned above)
-            self.table[range_index] += torch.tensor(
+            self.table[cell] += torch.tensor(
                 [1.0, elapsed, elapsed * elapsed, float(tokens), 0.0, 0.0], dtype=torch.float64
             )
         self.file.start()
@@ -178,9 +187,11 @@ class MoeTimer:
             "scope": self.scope,
             "max_tokens": self.max_tokens,
             "timed_on": "device" if self._on_device else "host",
-            "ranges": list(layer_range_names()),
             "fields": list(FIELDS),
-            "table": self.table.tolist(),
+            # Only the sizes called: [M, *FIELDS] each (the table has a row for every size up to the limit).
+            "sizes": [
+                [int(m), *self.table[m].tolist()] for m in self.table[:, 0].nonzero().flatten().tolist()
+            ],
         }
         if self.device_problem is not None:
             record["device_problem"] = self.device_problem

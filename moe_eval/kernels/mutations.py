@@ -78,6 +78,8 @@ MUTATIONS = {
     "routed around, as vLLM PR #39016 fixed); Triton",
     "poor_tiles": "one range's calls run deliberately poor tiles (BLOCK 16x16x16, one warp, one stage): "
     "poor_tiles:range=R (default M=17-64); Triton",
+    "slow_range": "one range's calls take P % longer, the output untouched (a delay sized from the call's "
+    "own time, CUDA-graph safe): slow_range:range=R,pct=P (default M=1, 5 %); every backend",
 }
 # Bugs confined to one dispatch range or one rank, 1% in one expert: the layer check's target
 # (docs/logprob-gate.md, "Coverage"). name -> (lowest, highest) token count of the calls it hits (None: no
@@ -95,13 +97,16 @@ PARAMETERS = {
     "scale_expert": ("expert", "layer", "range", "scale"),
     "silu_slope": ("slope",),
     "poor_tiles": ("range",),
+    "slow_range": ("range", "pct"),
 }
 # The same MoE computed slower: the speed gate's targets; accuracy, golden and layer check must pass them.
-PERF_MUTATIONS = ("extra_weight_copy", "small_batch_bypassed", "poor_tiles")
+PERF_MUTATIONS = ("extra_weight_copy", "small_batch_bypassed", "poor_tiles", "slow_range")
 TILE_MUTATIONS = ("small_batch_bypassed", "poor_tiles")  # they choose the Triton kernel's tiles per call
 SMALL_BATCH_TOKENS = 64  # small_batch_bypassed: the decode ranges' calls (M = 1 .. 64) ...
 PREFILL_PLAN_TOKENS = 1024  # ... run the plan of a call of this many tokens (the prefill path)
 POOR_TILES_RANGE = (17, 64)  # poor_tiles' default range: M=17-64
+SLOW_RANGE = (1, 1)  # slow_range's default range: M=1 ...
+SLOW_PCT = 5.0  # ... and slowdown, %
 # The mutations that leave the canary's answers right (accuracy >= 0.98 through vLLM) but move its
 # numbers: what only the log-probability gate sees (docs/logprob-gate.md has the measurements of the
 # first three; the last three are measured in-process only, see the module docstring).
@@ -138,6 +143,7 @@ class Mutation:
     scale: float = RANGE_EXPERT_SCALE
     last_rank_only: bool = False
     slope: float = DEFAULT_SILU_SLOPE
+    pct: float = SLOW_PCT  # slow_range: the slowdown, %
 
     @property
     def scales_an_expert(self) -> bool:
@@ -157,6 +163,8 @@ def parse_mutation(text: str) -> Mutation:
         spec = Mutation(name, None if last else TARGET_EXPERT, None, low, high, last_rank_only=last)
     elif name == "poor_tiles":
         spec = Mutation(name, low=POOR_TILES_RANGE[0], high=POOR_TILES_RANGE[1])
+    elif name == "slow_range":
+        spec = Mutation(name, low=SLOW_RANGE[0], high=SLOW_RANGE[1])
     else:
         spec = Mutation(name)
     if not rest:
@@ -175,6 +183,10 @@ def parse_mutation(text: str) -> Mutation:
                     raise ValueError
             elif key == "range":
                 values["low"], values["high"] = _parse_range(value)
+            elif key == "pct":
+                values[key] = float(value)
+                if not 0 < values[key] <= 1000:
+                    raise ValueError
             else:
                 values[key] = float(value)
                 if not 0 < values[key] < 10:
@@ -367,6 +379,11 @@ def mutate_kernel(name: str | None, kernel: Any) -> Any:
     base = name.partition(":")[0] if name else None
     if base == "extra_weight_copy":
         return _with_weight_copies(kernel)
+    if base == "slow_range":
+        from moe_eval.kernels.slowdown import Slowdown
+
+        spec = parse_mutation(name)
+        return Slowdown(kernel, spec.low, spec.high, spec.pct)
     if base in TILE_MUTATIONS:
         return _tiles_chosen(name, kernel)
     if name is not None and name.partition(":")[0] == "silu_slope":

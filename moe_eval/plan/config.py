@@ -296,33 +296,50 @@ class EvalConfig:
         description="time the server's MoE calls per dispatch range on the layer sweep's workload (every "
         "row, vLLM's own kernel's too; the speed gate's input and the table's MoE time)",
     )
-    # None: on where the run's hardware is a GPU (run --hw other than cpu), off on the CPU, where the rows
-    # are reported only (a 2-core machine's timings move with whatever else runs on it).
+    # None: on where the run's hardware is a GPU (run --hw other than cpu) and the row has an incumbent, off
+    # on the CPU, where the comparison is reported only (a 2-core machine's timings move with whatever else
+    # runs on it). True: the gate is asked for, and a row without timing or a reference is the gate not run.
     speed_gate: bool | None = Field(
         None,
-        description="fail a dispatch range whose MoE call takes more than (1 + speed_margin) x the "
-        "incumbent's (or --baseline's) on the same machine; absent: on for GPUs, off for --hw cpu",
+        description="fail a dispatch range whose MoE calls take more than (1 + speed_margin) x the "
+        "incumbent's (or --baseline's) at the same call sizes on the same machine, beyond noise; absent: on "
+        "for GPUs where the row has an incumbent, reported only for --hw cpu; true: required",
     )
     speed_margin: float = Field(
-        0.15,
+        0.01,
         ge=0.0,
         le=10.0,
-        description="speed gate: the slowdown per dispatch range it lets pass (0.15: 15 %)",
+        description="speed gate: the slowdown it lets pass in a graph-replayed (decode) range beyond noise "
+        "(0.01: 1 %)",
+    )
+    speed_margin_eager: float = Field(
+        0.03,
+        ge=0.0,
+        le=10.0,
+        description="speed gate: the slowdown it lets pass in an eager (prefill) range beyond noise "
+        "(0.03: 3 %)",
     )
     # The file's text as parsed: what travels to the worker process (moe_eval.worker), which parses the
     # same bytes instead of reading the file again (an edit meanwhile cannot split a run's configs).
     text: str = dataclasses.field(default="", repr=False, compare=False)
+    # Set by effective_config from the run's --hw (None: not known): what an absent speed_gate follows.
+    on_gpu: bool | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def layer_checked(self) -> bool:
         """The layer check applies: a bundled kernel (the plugin runs it inside the server), and on."""
         return self.layer_check and self.moe_backend is not None
 
-    @property
-    def speed_gated(self) -> bool:
-        """The speed gate applies: the calls are timed and the gate is on (effective_config resolves an absent
-        speed_gate from the hardware)."""
-        return self.moe_timing and bool(self.speed_gate)
+    def speed_gated(self, has_incumbent: bool) -> bool:
+        """The speed gate is called for: asked for (speed_gate: true, with or without what it needs: then it
+        is not run), or absent on a GPU run of a row with an incumbent."""
+        if self.speed_gate is None:
+            return bool(self.on_gpu) and has_incumbent
+        return self.speed_gate
+
+    def speed_reported(self, has_incumbent: bool) -> bool:
+        """Timed beside an incumbent but not gated (the CPU): the comparison is reported, never a verdict."""
+        return self.moe_timing and has_incumbent and not self.speed_gated(has_incumbent)
 
     @property
     def answers_gated(self) -> bool:
@@ -360,7 +377,9 @@ class EvalConfig:
 
 # The config's keys: EvalConfig's fields less what parse_config adds; a FieldInfo's description is its doc.
 CONFIG_KEYS: dict[str, FieldInfo] = {
-    key: info for key, info in EvalConfig.__pydantic_fields__.items() if key not in ("path", "sha256", "text")
+    key: info
+    for key, info in EvalConfig.__pydantic_fields__.items()
+    if key not in ("path", "sha256", "text", "on_gpu")
 }
 # pydantic's error types -> the words these messages have always used (tests quote them).
 _MUST_BE = {
@@ -458,12 +477,12 @@ def effective_config(
 ) -> tuple[EvalConfig, str | None]:
     """What one run does with a config: `--limit` caps its questions (results.json records the cap),
     `--mutate` reaches bundled kernels only: vLLM's own kernel is never mutated (such configs are a mutation
-    run's references, kept by --resume across mutations), an absent speed_gate is on for a GPU `hw`, and an
-    absent max_concurrency is DEFAULT_CONCURRENCY's for it (the CPU's where `hw` is not known)."""
+    run's references, kept by --resume across mutations), an absent speed_gate follows whether `hw` is a GPU,
+    and an absent max_concurrency is DEFAULT_CONCURRENCY's for it (the CPU's where `hw` is not known)."""
     if limit is not None:
         config = dataclasses.replace(config, num_questions=min(limit, config.num_questions))
-    if config.speed_gate is None and hw is not None:
-        config = dataclasses.replace(config, speed_gate=hw != "cpu")
+    if hw is not None:
+        config = dataclasses.replace(config, on_gpu=hw != "cpu")
     if config.max_concurrency is None:
         on_gpu = hw is not None and hw != "cpu"
         config = dataclasses.replace(config, max_concurrency=DEFAULT_CONCURRENCY["gpu" if on_gpu else "cpu"])

@@ -77,6 +77,13 @@ def junit_xml(outcomes: list[ConfigOutcome], hw: str, gpus: list[str]) -> str:
                 "speed.worst_range": (o.speed or {}).get("worst_range"),
                 "speed.judged": _judged_ranges(o.speed),
                 "speed.reference": (o.speed or {}).get("reference"),
+                "speed.would_catch": ((o.speed or {}).get("evidence") or {}).get("would_catch"),
+                # Every check that counts its evidence: what it judged of what it was given.
+                **{
+                    f"evidence.{c.name}": f"{c.evidence.judged}/{c.evidence.total} {c.evidence.unit}s"
+                    for c in o.checks
+                    if c.evidence is not None
+                },
                 **{f"version.{k}": v for k, v in versions().items()},
             },
         )

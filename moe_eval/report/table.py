@@ -93,18 +93,29 @@ def layer_cell(check: dict | None) -> str:
 
 
 def speed_cell(gate: dict | None, timing: dict | None) -> str:
-    """'x1.03 worst (M=2-16), 6/7 ranges judged': the speed gate's worst range against its reference ('x1.31
-    worst (M=257-1023, within noise), ...' where it passed over the margin); a row timed but
-    not gated shows its slowest range's call ('412.4 us at M>=1024, 6 ranges timed, not gated')."""
-    if gate and gate.get("worst_ratio") is not None:
+    """'x1.01 worst (M=2-16), 7/7 ranges judged, would catch x1.04': the speed gate's worst judged range
+    against its reference (a failed gate's worst failing range), the ranges it judged of those either row
+    called, and the slowdown its least sensitive judged range would catch with 80 % probability; 'report
+    only: ...' where the row was compared but not gated (the CPU); a row timed with nothing to compare shows
+    its slowest range's call ('412.4 us at M>=1024, 6 ranges timed, not gated')."""
+    if gate and gate.get("ranges") and "evidence" in gate:
         judged = [r for r in gate["ranges"] if r.get("passed") is not None]
-        # A failed gate shows its worst failing range: a wider ratio passed by noise must not stand for it.
+        evidence = gate["evidence"]
+        counted = f"{evidence['judged']}/{evidence['total']} ranges judged"
+        if gate.get("required_not_judged"):
+            counted += f" ({', '.join(gate['required_not_judged'])} not: required)"
+        prefix = "report only: " if gate.get("gated") is False else ""
+        if not judged:
+            return f"{prefix}no range judged, {counted}"
         failed = [r for r in judged if r.get("passed") is False]
         worst = max(failed or judged, key=lambda r: r["ratio"])
+        catch = max(r["would_catch"] for r in judged)
+        return f"{prefix}x{worst['ratio']:.2f} worst ({worst['range']}), {counted}, would catch x{catch:.2f}"
+    if gate and gate.get("worst_ratio") is not None:  # a record from before matched sizes (schema 8)
+        judged = [r for r in gate["ranges"] if r.get("passed") is not None]
+        worst = max(judged, key=lambda r: r["ratio"])
         counted = f"{len(judged)}/{len(gate['ranges'])} ranges judged"
-        # Passed over the margin: the excess was within the range's noise, which the cell must not hide.
-        noise = ", within noise" if worst.get("passed") and worst["ratio"] > 1 + gate["margin"] else ""
-        return f"x{worst['ratio']:.2f} worst ({worst['range']}{noise}), {counted}"
+        return f"x{worst['ratio']:.2f} worst ({worst['range']}), {counted}"
     ranges = (timing or {}).get("ranges") or []
     if not ranges:
         return "-"

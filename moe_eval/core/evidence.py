@@ -1,0 +1,41 @@
+"""What a check judged from: the units it judged of those it was given, and what it could have caught.
+
+Every gate counts its evidence the same way, so that a reader (the table, JUnit, the step summary, compare)
+can tell a pass on thin evidence from a pass on all of it: the speed gate counts dispatch ranges, the layer
+check (range, expert) cells, the accuracy gate questions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Evidence:
+    unit: str  # what one unit is: "dispatch range", "(range, expert) cell", "question", "text"
+    judged: int  # units the check judged
+    total: int  # units it was given (judged or named not judged)
+    # The units a verdict needed (None: no floor beyond one judged unit); judged < required cannot pass.
+    required: int | None = None
+    # The smallest effect it would have failed with 80 % probability, in the gate's own terms ("x1.04 in
+    # its least sensitive range", "1.0 % one-expert error"); None where it cannot say.
+    would_catch: str | None = None
+
+    def describe(self) -> str:
+        """'6/7 dispatch ranges judged; would catch x1.04 ...'"""
+        text = f"{self.judged}/{self.total} {self.unit}s judged"
+        if self.required is not None and self.judged < self.required:
+            text += f" ({self.required} needed)"
+        if self.would_catch:
+            text += f"; would catch {self.would_catch}"
+        return text
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Evidence:
+        return cls(
+            **{k: data[k] for k in ("unit", "judged", "total", "required", "would_catch") if k in data}
+        )

@@ -1,0 +1,258 @@
+"""The speed gate's rule (gates/speed.py) on made-up timings: matched call sizes, the evidence it needs, what
+it would catch, and what it never passes."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from moe_eval.core.moe_timing import RangeTiming, SizeTiming, TimingSummary
+from moe_eval.gates.speed import (
+    BETWEEN_SERVERS_EAGER,
+    BETWEEN_SERVERS_REPLAYED,
+    MIN_CALLS,
+    SPEED_Z,
+    Margins,
+    compare,
+    judge_range,
+    speed_check,
+)
+
+MARGINS = Margins(replayed=0.01, eager=0.03)
+
+
+def _range(name: str, sizes: dict[int, tuple[int, float, float, bool]], rank_calls: int | None = None):
+    """sizes: per call size M its calls, mean us, spread us (one call's standard deviation), replayed."""
+    cells = tuple(SizeTiming(m, n, mean, spread, n if replayed else 0) for m, (n, mean, spread, replayed) in
+                  sorted(sizes.items()))  # fmt: skip
+    calls = sum(s.calls for s in cells)
+    time_us = sum(s.calls * s.mean_us for s in cells)
+    replayed_us = sum(s.replayed * s.mean_us for s in cells)
+    return RangeTiming(
+        name, calls, sum(s.calls * s.tokens for s in cells), time_us / calls, 0.0, time_us / calls,
+        sum(s.replayed for s in cells), round(1 - replayed_us / time_us, 4) if time_us else 0.0, cells,
+        calls if rank_calls is None else rank_calls,
+    )  # fmt: skip
+
+
+def _timing(*ranges: RangeTiming, processes: int = 1) -> TimingSummary:
+    return TimingSummary(processes, ("device",), ("s",), ("triton",), ranges)
+
+
+def _decode(scale: float = 1.0, calls: int = 24) -> dict[str, dict]:
+    """The Qwen3 twin's decode ranges as graph-replayed sizes (us per call on the H100), times `scale`."""
+    return {
+        "M=1": {1: (calls, 37.8 * scale, 0.5, True)},
+        "M=2-16": {8: (calls, 150.0 * scale, 2.0, True), 16: (calls, 190.0 * scale, 2.5, True)},
+        "M=17-64": {40: (calls, 280.0 * scale, 3.0, True), 48: (calls, 300.0 * scale, 3.0, True)},
+        "M=65-256": {104: (calls, 330.0 * scale, 4.0, True), 112: (calls, 345.0 * scale, 4.0, True)},
+    }
+
+
+def _twin(scale: dict[str, float] | None = None, calls: int = 24) -> TimingSummary:
+    scale = scale or {}
+    ranges = []
+    for name, sizes in _decode(calls=calls).items():
+        f = scale.get(name, 1.0)
+        ranges.append(_range(name, {m: (n, us * f, sd, r) for m, (n, us, sd, r) in sizes.items()}))
+    prefill = {600: (calls, 700.0, 10.0, False), 900: (calls, 820.0, 12.0, False)}
+    f = scale.get("M=257-1023", 1.0)
+    ranges.append(_range("M=257-1023", {m: (n, us * f, sd, r) for m, (n, us, sd, r) in prefill.items()}))
+    return _timing(*ranges)
+
+
+def test_a_change_of_the_size_mix_alone_moves_no_ratio():
+    """M=65-256's mean moved 12 % between rows of identical code on the H100 (the mix of sizes differed):
+    size for size the same calls read x1.00, and the range passes."""
+    reference = _range("M=65-256", {72: (8, 300.0, 3.0, True), 248: (40, 360.0, 3.0, True)})
+    row = _range("M=65-256", {72: (40, 300.0, 3.0, True), 248: (8, 360.0, 3.0, True)})
+    assert row.mean_us / reference.mean_us == pytest.approx(0.88, abs=0.01)  # the old rule's range means
+    judged = judge_range(row, reference, MARGINS)
+    assert judged.ratio == pytest.approx(1.0) and judged.passed and judged.sizes_matched == 2
+
+
+def test_a_five_percent_decode_slowdown_fails_in_its_range_alone_and_a_correct_row_passes():
+    check, section = speed_check(_twin(), _twin(), MARGINS, "ref")
+    assert check.passed and section["judged"] == 5 and check.evidence.judged == check.evidence.total == 5
+    for name in ("M=1", "M=2-16", "M=17-64", "M=65-256"):
+        check, section = speed_check(_twin({name: 1.05}), _twin(), MARGINS, "ref")
+        failed = [r["range"] for r in section["ranges"] if r["passed"] is False]
+        assert not check.passed and failed == [name], (name, check.detail)
+        assert section["worst_range"] == name and section["worst_ratio"] == pytest.approx(1.05)
+    # what each graph-replayed range would catch: within the issue's x1.05 at these evidence counts
+    by = {r["range"]: r for r in section["ranges"]}
+    assert all(by[n]["fails_above"] <= 1.05 for n in ("M=1", "M=2-16", "M=17-64", "M=65-256"))
+    assert all(by[n]["replayed"] for n in ("M=1", "M=2-16", "M=17-64", "M=65-256"))
+    # a GPU-bound eager range at real shapes: a 10 % slowdown fails there
+    check, section = speed_check(_twin({"M=257-1023": 1.10}), _twin(), MARGINS, "ref")
+    assert not check.passed and section["worst_range"] == "M=257-1023"
+    assert {r["range"]: r for r in section["ranges"]}["M=257-1023"]["fails_above"] <= 1.10
+
+
+def test_fails_above_is_the_margin_widened_by_the_errors_and_the_between_server_floor():
+    one = _range("M=1", {1: (400, 40.0, 0.0, True)})
+    judged = judge_range(one, one, MARGINS)
+    # no within-run error: the floor alone, both rows drifting apart
+    expected = 1.01 * math.exp(SPEED_Z * math.sqrt(2) * BETWEEN_SERVERS_REPLAYED)
+    assert judged.fails_above == pytest.approx(expected, abs=1e-4) and judged.would_catch > judged.fails_above
+    eager = _range("M>=4096", {8192: (400, 4000.0, 0.0, False)})
+    judged = judge_range(eager, eager, MARGINS)
+    assert judged.fails_above == pytest.approx(
+        1.03 * math.exp(SPEED_Z * math.sqrt(2) * BETWEEN_SERVERS_EAGER), abs=1e-4
+    )
+    assert not judged.replayed
+
+
+def test_a_launch_bound_eager_size_is_judged_with_its_own_spread_as_the_floor():
+    """The canary's tiny layer: eager calls wait for the host's launches, spread ~20 % within a run and move
+    20-30 % between servers. Its floor follows its spread, so a correct row passes at x1.3, and what the
+    range would catch says how little it sees there."""
+    reference = _range("M=257-1023", {600: (24, 500.0, 100.0, False)})
+    row = _range("M=257-1023", {600: (24, 650.0, 130.0, False)})
+    judged = judge_range(row, reference, MARGINS)
+    assert judged.passed and judged.fails_above > 1.8 and judged.between_servers == pytest.approx(0.2)
+
+
+def test_one_judged_range_of_seven_is_not_a_pass():
+    """The graph-replayed ranges either row reached must be judged: a pass on the one eager range that was
+    is the gate not run (the row incomplete), naming what it lacked."""
+    few = {
+        name: {m: (2, us, sd, r) for m, (_, us, sd, r) in sizes.items()} for name, sizes in _decode().items()
+    }
+    ranges = [_range(name, sizes) for name, sizes in few.items()]
+    ranges.append(_range("M=257-1023", {600: (24, 700.0, 10.0, False)}))
+    check, section = speed_check(_timing(*ranges), _timing(*ranges), MARGINS, "ref")
+    assert check.status == "not_run" and not check.passed
+    assert section["required_not_judged"] == ["M=1", "M=2-16", "M=17-64", "M=65-256"]
+    assert check.evidence.judged == 1 and check.evidence.required == 5
+    assert "fewer than 12 calls per rank" in check.detail
+    # the same, with a judged range failing: the failure stands
+    slow = [*ranges[:-1], _range("M=257-1023", {600: (24, 900.0, 10.0, False)})]
+    check, _ = speed_check(_timing(*slow), _timing(*ranges), MARGINS, "ref")
+    assert check.status == "failed"
+
+
+def test_a_zero_or_missing_own_time_is_never_a_pass():
+    reference = _twin()
+    zero = _twin()
+    ranges = [r if r.range != "M=1" else _range("M=1", {1: (24, 0.0, 0.0, True)}) for r in zero.ranges]
+    check, section = speed_check(_timing(*ranges), reference, MARGINS, "ref")
+    m1 = {r["range"]: r for r in section["ranges"]}["M=1"]
+    assert m1["passed"] is None and m1["why_not"] == "this row's mean call is 0 us"
+    assert check.status == "not_run"
+    missing = [r for r in reference.ranges if r.range != "M=1"]
+    check, section = speed_check(_timing(*missing), reference, MARGINS, "ref")
+    assert check.status == "not_run" and section["required_not_judged"] == ["M=1"]
+    assert {r["range"]: r for r in section["ranges"]}["M=1"]["why_not"] == "this row made no call there"
+    # nothing timed at all: no check (the rule then says the gate was not run)
+    check, _ = speed_check(_timing(), reference, MARGINS, "ref")
+    assert check is None
+
+
+def test_calls_count_per_rank_and_a_rank_without_calls_leaves_a_range_unjudged():
+    """Per size, the slowest rank's own calls: four ranks of 4 calls are 4, not 16 (MIN_CALLS per rank)."""
+    per_rank = {8: (4, 150.0, 2.0, True), 16: (4, 190.0, 2.5, True)}
+    judged = judge_range(_range("M=2-16", per_rank), _range("M=2-16", per_rank), MARGINS)
+    assert judged.passed is None and f"fewer than {MIN_CALLS} calls per rank" in judged.why_not
+    enough = {8: (12, 150.0, 2.0, True)}
+    judged = judge_range(_range("M=2-16", enough, rank_calls=0), _range("M=2-16", enough), MARGINS)
+    assert judged.why_not == "a rank of this row made no call there"
+
+
+def test_an_unsteady_size_is_left_out_and_named():
+    """One call of ~1 s among 20 (a compile while serving) makes a size's mean that call's: left out of the
+    ratio, named; the range is judged on the rest if they hold enough of its time."""
+    steady = {600: (24, 700.0, 10.0, False), 900: (24, 820.0, 12.0, False)}
+    compiled = {**steady, 1500: (20, 50_500.0, 223_000.0, False)}
+    judged = judge_range(_range("M=257-1023", steady | {1500: (20, 1000.0, 10.0, False)}),
+                         _range("M=257-1023", compiled), MARGINS)  # fmt: skip
+    assert judged.unsteady == (1500,) and judged.sizes_matched == 2
+    # the steady sizes hold ~3 % of the reference's time there: too little to stand for the range
+    assert judged.passed is None and "hold" in judged.why_not
+
+
+def test_records_from_before_per_size_timing_are_not_judged():
+    old = RangeTiming("M=1", 40, 40, 12.0, 0.3, 12.0, 40, 0.0)
+    judged = judge_range(old, old, MARGINS)
+    assert judged.passed is None and "per range only" in judged.why_not
+
+
+def test_the_section_and_check_carry_the_evidence_and_what_each_range_would_catch():
+    check, section = speed_check(_twin(), _twin(), MARGINS, "ref")
+    assert section["evidence"] == {
+        "unit": "dispatch range", "judged": 5, "total": 5, "required": None,
+        "would_catch": check.evidence.would_catch,
+    }  # fmt: skip
+    # the least sensitive range names the gate's would_catch: here the eager one
+    worst = max(section["ranges"], key=lambda r: r["would_catch"])
+    assert worst["range"] == "M=257-1023" and check.evidence.would_catch.startswith(
+        f"x{worst['would_catch']:.3f}"
+    )
+    assert all(r["would_catch"] < 1.07 for r in section["ranges"] if r["replayed"])
+    assert "would catch (80 %): M=1 x1.0" in check.detail and "judged 5/5 ranges" in check.detail
+    assert check.as_dict()["evidence"]["judged"] == 5
+
+
+def test_compare_lists_every_range_either_row_called_in_order():
+    reference = _timing(
+        _range("M=1", {1: (24, 10.0, 0.1, True)}), _range("M>=4096", {8192: (24, 900.0, 9, 0)})
+    )
+    row = _timing(_range("M=2-16", {8: (24, 12.0, 0.1, True)}), _range("M=1", {1: (24, 10.0, 0.1, True)}))
+    names = [(r.range, r.why_not) for r in compare(row, reference, MARGINS)]
+    assert names == [
+        ("M=1", None),
+        ("M=2-16", "the reference made no call there"),
+        ("M>=4096", "this row made no call there"),
+    ]
+
+
+def _speed_config(**keys):
+    from moe_eval.plan.config import EvalConfig
+
+    base = dict(
+        path=Path("c.yaml"), sha256="0" * 64, model_name="m", num_questions=1, num_fewshot=0,
+        random_weights=True, moe_backend="triton",
+    )  # fmt: skip
+    return EvalConfig(**(base | keys))
+
+
+def test_speed_gate_true_without_a_reference_or_timing_is_not_run_and_listed():
+    from moe_eval.gates.judge import judge
+    from moe_eval.gates.measurements import Measurements
+    from moe_eval.gates.table import describe_plan
+
+    asked = _speed_config(speed_gate=True)
+    assert "speed(not run: no incumbent)" in describe_plan(asked, has_incumbent=False)
+    untimed = _speed_config(speed_gate=True, moe_timing=False)
+    assert "speed(not run: moe_timing false)" in describe_plan(untimed, has_incumbent=True)
+    got = judge(asked, Measurements(speed=_twin()))
+    not_run = [c for c in got.checks if c.name == "speed_not_run"]
+    assert not_run and not_run[0].status == "not_run" and got.verdict == "incomplete"
+    # absent on a GPU run: called for only beside an incumbent; absent on the CPU: never (reported only)
+    auto = _speed_config()
+    assert "speed" not in [g.split("(")[0] for g in describe_plan(auto, has_incumbent=False)]
+    from dataclasses import replace
+
+    assert auto.speed_gated(True) is False and replace(auto, on_gpu=True).speed_gated(True)
+    assert not replace(auto, on_gpu=True).speed_gated(False)
+
+
+def test_the_cpu_reports_the_comparison_without_a_check():
+    from dataclasses import replace
+
+    from moe_eval.gates.judge import judge
+    from moe_eval.gates.measurements import Measurements
+
+    cpu = replace(_speed_config(), on_gpu=False)
+    incumbent = SimpleNamespace(
+        speed=_twin(), machine="cpu: x", workload="w", results_path="ref", speed_warnings=[],
+        moe_backend_used="vllm:cpu", layout="TP (TP1)", correctness={}, logprobs_path=None, decode_path=None,
+    )  # fmt: skip
+    got = judge(
+        cpu, Measurements(speed=_twin({"M=1": 1.5}), incumbent=incumbent, machine="cpu: x", workload="w")
+    )
+    assert "speed_gate" not in [c.name for c in got.checks]
+    assert got.sections["speed"]["gated"] is False and got.sections["speed"]["worst_range"] == "M=1"
