@@ -100,6 +100,7 @@ class Baseline:
     machine: str | None = None  # the GPUs (or CPU) it ran on: a speed reference holds on that machine only
     workload: str | None = None  # what its timed sweep computed (workload_identity): must match the row's
     speed_warnings: tuple[str, ...] = ()  # its server's (serving.speed_warnings_logged)
+    world_size: int = 1  # the ranks of its layout: the processes its timing must come from
 
 
 def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
@@ -166,6 +167,7 @@ def load_baseline(results_path: Path, what: str, record: RunRecord | None = None
         TimingSummary.from_dict(speed) if speed else None,
         *timed_where(record),
         tuple(record.serving.speed_warnings_logged or ()),
+        record.identity.layout.world_size,
     )
 
 

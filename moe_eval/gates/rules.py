@@ -192,8 +192,10 @@ def _speed_comparable(config: EvalConfig, m: Measurements) -> str | None:
             f"the reference's timed requests differ from this row's (workload {there} there, {here} here: "
             "another moe-eval, tokenizer, task texts or token limit)"
         )
-    ranks = config.layout.world_size
-    for what, timing in (("this row", m.speed), ("the reference", reference)):
+    for what, timing, ranks in (
+        ("this row", m.speed, config.layout.world_size),
+        ("the reference", reference, m.incumbent.world_size),
+    ):
         if timing.processes < ranks:
             # A rank that wrote no timing could be the slow one: the slowest rank is what the gate compares.
             return f"{what} was timed on {timing.processes} of its {ranks} ranks"
