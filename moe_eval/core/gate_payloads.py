@@ -23,6 +23,21 @@ class Skipped(TypedDict):
     """why"""
 
 
+class EvidenceRecord(TypedDict):
+    """core/evidence.py Evidence: what a check judged from."""
+
+    unit: str
+    """what one unit is: dispatch range, (range, expert) cell, question, text"""
+    judged: int
+    """units judged"""
+    total: int
+    """units given (judged or named not judged)"""
+    required: int | None
+    """the units a verdict needed (null: one judged unit)"""
+    would_catch: str | None
+    """the smallest effect failed with 80 % probability, in the gate's terms"""
+
+
 class CheckRecord(TypedDict):
     """A check as results.json and summary.json write it (moe_eval.core.check.Check.as_dict)."""
 
@@ -36,6 +51,8 @@ class CheckRecord(TypedDict):
     """passed, failed, not_run (required, could not measure), skipped (optional); absent in older records"""
     ran: NotRequired[Literal[False]]
     """present only for a gate called for that could not run"""
+    evidence: NotRequired[EvidenceRecord]
+    """what it judged from, where its gate counts it (absent before schema 9)"""
 
 
 # --- the judged sections (moe_eval.gates.rules) -----------------------------------------------------------
@@ -408,18 +425,19 @@ class GoldenGate(TypedDict):
 
 
 class SpeedRange(TypedDict):
-    """gates/speed.py RangeSpeed: one dispatch range's mean MoE call against the reference's."""
+    """gates/speed.py RangeSpeed: one dispatch range's MoE calls against the reference's, size for size."""
 
     range: str
     """the dispatch range, e.g. M=17-64 (tokens per call)"""
     us: float | None
-    """this row's mean call, microseconds (null: this row made no call there)"""
+    """this row's mean call in the range, microseconds (null: this row made no call there)"""
     reference_us: float | None
     """the reference's (null: it made no call there)"""
     ratio: float | None
-    """us / reference_us (null: not judged)"""
+    """the matched sizes' ratio, weighted by the reference's time at each (null: not judged); in records
+    before schema 9, us / reference_us"""
     calls: int
-    """this row's calls timed"""
+    """this row's calls at the matched sizes, on the slowest rank (before schema 9: every call timed)"""
     reference_calls: int
     """the reference's"""
     passed: bool | None
@@ -427,49 +445,91 @@ class SpeedRange(TypedDict):
     why_not: str | None
     """why it was not judged"""
     z: NotRequired[float | None]
-    """the excess over the margin in standard errors (absent in records before the z rule)"""
+    """the excess over the margin in standard errors (fails beyond the section's z)"""
     fails_above: NotRequired[float | None]
-    """the ratio above which this range would have failed at its measured standard errors: the slowdown
-    the gate could see here (absent in records made before commit d9342f0)"""
+    """the ratio above which this range fails at its errors: the slowdown it sees half the time"""
+    would_catch: NotRequired[float | None]
+    """the slowdown it fails with 80 % probability (absent before schema 9)"""
+    replayed: NotRequired[bool]
+    """a graph-replayed range (most of either row's time in CUDA-graph replays): a pass needs it judged"""
+    margin: NotRequired[float | None]
+    """the margin it was judged with: speed_margin (graph-replayed) or speed_margin_eager"""
+    sizes_matched: NotRequired[int]
+    """the call sizes compared"""
+    sizes: NotRequired[int]
+    """the call sizes either row made in the range"""
+    matched_share: NotRequired[float | None]
+    """the smaller of the two rows' shares of their time in the range held by the matched sizes"""
+    unsteady: NotRequired[list[int]]
+    """sizes left out: a mean whose standard error was over max_relative_error of it"""
+    between_servers: NotRequired[float | None]
+    """the floor: what a mean moves between two servers of one kernel, a log standard deviation per server,
+    weighted over the matched sizes"""
     eager_share: NotRequired[float | None]
-    """the larger of the two rows' shares of this range's time in calls not replayed from a CUDA graph (the
-    error holds each row's own share, a row that did not count it taking the other's; 0 where neither row
-    was timed on the device; null: neither row counted it, or not judged; absent in records before the
-    count)"""
+    """(records before schema 9) the larger of the two rows' shares of the range's time in eager calls"""
 
 
 class SpeedGate(TypedDict):
-    """gates/speed.py speed_check: a range fails beyond reference x (1 + margin) and z standard errors."""
+    """gates/speed.py speed_check: per range, the matched call sizes' ratio against the reference's; a range
+    fails beyond (1 + margin) and z standard errors (within-run errors and the between-server floor)."""
 
     reference: str
     """the reference row's results.json (the incumbent, or --baseline's row)"""
+    rule: NotRequired[str]
+    """matched call sizes (absent before schema 9: range means)"""
     margin: float
-    """the config's speed_margin: time may reach reference x (1 + margin)"""
+    """the config's speed_margin, for graph-replayed ranges"""
+    margin_eager: NotRequired[float]
+    """the config's speed_margin_eager, for eager ranges"""
     min_calls: int
-    """calls both rows need in a range for it to be judged"""
+    """matched calls per rank a range needs to be judged"""
+    min_size_calls: NotRequired[int]
+    """calls per rank a size needs in both rows to be matched"""
+    min_matched_share: NotRequired[float]
+    """the share of each row's range time the matched sizes must hold"""
     z: NotRequired[float]
-    """absent in records before the z rule"""
+    """standard errors beyond the margin a range fails at"""
     max_relative_error: NotRequired[float]
-    """a range either row's mean has a standard error above this share of is not judged unless it fails
-    (absent in records before the rule)"""
+    """a size whose mean has a standard error above this share of it is left out"""
+    between_servers: NotRequired[dict[str, float]]
+    """the floor's constants: replayed and eager log standard deviations per server"""
     eager_between_servers: NotRequired[float]
-    """the standard deviation of the log of a range's eager time between two servers of one kernel, by
-    which an eager range's error widens (gates/speed.between_servers_error; absent in records before the
-    rule)"""
+    """(records before schema 9)"""
     timed_on: list[str]
     """device (every call, CUDA-graph replays included) or host"""
     ranges: list[SpeedRange]
     """every range either row timed, judged or not"""
     judged: NotRequired[int]
-    """ranges judged (absent in records before it was counted)"""
+    """ranges judged"""
+    required_not_judged: NotRequired[list[str]]
+    """graph-replayed ranges either row reached that were not judged: no pass stands without them"""
+    evidence: NotRequired[EvidenceRecord]
+    """ranges judged of those given, and the least sensitive judged range's would_catch"""
+    gated: NotRequired[bool]
+    """false: reported only (the CPU), no check made"""
     worst_ratio: NotRequired[float | None]
     """the largest failing ratio where a range failed, else the largest judged one; absent when no range was
     judged"""
     worst_range: NotRequired[str]
-    """the range of worst_ratio (absent in records before it was written)"""
+    """the range of worst_ratio"""
 
 
 # --- the captures the speed gate and the layer check are fed by (moe_eval.runner) -------------------------
+
+
+class SizeTiming(TypedDict):
+    """core/moe_timing.py SizeTiming: the calls of one size on the rank whose mean there was slowest."""
+
+    tokens: int
+    """the call size M (the timer's last cell holds every larger call)"""
+    calls: int
+    """that rank's calls of this size"""
+    mean_us: float
+    """their mean, microseconds"""
+    spread_us: float
+    """one call's standard deviation"""
+    replayed: int
+    """of them, CUDA-graph replays"""
 
 
 class RangeTiming(TypedDict):
@@ -493,6 +553,10 @@ class RangeTiming(TypedDict):
     eager_share: NotRequired[float | None]
     """the share of the slowest process's time in calls that were not CUDA-graph replays; null or absent in
     records before it was counted"""
+    sizes: NotRequired[list[SizeTiming] | None]
+    """per call size in the range, the slowest rank's calls (absent or null before schema 9)"""
+    rank_calls: NotRequired[int | None]
+    """the fewest calls one rank made in the range (0: a rank made none)"""
 
 
 class MoeTiming(TypedDict):

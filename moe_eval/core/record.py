@@ -39,8 +39,11 @@ from moe_eval.core.gate_payloads import (
 )
 from moe_eval.core.results import atomic_write_json
 
-RESULTS_SCHEMA_VERSION = 8
+RESULTS_SCHEMA_VERSION = 9
 SCHEMA_HISTORY = (  # what each version added; a reader takes every version up to RESULTS_SCHEMA_VERSION
+    "9: timing.moe.ranges[].sizes and rank_calls (the MoE calls per call size, the slowest rank's); speed "
+    "judged on matched call sizes (rule, margin_eager, would_catch, required_not_judged, evidence, gated); "
+    "a check's evidence; timing.workload.warm_up; "
     "8: timing.end_to_end.engine_prefill_tokens_per_s and engine_decode_ms_per_step (the engine's own times "
     "of the timed requests, from vLLM's /metrics), timing.workload.engine_prefill_seconds and "
     "engine_decode_step_seconds; "

@@ -34,7 +34,8 @@ class _RecordJsonSchema(GenerateJsonSchema):
 
     def dataclass_schema(self, schema: Any) -> Any:
         if schema["cls"] is Check:  # written by Check.as_dict, not field by field
-            return _json_schema(list[CheckRecord])["$defs"][CheckRecord.__name__]
+            defs = _json_schema(list[CheckRecord])["$defs"]
+            return _inlined(defs[CheckRecord.__name__], defs)  # its evidence's $ref resolved in place
         return super().dataclass_schema(schema)
 
     def float_schema(self, schema: Any) -> Any:
@@ -55,6 +56,18 @@ class _RecordJsonSchema(GenerateJsonSchema):
 
     def default_schema(self, schema: Any) -> Any:  # a reader's default for a key absent: not the file's
         return self.generate_inner(schema["schema"])
+
+
+def _inlined(schema: Any, defs: dict[str, Any]) -> Any:
+    """`schema` with each {"$ref": "#/$defs/X"} replaced by defs[X] (a schema made apart from the record's)."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref", "")
+        if ref.startswith("#/$defs/"):
+            return _inlined(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inlined(v, defs) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_inlined(v, defs) for v in schema]
+    return schema
 
 
 def _json_schema(kind: Any) -> dict[str, Any]:

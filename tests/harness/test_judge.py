@@ -346,25 +346,35 @@ def test_with_a_baseline_every_config_plans_and_judges_its_incumbent_gates(optio
 
 
 def _timed(means_us: dict[str, float], calls: int = 100):
-    from moe_eval.core.moe_timing import RangeTiming, TimingSummary
+    """Graph-replayed ranges of one call size each (the range's lowest), `calls` calls of 1 % spread."""
+    from moe_eval.core.moe_timing import RangeTiming, SizeTiming, TimingSummary
+    from moe_eval.core.plugin_protocol import LAYER_RANGE_EDGES, layer_range_names
 
-    ranges = tuple(RangeTiming(name, calls, calls, us, 0.05 * us, us) for name, us in means_us.items())
+    low = dict(zip(layer_range_names(), LAYER_RANGE_EDGES, strict=True))
+    ranges = tuple(
+        RangeTiming(name, calls, calls, us, 0.01 * us, us, calls, 0.0,
+                    (SizeTiming(low[name], calls, us, 0.01 * us, calls),), calls)
+        for name, us in means_us.items()
+    )  # fmt: skip
     return TimingSummary(1, ("device",), ("s",), ("triton",), ranges)
 
 
 def test_the_speed_gate_is_a_gpus_and_judges_each_range_against_the_incumbents(config):
     from moe_eval.plan.config import effective_config
 
-    assert not effective_config(config, None, None, "cpu")[0].speed_gated  # the CPU: reported only
+    assert not effective_config(config, None, None, "cpu")[0].speed_gated(True)  # the CPU: reported only
     gpu, _ = effective_config(config, None, None, "h200")
-    assert gpu.speed_gated and not config.speed_gated  # absent: resolved from the hardware
+    assert gpu.speed_gated(True) and not config.speed_gated(True)  # absent: resolved from the hardware
     timed = _timed({"M=1": 10.0, "M=2-16": 11.0})
     incumbent = dataclasses.replace(measured(config).incumbent, speed=timed, machine="NVIDIA H200")
     m = measured(config, speed=timed, machine="NVIDIA H200", incumbent=incumbent)
     assert _by_name(judge(gpu, m))["speed_gate"].passed
     slower = dataclasses.replace(m, speed=_timed({"M=1": 10.0, "M=2-16": 14.0}))
     got = judge(gpu, slower)
-    assert got.verdict == "failed" and "M=2-16 14.0 us x1.27" in _by_name(got)["speed_gate"].detail
+    assert (
+        got.verdict == "failed"
+        and "M=2-16 x1.273 (graph-replayed, 1/1 sizes" in _by_name(got)["speed_gate"].detail
+    )
     assert got.sections["speed"]["ranges"][1]["passed"] is False
     # What could not be compared is not run, never a pass: an untimed reference, another machine.
     for change, why in (
@@ -394,7 +404,7 @@ def test_the_speed_gate_is_a_gpus_and_judges_each_range_against_the_incumbents(c
     # No range judged: the not-run reason names each range's own why
     few = dataclasses.replace(m, speed=_timed({"M=1": 10.0, "M=2-16": 11.0}, calls=3))
     detail = _by_name(judge(gpu, few))["speed_not_run"].detail
-    assert "no dispatch range could be judged: M=1: fewer than 12 calls timed (3 here, 100 there)" in detail
+    assert "no dispatch range could be judged: M=1: fewer than 12 calls per rank at sizes both rows" in detail
 
 
 def test_a_sweep_the_prefix_cache_shortened_is_another_workload():

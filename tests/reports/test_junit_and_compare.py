@@ -77,19 +77,24 @@ def test_junit_validates_and_a_real_consumer_reads_it(tmp_path):
 def test_junit_carries_the_speed_gates_worst_range_and_how_many_ranges_it_judged(tmp_path):
     from junitparser import JUnitXml
 
-    from moe_eval.core.moe_timing import RangeTiming, TimingSummary
-    from moe_eval.gates.speed import speed_check
+    from moe_eval.core.moe_timing import RangeTiming, SizeTiming, TimingSummary
+    from moe_eval.gates.speed import Margins, speed_check
 
     def timing(*means: float) -> TimingSummary:
-        names = ("M=1", "M=2-16", "M>=4096")
-        # a mean of 0 stands for a range timed in too few calls to judge
-        ranges = tuple(
-            RangeTiming(n, 100 if us else 3, 100, us or 5.0, 0.0, us or 5.0) for n, us in zip(names, means)
-        )
-        return TimingSummary(1, ("device",), ("s",), ("triton",), ranges)
+        sizes = (("M=1", 1, True), ("M=2-16", 8, True), ("M>=4096", 8192, False))
+        # a mean of 0 stands for an eager range timed in too few calls to judge
+        ranges = []
+        for (name, m, replayed), us in zip(sizes, means, strict=True):
+            n = 100 if us else 3
+            size = SizeTiming(m, n, us or 5.0, 0.0, n if replayed else 0)
+            ranges.append(RangeTiming(name, n, n * m, us or 5.0, 0.0, 1.0, size.replayed,
+                                      0.0 if replayed else 1.0, (size,), n))  # fmt: skip
+        return TimingSummary(1, ("device",), ("s",), ("triton",), tuple(ranges))
 
     outcome = _outcome(tmp_path, "Slow-BF16-torch", "failed")
-    check, outcome.speed = speed_check(timing(10.0, 30.0, 0), timing(10.0, 20.0, 0), 0.15, "vllm")
+    check, outcome.speed = speed_check(
+        timing(10.0, 30.0, 0), timing(10.0, 20.0, 0), Margins(0.01, 0.03), "vllm"
+    )
     outcome.checks.append(check)
     path = tmp_path / "junit.xml"
     path.write_text(junit_xml([outcome], "h200", ["NVIDIA H200"]))
@@ -97,6 +102,9 @@ def test_junit_carries_the_speed_gates_worst_range_and_how_many_ranges_it_judged
     props = {p.name: p.value for p in suite.properties()}
     assert props["speed.worst_ratio"] == "1.5" and props["speed.worst_range"] == "M=2-16"
     assert props["speed.judged"] == "2/3" and props["speed.reference"] == "vllm"
+    assert props["evidence.speed_gate"] == "2/3 dispatch ranges" and props["speed.would_catch"].startswith(
+        "x1.0"
+    )
     case = next(iter(suite))
     assert "speed_gate" in case.result[0].type
 
