@@ -1,65 +1,70 @@
-"""The slow_range mutation's delay on this GPU (benchmarks/device/served_speed.sh STAGE=power SPIN=1): a 1 ms
-sleep wrapped by kernels/slowdown.Slowdown at 5 % and 10 %, eager and replayed from a CUDA graph, timed by
-the MoE timer as the server times it. Prints each case's mean and its ratio to the unwrapped sleep."""
+"""The timer's stamp kernels and slow_range's delay on this GPU (benchmarks/device/served_speed.sh STAGE=power
+SPIN=1): a 20 us and a 1 ms sleep as the MoE call, timed by kernels/moe_timer.MoeTimer as a server times it,
+eager and replayed from a CUDA graph, plain and slowed by 5 % and 10 % (the end stamp's spin), routed to 3
+experts. Prints each case's mean call and its ratio to the plain one; exit 1 where a ratio is off by more
+than 0.5 % or the experts were miscounted."""
 
 from __future__ import annotations
 
 import torch
 
+from moe_eval.core.moe_timing import FIELDS
 from moe_eval.kernels.moe_timer import MoeTimer
-from moe_eval.kernels.slowdown import Slowdown
 
 CALLS = 50
+TOKENS = 3
 
 
-def sleep_kernel(hidden, *args):
-    torch.cuda._sleep(1_000_000)
-    return hidden
-
-
-def timed(kernel, graph: bool) -> float:
+def timed(cycles: int, slow: float, graph: bool) -> tuple[float, float]:
+    """(mean us, mean experts) of CALLS calls."""
     timer = MoeTimer("probe", None, "probe")
     timer.attach_device(torch.device("cuda"))
-    x = torch.zeros(3, 8, device="cuda")
+    assert timer.device_problem is None, timer.device_problem
+    x = torch.zeros(TOKENS, 8, device="cuda")
+    ids = torch.tensor([[0, 5], [5, 9], [0, 9]], dtype=torch.int32, device="cuda")
+
+    def call() -> None:
+        started = timer.start(x)
+        torch.cuda._sleep(cycles)
+        timer.stop(started, x, ids, slow)
+
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        for _ in range(2):  # compile outside any capture
-            started = timer.start(x)
-            kernel(x)
-            timer.stop(started, x)
+        call()  # compiled outside any capture
         torch.cuda.synchronize()
         timer.table.zero_()
         if graph:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                started = timer.start(x)
-                kernel(x)
-                timer.stop(started, x)
+                call()
             for _ in range(CALLS):
                 g.replay()
         else:
             for _ in range(CALLS):
-                started = timer.start(x)
-                kernel(x)
-                timer.stop(started, x)
+                call()
     torch.cuda.synchronize()
-    calls, ns = timer.table[3][0].item(), timer.table[3][1].item()
-    assert calls == CALLS, calls
-    return ns / calls / 1e3
+    cell = dict(zip(FIELDS, timer.table[TOKENS].tolist(), strict=True))
+    assert cell["calls"] == CALLS, cell
+    return cell["ns"] / CALLS / 1e3, cell["experts"] / CALLS
 
 
 def main() -> None:
     failures = 0
-    for graph in (False, True):
-        plain = timed(sleep_kernel, graph)
-        for pct in (5.0, 10.0):
-            slowed = timed(Slowdown(sleep_kernel, 1, None, pct), graph)
-            ratio = slowed / plain
-            ok = abs(ratio - (1 + pct / 100)) < 0.01
-            failures += not ok
-            kind = "graph" if graph else "eager"
-            verdict = "OK" if ok else "WRONG"
-            print(f"{kind} {pct:4.1f} %: {plain:8.1f} -> {slowed:8.1f} us x{ratio:.4f} {verdict}")
+    for cycles in (20_000, 1_000_000):
+        for graph in (False, True):
+            plain, experts = timed(cycles, 0.0, graph)
+            failures += experts != 3
+            for pct in (5.0, 10.0):
+                slowed, _ = timed(cycles, pct / 100, graph)
+                ratio = slowed / plain
+                ok = abs(ratio - (1 + pct / 100)) < 0.005
+                failures += not ok
+                kind = "graph" if graph else "eager"
+                verdict = "OK" if ok else "WRONG"
+                print(
+                    f"{kind} {cycles:>9} cycles {pct:4.1f} %: {plain:8.2f} -> {slowed:8.2f} us x{ratio:.4f} "
+                    f"{verdict}; experts {experts}"
+                )
     raise SystemExit(1 if failures else 0)
 
 

@@ -530,6 +530,14 @@ class SizeTiming(TypedDict):
     """one call's standard deviation"""
     replayed: int
     """of them, CUDA-graph replays"""
+    experts: NotRequired[float | None]
+    """the mean distinct experts the calls' routing hit (null: not counted)"""
+    experts_spread: NotRequired[float | None]
+    """their standard deviation"""
+    slope_us: NotRequired[float | None]
+    """the calls' line of time against the experts hit: us per expert"""
+    residual_us: NotRequired[float | None]
+    """one call's standard deviation about that line (the speed gate's error where counted)"""
 
 
 class RangeTiming(TypedDict):

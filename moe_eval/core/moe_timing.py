@@ -20,8 +20,10 @@ from moe_eval.core.plugin_protocol import MOE_TIMING_DIR, layer_range_index, lay
 
 # replayed, replayed_ns: the calls that were CUDA-graph replays (a call captured into a graph counts at each
 # replay) and their time; the rest ran eagerly, launched by the host inside the timer's bracket.
-FIELDS = ("calls", "ns", "ns_sq", "tokens", "replayed", "replayed_ns")
-CALLS, NS, NS_SQ, TOKENS, REPLAYED, REPLAYED_NS = range(len(FIELDS))
+# experts, experts_sq, experts_ns: the distinct experts each call's routing hit, summed, with their squares
+# and their products with the call's ns (0 where the timer was not given the routing).
+FIELDS = ("calls", "ns", "ns_sq", "tokens", "replayed", "replayed_ns", "experts", "experts_sq", "experts_ns")
+CALLS, NS, NS_SQ, TOKENS, REPLAYED, REPLAYED_NS, EXPERTS, EXPERTS_SQ, EXPERTS_NS = range(len(FIELDS))
 
 Cell = tuple[float, ...]  # FIELDS of one size (or of a range: the sum of its sizes)
 
@@ -57,6 +59,14 @@ class SizeTiming:
     mean_us: float
     spread_us: float  # the standard deviation of one call
     replayed: int  # of them, CUDA-graph replays
+    # The distinct experts the calls' routing hit (mean, standard deviation), and a line of time against them
+    # (slope, us per expert; residual, the standard deviation of one call about the line): at real shapes a
+    # decode call's time follows how many experts' weights it reads, so two rows compare at one routing.
+    # None where the routing was not counted (records before it, or a timer given none).
+    experts: float | None = None
+    experts_spread: float | None = None
+    slope_us: float | None = None
+    residual_us: float | None = None
 
 
 @dataclass(frozen=True)
@@ -130,7 +140,7 @@ def read_folder(run_dir: Path) -> list[ProcessTiming]:
                     scope=str(data["scope"]),
                     timed_on=str(data["timed_on"]),
                     rank=dict(data.get("rank") or {}),
-                    sizes={int(row[0]): tuple(float(v) for v in row[1:]) for row in data["sizes"]},
+                    sizes={int(row[0]): _cell(row[1:]) for row in data["sizes"]},
                     device_problem=data.get("device_problem"),
                     max_tokens=int(data.get("max_tokens") or 0),
                 )
@@ -138,6 +148,12 @@ def read_folder(run_dir: Path) -> list[ProcessTiming]:
         except (OSError, ValueError, KeyError, TypeError, IndexError):
             continue
     return found
+
+
+def _cell(values: list[Any]) -> Cell:
+    """A file's cell as FIELDS (a file from before the routing was counted has fewer: zeros for those)."""
+    cell = [float(v) for v in values][: len(FIELDS)]
+    return tuple(cell + [0.0] * (len(FIELDS) - len(cell)))
 
 
 def since(after: list[ProcessTiming], before: list[ProcessTiming]) -> list[ProcessTiming]:
@@ -165,21 +181,39 @@ def _mean_and_spread(cell: Cell) -> tuple[float, float]:
     return mean, math.sqrt(max(cell[NS_SQ] / cell[CALLS] - mean * mean, 0.0))
 
 
+def _routing_line(cell: Cell) -> dict[str, float | None]:
+    """The cell's experts (mean, spread) and its least-squares line of time on them: slope (us per expert) and
+    the residual standard deviation of one call (n - 2 degrees of freedom; where the experts never varied,
+    the calls' own standard deviation, n - 1). Nones where no routing was counted."""
+    n = cell[CALLS]
+    if cell[EXPERTS] <= 0:
+        return {"experts": None, "experts_spread": None, "slope_us": None, "residual_us": None}
+    mean_t, mean_d = cell[NS] / n, cell[EXPERTS] / n
+    s_tt = max(cell[NS_SQ] - n * mean_t * mean_t, 0.0)
+    s_dd = max(cell[EXPERTS_SQ] - n * mean_d * mean_d, 0.0)
+    s_td = cell[EXPERTS_NS] - n * mean_t * mean_d
+    if s_dd > 1e-9 and n > 2:
+        slope = s_td / s_dd
+        residual = math.sqrt(max(s_tt - slope * s_td, 0.0) / (n - 2))
+    else:
+        slope, residual = 0.0, math.sqrt(s_tt / (n - 1)) if n > 1 else 0.0
+    return {
+        "experts": round(mean_d, 3),
+        "experts_spread": round(math.sqrt(s_dd / n), 3),
+        "slope_us": round(slope / 1e3, 4),
+        "residual_us": round(residual / 1e3, 4),
+    }
+
+
 def _slowest_sizes(processes: list[ProcessTiming], sizes: list[int]) -> tuple[SizeTiming, ...]:
     out = []
     for size in sorted(sizes):
         cells = [p.sizes[size] for p in processes if p.sizes.get(size, (0.0,))[CALLS] > 0]
         slowest = max(cells, key=lambda cell: cell[NS] / cell[CALLS])
         mean, spread = _mean_and_spread(slowest)
-        out.append(
-            SizeTiming(
-                size,
-                int(slowest[CALLS]),
-                round(mean / 1e3, 3),
-                round(spread / 1e3, 3),
-                int(slowest[REPLAYED]),
-            )
-        )
+        calls, replayed = int(slowest[CALLS]), int(slowest[REPLAYED])
+        line = _routing_line(slowest)
+        out.append(SizeTiming(size, calls, round(mean / 1e3, 3), round(spread / 1e3, 3), replayed, **line))
     return tuple(out)
 
 

@@ -59,7 +59,8 @@ class _RecordJsonSchema(GenerateJsonSchema):
 
 
 def _inlined(schema: Any, defs: dict[str, Any]) -> Any:
-    """`schema` with each {"$ref": "#/$defs/X"} replaced by defs[X] (a schema made apart from the record's)."""
+    """`schema` with each {"$ref": "#/$defs/X"} replaced by defs[X] (a schema made apart from the
+    record's)."""
     if isinstance(schema, dict):
         ref = schema.get("$ref", "")
         if ref.startswith("#/$defs/"):

@@ -110,14 +110,37 @@ def _eager(size: SizeTiming) -> float:
     return 1.0 - size.replayed / size.calls if size.calls else 1.0
 
 
+def _spread(size: SizeTiming) -> float:
+    """One call's standard deviation, us: about the size's line of time against the experts its routing hit
+    where the timer counted them (the variance routing explains is the same in both rows: they sent the same
+    requests), else its plain spread."""
+    return size.spread_us if size.residual_us is None else size.residual_us
+
+
 def _relative_error(size: SizeTiming) -> float:
-    return size.spread_us / math.sqrt(size.calls) / size.mean_us if size.mean_us > 0 else math.inf
+    return _spread(size) / math.sqrt(size.calls) / size.mean_us if size.mean_us > 0 else math.inf
+
+
+def compare_size(mine: SizeTiming, other: SizeTiming) -> tuple[float, float]:
+    """(log ratio, its within-run variance) of one size: this row's mean at the reference's routing (its line
+    moved to the reference's mean experts, where both counted them) over the reference's mean."""
+    mean = mine.mean_us
+    extra = 0.0  # the slope's own error, times how far the line is moved
+    if None not in (mine.slope_us, other.experts, mine.experts):
+        shift = other.experts - mine.experts
+        mean += mine.slope_us * shift
+        if mine.experts_spread:
+            extra = (shift * _spread(mine)) ** 2 / (mine.calls * mine.experts_spread**2)
+    if mean <= 0:
+        return math.inf, math.inf
+    variance = (_spread(mine) ** 2 / mine.calls + extra) / mean**2 + _relative_error(other) ** 2
+    return math.log(mean / other.mean_us), variance
 
 
 def between_servers(mine: SizeTiming, other: SizeTiming) -> float:
     """The log standard deviation one server adds to a size's mean: by its replayed and eager shares."""
     eager = max(_eager(mine), _eager(other))
-    spread = max(s.spread_us / s.mean_us for s in (mine, other) if s.mean_us > 0)
+    spread = max(_spread(s) / s.mean_us for s in (mine, other) if s.mean_us > 0)
     eager_floor = max(BETWEEN_SERVERS_EAGER, EAGER_SPREAD_FACTOR * spread)
     return eager * eager_floor + (1 - eager) * BETWEEN_SERVERS_REPLAYED
 
@@ -196,11 +219,9 @@ def judge_range(mine: RangeTiming | None, other: RangeTiming | None, margins: Ma
     weights = [r.calls * r.mean_us for _, r in pairs]
     total = sum(weights)
     weights = [w / total for w in weights]
-    log_ratio = sum(w * math.log(s.mean_us / r.mean_us) for w, (s, r) in zip(weights, pairs, strict=True))
-    within = sum(
-        w * w * (_relative_error(s) ** 2 + _relative_error(r) ** 2)
-        for w, (s, r) in zip(weights, pairs, strict=True)
-    )
+    sized = [compare_size(s, r) for s, r in pairs]
+    log_ratio = sum(w * lr for w, (lr, _) in zip(weights, sized, strict=True))
+    within = sum(w * w * var for w, (_, var) in zip(weights, sized, strict=True))
     # A server's drift moves every size of a row alike: weighted sum, then the two rows' drifts apart.
     floor = sum(w * between_servers(s, r) for w, (s, r) in zip(weights, pairs, strict=True))
     sd = math.sqrt(within + 2 * floor * floor)

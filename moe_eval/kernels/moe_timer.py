@@ -21,9 +21,15 @@ One cell per size (TIMER_MAX_SIZE; larger calls share the last): the speed gate 
 size, since within a dispatch range a call's time grows with its size and the mix of sizes differs between
 runs.
 
+After its clock reading the end stamp also counts the distinct experts the call's routing hit
+(core/moe_timing: the speed gate compares two rows' calls of one size at the same routing) and, under
+`--mutate slow_range`, delays the call by a share of its own time (kernels/_timer_kernels.py says how,
+and why there).
+
 A flusher thread (kernels/stats_file.py) writes <run dir>/moe-timing/<pid>.json (core/moe_timing.py reads it):
 per size that was called, FIELDS (calls, nanoseconds, their squares, tokens, the replayed calls and their
-nanoseconds), since the process started. The harness reads the files before and after its
+nanoseconds, the experts hit, their squares and their products with the nanoseconds), since the process
+started. The harness reads the files before and after its
 timed workload and takes the difference.
 """
 
@@ -49,44 +55,6 @@ def size_cell(tokens: int) -> int:
     return min(tokens, TIMER_MAX_SIZE)
 
 
-def _stamp_kernels():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _globaltimer():
-        return tl.inline_asm_elementwise(
-            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
-        )
-
-    @triton.jit
-    def _stamp_start_kernel(start_ptr):
-        tl.store(start_ptr, _globaltimer())
-
-    # do_not_specialize: a value of 1 (M = 1, a captured call's replayed) must not compile a second variant
-    # while serving.
-    @triton.jit(do_not_specialize=["cell_index", "tokens", "replayed"])
-    def _stamp_end_kernel(
-        start_ptr,  # (1,) int64: the start stamp, ns
-        table_ptr,  # (NUM_CELLS, NUM_FIELDS) float64, pinned host memory
-        cell_index,
-        tokens,
-        replayed,  # 1 where the call was captured into a CUDA graph (then counted at every replay), else 0
-        FIELDS_PER_CELL: tl.constexpr,  # len(FIELDS): the table's row stride
-    ):
-        elapsed = (_globaltimer() - tl.load(start_ptr)).to(tl.float64)
-        # One stream runs a process's MoE layers in order: a plain read-modify-write needs no atomic.
-        cell = table_ptr + cell_index * FIELDS_PER_CELL
-        tl.store(cell, tl.load(cell, volatile=True) + 1.0)
-        tl.store(cell + 1, tl.load(cell + 1, volatile=True) + elapsed)
-        tl.store(cell + 2, tl.load(cell + 2, volatile=True) + elapsed * elapsed)
-        tl.store(cell + 3, tl.load(cell + 3, volatile=True) + tokens.to(tl.float64))
-        tl.store(cell + 4, tl.load(cell + 4, volatile=True) + replayed.to(tl.float64))
-        tl.store(cell + 5, tl.load(cell + 5, volatile=True) + replayed.to(tl.float64) * elapsed)
-
-    return _stamp_start_kernel, _stamp_end_kernel
-
-
 class MoeTimer:
     """One per process (vLLM runs one per rank). Usage, around the routed-expert computation:
 
@@ -100,46 +68,77 @@ class MoeTimer:
         self.scope = scope  # what the bracket holds, for the record
         self.table = torch.zeros(NUM_CELLS, NUM_FIELDS, dtype=torch.float64)  # host sums (CPU timing)
         self.device_problem: str | None = None
-        self._kernels: tuple[Any, Any] | None = None
-        self._start: torch.Tensor | None = None
+        self._start: torch.Tensor | None = None  # the start stamp (device memory)
+        self._clock: torch.Tensor | None = None  # a test's clock (see _timer_kernels)
+        self._flags: torch.Tensor | None = None  # one per global expert id, zero between calls
+        self._device_clock = True
         self._on_device = False
         self.rank: dict[str, Any] = {}
         self.max_tokens = 0  # the most tokens one call can carry (the sweep sizes its batched prefill by it)
         self.file = StatsFile(path, self.snapshot, "moe-eval-moe-timer")
 
-    def attach_device(self, device: torch.device) -> None:
-        """Compile and check the stamp kernels now (before vLLM's warm-up and graph capture ends)."""
+    def attach_device(self, device: torch.device, device_clock: bool = True) -> None:
+        """Compile and check the stamp kernels now (before vLLM's warm-up and graph capture ends).
+        device_clock False: a test's clock (Triton's interpreter on the CPU; kernels/_timer_kernels.py)."""
         if self._on_device or self.device_problem is not None:
             return
         try:
-            start_kernel, end_kernel = _stamp_kernels()
-            start = torch.zeros(1, dtype=torch.int64, device=device)
-            probe = torch.zeros(4, NUM_FIELDS, dtype=torch.float64).pin_memory()
-            # An eager call into cell 2 (replayed 0) and a replayed one into cell 3 (replayed 1, as a captured
-            # call's stamp carries): each field lands in its cell (the arguments are not specialized, so the
-            # second launch compiles nothing).
-            for cell_index, replayed in ((2, 0), (3, 1)):
-                start_kernel[(1,)](start, num_warps=1)
-                torch.cuda._sleep(100_000)  # a few tens of microseconds: the stamp must see time pass
-                end_kernel[(1,)](start, probe, cell_index, 7, replayed, NUM_FIELDS, num_warps=1)
-            torch.cuda.synchronize(device)
-            (calls, ns, _, tokens, eager, eager_ns), (_, replay_ns, _, _, replays, replayed_ns) = (
-                probe[2].tolist(),
-                probe[3].tolist(),
-            )
+            from moe_eval.kernels import _timer_kernels as k
+
+            self._clock = torch.zeros(1, dtype=torch.int64, device=device)
+            self._start = torch.zeros(1, dtype=torch.int64, device=device)
+            self._flags = torch.zeros(k.EXPERT_FLAGS, dtype=torch.int32, device=device)
+            self._device_clock = device_clock
+            probe = torch.zeros(4, NUM_FIELDS, dtype=torch.float64)
+            probe = probe.pin_memory() if device.type == "cuda" else probe
+            routing = torch.tensor([[0, 3], [3, 5]], dtype=torch.int32, device=device)
+            # An eager call into cell 2 (replayed 0) routed to experts 0, 3, 5, and a replayed one into cell 3
+            # (replayed 1, as a captured call's stamp carries) with no routing: each field lands in its cell
+            # (the arguments are not specialized, so the second launch compiles nothing).
+            for cell_index, replayed, ids in ((2, 0, routing), (3, 1, None)):
+                self._launch_start()
+                if device.type == "cuda":
+                    torch.cuda._sleep(100_000)  # a few tens of microseconds: the stamp must see time pass
+                self._launch_end(probe, cell_index, 7, replayed, ids, 0.0)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            eager, replay = dict(zip(FIELDS, probe[2].tolist())), dict(zip(FIELDS, probe[3].tolist()))
+            expected = {"calls": 1.0, "tokens": 7.0, "replayed": 0.0, "replayed_ns": 0.0, "experts": 3.0}
             if (
-                (calls, tokens, eager, eager_ns, replays) != (1.0, 7.0, 0.0, 0.0, 1.0)
-                or not 0 < ns < 1e9
-                or replayed_ns != replay_ns
+                any(eager[name] != value for name, value in expected.items())
+                or (replay["replayed"], replay["experts"]) != (1.0, 0.0)
+                or not 0 < eager["ns"] < 1e9
+                or replay["replayed_ns"] != replay["ns"]
+                or eager["experts_ns"] != 3.0 * eager["ns"]
+                or self._flags.any()
             ):
                 raise RuntimeError(
-                    f"stamp kernels wrote {probe[2:4].tolist()}, expected 1 eager call of 7 tokens in cell "
-                    "2 and 1 replayed call in cell 3"
+                    f"stamp kernels wrote {probe[2:4].tolist()}, expected 1 eager call of 7 tokens routed to "
+                    "3 experts in cell 2 and 1 replayed call in cell 3 (and the expert flags cleared)"
                 )
-            self.table = torch.zeros(NUM_CELLS, NUM_FIELDS, dtype=torch.float64).pin_memory()
-            self._kernels, self._start, self._on_device = (start_kernel, end_kernel), start, True
+            self.table = torch.zeros(NUM_CELLS, NUM_FIELDS, dtype=torch.float64)
+            self.table = self.table.pin_memory() if device.type == "cuda" else self.table
+            self._on_device = True
         except Exception as exc:  # noqa: BLE001  timed on the host instead, and the record says why
             self.device_problem = f"{type(exc).__name__}: {exc}"
+
+    def _launch_start(self) -> None:
+        from moe_eval.kernels._timer_kernels import stamp_start_kernel
+
+        stamp_start_kernel[(1,)](self._start, self._clock, DEVICE_CLOCK=self._device_clock, num_warps=1)
+
+    def _launch_end(
+        self, table: torch.Tensor, cell: int, tokens: int, replayed: int, topk_ids: Any, slow: float
+    ) -> None:
+        from moe_eval.kernels import _timer_kernels as k
+
+        ids = topk_ids if topk_ids is not None else self._flags  # never read without COUNT_EXPERTS
+        k.stamp_end_kernel[(1,)](
+            self._start, self._clock, table, cell, tokens, replayed, ids,
+            ids.numel() if topk_ids is not None else 0, self._flags, float(slow),
+            FIELDS_PER_CELL=NUM_FIELDS, COUNT_EXPERTS=topk_ids is not None, FLAGS=k.EXPERT_FLAGS,
+            BLOCK=k.COUNT_BLOCK, DEVICE_CLOCK=self._device_clock, num_warps=4,
+        )  # fmt: skip
 
     # --- the bracket (hot path) ---
 
@@ -147,34 +146,42 @@ class MoeTimer:
         """The token stop() takes: on the device, 1 where the call is being captured into a CUDA graph (then
         counted as replayed at every replay), else 0, asked before the start stamp so that an eager call's
         bracket holds no host work of the timer's; on the host, the start time in ns."""
-        if hidden_TD.device.type == "cuda":
-            if not self._on_device and self.device_problem is None:
-                self.attach_device(hidden_TD.device)
-            if self._on_device:
-                replayed = int(torch.cuda.is_current_stream_capturing())
-                self._kernels[0][(1,)](self._start, num_warps=1)
-                return replayed
+        if hidden_TD.device.type == "cuda" and not self._on_device and self.device_problem is None:
+            self.attach_device(hidden_TD.device)
+        if self._on_device and hidden_TD.device.type == self._start.device.type:
+            replayed = int(hidden_TD.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+            self._launch_start()
+            return replayed
         return time.perf_counter_ns()
 
-    def stop(self, started: int, hidden_TD: torch.Tensor) -> None:
+    def stop(self, started: int, hidden_TD: torch.Tensor, topk_ids: Any = None, slow: float = 0.0) -> None:
+        """topk_ids: the call's routing (its distinct experts are counted, outside the bracket); slow:
+        `--mutate slow_range` for this call, the fraction of its own time to add (0: none)."""
         tokens = hidden_TD.shape[0]
         if tokens == 0:
             return
         cell = size_cell(tokens)
-        if self._on_device and hidden_TD.device.type == "cuda":
-            self._kernels[1][(1,)](
-                self._start, self.table, cell, tokens, started, NUM_FIELDS, num_warps=1
-            )  # started: whether the call is being captured (start())
+        if self._on_device and hidden_TD.device.type == self._start.device.type:
+            # started: whether the call is being captured (start())
+            self._launch_end(self.table, cell, tokens, started, topk_ids, slow)
         else:
             if hidden_TD.device.type == "cuda":
                 if torch.cuda.is_current_stream_capturing():
                     return  # no host timing inside a graph capture (the record says timed_on host and why)
                 torch.cuda.synchronize(hidden_TD.device)  # host timing on a device: the work must be done
-            elapsed = float(time.perf_counter_ns() - started)
+            now = time.perf_counter_ns()
+            if slow > 0:
+                until = started + (now - started) * (1.0 + slow)
+                while now < until:
+                    now = time.perf_counter_ns()
+            elapsed = float(now - started)
+            experts = float(torch.unique(topk_ids).numel()) if topk_ids is not None else 0.0
             # replayed 0: a host-timed call is never a graph replay (inside a capture it returned above)
             self.table[cell] += torch.tensor(
-                [1.0, elapsed, elapsed * elapsed, float(tokens), 0.0, 0.0], dtype=torch.float64
-            )
+                [1.0, elapsed, elapsed * elapsed, float(tokens), 0.0, 0.0, experts, experts * experts,
+                 experts * elapsed],
+                dtype=torch.float64,
+            )  # fmt: skip
         self.file.start()
 
     # --- reading ---

@@ -213,6 +213,15 @@ def _parse_range(value: str) -> tuple[int, int | None]:
     return int(low), int(high)
 
 
+def slowdown(spec: Mutation | None, tokens: int) -> float:
+    """slow_range: the share of its own time a call of `tokens` tokens is delayed by (0: none). The timer's
+    end stamp makes the delay (kernels/_timer_kernels.py): in the stream, with no kernel of its own."""
+    if spec is None or spec.name != "slow_range":
+        return 0.0
+    inside = spec.low <= tokens and (spec.high is None or tokens <= spec.high)
+    return spec.pct / 100.0 if inside else 0.0
+
+
 def check_mutation(name: str, config: Any) -> None:
     """Refuse (ConfigError) a mutation that cannot apply to this config."""
     from moe_eval.core.errors import ConfigError
@@ -233,6 +242,11 @@ def check_mutation(name: str, config: Any) -> None:
         raise ConfigError(
             f"--mutate {name}: {config.path} runs moe_backend {config.moe_backend!r}; the tile choice it "
             "changes is the bundled Triton kernel's"
+        )
+    if name == "slow_range" and not config.moe_timing:
+        raise ConfigError(
+            f"--mutate {name}: {config.path} has moe_timing false; the delay is made by the MoE timer's end "
+            "stamp (a slowdown nothing times would prove nothing): set moe_timing: true"
         )
     if name == "ignore_expert_map" and not config.layout.expert_parallel:
         raise ConfigError(
@@ -379,11 +393,6 @@ def mutate_kernel(name: str | None, kernel: Any) -> Any:
     base = name.partition(":")[0] if name else None
     if base == "extra_weight_copy":
         return _with_weight_copies(kernel)
-    if base == "slow_range":
-        from moe_eval.kernels.slowdown import Slowdown
-
-        spec = parse_mutation(name)
-        return Slowdown(kernel, spec.low, spec.high, spec.pct)
     if base in TILE_MUTATIONS:
         return _tiles_chosen(name, kernel)
     if name is not None and name.partition(":")[0] == "silu_slope":

@@ -215,6 +215,12 @@ class BundledExperts:
         self.layout = layout
         self.mutation = mutation
         self.max_tokens = max_tokens
+        # slow_range: the timer's end stamp delays the calls of its range (mutations.slowdown)
+        self.slow_range = None
+        if mutation is not None and mutation.partition(":")[0] == "slow_range":
+            from moe_eval.kernels.mutations import parse_mutation
+
+            self.slow_range = parse_mutation(mutation)
         if MoeBackend(requested) is MoeBackend.REFERENCE:
             if mutation is not None:
                 # The golden reference is what a mutated kernel is measured against: it is never mutated.
@@ -421,7 +427,13 @@ class BundledExperts:
         started = self.timer.start(x) if self.timer is not None else 0
         out = self.kernel(x, self.weights, served_weights, served_ids, expert_map, on_input)
         if self.timer is not None:
-            self.timer.stop(started, x)
+            slow = 0.0
+            if self.slow_range is not None:
+                from moe_eval.kernels.mutations import slowdown
+
+                slow = slowdown(self.slow_range, x.shape[0])
+            # vLLM's routing (what the incumbent's timer counts too), not a mutation's
+            self.timer.stop(started, x, topk_ids, slow)
         if self.check is not None:
             # What vLLM handed apply() and what apply() returns: a bug anywhere in between counts.
             self.check.observe(
@@ -490,7 +502,8 @@ def _timed_method_class() -> type:
             started = timer.start(x) if timer is not None else 0
             out = super().apply(layer, x, *args, **kwargs)
             if timer is not None:
-                timer.stop(started, x)
+                # apply(layer, x, topk_weights, topk_ids, ...) in vLLM 0.26 and 0.32: the routing it counts
+                timer.stop(started, x, kwargs.get("topk_ids", args[1] if len(args) > 1 else None))
             return out
 
         def apply_monolithic(self, layer: Any, x: Any, *args: Any, **kwargs: Any) -> Any:

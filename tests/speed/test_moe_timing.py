@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -51,10 +52,10 @@ def test_the_host_timer_sums_each_call_into_its_sizes_cell_and_writes_its_file(t
     timer.flush()
     snap = json.loads(path.read_text())
     assert snap["timed_on"] == "host"
-    assert snap["fields"] == ["calls", "ns", "ns_sq", "tokens", "replayed", "replayed_ns"]
+    assert snap["fields"] == list(moe_timing.FIELDS)
     cells = {row[0]: row[1:] for row in snap["sizes"]}
     assert sorted(cells) == [1, 5, 7, 300, TIMER_MAX_SIZE]  # only the sizes called
-    assert all(len(cell) == 6 and cell[4] == cell[5] == 0 for cell in cells.values())  # host-timed: no replay
+    assert all(len(cell) == 9 and cell[4] == cell[5] == 0 for cell in cells.values())  # host-timed: no replay
     assert (cells[1][0], cells[1][3]) == (2, 2) and (cells[5][0], cells[5][3]) == (1, 5)
     assert (cells[TIMER_MAX_SIZE][0], cells[TIMER_MAX_SIZE][3]) == (1, TIMER_MAX_SIZE + 5)
     assert all(cell[1] > 0 for cell in cells.values())  # time passed in each timed call
@@ -317,35 +318,48 @@ def test_the_engines_prefill_view_is_the_median_of_single_prefills_so_one_compil
     assert seen["prefill_tokens_per_s"] == {"1500": 62500.0} and seen["decode_ms_per_step"] == {"1": 3.21}
 
 
-def test_slow_range_delays_only_its_ranges_calls_by_their_own_time_on_the_host():
-    """slow_range:range=R,pct=P: the calls of R take (1 + P/100) x their own time, the others as before, the
-    output untouched (the torch kernel on the CPU; the device's spin kernel: benchmarks/device/
-    slowdown_probe.py on a GPU)."""
-    import time
+def test_slow_range_delays_only_its_ranges_calls_by_their_own_time_on_the_host(tmp_path):
+    """slow_range:range=R,pct=P: the timer's end stamp holds the calls of R until they took (1 + P/100) x
+    their own time (the host timer here; the device's: tests/kernels/test_timer_kernels.py and
+    benchmarks/device/slowdown_probe.py), the others as before."""
+    from moe_eval.kernels.mutations import parse_mutation, slowdown
 
-    from moe_eval.kernels.mutations import mutate_kernel, parse_mutation
-    from moe_eval.kernels.slowdown import Slowdown
+    spec = parse_mutation("slow_range:range=M=2-16,pct=50")
+    assert (slowdown(spec, 8), slowdown(spec, 1), slowdown(spec, 17), slowdown(None, 8)) == (0.5, 0, 0, 0)
+    timer = MoeTimer("torch", tmp_path / "t.json", "s")
 
-    def busy(hidden, *args):  # a call of a steady 2 ms
-        until = time.perf_counter_ns() + 2_000_000
+    def timed(tokens: int) -> float:
+        hidden = torch.zeros(tokens, 4)
+        started = timer.start(hidden)
+        until = time.perf_counter_ns() + 2_000_000  # a call of a steady 2 ms
         while time.perf_counter_ns() < until:
             pass
-        return hidden * 2
+        timer.stop(started, hidden, slow=slowdown(spec, tokens))
+        return timer.table[tokens][1].item() / timer.table[tokens][0].item() / 1e6
 
-    slowed = mutate_kernel("slow_range:range=M=2-16,pct=50", busy)
-    assert isinstance(slowed, Slowdown) and (slowed.low, slowed.high, slowed.fraction) == (2, 16, 0.5)
-
-    def took(tokens: int) -> float:
-        hidden = torch.ones(tokens, 4)
-        started = time.perf_counter_ns()
-        out = slowed(hidden)
-        assert torch.equal(out, hidden * 2)
-        return (time.perf_counter_ns() - started) / 1e6
-
-    assert 2.9 < min(took(8) for _ in range(3)) < 4.0  # 2 ms + 50 %
-    assert min(took(1) for _ in range(3)) < 2.5 and min(took(17) for _ in range(3)) < 2.5
+    for _ in range(3):
+        slowed, plain = timed(8), timed(1)
+    assert 2.9 < slowed < 3.5 and 1.9 < plain < 2.5, (slowed, plain)
     assert parse_mutation("slow_range").pct == 5.0 and parse_mutation("slow_range").high == 1  # M=1, 5 %
     assert parse_mutation("slow_range:range=M>=4096,pct=10").low == 4096
+
+
+def test_slow_range_needs_the_timer(tmp_path):
+    from moe_eval.core.errors import ConfigError
+    from moe_eval.kernels.mutations import check_mutation
+
+    config = SimpleNamespace(moe_backend="torch", path=tmp_path / "c.yaml", layout=None, moe_timing=False)
+    with pytest.raises(ConfigError, match="moe_timing false"):
+        check_mutation("slow_range:pct=10", config)
+
+
+def test_the_host_timer_counts_the_experts_each_call_routed_to(tmp_path):
+    timer = MoeTimer("torch", tmp_path / "t.json", "s")
+    for ids in ([[0, 1], [1, 2]], [[3, 3], [3, 3]]):
+        hidden = torch.zeros(2, 4)
+        timer.stop(timer.start(hidden), hidden, torch.tensor(ids))
+    cell = dict(zip(moe_timing.FIELDS, timer.table[2].tolist(), strict=True))
+    assert (cell["calls"], cell["experts"], cell["experts_sq"]) == (2, 3 + 1, 9 + 1)
 
 
 def test_slow_range_refuses_a_slowdown_it_cannot_make():

@@ -3,6 +3,7 @@ it would catch, and what it never passes."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -259,3 +260,46 @@ def test_the_cpu_reports_the_comparison_without_a_check():
     )
     assert "speed_gate" not in [c.name for c in got.checks]
     assert got.sections["speed"]["gated"] is False and got.sections["speed"]["worst_range"] == "M=1"
+
+
+def test_the_routing_line_takes_the_experts_spread_out_of_a_sizes_error(tmp_path):
+    """At real shapes a decode call's time follows the experts its routing hit (the Qwen3 twin's M=16 calls
+    spread 20-26 % on the H100, 2026-12-06). The timer counts them; a size's line of time against them leaves
+    a small residual, and two rows of the same requests compare at one routing: a 5 % slowdown fails where the
+    plain spread alone would fail above ~x1.1."""
+    import json
+    import random
+
+    from moe_eval.core import moe_timing
+    from moe_eval.core.plugin_protocol import MOE_TIMING_DIR
+
+    def process(pid: int, scale: float) -> dict:
+        rng = random.Random(7)  # the same routing in both rows: the same requests
+        cell = [0.0] * len(moe_timing.FIELDS)
+        for _ in range(30):
+            experts = rng.randint(30, 60)
+            ns = scale * (20_000 + 3_000 * experts) * (1 + rng.gauss(0, 0.01))
+            for i, v in enumerate((1, ns, ns * ns, 16, 1, ns, experts, experts * experts, experts * ns)):
+                cell[i] += v
+        return {"pid": pid, "backend": "triton", "scope": "s", "timed_on": "device", "rank": {},
+                "sizes": [[16, *cell]]}  # fmt: skip
+
+    def summary(scale: float, name: str) -> TimingSummary:
+        folder = tmp_path / name / MOE_TIMING_DIR
+        folder.mkdir(parents=True)
+        (folder / "1.json").write_text(json.dumps(process(1, scale)))
+        return moe_timing.summarize(moe_timing.read_folder(folder.parent))
+
+    reference, same, slower = summary(1.0, "ref"), summary(1.0, "same"), summary(1.05, "slower")
+    (size,) = reference.by_range()["M=2-16"].sizes
+    assert size.spread_us / size.mean_us > 0.1 and size.residual_us / size.mean_us < 0.02
+    assert size.slope_us == pytest.approx(3.0, rel=0.05) and 30 <= size.experts <= 60
+    ok = judge_range(same.by_range()["M=2-16"], reference.by_range()["M=2-16"], MARGINS)
+    assert ok.passed and ok.fails_above < 1.04
+    caught = judge_range(slower.by_range()["M=2-16"], reference.by_range()["M=2-16"], MARGINS)
+    assert caught.passed is False and caught.ratio == pytest.approx(1.05, abs=0.005)
+    # without the routing counted the same calls spread too wide to see 5 %
+    plain = [dataclasses.replace(s, experts=None, slope_us=None, residual_us=None, experts_spread=None)
+             for s in (size,)]  # fmt: skip
+    blind = dataclasses.replace(reference.by_range()["M=2-16"], sizes=tuple(plain))
+    assert judge_range(blind, blind, MARGINS).fails_above > 1.05
