@@ -93,9 +93,11 @@ class MoeTimer:
             probe = probe.pin_memory() if device.type == "cuda" else probe
             routing = torch.tensor([[0, 3], [3, 5]], dtype=torch.int32, device=device)
             # An eager call into cell 2 (replayed 0) routed to experts 0, 3, 5, and a replayed one into cell 3
-            # (replayed 1, as a captured call's stamp carries) with no routing: each field lands in its cell
-            # (the arguments are not specialized, so the second launch compiles nothing).
-            for cell_index, replayed, ids in ((2, 0, routing), (3, 1, None)):
+            # (replayed 1, as a captured call's stamp carries) with no routing: each field lands in its cell.
+            # The arguments are not specialized; the kernels compiled here are all a server runs (routing ids
+            # of either integer width, cell 1 holding the int64 one's probe), none while serving.
+            calls = ((1, 0, routing.long()), (2, 0, routing), (3, 1, None))
+            for cell_index, replayed, ids in calls:
                 self._launch_start()
                 if device.type == "cuda":
                     torch.cuda._sleep(100_000)  # a few tens of microseconds: the stamp must see time pass
@@ -103,6 +105,7 @@ class MoeTimer:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             eager, replay = dict(zip(FIELDS, probe[2].tolist())), dict(zip(FIELDS, probe[3].tolist()))
+            wide = dict(zip(FIELDS, probe[1].tolist()))
             expected = {"calls": 1.0, "tokens": 7.0, "replayed": 0.0, "replayed_ns": 0.0, "experts": 3.0}
             if (
                 any(eager[name] != value for name, value in expected.items())
@@ -110,6 +113,7 @@ class MoeTimer:
                 or not 0 < eager["ns"] < 1e9
                 or replay["replayed_ns"] != replay["ns"]
                 or eager["experts_ns"] != 3.0 * eager["ns"]
+                or (wide["calls"], wide["experts"]) != (1.0, 3.0)
                 or self._flags.any()
             ):
                 raise RuntimeError(
