@@ -399,7 +399,7 @@ def resumable_outcomes(
 def _why_not_kept(record, config: EvalConfig, data, mutation: str | None) -> str | None:
     """Why the earlier run's row of `config` cannot stand for this run (None: it can)."""
     from moe_eval.core.check import FAILED, PASSED
-    from moe_eval.core.results import versions
+    from moe_eval.core.results import rules_digest, versions
     from moe_eval.evaluate.gsm8k import questions_difference
     from moe_eval.runner import task_data
 
@@ -415,6 +415,10 @@ def _why_not_kept(record, config: EvalConfig, data, mutation: str | None) -> str
         was = record.environment.versions or {}
         moved = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
         return "versions differ: " + ", ".join(f"{k} {was.get(k)} -> {now.get(k)}" for k in moved)
+    if record.environment.rules != rules_digest():
+        # Judged by other gates than this moe-eval's (its version does not move with them): judged again.
+        then = record.environment.rules or "not recorded"
+        return f"judged by other rules (the judging code's digest {then} then, {rules_digest()} now)"
     if record.evaluation.num_questions_evaluated != config.num_questions:
         return f"{record.evaluation.num_questions_evaluated} questions then, {config.num_questions} now"
     questions = questions_difference(record.environment.gsm8k, task_data(config, data).describe())

@@ -37,7 +37,7 @@ from moe_eval.core.record import (
     RunError,
     RunRecord,
 )
-from moe_eval.core.results import cpu_model, versions, write_samples
+from moe_eval.core.results import cpu_model, rules_digest, versions, write_samples
 from moe_eval.core.status import StatusWriter
 from moe_eval.evaluate.gsm8k import Gsm8kData, canary_data, run_gsm8k
 from moe_eval.evaluate.layer_sweep import reach_every_range, sweep_target
@@ -269,6 +269,7 @@ def _new_record(config: EvalConfig, options: RunOptions, data: Gsm8kData, path: 
         environment=Environment(
             hardware=Hardware(options.hw, list(options.gpus), cpu_model()),
             versions=versions(),
+            rules=rules_digest(),
             gsm8k=data.describe(),
         ),
         path=path,

@@ -43,7 +43,7 @@ RESULTS_SCHEMA_VERSION = 9
 SCHEMA_HISTORY = (  # what each version added; a reader takes every version up to RESULTS_SCHEMA_VERSION
     "9: timing.moe.ranges[].sizes and rank_calls (the MoE calls per call size, the slowest rank's); speed "
     "judged on matched call sizes (rule, margin_eager, would_catch, required_not_judged, evidence, gated); "
-    "a check's evidence; timing.workload.warm_up; "
+    "a check's evidence; timing.workload.warm_up; rules (the digest of the judging code); "
     "8: timing.end_to_end.engine_prefill_tokens_per_s and engine_decode_ms_per_step (the engine's own times "
     "of the timed requests, from vLLM's /metrics), timing.workload.engine_prefill_seconds and "
     "engine_decode_step_seconds; "
@@ -160,6 +160,11 @@ class Environment:
     hardware: Hardware = key("the machine", factory=Hardware)
     versions: dict[str, str | None] = key(
         "installed versions (moe-eval, vllm, torch, triton, ...)", factory=dict
+    )
+    rules: str | None = key(
+        "sha256 (16 hex digits) of the code that judged the row (moe_eval/gates and moe_eval/core): "
+        "run --resume keeps a row only under the same; absent before schema 9",
+        optional=True,
     )
     gsm8k: JsonObject = key(
         "where the questions came from: hub, local (with sha256) or generated", factory=dict

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -82,6 +83,24 @@ def versions() -> dict[str, str | None]:
         "flashinfer": package_version("flashinfer-python"),
         "python": platform.python_version(),
     }
+
+
+# The code that turns measurements into checks and writes them: a row judged by other code is another row.
+_JUDGING_CODE = ("gates", "core")
+
+
+@functools.cache
+def rules_digest() -> str:
+    """sha256 (16 hex digits) of the source that judges a row (moe_eval/gates and moe_eval/core): what a
+    results.json records as `rules`, and `run --resume` compares, so a row judged under other rules is judged
+    again (the package's version stays 0.1.0 across every change of them)."""
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for folder in _JUDGING_CODE:
+        for path in sorted((package / folder).glob("*.py")):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @functools.cache

@@ -37,7 +37,14 @@ from moe_eval.gates.checks import correctness, timed_where
 from moe_eval.gates.divergence import divergence
 from moe_eval.gates.speed import times_differ_by
 from moe_eval.gates.stats import paired_compare
-from moe_eval.report.table import divergence_cell, markdown_table, power_counts, rich_table
+from moe_eval.report.table import (
+    divergence_cell,
+    layer_ratio,
+    markdown_table,
+    power_counts,
+    ratio_text,
+    rich_table,
+)
 
 DEFAULT_REFERENCE = "vllm"
 GOLDEN_PREFILL = (
@@ -247,7 +254,7 @@ def _layer_rows(members: list[RunResult]) -> list[list[str]]:
         cells = []
         for i in range(len(members)):
             row = by_range[name].get(i)
-            cells.append("-" if row is None else f"{row['error']:.2e} (x{row['ratio']:.2f})")
+            cells.append("-" if row is None else f"{row['error']:.2e} ({ratio_text(layer_ratio(row))})")
         rows.append([f"layer error {name}", "", "RMS vs exact (x incumbent)", *cells])
     largest, judged, activation = [], [], []
     for check in checked:

@@ -78,11 +78,11 @@ def layer_cell(check: dict | None) -> str:
     if not check:
         return "-"
     ranges = [
-        r | {"ratio": _ratio(r)} for r in check.get("ranges", []) if _ratio(r) is not None
+        r | {"ratio": layer_ratio(r)} for r in check.get("ranges", []) if layer_ratio(r) is not None
         and r.get("layer") is None and (r.get("rank") == "all" or check.get("processes") == 1)
     ]  # fmt: skip
     worst = max(ranges, key=lambda r: r["ratio"], default=None)
-    parts = [f"x{worst['ratio']:.2f} worst ({worst['range']})" if worst else "no range"]
+    parts = [f"{ratio_text(worst['ratio'])} worst ({worst['range']})" if worst else "no range"]
     judged, total = power_counts(check)
     if total:
         parts.append(f"{judged}/{total} cells at {check['limits']['power']:.0%}")
@@ -123,7 +123,14 @@ def speed_cell(gate: dict | None, timing: dict | None) -> str:
     return f"{slowest['mean_us']:.1f} us at {slowest['range']}, {len(ranges)} ranges timed, not gated"
 
 
-def _ratio(row: dict) -> float | None:
+def ratio_text(ratio: float | None) -> str:
+    """'x1.02'; 'x inf' for an error against an exact incumbent (results.json writes it null); 'no ratio'."""
+    if ratio is None:
+        return "no ratio"
+    return "x inf" if math.isinf(ratio) else f"x{ratio:.2f}"
+
+
+def layer_ratio(row: dict) -> float | None:
     """A range's error ratio as results.json holds it; null with an error against an exact incumbent is
     infinite (JSON has no inf), the worst there is, not a range left out."""
     if row.get("ratio") is not None:

@@ -43,7 +43,7 @@ def test_resume_reruns_a_row_whose_baseline_runs_again(tmp_path):
     import json
 
     from moe_eval.cli import resumable_outcomes
-    from moe_eval.core.results import versions
+    from moe_eval.core.results import rules_digest, versions
     from moe_eval.evaluate.gsm8k import Gsm8kData
     from moe_eval.plan.config import parse_config
     from moe_eval.runner import config_run_dir, task_data
@@ -63,6 +63,7 @@ def test_resume_reruns_a_row_whose_baseline_runs_again(tmp_path):
             "status": status,
             "config_sha256": config.sha256,
             "versions": versions(),
+            "rules": rules_digest(),
             "num_questions_evaluated": 4,
             "gsm8k": task_data(config, data).describe(),
             "mutation": None,
@@ -86,7 +87,7 @@ def test_resume_keeps_a_row_whose_questions_were_read_from_another_folder(tmp_pa
     import json
 
     from moe_eval.cli import resumable_outcomes
-    from moe_eval.core.results import versions
+    from moe_eval.core.results import rules_digest, versions
     from moe_eval.evaluate.gsm8k import Gsm8kData, questions_difference
     from moe_eval.plan.config import parse_config
     from moe_eval.runner import config_run_dir
@@ -117,6 +118,7 @@ def test_resume_keeps_a_row_whose_questions_were_read_from_another_folder(tmp_pa
         "status": "passed",
         "config_sha256": config.sha256,
         "versions": versions(),
+        "rules": rules_digest(),
         "num_questions_evaluated": 4,
         "gsm8k": there.describe(),
         "mutation": None,
@@ -132,7 +134,7 @@ def test_resume_says_why_a_row_runs_again(tmp_path):
     import json
 
     from moe_eval.cli import resumable_outcomes
-    from moe_eval.core.results import versions
+    from moe_eval.core.results import rules_digest, versions
     from moe_eval.evaluate.gsm8k import Gsm8kData
     from moe_eval.plan.config import parse_config
     from moe_eval.runner import config_run_dir, task_data
@@ -166,9 +168,19 @@ def test_resume_says_why_a_row_runs_again(tmp_path):
         0: "the earlier run has no results of it"
     }
 
+    # Judged by other rules (moe-eval's version is 0.1.0 whatever the gates are: e49cc3c kept such rows).
+    record |= {"versions": versions()}
+    (run_dir / "results.json").write_text(json.dumps(record))
+    assert resumable_outcomes(run_root, [config], data, None, {}).rerun == {
+        0: f"judged by other rules (the judging code's digest not recorded then, {rules_digest()} now)"
+    }
+    record |= {"rules": "0123456789abcdef"}
+    (run_dir / "results.json").write_text(json.dumps(record))
+    assert "digest 0123456789abcdef then" in resumable_outcomes(run_root, [config], data, None, {}).rerun[0]
+
     # The same file where the default concurrency moved (16 -> 256 on GPUs): its rows pair other batches.
     gpu = dataclasses.replace(config, max_concurrency=256)
-    record |= {"versions": versions(), "config": {"max_concurrency": 16}}
+    record |= {"versions": versions(), "rules": rules_digest(), "config": {"max_concurrency": 16}}
     (run_dir / "results.json").write_text(json.dumps(record))
     assert resumable_outcomes(run_root, [gpu], data, None, {}).rerun == {
         0: "max_concurrency 16 then, 256 now"

@@ -430,3 +430,13 @@ def test_a_random_weights_row_reads_n_a_never_a_passing_zero(tmp_path):
     )
     strict = next(line for line in run_table([outcome]).splitlines() if "strict-match" in line).split("|")
     assert strict[7:10] == ["n/a", "±", "n/a"] and "0.0000" not in "|".join(strict) and strict[-2] == "PASS"
+
+
+def test_compare_shows_a_layer_range_whose_ratio_is_null_as_infinite(tmp_path):
+    """results.json writes an infinite ratio (an error against an exact incumbent) as null: compare read it
+    with :.2f and raised TypeError (e49cc3c)."""
+    from moe_eval.report.compare import RunResult, _layer_rows
+
+    check = {"processes": 1, "ranges": [{"range": "M=1", "error": 2e-3, "incumbent_error": 0.0, "ratio": None}]}
+    run = RunResult(tmp_path, "m", "triton", 5, {}, "FAILED", {}, layer_check=check)
+    assert _layer_rows([run])[0] == ["layer error M=1", "", "RMS vs exact (x incumbent)", "2.00e-03 (x inf)"]
