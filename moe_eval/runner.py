@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -398,10 +399,15 @@ def _serve_and_evaluate(
         # Read while the server still runs: the counters' flusher thread wrote them within its interval.
         time.sleep(2 * STATS_INTERVAL_SECONDS)
         record.serving.bundled_kernel_calls = kernel_call_counts(run_dir)
-        layer_summary = None
+        layer_summary, not_measured = None, {}
         if config.layer_checked:
             files, problems = layer_cells.read_folder(run_dir)
-            layer_summary = summarize(files, layer_check_limits(config), config.layout.world_size, problems)
+            layer_summary, why = measured_or_why(
+                lambda: summarize(files, layer_check_limits(config), config.layout.world_size, problems),
+                "the layer check's tables could not be summarized",
+            )
+            if why is not None:
+                not_measured["layer_check"] = why
         _stage(options, "stopping the server")
     write_samples(run_dir / "samples.jsonl", result.samples)
     stats = answer_stats(result.samples, token_counts, config.max_tokens)
@@ -423,6 +429,7 @@ def _serve_and_evaluate(
         speed=speed,
         machine=machine_of(record.environment.hardware),
         workload=workload_identity(swept),
+        not_measured=not_measured,
     )
     # Scores first: a golden that cannot be made must not take the evaluation's numbers with it.
     record.evaluation = Evaluation(
@@ -439,13 +446,33 @@ def _serve_and_evaluate(
         cancel.raise_if_cancelled()  # a signal during the teardown: no golden server starts after it
 
         _stage(options, "comparing with the golden reference")
-        measured.golden, record.captures.golden = measure_golden(
-            config, options, data, model, run_dir, timings
+        # A golden that cannot be made is the golden gate not run: what the row measured is still judged (an
+        # accuracy regression stays a failure, never an infrastructure error).
+        made, why = measured_or_why(
+            lambda: measure_golden(config, options, data, model, run_dir, timings),
+            "the golden reference could not be made",
         )
+        if why is None:
+            measured.golden, record.captures.golden = made
+        else:
+            measured.not_measured["golden"] = why
+            record.captures.golden = {"not_made": why}
     judgement = judge(config, measured, frozenset(config.optional_gates) | set(options.optional_gates))
     record.judged = Judged(**judgement.sections)
     record.verdict.checks = judgement.checks
     record.verdict.status = judgement.verdict
+
+
+def measured_or_why(measure: Callable[[], Any], what: str) -> tuple[Any, str | None]:
+    """(measure(), None), or (None, why) where it failed on the infrastructure or on its own bug: one
+    measurement lost is its gate not run, never the row's other verdicts. A signal (Cancelled, Ctrl-C) and a
+    bad config still end the row."""
+    try:
+        return measure(), None
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001  named in the gate's not-run check
+        return None, f"{what}: {type(exc).__name__}: {exc}"
 
 
 def owed_cells(config: EvalConfig, run_dir: Path) -> dict[str, int]:

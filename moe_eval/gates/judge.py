@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moe_eval.core.check import Check, verdict
-from moe_eval.core.errors import InfraError
 from moe_eval.gates.measurements import Answers, GoldenRecord, Judgement, Measurements
 from moe_eval.gates.table import GATES, NOT_RUN_SUFFIX, Gate, planned
 from moe_eval.plan.config import EvalConfig
@@ -32,9 +31,9 @@ def judge(config: EvalConfig, m: Measurements, optional: frozenset[str] = frozen
             made = len(out.checks)
             try:
                 why = gate.rule(config, m, out)
-            except (InfraError, ArithmeticError, ValueError, KeyError, TypeError) as exc:
-                # The judge never raises: what it could not compute is that gate not run, with the reason,
-                # and the other gates' verdicts stand.
+            except Exception as exc:  # noqa: BLE001
+                # The judge never raises: what it could not compute (measurements of another shape, or a bug
+                # in the rule) is that gate not run, with the reason, and the other gates' verdicts stand.
                 del out.checks[made:]
                 why = f"its measurements could not be judged: {type(exc).__name__}: {exc}"
         if why is not None:
@@ -45,7 +44,10 @@ def judge(config: EvalConfig, m: Measurements, optional: frozenset[str] = frozen
     called = {gate.name for gate, _ in planned(config, m.incumbent is not None)}
     for gate in GATES:
         if gate.name not in called and gate.report is not None:
-            gate.report(config, m, out)  # a section only: no check, so no verdict rests on it
+            try:
+                gate.report(config, m, out)  # a section only: no check, so no verdict rests on it
+            except Exception as exc:  # noqa: BLE001  a report is never a verdict, nor the end of one
+                out.sections[gate.name] = {"skipped": f"not reported: {type(exc).__name__}: {exc}"}
     out.verdict = verdict(out.checks)
     return out
 

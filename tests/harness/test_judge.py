@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from moe_eval.core.check import Check, verdict
+from moe_eval.core.errors import ConfigError
 from moe_eval.core.logprob_texts import TextLogprobs
 from moe_eval.gates.checks import Baseline
 from moe_eval.gates.judge import Answers, GoldenRecord, Measurements, judge
@@ -418,3 +419,43 @@ def test_a_sweep_the_prefix_cache_shortened_is_another_workload():
     assert workload_identity({"fingerprint": "ab", "prefix_cache_hit_tokens": 32}) == (
         "ab with 32 prompt tokens from the prefix cache"
     )
+
+
+def test_a_rule_that_breaks_is_its_gate_not_run_and_every_other_verdict_stands(config, monkeypatch):
+    """The judge caught five exception types (e49cc3c): an AttributeError or IndexError in one rule lost every
+    check of the row. Now any exception of a rule is that gate not run, with its type and message."""
+    from moe_eval.gates import judge as judge_module
+    from moe_eval.gates import table
+
+    def broken(config, m, out):
+        return [][1]  # IndexError
+
+    gates = tuple(dataclasses.replace(g, rule=broken) if g.name == "golden" else g for g in table.GATES)
+    monkeypatch.setattr(table, "GATES", gates)
+    monkeypatch.setattr(judge_module, "GATES", gates)
+    got = judge(config, measured(config, answers_right=QUESTIONS // 2))
+    checks = _by_name(got)
+    assert "IndexError" in checks["golden_not_run"].detail and checks["golden_not_run"].status == "not_run"
+    assert checks["accuracy_gate"].status == "failed" and got.verdict == "failed"
+
+
+def test_a_golden_that_could_not_be_made_leaves_a_measured_accuracy_regression_failed(config):
+    """The golden server failed to start after the row's own evaluation (e49cc3c: the row ended "error",
+    exit 3, its accuracy regression lost): the measurement's failure is the golden gate not run, and the
+    row's verdict is its accuracy's."""
+    from moe_eval.core.errors import InfraError
+    from moe_eval.runner import measured_or_why
+
+    def golden_server():
+        raise InfraError("vLLM server exited with code 1 during startup")
+
+    made, why = measured_or_why(golden_server, "the golden reference could not be made")
+    assert made is None and why == (
+        "the golden reference could not be made: InfraError: vLLM server exited with code 1 during startup"
+    )
+    m = measured(config, answers_right=QUESTIONS // 2, golden=None, not_measured={"golden": why})
+    got = judge(config, m)
+    assert got.verdict == "failed" and _by_name(got)["golden_not_run"].detail == f"not run: {why}"
+    assert _by_name(got)["accuracy_gate"].status == "failed"
+    with pytest.raises(ConfigError):  # a bad config still ends the row, as does a signal
+        measured_or_why(lambda: (_ for _ in ()).throw(ConfigError("x")), "y")
