@@ -415,7 +415,9 @@ def _serve_and_evaluate(
     _read_server_log(record, run_dir, log_path)
     measured = Measurements(
         moe_backend_used=served_by,
-        answers=Answers(result.scores, result.num_questions, stats, correctness(result.samples)),
+        answers=Answers(
+            result.scores, result.num_questions, stats, correctness(result.samples), _asked(config, data)
+        ),
         jit=record.serving.jit_while_serving,
         speed_warnings=record.serving.speed_warnings_logged or [],
         kernel_calls=record.serving.bundled_kernel_calls,
@@ -461,6 +463,12 @@ def _serve_and_evaluate(
     record.judged = Judged(**judgement.sections)
     record.verdict.checks = judgement.checks
     record.verdict.status = judgement.verdict
+
+
+def _asked(config: EvalConfig, data: Gsm8kData) -> int | None:
+    """The questions asked of lm-eval: the config's, at most what the task holds (None: the rows unknown)."""
+    held = len(data.test_rows())
+    return min(config.num_questions, held) if held else None
 
 
 def measured_or_why(measure: Callable[[], Any], what: str) -> tuple[Any, str | None]:

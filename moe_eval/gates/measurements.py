@@ -19,9 +19,10 @@ class Answers:
     strict-match correctness."""
 
     scores: dict[str, dict[str, float]]
-    num_questions: int
+    num_questions: int  # the questions lm-eval scored (distinct questions in its samples)
     stats: dict[str, Any]
     correctness: dict[int, bool]
+    asked: int | None = None  # questions asked of lm-eval: the config's, at most the task's (None: unknown)
 
 
 @dataclass(frozen=True)

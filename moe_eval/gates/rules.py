@@ -35,8 +35,10 @@ from moe_eval.plan.config import EvalConfig
 def judge_served(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
     if m.answers is None:
         return "the evaluation made no answers"
-    n, asked = m.answers.stats["questions"], m.answers.num_questions
-    out.checks.append(Check("served", n == asked, f"{n} of {asked} questions answered by the server"))
+    # Against the questions asked, not a count of the same samples (which could not fail).
+    n = m.answers.num_questions
+    asked = m.answers.asked if m.answers.asked is not None else config.num_questions
+    out.checks.append(Check("served", n == asked, f"{n} of {asked} questions asked answered by the server"))
     return None
 
 

@@ -279,10 +279,7 @@ def test_an_incumbent_row_is_judged_by_what_it_served(config):
     assert got.checks[0].name == "served" and got.checks[0].passed
     assert {c.name for c in got.checks} <= {"served", "accuracy_gate", *GATE_BY_NAME["garbage"].checks}
     assert got.verdict == "passed"
-    short = dataclasses.replace(
-        measured(incumbent, incumbent=None).answers,
-        stats={"questions": 3, "empty": 0, "truncated": 0, "invalid": 0},
-    )
+    short = dataclasses.replace(measured(incumbent, incumbent=None).answers, num_questions=3)  # of 20 asked
     assert judge(incumbent, measured(incumbent, incumbent=None, answers=short)).verdict == "failed"
 
 
@@ -459,3 +456,17 @@ def test_a_golden_that_could_not_be_made_leaves_a_measured_accuracy_regression_f
     assert _by_name(got)["accuracy_gate"].status == "failed"
     with pytest.raises(ConfigError):  # a bad config still ends the row, as does a signal
         measured_or_why(lambda: (_ for _ in ()).throw(ConfigError("x")), "y")
+
+
+def test_served_fails_where_fewer_questions_were_answered_than_asked(config):
+    """e49cc3c compared two counts of the same samples (it could not fail): now the questions lm-eval scored
+    against those asked of it."""
+    m = measured(config)
+    short = dataclasses.replace(m.answers, num_questions=QUESTIONS - 3, asked=QUESTIONS)
+    check = _by_name(judge(config, dataclasses.replace(m, answers=short)))["served"]
+    assert (
+        not check.passed
+        and check.detail == f"{QUESTIONS - 3} of {QUESTIONS} questions asked answered by the server"
+    )
+    full = dataclasses.replace(m.answers, asked=QUESTIONS)
+    assert _by_name(judge(config, dataclasses.replace(m, answers=full)))["served"].passed
