@@ -66,7 +66,7 @@ def gsm8k_dir() -> str | None:
 
 
 TINY_CONFIG = """model_name: "builtin:tiny-qwen3-moe"
-accuracy_threshold: {threshold}
+{gate}
 num_questions: {questions}
 num_fewshot: 5
 max_tokens: 32
@@ -80,16 +80,18 @@ def tiny_config(
     tmp_path: Path,
     name: str,
     *,
-    threshold: float = 0.0,
+    threshold: float | None = None,
     questions: int = 8,
     concurrency: int = 16,
     extra: str = "",
 ) -> Path:
-    """A config of the random tiny MoE (accuracy 0: the model is not the point) in tmp_path/configs/cpu/."""
+    """A config of the random tiny MoE in tmp_path/configs/cpu/: random_weights (its answers not gated: the
+    model is not the point), or an accuracy_threshold (`threshold`) it fails (it answers nothing right)."""
     path = tmp_path / "configs" / "cpu" / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
+    gate = "random_weights: true" if threshold is None else f"accuracy_threshold: {threshold}"
     path.write_text(
-        TINY_CONFIG.format(threshold=threshold, questions=questions, concurrency=concurrency) + extra
+        TINY_CONFIG.format(gate=gate, questions=questions, concurrency=concurrency) + extra
     )
     return path
 

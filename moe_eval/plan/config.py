@@ -260,7 +260,7 @@ class EvalConfig:
     )
     layer_check_min_judged: float = Field(
         0.95,
-        ge=0.0,
+        gt=0.0,  # 0 would pass a check that judged nothing
         le=1.0,
         description="layer check: each reachable range needs this share of its (range, expert) cells "
         "judged on every rank; less ends the row not passed (incomplete, exit 6), the unjudged cells named",
@@ -406,7 +406,12 @@ def _problem(path: Path, data: dict[str, Any], error: ErrorDetails) -> str:
             b: getattr(m, b) for m in CONFIG_KEYS[key].metadata for b in ("gt", "ge", "le") if hasattr(m, b)
         }
         if "le" in bound:
-            reason = f"must be between {bound['ge']} and {bound['le']}"
+            low = f"above {bound['gt']}" if "gt" in bound else f"between {bound['ge']}"
+            reason = (
+                f"must be {low} and {bound['le']}"
+                if "ge" in bound
+                else f"must be {low} and at most {bound['le']}"
+            )
         else:
             reason = f"must be > {bound['gt']}" if "gt" in bound else f"must be >= {bound['ge']}"
     else:  # e.g. literal_error: "must be 'gsm8k' or 'canary'"
@@ -445,6 +450,14 @@ def parse_config(path: Path, text: str) -> EvalConfig:
         _ = config.layout
     except ValueError as exc:
         raise ConfigError(f"{path}: key 'server_args': value {config.server_args!r}: {exc}") from None
+    if config.accuracy_threshold is not None and config.accuracy_threshold - config.tolerance <= 0:
+        # A floor at or below 0 is met by any accuracy: a gate that cannot fail.
+        floor = config.accuracy_threshold - config.tolerance
+        raise ConfigError(
+            f"{path}: key 'tolerance': value {config.tolerance!r} leaves accuracy_threshold "
+            f"{config.accuracy_threshold!r} a floor of {floor:g}, which every accuracy meets (the gate could "
+            "not fail); make threshold - tolerance above 0"
+        )
     if config.golden_gated and config.logprob_texts < MIN_GOLDEN_TEXTS:
         raise ConfigError(
             f"{path}: key 'logprob_texts': value {config.logprob_texts} is too few for the golden "

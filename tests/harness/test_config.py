@@ -218,3 +218,19 @@ def test_an_absent_max_concurrency_comes_from_the_hardware_and_a_set_one_stays()
     assert effective_config(named, None, None, "h200")[0].max_concurrency == 32
     with pytest.raises(ConfigError, match="max_concurrency"):
         parse_config(P, MINIMAL + "max_concurrency: 0\n")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        # e49cc3c accepted both: a floor of 0 (or below) every accuracy meets, and a layer check that needed
+        # no cell judged
+        ("tolerance: 0.5\n", "key 'tolerance': value 0.5 leaves accuracy_threshold 0.5 a floor of 0,"),
+        ("tolerance: 0.6\n", "a floor of -0.1, which every accuracy meets"),
+        ("layer_check_min_judged: 0\n", "'layer_check_min_judged': value 0 must be above 0.0 and at most 1"),
+    ],
+)
+def test_values_that_leave_a_check_unable_to_fail_are_refused(extra, message):
+    text = MINIMAL + extra
+    with pytest.raises(ConfigError, match=message):
+        parse_config(P, text)
