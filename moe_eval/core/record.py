@@ -240,8 +240,9 @@ class Judged:
     golden_gate: GoldenGate | Skipped | None = key(
         "the error against the golden, the incumbent's, the rule, decode", optional=True
     )
-    speed: SpeedGate | None = key(
-        "per dispatch range the MoE call's time against the reference's (incumbent or --baseline)",
+    speed: SpeedGate | Skipped | None = key(
+        "per dispatch range the MoE call's time against the reference's (incumbent or --baseline); "
+        "{skipped} where a row reported only (the CPU) could not be compared",
         optional=True,
     )
 

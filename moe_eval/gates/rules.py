@@ -241,7 +241,11 @@ def judge_speed(config: EvalConfig, m: Measurements, out: Judgement) -> str | No
 
 def report_speed(config: EvalConfig, m: Measurements, out: Judgement) -> None:
     """A row timed beside an incumbent but not gated (the CPU): the same comparison, reported only."""
-    if not config.speed_reported(m.incumbent is not None) or _speed_comparable(config, m) is not None:
+    if not config.speed_reported(m.incumbent is not None):
+        return
+    why = _speed_comparable(config, m)
+    if why is not None:
+        out.sections["speed"] = {"skipped": f"not compared: {why}"}
         return
     _, section = speed_check(
         m.speed, m.incumbent.speed, _speed_margins(config), str(m.incumbent.results_path)
