@@ -262,9 +262,11 @@ class LayerCheck(TypedDict):
     """gates/layer_gate.py summary_record: the served MoE calls against the exact MoE."""
 
     processes: int
-    """processes that wrote their tables"""
+    """table files read (a process writes one per expert count it served)"""
+    ranks: NotRequired[int]
+    """distinct ranks among them: what coverage counts (absent before schema 9)"""
     world_size: int
-    """the processes the layout has"""
+    """the ranks the layout has"""
     layers: int
     """MoE layers in the tables"""
     counted_on: list[str]

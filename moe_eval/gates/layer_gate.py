@@ -122,8 +122,8 @@ class PowerRow:
 
 @dataclass
 class LayerSummary:
-    processes: int
-    world_size: int  # the processes the layout has
+    processes: int  # files read (a process keeps one per expert count it served)
+    world_size: int  # the ranks the layout has
     counted_on: list[str]
     max_tokens: int  # the most tokens one call can carry (the server's batched-token limit)
     layers: int
@@ -133,6 +133,7 @@ class LayerSummary:
     power: list[PowerRow] = field(default_factory=list)
     off_experts: int = 0
     problems: list[str] = field(default_factory=list)  # files that could not be read, missing ranks
+    ranks: int = 0  # distinct ranks among the files: what coverage counts (two files of one rank are one)
 
 
 def rank_name(rank: dict[str, Any]) -> str:
@@ -196,6 +197,7 @@ def summarize(
         max_tokens=max((int(f.meta.get("max_tokens", 0)) for f in files), default=0),
         layers=max((f.cells.shape[0] for f in files), default=0),
         problems=list(problems or []),
+        ranks=len({rank_name(f.rank) for f in files}),
     )
     if not files:
         return summary
@@ -342,16 +344,16 @@ def _coverage(summary: LayerSummary) -> Check:
     missing = [name for name in wanted if pooled.get(name) is None or pooled[name].rows < MIN_ROWS]
     covered = ", ".join(f"{name} {pooled[name].rows} rows" for name in wanted if name not in missing)
     detail = (
-        f"{summary.processes} of {summary.world_size} rank(s), {summary.layers} MoE layer(s); dispatch "
+        f"{summary.ranks} of {summary.world_size} rank(s), {summary.layers} MoE layer(s); dispatch "
         f"ranges up to the server's {summary.max_tokens} tokens per call: {covered or 'none'} compared"
         + (f"; NOT COMPARED (< {MIN_ROWS} rows): {', '.join(missing)}" if missing else "")
     )
-    if summary.processes < summary.world_size or summary.problems:
+    if summary.ranks < summary.world_size or summary.problems:
         lost = "; ".join(summary.problems)
         return Check(
             "layer_check_coverage",
             False,
-            f"not run: {summary.world_size - summary.processes} rank(s) wrote no layer-check tables"
+            f"not run: {summary.world_size - summary.ranks} rank(s) wrote no layer-check tables"
             + (f" ({lost})" if lost else "")
             + f": their calls were compared with nothing. {detail}",
             ran=False,
@@ -506,6 +508,7 @@ def summary_record(summary: LayerSummary, limits: LayerCheckLimits) -> dict[str,
     ]  # fmt: skip
     return {
         "processes": summary.processes,
+        "ranks": summary.ranks,
         "world_size": summary.world_size,
         "layers": summary.layers,
         "counted_on": summary.counted_on,

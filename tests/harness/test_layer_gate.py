@@ -396,3 +396,14 @@ def test_the_threshold_stays_defined_at_any_z_and_infinite_where_nothing_can_be_
     assert self_normalized_bound(40.0) >= 40.0  # the normal tail underflows there: no division by zero
     nu = np.array([1.0, np.inf, 0.0, np.nan])
     assert list(t_threshold(5.0, nu)) == [pytest.approx(self_normalized_bound(5.0)), 5.0, np.inf, np.inf]
+
+
+def test_coverage_counts_distinct_ranks_not_files():
+    """A process that served two expert counts writes two files: at TEP2 with rank 1 silent, e49cc3c read
+    "2 of 2 ranks" and passed coverage. Ranks are counted by who wrote, not by files."""
+    rank0 = {"tp_rank": 0, "tp_size": 2, "ep_rank": 0, "ep_size": 2, "use_ep": True}
+    files = [_file(rank=rank0), _file(rank=rank0, experts=16)]
+    summary = summarize(files, LIMITS, world_size=2)
+    assert (summary.processes, summary.ranks) == (2, 1)
+    coverage = next(c for c in layer_checks(summary, LIMITS) if c.name == "layer_check_coverage")
+    assert coverage.status == "not_run" and "1 rank(s) wrote no layer-check tables" in coverage.detail

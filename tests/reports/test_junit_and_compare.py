@@ -440,4 +440,4 @@ def test_compare_shows_a_layer_range_whose_ratio_is_null_as_infinite(tmp_path):
     null = {"range": "M=1", "error": 2e-3, "incumbent_error": 0.0, "ratio": None}
     check = {"processes": 1, "ranges": [null]}
     run = RunResult(tmp_path, "m", "triton", 5, {}, "FAILED", {}, layer_check=check)
-    assert _layer_rows([run])[0] == ["layer error M=1", "", "RMS vs exact (x incumbent)", "2.00e-03 (x inf)"]
+    assert _layer_rows([run])[0] == ["layer error M=1", "", "RMS vs exact (x incumbent)", "2.00e-03 (xinf)"]
