@@ -15,6 +15,8 @@ from moe_eval.core.errors import ConfigError
 from moe_eval.evaluate.gsm8k import Gsm8kData, gsm8k_data, hub_preflight
 from moe_eval.gates.checks import find_baseline
 from moe_eval.gates.table import describe_plan
+from moe_eval.kernels.mutations import check_mutation, check_target, parse_mutation
+from moe_eval.models.builtin import moe_shape
 from moe_eval.plan.config import EvalConfig, effective_config, load_config
 from moe_eval.plan.selection import (
     list_for_hardware,
@@ -151,11 +153,19 @@ def make_plan(
     selected, source = select_configs(hw, config_paths, shard_text, root_option, list_path)
     # --baseline (an earlier run) replaces the configs' baseline_config: nothing more to run.
     selected, dependencies, notes = with_baselines(selected) if not baseline_path else (selected, {}, [])
+    if mutation is not None:
+        parse_mutation(mutation)  # an unknown name or parameter: exit 4 before anything is planned
     effective = [effective_config(c, limit, mutation, hw) for c in selected]  # (config, its mutation)
     selected = [config for config, _ in effective]
     if baseline_path:  # refused now, before anything launches, when a config has no row there
         for config in selected:
             find_baseline(Path(baseline_path).resolve(), config)
+    for config, config_mutation in effective:
+        if config_mutation is not None:  # refused now, for `list` and `run --dry-run` as for the run
+            check_mutation(config_mutation, config)
+            shape = moe_shape(config.model_name)
+            if shape is not None:
+                check_target(config_mutation, shape.layers, shape.experts, config.model_name)
     data = gsm8k_data(gsm8k_dir)
     plan = RunPlan(hw, source, selected, dependencies, notes, data, baseline_path, tuple(optional_gates))
     plan.mutations = [config_mutation for _, config_mutation in effective]

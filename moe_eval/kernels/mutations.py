@@ -222,6 +222,25 @@ def slowdown(spec: Mutation | None, tokens: int) -> float:
     return spec.pct / 100.0 if inside else 0.0
 
 
+def check_target(name: str, layers: int, experts: int, model: str) -> None:
+    """Refuse (ConfigError) a target the model does not have: it would mutate nothing, and a "caught"
+    nothing proves no gate. layers, experts: the model's (models/builtin.moe_shape)."""
+    from moe_eval.core.errors import ConfigError
+
+    spec = parse_mutation(name)
+    if not spec.scales_an_expert:
+        return
+    if spec.expert is not None and spec.expert >= experts:
+        raise ConfigError(
+            f"--mutate {name}: expert {spec.expert} is not one of {model}'s {experts} experts "
+            f"(0..{experts - 1})"
+        )
+    if spec.layer is not None and spec.layer >= layers:
+        raise ConfigError(
+            f"--mutate {name}: layer {spec.layer} is not one of {model}'s {layers} layers (0..{layers - 1})"
+        )
+
+
 def check_mutation(name: str, config: Any) -> None:
     """Refuse (ConfigError) a mutation that cannot apply to this config."""
     from moe_eval.core.errors import ConfigError

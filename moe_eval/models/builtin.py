@@ -156,3 +156,46 @@ def build_tiny_moe(spec: TinyMoeSpec, out_dir: Path) -> None:
     model = Qwen3MoeForCausalLM(config).to(getattr(torch, spec.dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "moe_eval_spec.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """What a mutation's target must name: the model's layers (indices 0..layers-1) and global experts."""
+
+    layers: int
+    experts: int
+
+
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # as the families name it
+
+
+def moe_shape(model_name: str) -> MoeShape | None:
+    """The model's layer and expert counts without building or downloading it: a builtin's spec, the canary's
+    or a local checkpoint's config.json; None where only the server will know (a hub id)."""
+    name = model_name.removeprefix(BUILTIN_PREFIX)
+    if model_name.startswith(BUILTIN_PREFIX):
+        from moe_eval.models.twins import TWIN_PREFIX, TWINS
+
+        if name in BUILTIN_MODELS:
+            spec = BUILTIN_MODELS[name]
+            return MoeShape(spec.num_hidden_layers, spec.num_experts)
+        if name.startswith(TWIN_PREFIX) and name[len(TWIN_PREFIX) :] in TWINS:
+            twin = TWINS[name[len(TWIN_PREFIX) :]]
+            return _shape_of(twin.fields | {"num_hidden_layers": twin.layers})
+        path = CANARY_DIR / "config.json" if name == CANARY_NAME else None
+    else:
+        path = Path(model_name) / "config.json"
+    if path is None or not path.is_file():
+        return None
+    try:
+        return _shape_of(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def _shape_of(config: dict[str, Any]) -> MoeShape | None:
+    experts = next((config[k] for k in EXPERT_COUNT_KEYS if isinstance(config.get(k), int)), None)
+    layers = config.get("num_hidden_layers")
+    if experts is None or not isinstance(layers, int):
+        return None
+    return MoeShape(layers, experts)

@@ -124,7 +124,7 @@ def speed_cell(gate: dict | None, timing: dict | None) -> str:
 
 
 def ratio_text(ratio: float | None) -> str:
-    """"x1.02"; "xinf" for an error against an exact incumbent (results.json writes it null); 'no ratio'."""
+    """ "x1.02"; "xinf" for an error against an exact incumbent (results.json writes it null); 'no ratio'."""
     if ratio is None:
         return "no ratio"
     return "xinf" if math.isinf(ratio) else f"x{ratio:.2f}"

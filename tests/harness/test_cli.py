@@ -6,7 +6,7 @@ from pathlib import Path
 from tests.conftest import run_cli
 
 CONFIG = """model_name: "builtin:tiny-qwen3-moe"
-accuracy_threshold: 0.0
+accuracy_threshold: 0.5
 num_questions: 5
 num_fewshot: 5
 """
@@ -27,7 +27,7 @@ def test_validate_passes_on_the_repository(repo_root):
 
 def test_validate_fails_with_4_on_unknown_key_and_reports_every_problem(tmp_path):
     _config(tmp_path, CONFIG + "colour: blue\n", "a.yaml")
-    _config(tmp_path, CONFIG.replace("0.0", "7"), "b.yaml")
+    _config(tmp_path, CONFIG.replace("0.5", "7"), "b.yaml")
     _config(tmp_path, CONFIG + "moe_backend: torch\n", "Tiny-BF16-triton.yaml")  # name and content disagree
     result = run_cli(["validate", "--root", str(tmp_path)])
     assert result.returncode == 4

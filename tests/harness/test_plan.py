@@ -77,3 +77,26 @@ def test_the_run_plan_shows_the_configs_as_they_will_run():
     vllm_only = str(REPO_ROOT / "configs/canary-tp/Canary-Qwen3-MoE-BF16-vllm.yaml")
     with pytest.raises(ConfigError, match="no selected config runs a bundled kernel"):  # exit 4 in main()
         _invoke(["run", "--dry-run", "--mutate", "scale_one_expert", "--hw", "cpu", vllm_only])
+
+
+@pytest.mark.parametrize(
+    "mutation, message",
+    [
+        ("no_such", "'no_such' is not one of"),
+        ("scale_expert:expert=8", "expert 8 is not one of builtin:canary-qwen3-moe's 8 experts"),
+        ("scale_expert:layer=99", "layer 99 is not one of builtin:canary-qwen3-moe's 4 layers"),
+        ("small_batch_bypassed", "the tile choice it changes is the bundled Triton kernel's"),  # a torch row
+    ],
+)
+def test_the_plan_refuses_a_mutation_the_run_would_refuse_or_that_would_mutate_nothing(mutation, message):
+    """`run --dry-run --mutate no_such` exited 0 where the run exits 4 (e49cc3c); a target the model lacks
+    passed both and mutated nothing. The plan (list's twin) refuses both, naming the model's counts."""
+    from moe_eval.core.errors import ConfigError
+
+    torch_row = str(REPO_ROOT / "configs/canary-tp/Canary-Qwen3-MoE-BF16-torch.yaml")
+    with pytest.raises(ConfigError, match=message):
+        _invoke(["run", "--dry-run", "--mutate", mutation, "--hw", "cpu", torch_row])
+    code, _, _ = _invoke(
+        ["run", "--dry-run", "--mutate", "scale_expert:layer=3,expert=7", "--hw", "cpu", torch_row]
+    )
+    assert code == 0

@@ -98,7 +98,7 @@ def test_requested_backend_missing_from_server_is_exit_3(tmp_path, gsm8k_dir):
     path = tmp_path / "configs" / "cpu" / "Tiny-BF16-torch.yaml"
     path.parent.mkdir(parents=True)
     path.write_text(
-        'model_name: "builtin:tiny-qwen3-moe"\naccuracy_threshold: 0.0\nnum_questions: 2\n'
+        'model_name: "builtin:tiny-qwen3-moe"\nrandom_weights: true\nnum_questions: 2\n'
         'num_fewshot: 5\nmoe_backend: torch\nenv:\n  VLLM_PLUGINS: ""\n'
         'server_args: "--enforce-eager --max-model-len 4096"\n'
     )
@@ -117,7 +117,7 @@ def test_backend_that_cannot_run_here_fails_the_server_start_with_the_oracles_re
     path = tmp_path / "configs" / "cpu" / "Tiny-BF16-triton.yaml"
     path.parent.mkdir(parents=True)
     path.write_text(
-        'model_name: "builtin:tiny-qwen3-moe"\naccuracy_threshold: 0.0\nnum_questions: 2\n'
+        'model_name: "builtin:tiny-qwen3-moe"\nrandom_weights: true\nnum_questions: 2\n'
         'num_fewshot: 5\nmoe_backend: triton\nserver_args: "--enforce-eager --max-model-len 4096"\n'
     )
     args = ["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out"), str(path)]
