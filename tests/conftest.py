@@ -90,9 +90,7 @@ def tiny_config(
     path = tmp_path / "configs" / "cpu" / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     gate = "random_weights: true" if threshold is None else f"accuracy_threshold: {threshold}"
-    path.write_text(
-        TINY_CONFIG.format(gate=gate, questions=questions, concurrency=concurrency) + extra
-    )
+    path.write_text(TINY_CONFIG.format(gate=gate, questions=questions, concurrency=concurrency) + extra)
     return path
 
 

@@ -7,8 +7,18 @@ check (range, expert) cells, the accuracy gate questions.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass
 from typing import Any
+
+
+class Status(enum.StrEnum):
+    """A check's end: it judged (passed, failed), or it could not (not_run: required; skipped: optional)."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    NOT_RUN = "not_run"
+    SKIPPED = "skipped"
 
 
 @dataclass(frozen=True)

@@ -75,13 +75,11 @@ def garbage_checks(config: EvalConfig, stats: dict[str, Any]) -> list[Check]:
         count = stats[count_key]
         if count is None:
             checks.append(
-                Check(
-                    key, False, f"not run: {what}: could not be counted (token counts unavailable)", ran=False
-                )
+                Check.not_run(key, f"not run: {what}: could not be counted (token counts unavailable)")
             )
             continue
         rate = count / n
-        checks.append(Check(key, rate <= limit, f"{what}: {count}/{n} = {rate:.3f} (limit {limit:g})"))
+        checks.append(Check.judged(key, rate <= limit, f"{what}: {count}/{n} = {rate:.3f} (limit {limit:g})"))
     return checks
 
 
@@ -198,6 +196,6 @@ def machine_of(hardware: Any) -> str:
 def paired_check(baseline: Baseline, correct: dict[int, bool], alpha: float) -> tuple[Check, PairedResult]:
     """The paired gate: this run's per-question strict-match correctness against the baseline's."""
     result = paired_compare(baseline.correctness, correct, alpha)
-    return Check(
+    return Check.judged(
         "paired_gate", result.passed, result.describe() + f" [baseline {baseline.results_path}]"
     ), result

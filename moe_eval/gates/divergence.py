@@ -170,7 +170,7 @@ def divergence_checks(div: Divergence, limits: DivergenceLimits) -> list[Check]:
     if limits.max_mean_abs_dlogp is not None:
         lim = limits.max_mean_abs_dlogp
         checks.append(
-            Check(
+            Check.judged(
                 "logprob_mean_abs",
                 div.mean_abs_dlogp <= lim,
                 f"mean |Δ log p| {div.mean_abs_dlogp:.4g} (limit {lim:g}) {where}",
@@ -179,7 +179,7 @@ def divergence_checks(div: Divergence, limits: DivergenceLimits) -> list[Check]:
     if limits.max_p99_abs_dlogp is not None:
         lim = limits.max_p99_abs_dlogp
         checks.append(
-            Check(
+            Check.judged(
                 "logprob_p99_abs",
                 div.p99_abs_dlogp <= lim,
                 f"p99 |Δ log p| {div.p99_abs_dlogp:.4g} (limit {lim:g}; max {div.max_abs_dlogp:.4g}) {where}",
@@ -188,7 +188,7 @@ def divergence_checks(div: Divergence, limits: DivergenceLimits) -> list[Check]:
     if limits.max_top1_flip_rate is not None:
         lim = limits.max_top1_flip_rate
         checks.append(
-            Check(
+            Check.judged(
                 "logprob_top1_flips",
                 div.top1_flip_rate <= lim,
                 f"top-1 token changed at {div.top1_flips} positions = {div.top1_flip_rate:.4g} "
@@ -198,7 +198,7 @@ def divergence_checks(div: Divergence, limits: DivergenceLimits) -> list[Check]:
     if limits.max_kl_topk is not None:
         lim = limits.max_kl_topk
         checks.append(
-            Check(
+            Check.judged(
                 "logprob_kl",
                 div.kl_topk <= lim,
                 f"mean KL(base || new) on the shared top-k {div.kl_topk:.4g} (limit {lim:g}; "

@@ -9,14 +9,12 @@ check of its own (`<gate>_not_run`, `ran` false), shown wherever checks are.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from moe_eval.core.check import Check, verdict
 from moe_eval.gates.measurements import Answers, GoldenRecord, Judgement, Measurements
 from moe_eval.gates.table import GATES, NOT_RUN_SUFFIX, Gate, planned
 from moe_eval.plan.config import EvalConfig
 
-__all__ = ["Answers", "GoldenRecord", "Judgement", "Measurements", "judge", "not_run", "skipped"]
+__all__ = ["Answers", "GoldenRecord", "Judgement", "Measurements", "judge", "not_run"]
 
 
 def judge(config: EvalConfig, m: Measurements, optional: frozenset[str] = frozenset()) -> Judgement:
@@ -40,7 +38,7 @@ def judge(config: EvalConfig, m: Measurements, optional: frozenset[str] = frozen
             out.checks.append(not_run(gate, why, False))
         gate_checks = set(gate.checks) | {f"{gate.name}{NOT_RUN_SUFFIX}"}
         if gate.name in optional:  # what an optional gate could not measure is skipped, not a pass
-            out.checks = [skipped(c) if c.name in gate_checks and not c.ran else c for c in out.checks]
+            out.checks = [c.skipped() if c.name in gate_checks and not c.ran else c for c in out.checks]
     called = {gate.name for gate, _ in planned(config, m.incumbent is not None)}
     for gate in GATES:
         if gate.name not in called and gate.report is not None:
@@ -54,11 +52,5 @@ def judge(config: EvalConfig, m: Measurements, optional: frozenset[str] = frozen
 
 def not_run(gate: Gate, why: str, optional: bool) -> Check:
     """A gate called for that could not run: it stands in the way of a pass unless declared optional."""
-    check = Check(f"{gate.name}{NOT_RUN_SUFFIX}", False, f"not run: {why}", ran=False)
-    return skipped(check) if optional else check
-
-
-def skipped(check: Check) -> Check:
-    """A check of an optional gate that could not measure: status skipped, not in the way of a pass."""
-    detail = check.detail.removeprefix("not run: ").removeprefix("not run")
-    return replace(check, passed=True, detail="not run (optional here): " + detail.lstrip(": "))
+    check = Check.not_run(f"{gate.name}{NOT_RUN_SUFFIX}", f"not run: {why}")
+    return check.skipped() if optional else check

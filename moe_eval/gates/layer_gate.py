@@ -319,12 +319,10 @@ def layer_checks(summary: LayerSummary, limits: LayerCheckLimits) -> list[Check]
     if summary.processes == 0:
         why = "; ".join(summary.problems) or "(<run>/layer-check/ holds no file)"
         return [
-            Check(
+            Check.not_run(
                 "layer_check_coverage",
-                False,
                 f"not run: no process of the server wrote layer-check tables {why}: the MoE calls were "
                 "compared with nothing",
-                ran=False,
             )
         ]
     return [
@@ -350,17 +348,15 @@ def _coverage(summary: LayerSummary) -> Check:
     )
     if summary.ranks < summary.world_size or summary.problems:
         lost = "; ".join(summary.problems)
-        return Check(
+        return Check.not_run(
             "layer_check_coverage",
-            False,
             f"not run: {summary.world_size - summary.ranks} rank(s) wrote no layer-check tables"
             + (f" ({lost})" if lost else "")
             + f": their calls were compared with nothing. {detail}",
-            ran=False,
         )
     if missing:  # ranges the server can reach that the check did not see: not measured, not a kernel fault
-        return Check("layer_check_coverage", False, f"not run: {detail}", ran=False)
-    return Check("layer_check_coverage", True, detail)
+        return Check.not_run("layer_check_coverage", f"not run: {detail}")
+    return Check.judged("layer_check_coverage", True, detail)
 
 
 def _ranges(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
@@ -381,8 +377,8 @@ def _ranges(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
         f"limit {1 + limits.margin:.2f}: "
     )
     if not judged:
-        return Check("layer_check_ranges", False, "not run: " + head + text, ran=False)
-    return Check("layer_check_ranges", not worse, head + text)
+        return Check.not_run("layer_check_ranges", "not run: " + head + text)
+    return Check.judged("layer_check_ranges", not worse, head + text)
 
 
 def _experts(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
@@ -398,10 +394,10 @@ def _experts(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
         text = "; ".join(_describe_cell(c) for c in off[:NAMED])
         text += f" (+{summary.off_experts - NAMED} more)" if summary.off_experts > NAMED else ""
     elif biggest is None:
-        return Check("layer_check_experts", False, f"not run: {head}no cell judged", ran=False)
+        return Check.not_run("layer_check_experts", f"not run: {head}no cell judged")
     else:
         text = f"none off; largest judged {_describe_cell(biggest)}"
-    return Check("layer_check_experts", not off, head + text)
+    return Check.judged("layer_check_experts", not off, head + text)
 
 
 def _is_off(c: Cell, bound: float) -> bool:
@@ -428,8 +424,8 @@ def _activation(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
         f"limit +-{limits.activation_bound:g} and beyond the incumbent's by t(dof) at z = {limits.z:g}: "
     )
     if not off and largest is None:
-        return Check("layer_check_activation", False, "not run: " + head + text, ran=False)
-    return Check("layer_check_activation", not off, head + text)
+        return Check.not_run("layer_check_activation", "not run: " + head + text)
+    return Check.judged("layer_check_activation", not off, head + text)
 
 
 def _power(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
@@ -455,13 +451,11 @@ def _power(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
         )
         if never:
             named = (named + "; " if named else "") + f"no cell at all in {', '.join(never)}"
-        return Check(
+        return Check.not_run(
             "layer_check_power",
-            False,
             f"not run: under {limits.min_judged:.0%} of the cells judged: {named}. {detail}",
-            ran=False,
         )
-    return Check("layer_check_power", True, detail)
+    return Check.judged("layer_check_power", True, detail)
 
 
 def _describe_power(p: PowerRow) -> str:

@@ -38,7 +38,9 @@ def judge_served(config: EvalConfig, m: Measurements, out: Judgement) -> str | N
     # Against the questions asked, not a count of the same samples (which could not fail).
     n = m.answers.num_questions
     asked = m.answers.asked if m.answers.asked is not None else config.num_questions
-    out.checks.append(Check("served", n == asked, f"{n} of {asked} questions asked answered by the server"))
+    out.checks.append(
+        Check.judged("served", n == asked, f"{n} of {asked} questions asked answered by the server")
+    )
     return None
 
 
@@ -62,7 +64,7 @@ def judge_accuracy(config: EvalConfig, m: Measurements, out: Judgement) -> str |
         "power_n": n,
     }
     power = describe_power(n, config.accuracy_threshold, gate.floor)
-    out.checks.append(Check("accuracy_gate", gate.passed, f"{gate.describe()}; {power}"))
+    out.checks.append(Check.judged("accuracy_gate", gate.passed, f"{gate.describe()}; {power}"))
     return None
 
 
@@ -145,14 +147,14 @@ def judge_jit(config: EvalConfig, m: Measurements, out: Judgement) -> str | None
             "vLLM's JIT monitor never started (no 'Kernel JIT monitor activated' in server.log), so "
             "compilations while serving cannot be counted"
         )
-        out.checks.append(Check("jit_while_serving", False, "not run: " + detail, ran=False))
+        out.checks.append(Check.not_run("jit_while_serving", "not run: " + detail))
         return None
     kernels = f" ({', '.join(jit['kernels'])})" if jit["kernels"] else ""
     detail = (
         f"kernel compilations while serving: {jit['count']}{kernels} (limit {limit}; "
         f"{jit['monitored_processes']} process(es) monitored)"
     )
-    out.checks.append(Check("jit_while_serving", jit["count"] <= limit, detail))
+    out.checks.append(Check.judged("jit_while_serving", jit["count"] <= limit, detail))
     return None
 
 
@@ -167,7 +169,7 @@ def judge_kernel_calls(config: EvalConfig, m: Measurements, out: Judgement) -> s
         f"{calls['calls']} MoE calls ({calls['tokens']} tokens) counted by {calls['processes']} of "
         f"{ranks} rank(s), on {', '.join(map(str, calls['counted_on'])) or 'nothing'}"
     )
-    out.checks.append(Check("bundled_kernel_calls", ran, detail))
+    out.checks.append(Check.judged("bundled_kernel_calls", ran, detail))
     return None
 
 
@@ -338,7 +340,7 @@ def judge_golden(config: EvalConfig, m: Measurements, out: Judgement) -> str | N
         f"{incumbent.signed_mean:+.5f}; "
         f"{power_text} [golden {golden.digest}]"
     )
-    out.checks.append(Check("golden_gate", not rule.failed, detail))
+    out.checks.append(Check.judged("golden_gate", not rule.failed, detail))
     out.checks += _decode(config, m, gate)
     return None
 
@@ -357,7 +359,7 @@ def _decode(config: EvalConfig, m: Measurements, gate: dict[str, Any]) -> list[C
         gate["decode"] = {"skipped": f"{missing} made no greedy continuations (decode_texts 0?)"}
         if config.decode_texts == 0:  # not asked for
             return []
-        return [Check("golden_gate_decode", False, f"not run: {gate['decode']['skipped']}", ran=False)]
+        return [Check.not_run("golden_gate_decode", f"not run: {gate['decode']['skipped']}")]
     try:
         run = decode_errors(golden_decode, m.decode)
         incumbent = decode_errors(golden_decode, m.incumbent_decode)
@@ -385,17 +387,17 @@ def _decode(config: EvalConfig, m: Measurements, gate: dict[str, Any]) -> list[C
         if mine < theirs:  # judged, and failed: the record says so, never "skipped" beside a failure
             gate["decode"]["failed"] = f"{firsts}: fewer than the incumbent"
             return [
-                Check("golden_gate_decode", False, f"decode: {firsts}: fewer than the incumbent; {shared}")
+                Check.judged(
+                    "golden_gate_decode", False, f"decode: {firsts}: fewer than the incumbent; {shared}"
+                )
             ]
         gate["decode"]["skipped"] = "fewer than 2 continuations share a first token with the golden's"
-        return [
-            Check("golden_gate_decode", False, f"not run: {firsts}: too few to compare; {shared}", ran=False)
-        ]
+        return [Check.not_run("golden_gate_decode", f"not run: {firsts}: too few to compare; {shared}")]
     detail = (
         f"decode: {rule.describe()}; error {run.mean_abs:.5f} vs incumbent's {incumbent.mean_abs:.5f}; "
         f"{shared}"
     )
-    return [Check("golden_gate_decode", not rule.failed, detail)]
+    return [Check.judged("golden_gate_decode", not rule.failed, detail)]
 
 
 def incumbent_description(config: EvalConfig, baseline: Baseline) -> dict[str, Any]:

@@ -306,7 +306,7 @@ def speed_check(
     if slow:
         listed = "; ".join(_named(r) for r in slow)
         detail = f"slower than {reference_name} in {len(slow)} of {len(judged)} dispatch ranges: {listed}"
-        return Check("speed_gate", False, f"{detail}; {counted}", evidence=evidence), section
+        return Check.judged("speed_gate", False, f"{detail}; {counted}", evidence=evidence), section
     sensitivity = "; ".join(f"{r.range} x{r.would_catch:.3f}" for r in judged)
     if missing:
         detail = (
@@ -314,12 +314,12 @@ def speed_check(
             f"({', '.join(r.range for r in missing)}), so no pass stands on the other {len(judged)}; "
             f"none judged was slower; {counted}"
         )
-        return Check("speed_gate", False, detail, ran=False, evidence=evidence), section
+        return Check.not_run("speed_gate", detail, evidence=evidence), section
     detail = (
         f"no range slower than {reference_name} beyond x(1 + margin) and noise in {len(judged)} of "
         f"{len(judged)} judged ranges; worst {_named(worst)}; would catch (80 %): {sensitivity}; {counted}"
     )
-    return Check("speed_gate", True, detail, evidence=evidence), section
+    return Check.judged("speed_gate", True, detail, evidence=evidence), section
 
 
 def _named(r: RangeSpeed) -> str:

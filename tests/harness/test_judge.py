@@ -260,15 +260,20 @@ def test_the_reason_a_gate_did_not_run_is_said(config):
 
 def test_verdict_of_nothing_judged_is_not_a_pass():
     assert verdict([]) == "incomplete"
-    assert verdict([Check("a", True, "")]) == "passed"
-    assert verdict([Check("a", True, ""), Check("b_not_run", False, "not run: x", ran=False)]) == "incomplete"
-    assert verdict([Check("a", False, ""), Check("b_not_run", False, "not run: x", ran=False)]) == "failed"
+    assert verdict([Check.judged("a", True, "")]) == "passed"
+    assert verdict([Check.judged("a", True, ""), Check.not_run("b_not_run", "not run: x")]) == "incomplete"
+    assert verdict([Check.judged("a", False, ""), Check.not_run("b_not_run", "not run: x")]) == "failed"
     # Issue 41: a row whose every check was skipped (optional, could not measure) proved nothing: at 593f15d
     # it passed.
-    only_skipped = Check("b_not_run", True, "not run (optional here): x", ran=False)
+    only_skipped = Check.not_run("b_not_run", "not run (optional here): x").skipped()
     assert only_skipped.status == "skipped" and verdict([only_skipped]) == "incomplete"
-    assert verdict([Check("a", True, ""), only_skipped]) == "passed"
-    statuses = [Check("a", True, ""), Check("a", False, ""), Check("b", False, "", ran=False), only_skipped]
+    assert verdict([Check.judged("a", True, ""), only_skipped]) == "passed"
+    statuses = [
+        Check.judged("a", True, ""),
+        Check.judged("a", False, ""),
+        Check.not_run("b", ""),
+        only_skipped,
+    ]
     assert [c.status for c in statuses] == ["passed", "failed", "not_run", "skipped"]
     assert [c.as_dict()["status"] for c in statuses] == ["passed", "failed", "not_run", "skipped"]
 

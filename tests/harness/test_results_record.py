@@ -73,8 +73,8 @@ def test_a_bad_file_is_refused_naming_it(tmp_path, text, message):
 def test_the_verdict_is_a_function_of_the_checks_alone():
     from moe_eval.core.check import Check, verdict
 
-    assert verdict([Check("a", True, ""), Check("b", True, "")]) == "passed"
-    assert verdict([Check("a", True, ""), Check("golden_gate", False, "ratio 1.6")]) == "failed"
+    assert verdict([Check.judged("a", True, ""), Check.judged("b", True, "")]) == "passed"
+    assert verdict([Check.judged("a", True, ""), Check.judged("golden_gate", False, "ratio 1.6")]) == "failed"
     # Nothing judged is no pass (issue 33): a random-weights incumbent row is judged by the `served` gate.
     assert verdict([]) == "incomplete"
 
@@ -108,7 +108,7 @@ def test_every_status_the_runner_writes_validates_against_the_schema():
     )
     incomplete.identity.config_sha256 = "0" * 64
     incomplete.judged.gate = {"skipped": "random weights"}
-    incomplete.verdict.checks = [Check("golden_not_run", False, "no scoring texts", ran=False)]
+    incomplete.verdict.checks = [Check.not_run("golden_not_run", "no scoring texts")]
     incomplete.verdict.status = "incomplete"
     errored = RunRecord()
     errored.identity.config_sha256 = "1" * 64
@@ -156,7 +156,7 @@ def test_the_summary_round_trips(tmp_path):
                 str(tmp_path / "a"),
                 None,
                 None,
-                [Check("served", True, "8 of 8")],
+                [Check.judged("served", True, "8 of 8")],
                 "bundled:torch",
                 1,
                 False,

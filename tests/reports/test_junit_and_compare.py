@@ -37,7 +37,7 @@ def _outcome(tmp_path: Path, name: str, status: str) -> ConfigOutcome:
         return outcome
     acc = 0.9 if status == "passed" else 0.5
     outcome.gate = GateResult(accuracy=acc, stderr=0.05, threshold=0.8, tolerance=0.08)
-    outcome.checks = [Check("accuracy_gate", outcome.gate.passed, outcome.gate.describe())]
+    outcome.checks = [Check.judged("accuracy_gate", outcome.gate.passed, outcome.gate.describe())]
     return outcome
 
 
@@ -426,7 +426,7 @@ def test_a_random_weights_row_reads_n_a_never_a_passing_zero(tmp_path):
             "strict-match": {"accuracy": 0.0, "stderr": 0.0},
             "flexible-extract": {"accuracy": 0.0, "stderr": 0.0},
         },
-        checks=[Check("golden_gate", True, "ratio 0.99")],
+        checks=[Check.judged("golden_gate", True, "ratio 0.99")],
     )
     strict = next(line for line in run_table([outcome]).splitlines() if "strict-match" in line).split("|")
     assert strict[7:10] == ["n/a", "±", "n/a"] and "0.0000" not in "|".join(strict) and strict[-2] == "PASS"
