@@ -5,7 +5,7 @@
 
 For each config of a run that has greedy continuations (decode.jsonl) and a baseline_config in the same run
 folder: the golden's continuations (DIR/<digest>/decode.jsonl, the digest from the row's results.json),
-the row's and its incumbent's errors by `moe_eval.gates.golden_gate.decode_errors` and the verdict of
+the row's and its incumbent's errors by `moe_eval.gates.golden_errors.decode_errors` and the verdict of
 `decode_rule` with the row's margin and alpha. The verdict the run recorded is shown beside it, so a
 change of the rule is seen on the same captures.
 """
@@ -21,14 +21,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_eval.core.logprob_texts import read_logprobs  # noqa: E402
 from moe_eval.core.record import RunRecord, result_files  # noqa: E402
-from moe_eval.gates.golden_gate import decode_errors, decode_rule  # noqa: E402
+from moe_eval.gates.golden_errors import decode_errors, decode_rule  # noqa: E402
 
 
 def rows_of(run_folder: Path, goldens: Path) -> list[dict]:
     rows = []
     for path in result_files(run_folder):
         record = RunRecord.read(path)
-        gate = record.judged.golden_gate or {}
+        gate = record.judged.get("golden_gate") or {}
         baseline = record.config.get("baseline_config")
         decode = path.parent / "decode.jsonl"
         if not gate.get("golden") or not baseline or not decode.is_file():

@@ -39,7 +39,7 @@ from moe_eval.core.results import versions
 from moe_eval.evaluate import lm_eval_model
 from moe_eval.evaluate.gsm8k import canary_data, gsm8k_data, run_gsm8k
 from moe_eval.evaluate.serving import server_launch, serving
-from moe_eval.gates.checks import correctness, first_response, per_question
+from moe_eval.gates.answers import correctness, first_response, per_question
 from moe_eval.gates.stats import paired_compare
 from moe_eval.models.builtin import resolve_model
 from moe_eval.plan.config import EvalConfig, load_config

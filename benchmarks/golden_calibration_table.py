@@ -18,7 +18,7 @@ from moe_eval.core.record import RunRecord, RunSummary, result_files
 from moe_eval.core.results import atomic_write_json
 from moe_eval.evaluate.golden import PROBE_SCALE_ERROR
 from moe_eval.gates.divergence import divergence
-from moe_eval.gates.golden_gate import errors_vs_golden, scale_error_power
+from moe_eval.gates.golden_errors import errors_vs_golden, scale_error_power
 
 
 def _checks(record: RunRecord) -> dict[str, bool]:
@@ -26,9 +26,9 @@ def _checks(record: RunRecord) -> dict[str, bool]:
 
 
 def _power(path: Path, record: RunRecord, work: Path) -> float | None:
-    """The gate's power recomputed by the committed code (moe_eval.gates.golden_gate) from the files the run
+    """The gate's power recomputed by the committed code (moe_eval.gates.golden_errors) from the files the run
     left: a run folder made by an earlier version keeps its own number in results.json."""
-    gate = record.judged.golden_gate or {}
+    gate = record.judged.get("golden_gate") or {}
     golden = Path(record.captures.golden["path"])
     incumbent = Path(gate["incumbent"]["results"]).parent / "logprobs.jsonl"
     if not golden.is_dir():  # moved with the run folders: a copy of its cache in WORK (goldens-*/<digest>)
@@ -84,7 +84,7 @@ def rows(work: Path) -> list[dict]:
     found = []
     for path in result_files(work):
         record = RunRecord.read(path)
-        gate = record.judged.golden_gate or {}
+        gate = record.judged.get("golden_gate") or {}
         if record.config.get("moe_backend") is None or "ratio" not in gate:
             continue
         if not _ran_in_its_run(path, work):
@@ -101,7 +101,7 @@ def rows(work: Path) -> list[dict]:
                 "accuracy_gate": checks.get("accuracy_gate"),
                 "mcnemar": checks.get("paired_gate"),
                 "old_divergence_gate": all(old) if old else None,
-                "old_mean_abs": (record.judged.divergence or {}).get("mean_abs_dlogp"),
+                "old_mean_abs": (record.judged.get("divergence") or {}).get("mean_abs_dlogp"),
                 "error": gate["run"]["mean_abs"],
                 "incumbent_error": gate["incumbent"]["errors"]["mean_abs"],
                 "ratio": gate["ratio"],

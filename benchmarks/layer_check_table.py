@@ -32,7 +32,7 @@ def rows(folder: Path) -> list[dict]:
     out = []
     for path in result_files(folder):
         record = RunRecord.read(path)
-        check = record.judged.layer_check
+        check = record.judged.get("layer_check")
         if not isinstance(check, dict) or not (path.parent / "layer-check").is_dir():
             continue  # vLLM's own kernel: no layer check
         limits = LayerCheckLimits(**check["limits"])
@@ -57,7 +57,7 @@ def rows(folder: Path) -> list[dict]:
         flagged = [
             c for c in flagged if abs(c.scale) > limits.scale_bound and abs(c.scale) > abs(c.incumbent_scale)
         ]
-        golden = record.judged.golden_gate or {}
+        golden = record.judged.get("golden_gate") or {}
         out.append(
             {
                 "run": folder.name,
@@ -65,7 +65,7 @@ def rows(folder: Path) -> list[dict]:
                 "mutation": record.mutation,
                 "status": record.status,
                 # A random-weight twin's answers mean nothing: n/a, never 0.000.
-                "accuracy": None if "skipped" in (record.judged.gate or {}) else record.accuracy,
+                "accuracy": None if "skipped" in (record.judged.get("gate") or {}) else record.accuracy,
                 "golden_ratio": golden.get("ratio"),
                 "golden_failed": (golden.get("rule") or {}).get("failed"),
                 "layers": summary.layers,

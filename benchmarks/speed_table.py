@@ -27,7 +27,7 @@ def slim(path: Path) -> dict:
         "machine": record.environment.hardware.gpus or [record.environment.hardware.cpu],
         "checks": [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in record.verdict.checks],
         "timing": record.captures.timing,
-        "speed": record.judged.speed,
+        "speed": record.judged.get("speed"),
         "timings": {k: round(v, 1) for k, v in record.bookkeeping.timings.items()},
     }
 

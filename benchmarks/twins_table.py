@@ -23,7 +23,7 @@ from moe_eval.core.record import RunRecord  # noqa: E402
 
 def row(results: Path) -> dict[str, Any]:
     r = RunRecord.read(results)
-    div, gate = r.judged.divergence or {}, r.judged.golden_gate or {}
+    div, gate = r.judged.get("divergence") or {}, r.judged.get("golden_gate") or {}
     serving, timings = r.serving, r.bookkeeping.timings
     return {
         "config": f"{results.parent.parent.name}/{results.parent.name}",

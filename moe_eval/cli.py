@@ -17,8 +17,8 @@ import click
 
 from moe_eval.core.errors import ConfigError, ExitCode, InfraError, MoeEvalError
 from moe_eval.core.status import progress_line
+from moe_eval.gates.registry import gate_names
 from moe_eval.plan.config import EvalConfig
-from moe_eval.plan.gate_names import GATE_NAMES
 from moe_eval.plan.selection import HARDWARE
 from moe_eval.run_plan import REPO_ROOT, make_plan, select_configs
 from moe_eval.serve import cancel
@@ -78,7 +78,7 @@ optional_gate_option = click.option(
     "--optional-gate",
     "optional_gates",
     multiple=True,
-    type=click.Choice(GATE_NAMES),
+    type=click.Choice(gate_names()),
     metavar="GATE",
     help="A gate (as `moe-eval list` names it) that may end 'not run' without making the run incomplete "
     "(exit 6); repeatable. Configs declare theirs with the optional_gates key.",
@@ -462,7 +462,7 @@ def write_run_reports(
                 status=o.status,
                 run_dir=str(o.run_dir),
                 error=o.error,
-                gate=o.gate.as_dict() if o.gate else None,
+                gate=o.section("gate"),
                 checks=o.checks,
                 moe_backend_used=o.moe_backend_used,
                 attempts=len(o.attempts) + 1,
@@ -607,7 +607,9 @@ def validate(root: str | None) -> None:
     from moe_eval.plan.validate import validate_repository
 
     base = Path(root).resolve() if root else (Path.cwd() if (Path.cwd() / "configs").is_dir() else REPO_ROOT)
-    problems, checked = validate_repository(base)
+    from moe_eval.gates.registry import config_problems
+
+    problems, checked = validate_repository(base, config_problems)
     for problem in problems:
         click.echo(f"error: {problem}", err=True)
     if problems:

@@ -33,7 +33,6 @@ from moe_eval.core.record import (
     Evaluation,
     Hardware,
     Identity,
-    Judged,
     LayoutInfo,
     RunError,
     RunRecord,
@@ -44,20 +43,12 @@ from moe_eval.evaluate.gsm8k import Gsm8kData, canary_data, run_gsm8k
 from moe_eval.evaluate.layer_sweep import reach_every_range, sweep_target
 from moe_eval.evaluate.moe_speed import end_to_end, timed_sweep
 from moe_eval.evaluate.serving import score_texts, server_launch, serving
-from moe_eval.gates.accuracy import GateResult
-from moe_eval.gates.checks import (
-    Baseline,
-    answer_stats,
-    correctness,
-    first_response,
-    machine_of,
-    per_question,
-    workload_identity,
-)
+from moe_eval.gates.answers import answer_stats, correctness, first_response, per_question
 from moe_eval.gates.judge import judge
-from moe_eval.gates.layer_gate import MIN_ROWS, reachable_ranges, summarize
-from moe_eval.gates.measurements import Answers, Measurements
-from moe_eval.gates.rules import layer_check_limits
+from moe_eval.gates.layer_gate import layer_check_limits
+from moe_eval.gates.layer_summary import MIN_ROWS, reachable_ranges, summarize
+from moe_eval.gates.measurements import Answers, Baseline, Measurements
+from moe_eval.gates.speed import machine_of, workload_identity
 from moe_eval.models.builtin import resolve_model
 from moe_eval.plan.config import EvalConfig
 from moe_eval.serve import cancel
@@ -99,12 +90,12 @@ class RunOptions:
 @dataclass
 class ConfigOutcome:
     """What the scheduler, the report and JUnit read of a finished config: a view of its RunRecord (built by
-    `from_record`, never filled beside it), plus what only the run knows (its folder, resumed)."""
+    `from_record`, never filled beside it), plus what only the run knows (its folder, resumed). The gates'
+    sections are the record's `judged`, read by key (`section`): the registry says which gate writes which."""
 
     config: EvalConfig
     run_dir: Path
     status: str = "error"  # one of moe_eval.core.check.STATUSES
-    gate: GateResult | None = None
     checks: list[Check] = field(default_factory=list)
     scores: dict[str, dict[str, float | None]] | None = None
     moe_backend_used: str | None = None
@@ -112,12 +103,13 @@ class ConfigOutcome:
     timings: dict[str, float] = field(default_factory=dict)
     attempts: list[Attempt] = field(default_factory=list)  # earlier attempts (run --retries), oldest first
     resumed: bool = False  # taken as it was from the folder given to run --resume
-    detectable_drop: float | None = None  # the accuracy gate's power: the drop it catches 80% of the time
-    divergence: dict | None = None  # log-probabilities against the baseline (results.json "divergence")
-    golden_gate: dict | None = None  # the error against the golden reference, with the incumbent's
-    layer_check: dict | None = None  # the served MoE calls against the exact MoE (results.json "layer_check")
-    speed: dict | None = None  # the speed gate (results.json judged "speed"), where it judged
-    moe_timing: dict | None = None  # the served MoE calls' time per range (captures.timing.moe), where timed
+    judged: dict[str, Any] = field(default_factory=dict)  # each gate's results.json section, by its key
+    timing: dict[str, Any] | None = None  # the served MoE calls' time per range (captures.timing.moe)
+
+    def section(self, key: str) -> Any:
+        """A gate's section (None: not judged); a {skipped} one reads None too."""
+        value = self.judged.get(key)
+        return None if not isinstance(value, dict) or "skipped" in value else value
 
     @property
     def failed_checks(self) -> list[Check]:
@@ -131,30 +123,18 @@ class ConfigOutcome:
     @classmethod
     def from_record(cls, config: EvalConfig, run_dir: Path, record: RunRecord) -> ConfigOutcome:
         """The outcome a results.json describes (written by run_config, maybe in another process)."""
-        gate = record.judged.gate
-        gate = gate if gate and "skipped" not in gate else None
         return cls(
             config=config,
             run_dir=run_dir,
             status=record.status,
-            gate=GateResult(
-                **{k: gate[k] for k in ("accuracy", "stderr", "threshold", "tolerance")},
-                stderr_k=gate.get("stderr_k"),
-            )
-            if gate
-            else None,
             checks=list(record.verdict.checks),
             scores=record.evaluation.scores,
             moe_backend_used=record.serving.moe_backend_used,
             error=record.bookkeeping.error.message if record.bookkeeping.error else None,
             timings=record.bookkeeping.timings,
             attempts=list(record.bookkeeping.attempts or []),
-            detectable_drop=(gate or {}).get("detectable_drop"),
-            divergence=record.judged.divergence,
-            golden_gate=record.judged.golden_gate,
-            layer_check=record.judged.layer_check,
-            speed=record.judged.speed,
-            moe_timing=(record.captures.timing or {}).get("moe"),
+            judged=dict(record.judged),
+            timing=(record.captures.timing or {}).get("moe"),
         )
 
 
@@ -460,7 +440,7 @@ def _serve_and_evaluate(
             measured.not_measured["golden"] = why
             record.captures.golden = {"not_made": why}
     judgement = judge(config, measured, frozenset(config.optional_gates) | set(options.optional_gates))
-    record.judged = Judged(**judgement.sections)
+    record.judged = judgement.sections
     record.verdict.checks = judgement.checks
     record.verdict.status = judgement.verdict
 

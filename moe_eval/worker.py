@@ -60,7 +60,7 @@ class Job:
 def run_job(job: Job) -> int:
     from moe_eval.core.status import STATUS_FILE, StatusWriter, reference_answers
     from moe_eval.evaluate.gsm8k import gsm8k_data
-    from moe_eval.gates.checks import find_baseline
+    from moe_eval.evaluate.incumbent import find_baseline
     from moe_eval.runner import config_run_dir, run_config, task_data
 
     config, mutation = job_config(job)
@@ -115,7 +115,7 @@ def job_config(job: Job):
 def _baseline_config(config, job: Job, run_root: Path):
     """The Baseline that config's baseline_config left in this run's folder, or why there is none."""
     from moe_eval.core.record import RESULTS_FILE, RunRecord
-    from moe_eval.gates.checks import load_baseline
+    from moe_eval.evaluate.incumbent import load_baseline
     from moe_eval.runner import run_dir_of
 
     baseline = config.baseline_config_path  # its folder in the run is named by its path alone

@@ -21,7 +21,7 @@ import torch
 
 from moe_eval.canary.train import doc_text, fewshot_context
 from moe_eval.evaluate.canary_task import canary_splits
-from moe_eval.gates.checks import INVALID
+from moe_eval.gates.answers import INVALID
 
 ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")  # lm-eval gsm8k's strict-match pattern
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
+
+from typing_extensions import NotRequired, TypedDict  # pydantic reads typing's TypedDict from 3.12 only
 
 from moe_eval.core.evidence import Evidence, Status
 
@@ -84,3 +86,21 @@ def verdict(checks: list[Check]) -> str:
     if not any(c.ran for c in checks) or any(c.status is Status.NOT_RUN for c in checks):
         return INCOMPLETE
     return PASSED
+
+
+class CheckRecord(TypedDict):
+    """A check as results.json and summary.json write it (Check.as_dict): the schema's."""
+
+    name: str
+    """the check's name, e.g. accuracy_gate, golden_gate_decode, <gate>_not_run"""
+    passed: bool
+    """did not stand in the way of a pass (a skipped check did not either)"""
+    detail: str
+    """its numbers and rule, as the table prints them"""
+    status: NotRequired[Literal["passed", "failed", "not_run", "skipped"]]
+    """passed, failed, not_run (required, could not judge, or judged under its floor), skipped (optional);
+    absent in older records"""
+    ran: NotRequired[Literal[False]]
+    """present only for a check that did not judge"""
+    evidence: NotRequired[Evidence]
+    """what it judged from, where its gate counts it (absent before schema 9)"""

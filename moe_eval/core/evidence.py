@@ -11,6 +11,8 @@ import enum
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from moe_eval.core.payload import described
+
 
 class Status(enum.StrEnum):
     """A check's end: it judged (passed, failed), or it could not (not_run: required; skipped: optional)."""
@@ -23,14 +25,17 @@ class Status(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Evidence:
-    unit: str  # what one unit is: "dispatch range", "(range, expert) cell", "question", "text"
-    judged: int  # units the check judged
-    total: int  # units it was given (judged or named not judged)
-    # The units a verdict needed (None: no floor beyond one judged unit); judged < required cannot pass.
-    required: int | None = None
-    # The smallest effect it would have failed with 80 % probability, in the gate's own terms ("x1.04 in
-    # its least sensitive range", "1.0 % one-expert error"); None where it cannot say.
-    would_catch: str | None = None
+    unit: str = described('what one unit is: "dispatch range", "(range, expert) cell", "question", "text"')
+    judged: int = described("units the check judged")
+    total: int = described("units it was given (judged or named not judged)")
+    required: int | None = described(
+        "the units a pass needs (the gate's floor, applied by the judge); null: one judged unit", None
+    )
+    would_catch: str | None = described(
+        "the smallest effect it fails with 80 % probability, in the gate's own terms (x1.04 in its least "
+        "sensitive range, a 1.0 % one-expert error, an accuracy drop of 0.013); null: it cannot say",
+        None,
+    )
 
     def describe(self) -> str:
         """'6/7 dispatch ranges judged; would catch x1.04 ...'"""

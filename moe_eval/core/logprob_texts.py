@@ -1,6 +1,6 @@
 """Scored texts as records: a text's tokens with their log-probabilities and top-k (`TextLogprobs`), and
 the JSONL files a run keeps them in (logprobs.jsonl, decode.jsonl, the golden's). Captured through a server
-by moe_eval.evaluate.logprobs; compared by moe_eval.gates.divergence and moe_eval.gates.golden_gate."""
+by moe_eval.evaluate.logprobs; compared by moe_eval.gates.divergence and moe_eval.gates.golden_errors."""
 
 from __future__ import annotations
 

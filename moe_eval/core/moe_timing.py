@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from moe_eval.core.payload import described
 from moe_eval.core.plugin_protocol import MOE_TIMING_DIR, layer_range_index, layer_range_names
 
 # replayed, replayed_ns: the calls that were CUDA-graph replays (a call captured into a graph counts at each
@@ -54,51 +55,67 @@ class ProcessTiming:
 class SizeTiming:
     """The calls of one size M in a dispatch range, on the rank whose mean call of that size was slowest."""
 
-    tokens: int  # M; kernels/moe_timer.TIMER_MAX_SIZE holds every call of at least that many
-    calls: int  # that rank's calls of this size
-    mean_us: float
-    spread_us: float  # the standard deviation of one call
-    replayed: int  # of them, CUDA-graph replays
-    # The distinct experts the calls' routing hit (mean, standard deviation), and a line of time against them
-    # (slope, us per expert; residual, the standard deviation of one call about the line): at real shapes a
-    # decode call's time follows how many experts' weights it reads, so two rows compare at one routing.
-    # None where the routing was not counted (records before it, or a timer given none).
-    experts: float | None = None
-    experts_spread: float | None = None
-    slope_us: float | None = None
-    residual_us: float | None = None
+    tokens: int = described("the call size M (the timer's last cell holds every larger call)")
+    calls: int = described("that rank's calls of this size")
+    mean_us: float = described("their mean, us")
+    spread_us: float = described("one call's standard deviation, us")
+    replayed: int = described("of them, CUDA-graph replays", newer=True)
+    # At real shapes a decode call's time follows how many experts' weights it reads, so two rows compare at
+    # one routing: the experts counted, and a line of time against them.
+    experts: float | None = described(
+        "the mean distinct experts the calls' routing hit (null: not counted)", None, newer=True
+    )
+    experts_spread: float | None = described("their standard deviation", None, newer=True)
+    slope_us: float | None = described(
+        "the calls' line of time against the experts hit: us per expert", None, newer=True
+    )
+    residual_us: float | None = described(
+        "one call's standard deviation about that line (the speed gate's error where counted)",
+        None,
+        newer=True,
+    )
 
 
 @dataclass(frozen=True)
 class RangeTiming:
     """One dispatch range's MoE calls in the timed workload."""
 
-    range: str
-    calls: int  # over every process
-    tokens: int
-    mean_us: float  # per call: the slowest process's mean (one process: its own)
-    spread_us: float  # that process's standard deviation of one call (calls differ in M within a range)
-    us_per_token: float
-    # Calls that were CUDA-graph replays, over every process; None in records written before it was counted.
-    replayed: int | None = None
-    # The share of the mean's process's time in calls that were not replays (eager calls, whose time moves
-    # between servers: gates/speed.py); None in records written before it was counted.
-    eager_share: float | None = None
-    # Per call size, the slowest rank's calls (what the speed gate compares); None in records written before
-    # the timer kept sizes apart (results schema 8 and older).
-    sizes: tuple[SizeTiming, ...] | None = None
-    # The fewest calls one rank made in the range (a rank's own evidence); None in older records.
-    rank_calls: int | None = None
+    range: str = described("the dispatch range, e.g. M=17-64 (tokens per call)")
+    calls: int = described("calls, over every process")
+    tokens: int = described("tokens, over every process")
+    mean_us: float = described("per call: the slowest process's mean (one process: its own)")
+    spread_us: float = described("that process's standard deviation of one call (the range mixes sizes)")
+    us_per_token: float = described("every process's time / tokens")
+    replayed: int | None = described(
+        "calls that were CUDA-graph replays, over every process (null: a record before the count)",
+        None,
+        newer=True,
+    )
+    eager_share: float | None = described(
+        "the share of the slowest process's time in calls that were not replays (null: before the count)",
+        None,
+        newer=True,
+    )
+    sizes: tuple[SizeTiming, ...] | None = described(
+        "per call size, the slowest rank's calls: what the speed gate compares (null before schema 9)",
+        None,
+        newer=True,
+    )
+    rank_calls: int | None = described(
+        "the fewest calls one rank made in the range (0: a rank made none)", None, newer=True
+    )
 
 
 @dataclass(frozen=True)
 class TimingSummary:
-    processes: int
-    timed_on: tuple[str, ...]
-    scopes: tuple[str, ...]
-    backends: tuple[str, ...]
-    ranges: tuple[RangeTiming, ...]
-    problems: tuple[str, ...] = ()
+    """The timed workload's MoE calls per dispatch range (captures.timing.moe)."""
+
+    processes: int = described("server processes whose timer was read")
+    timed_on: tuple[str, ...] = described("device (every call, CUDA-graph replays included) or host")
+    scopes: tuple[str, ...] = described("what the timer bracketed, per process")
+    backends: tuple[str, ...] = described("the MoE kernels timed")
+    ranges: tuple[RangeTiming, ...] = described("the ranges the workload reached")
+    problems: tuple[str, ...] = described("why a process could not time on the device", ())
 
     def by_range(self) -> dict[str, RangeTiming]:
         return {r.range: r for r in self.ranges}

@@ -9,12 +9,13 @@ Python it is a set of sections, each a dataclass whose fields are those keys:
     evaluation   lm-eval's answers and scores
     captures     what was captured for the gates: log-probabilities, decode continuations, the layer sweep,
                  the golden reference used
-    judged       the judge's measurements per gate (moe_eval.gates.judge sections)
+    judged       each gate's section (moe_eval.gates.judge), keyed by the gate's `section` name: a mapping, so
+                 that core knows no gate (the registry, moe_eval.gates.registry, does)
     verdict      the checks and the status
     bookkeeping  timings, attempts, progress, errors and cancellation
 
 docs/results.schema.json and docs/summary.schema.json are generated from these types
-(`python -m moe_eval.core.record_schema`), and a test holds the committed files to them.
+(`python -m moe_eval.report.record_schema`), and a test holds the committed files to them.
 """
 
 from __future__ import annotations
@@ -25,18 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moe_eval.core.captures import TimingCapture, Workload
 from moe_eval.core.check import STATUSES, VERDICTS, Check
-from moe_eval.core.gate_payloads import (
-    AccuracyGate,
-    GoldenGate,
-    LayerCheck,
-    LogprobDivergence,
-    PairedFlips,
-    Skipped,
-    SpeedGate,
-    TimingCapture,
-    Workload,
-)
 from moe_eval.core.results import atomic_write_json
 
 RESULTS_SCHEMA_VERSION = 9
@@ -63,7 +54,7 @@ SUMMARY_FILE = "summary.json"  # one per run folder
 
 JsonObject = dict[str, Any]
 
-# Field metadata, as pydantic's Field reads it (moe_eval.core.record_schema): `description` (the schema's),
+# Field metadata, as pydantic's Field reads it (moe_eval.report.record_schema): `description` (the schema's),
 # `pattern`, `json_schema_extra` (an enum), and for an optional field `exclude_if`: left out of the record
 # while None, as a stage that never ran leaves its keys out; every other field is written on every record.
 
@@ -224,30 +215,6 @@ class Captures:
 
 
 @dataclass
-class Judged:
-    """The judge's measurements per gate (moe_eval.gates.judge), each present when its gate was judged."""
-
-    gate: AccuracyGate | Skipped | None = key(
-        "the accuracy gate, with its power; {skipped} for random weights", optional=True
-    )
-    paired: PairedFlips | None = key("per-question flips against the incumbent (McNemar)", optional=True)
-    divergence: LogprobDivergence | Skipped | None = key(
-        "log-probabilities against the incumbent's, or {skipped}", optional=True
-    )
-    layer_check: LayerCheck | None = key(
-        "the served MoE calls against the exact MoE, per range and expert", optional=True
-    )
-    golden_gate: GoldenGate | Skipped | None = key(
-        "the error against the golden, the incumbent's, the rule, decode", optional=True
-    )
-    speed: SpeedGate | Skipped | None = key(
-        "per dispatch range the MoE call's time against the reference's (incumbent or --baseline); "
-        "{skipped} where a row reported only (the CPU) could not be compared",
-        optional=True,
-    )
-
-
-@dataclass
 class Verdict:
     checks: list[Check] = key(
         "every check made; ran false: a gate called for that could not run", factory=list
@@ -275,7 +242,6 @@ SECTION_TYPES = {
     "serving": Serving,
     "evaluation": Evaluation,
     "captures": Captures,
-    "judged": Judged,
     "verdict": Verdict,
     "bookkeeping": Bookkeeping,
 }
@@ -283,6 +249,9 @@ _FIELD_NAMES = [f.name for kind in SECTION_TYPES.values() for f in dataclasses.f
 # The sections share one JSON object: two fields of one name would write one key and lose a value (seen: a
 # capture and a judged section both named "speed", the judged one overwrote the capture on the H200).
 assert len(_FIELD_NAMES) == len(set(_FIELD_NAMES)), "results.json sections must not share a field name"
+
+
+_KNOWN_KEYS = {*_FIELD_NAMES, "schema_version"}
 
 
 class UnreadableRecord(ValueError):
@@ -359,13 +328,13 @@ class RunRecord:
     serving: Serving = field(default_factory=Serving)
     evaluation: Evaluation = field(default_factory=Evaluation)
     captures: Captures = field(default_factory=Captures)
-    judged: Judged = field(default_factory=Judged)
+    # Each gate's section by its key ("gate", "layer_check", "speed", ...): every top-level key that is not a
+    # field of the other sections (a newer writer's too, kept as it was on a rewrite; inside a typed object,
+    # such as an attempt or a check, an unknown key is not kept).
+    judged: JsonObject = field(default_factory=dict)
     verdict: Verdict = field(default_factory=Verdict)
     bookkeeping: Bookkeeping = field(default_factory=Bookkeeping)
     schema_version: int = RESULTS_SCHEMA_VERSION
-    # Top-level keys this moe-eval does not know (a newer writer's optional ones): kept as they were on a
-    # rewrite. (Inside a typed object, such as an attempt or a check, an unknown key is not kept.)
-    unknown: JsonObject = field(default_factory=dict)
     path: Path | None = None  # where it was read from or is written to; not part of the file
 
     # --- the file ---
@@ -374,14 +343,13 @@ class RunRecord:
         out: dict[str, Any] = {"schema_version": self.schema_version}
         for name in SECTION_TYPES:
             out.update(to_json(getattr(self, name)))
-        return out | self.unknown
+        return out | to_json(self.judged)
 
     @classmethod
     def from_json(cls, data: dict[str, Any], path: Path | None = None) -> RunRecord:
         sections = {name: _from_json(kind, data) for name, kind in SECTION_TYPES.items()}
-        known = {f.name for kind in SECTION_TYPES.values() for f in dataclasses.fields(kind)}
-        unknown = {k: v for k, v in data.items() if k not in known and k != "schema_version"}
-        return cls(**sections, schema_version=data.get("schema_version", 1), unknown=unknown, path=path)
+        judged = {k: v for k, v in data.items() if k not in _KNOWN_KEYS}
+        return cls(**sections, judged=judged, schema_version=data.get("schema_version", 1), path=path)
 
     @classmethod
     def read(cls, path: Path) -> RunRecord:
@@ -480,7 +448,9 @@ class SummaryEntry:
     )
     run_dir: str | None = key("its folder in the run")
     error: str | None = key("its error message")
-    gate: AccuracyGate | None = key("the accuracy gate (null: not judged, or random weights)")
+    gate: JsonObject | None = key(
+        "the accuracy gate's section (results.json `gate`; null: not judged, or random weights)"
+    )
     checks: list[Check] = key("its checks", factory=list)
     moe_backend_used: str | None = key("the kernel that served")
     attempts: int = key("attempts made (run --retries); 0: not started", default=0)

@@ -1,6 +1,6 @@
 """Golden references: a config's scoring texts scored by the same model with its MoE computed exactly.
 
-A golden record is what the golden gate (moe_eval.gates.golden_gate) measures kernels against. It is made
+A golden record is what the golden gate (moe_eval.gates.golden_errors) measures kernels against. It is made
 by a vLLM server whose MoE layers run the reference backend (moe_eval.kernels.reference_moe: fp32,
 IEEE, weights upcast per expert on the fly; never a kernel under test, never mutated), eager, at the
 config's layout with its parallel flags removed (TP=1), or at `golden_server_args` where one GPU cannot

@@ -5,12 +5,22 @@ captures come from moe_eval.evaluate.logprobs, the records from moe_eval.core.lo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from typing_extensions import TypedDict  # pydantic reads typing's TypedDict from 3.12 only
 
 from moe_eval.core.check import Check
+from moe_eval.core.errors import InfraError
+from moe_eval.core.evidence import Evidence
 from moe_eval.core.logprob_texts import TextLogprobs
+from moe_eval.core.payload import described
+from moe_eval.gates.gate import Column, Gate, RowView, Show, Skipped
+
+if TYPE_CHECKING:
+    from moe_eval.gates.measurements import Judgement, Measurements
+    from moe_eval.plan.config import EvalConfig
 
 
 @dataclass(frozen=True)
@@ -139,10 +149,10 @@ def divergence_of_pairs(pairs: list[tuple[TextLogprobs, TextLogprobs]]) -> Diver
 class DivergenceLimits:
     """Upper bounds; None leaves that metric ungated. A metric passes when it is <= its limit."""
 
-    max_mean_abs_dlogp: float | None = None
-    max_p99_abs_dlogp: float | None = None
-    max_top1_flip_rate: float | None = None
-    max_kl_topk: float | None = None
+    max_mean_abs_dlogp: float | None = described("bound of mean_abs_dlogp (null: ungated)", None)
+    max_p99_abs_dlogp: float | None = described("bound of p99_abs_dlogp", None)
+    max_top1_flip_rate: float | None = described("bound of top1_flip_rate", None)
+    max_kl_topk: float | None = described("bound of kl_topk", None)
 
 
 # Default limits by the kind of baseline, when a config sets none (docs/logprob-gate.md has the numbers).
@@ -164,8 +174,11 @@ def default_limits(same_kernel_and_layout: bool) -> DivergenceLimits:
     return SAME_KERNEL_LIMITS if same_kernel_and_layout else OTHER_KERNEL_LIMITS
 
 
-def divergence_checks(div: Divergence, limits: DivergenceLimits) -> list[Check]:
+def divergence_checks(
+    div: Divergence, limits: DivergenceLimits, texts_given: int | None = None
+) -> list[Check]:
     where = f"over {div.positions} positions of {div.texts} texts"
+    evidence = Evidence("text", div.texts, div.texts if texts_given is None else texts_given)
     checks = []
     if limits.max_mean_abs_dlogp is not None:
         lim = limits.max_mean_abs_dlogp
@@ -174,6 +187,7 @@ def divergence_checks(div: Divergence, limits: DivergenceLimits) -> list[Check]:
                 "logprob_mean_abs",
                 div.mean_abs_dlogp <= lim,
                 f"mean |Δ log p| {div.mean_abs_dlogp:.4g} (limit {lim:g}) {where}",
+                evidence,
             )
         )
     if limits.max_p99_abs_dlogp is not None:
@@ -183,6 +197,7 @@ def divergence_checks(div: Divergence, limits: DivergenceLimits) -> list[Check]:
                 "logprob_p99_abs",
                 div.p99_abs_dlogp <= lim,
                 f"p99 |Δ log p| {div.p99_abs_dlogp:.4g} (limit {lim:g}; max {div.max_abs_dlogp:.4g}) {where}",
+                evidence,
             )
         )
     if limits.max_top1_flip_rate is not None:
@@ -193,6 +208,7 @@ def divergence_checks(div: Divergence, limits: DivergenceLimits) -> list[Check]:
                 div.top1_flip_rate <= lim,
                 f"top-1 token changed at {div.top1_flips} positions = {div.top1_flip_rate:.4g} "
                 f"(limit {lim:g}) {where}",
+                evidence,
             )
         )
     if limits.max_kl_topk is not None:
@@ -203,6 +219,120 @@ def divergence_checks(div: Divergence, limits: DivergenceLimits) -> list[Check]:
                 div.kl_topk <= lim,
                 f"mean KL(base || new) on the shared top-k {div.kl_topk:.4g} (limit {lim:g}; "
                 f"{div.kl_positions_skipped} positions with < 2 shared tokens count 0) {where}",
+                evidence,
             )
         )
     return checks
+
+
+class LogprobDivergence(TypedDict):
+    """results.json `divergence`: Divergence, the scored texts' log-probabilities against the incumbent's."""
+
+    texts: int
+    """texts compared"""
+    positions: int
+    """positions compared, each text's first left out"""
+    mean_abs_dlogp: float
+    """mean |log p - log p_incumbent| of the text's own token"""
+    p99_abs_dlogp: float
+    """its 99th percentile"""
+    max_abs_dlogp: float
+    """its largest"""
+    kl_topk: float
+    """mean KL(incumbent || this run) on the shared top-k, renormalised"""
+    kl_positions_skipped: int
+    """positions with fewer than 2 shared top-k tokens, counted as KL 0"""
+    top1_flips: int
+    """positions whose most likely token differs"""
+    top1_flip_rate: float
+    """top1_flips / positions"""
+    baseline: str
+    """the incumbent's log-probabilities file"""
+    limits: DivergenceLimits
+    """the limits gated (the config's, else the defaults for the comparison)"""
+    comparison: str
+    """which limits applied: same kernel and layout, or another kernel or layout"""
+
+
+SECTION = "divergence"
+
+
+def no_logprobs(m: Measurements) -> str:
+    """Why the texts' log-probabilities cannot be compared (this run's or the incumbent's are missing)."""
+    if m.logprobs is None:
+        return f"this run scored no log-probabilities ({m.logprobs_skipped or 'logprob_texts 0'})"
+    assert m.incumbent is not None
+    return f"the incumbent ({m.incumbent.results_path}) scored no log-probabilities"
+
+
+def _first_set(value: float | None, default: float | None) -> float | None:
+    return default if value is None else value
+
+
+def judge_divergence(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
+    """Limits from the config, else the defaults for the kind of incumbent (the same kernel at the same
+    layout repeats bitwise; another kernel or layout differs by rounding)."""
+    base = m.incumbent
+    assert base is not None  # the gate needs an incumbent
+    same_kernel = base.moe_backend_used == m.moe_backend_used and base.layout == config.layout.describe()
+    # Under the golden gate the strict same-kernel limits do not gate: a legitimate change of the kernel's
+    # rounding would fail them (docs/logprob-gate.md); the loose limits stay, a net for gross changes.
+    same = same_kernel and not config.golden_gated
+    defaults = default_limits(same)
+    if config.random_weights:
+        # A random-weights twin's next-token distributions are near flat: its top-1 token flips on rounding
+        # alone (1.9% for a correct kernel on the Scout twin, H200), so only an explicit max_top1_flip_rate
+        # gates it.
+        defaults = replace(defaults, max_top1_flip_rate=None)
+    limits = DivergenceLimits(
+        _first_set(config.max_logprob_mean_abs_diff, defaults.max_mean_abs_dlogp),
+        _first_set(config.max_logprob_p99_abs_diff, defaults.max_p99_abs_dlogp),
+        _first_set(config.max_top1_flip_rate, defaults.max_top1_flip_rate),
+        _first_set(config.max_logprob_kl, defaults.max_kl_topk),
+    )
+    if m.logprobs is None or m.incumbent_logprobs is None:
+        why = no_logprobs(m)
+        out.sections[SECTION] = {"skipped": why}
+        return why
+    try:
+        div = divergence(m.incumbent_logprobs, m.logprobs)
+    except ValueError as exc:  # other texts or another tokenizer: not comparable, so not a verdict
+        raise InfraError(f"log-probabilities not comparable with {base.logprobs_path}: {exc}") from None
+    out.sections[SECTION] = div.as_dict() | {
+        "baseline": str(base.logprobs_path),
+        "limits": asdict(limits),
+        "comparison": (
+            "same kernel and layout"
+            if same
+            else "same kernel and layout; the golden gate decides (loose limits)"
+            if config.golden_gated and same_kernel
+            else "another kernel or layout"
+        ),
+    }
+    out.checks += divergence_checks(div, limits, len(m.logprobs))
+    return None
+
+
+def divergence_cell(divergence: Any, row: RowView | None = None) -> str:
+    """'0.0211 mean, 0.32% top-1' (mean |Δ log p| of the reference tokens, positions whose top-1 changed)."""
+    if not divergence or "mean_abs_dlogp" not in divergence:
+        return "-"
+    return f"{divergence['mean_abs_dlogp']:.4f} mean, {divergence['top1_flip_rate']:.2%} top-1"
+
+
+def divergence_junit(section: Any) -> dict[str, object]:
+    keys = ("mean_abs_dlogp", "p99_abs_dlogp", "top1_flip_rate", "kl_topk", "comparison")
+    return {f"divergence.{k}": (section or {}).get(k) for k in keys}
+
+
+GATE = Gate(
+    "divergence",
+    ("logprob_mean_abs", "logprob_p99_abs", "logprob_top1_flips", "logprob_kl"),
+    lambda c, incumbent: c.logprob_texts > 0 and incumbent,
+    True,
+    judge_divergence,
+    "log-probabilities of logprob_texts fixed texts against the incumbent's",
+    section=SECTION,
+    payload=LogprobDivergence | Skipped,
+    show=Show(columns=(Column("Δ log p vs baseline", divergence_cell),), junit=divergence_junit),
+)

@@ -21,294 +21,47 @@ and pooled over the ranks too. Five checks:
 - `layer_check_activation`: the same rule for the SiLU slope direction per layer and range (a systematic
   error of every expert's activation, which no single expert's scale reads at its size).
 - `layer_check_power`: per reachable range and rank, the share of (range, expert) cells that resolve a
-  layer_check_power one-expert error with 80 % probability; under layer_check_min_judged the row is not
-  passed (incomplete), the unjudged cells named.
+  layer_check_power one-expert error with 80 % probability, pooled over the layers (layer_check_min_judged)
+  and per layer (layer_check_min_judged_per_layer); the registry's floor asks for every such pool, so short
+  of it the row is not passed (incomplete), the unjudged cells named.
 
-The degrees of freedom and the t threshold: moe_eval.gates.layer_estimates.
-
-The power of a cell: the smallest true scale error d caught with 80 % probability by the rule above,
-d80 = max((t + 0.84) se_diff, bound + 0.84 se, |s_incumbent| + 0.84 se_diff).
-
-No torch: numpy on the tables.
+The tables are summarized by gates/layer_summary.py; this module judges the summary.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+from typing_extensions import NotRequired, TypedDict  # pydantic reads typing's TypedDict from 3.12 only
 
 from moe_eval.core.check import Check
-from moe_eval.core.layer_cells import CELL, ROW, LayerFile
-from moe_eval.core.plugin_protocol import LAYER_RANGE_EDGES, layer_range_names
-from moe_eval.gates.layer_estimates import Estimates
-
-MIN_ROWS = (
-    8  # rows a range (or a layer in it) needs before its error ratio is judged and it counts as covered
+from moe_eval.core.evidence import Evidence
+from moe_eval.core.plugin_protocol import layer_range_names
+from moe_eval.gates.gate import Column, Floor, Gate, RowView, Show
+from moe_eval.gates.layer_summary import (
+    ACTIVATION_RESOLVES,
+    MIN_ROWS,
+    NAMED,
+    SHARED_SIDE,
+    Cell,
+    ExpertCell,
+    LayerCheckLimits,
+    LayerSummary,
+    PowerRow,
+    RangeRow,
+    SharedShift,
+    is_off,
+    reachable_ranges,
+    summarize,
+    summary_record,
 )
-NAMED = 12  # cells or layers a check's line names at most
-SHOWN_OFF = 64  # off cells a pool keeps for the record (per layer, and pooled over the layers)
 
+if TYPE_CHECKING:
+    from moe_eval.gates.measurements import Judgement, Measurements
+    from moe_eval.plan.config import EvalConfig
 
-@dataclass(frozen=True)
-class LayerCheckLimits:
-    margin: float  # error / incumbent's error may reach 1 + margin
-    scale_bound: float  # |s| above this fails (with the z below)
-    z: float  # ... when |s - s_incumbent| reaches the t quantile of this normal tail
-    activation_bound: float = 0.002  # the SiLU slope error's bound
-    power: float = 0.01  # a cell is judged when it resolves a one-expert error this large
-    min_judged: float = 0.95  # share of each reachable range's cells judged on every rank
-
-
-@dataclass
-class RangeRow:
-    """One dispatch range (layer None: pooled over the layers) on one rank ('all': pooled over ranks)."""
-
-    range: str
-    rank: str
-    layer: int | None
-    calls_seen: int
-    calls_sampled: int
-    rows: int
-    error: float | None  # RMS |served - exact| / RMS |exact|
-    incumbent_error: float | None  # the same for the incumbent's arithmetic
-    ratio: float | None  # error / incumbent_error
-    nonfinite: int = 0  # served output elements that were NaN or inf where the exact MoE was finite
-
-
-@dataclass
-class Cell:
-    """A scale estimate: an expert's (ExpertCell) or the activation's (layer, range)."""
-
-    range: str
-    rank: str
-    layer: int | None  # None: pooled over the layers
-    slots: int
-    scale: float
-    stderr: float | None
-    incumbent_scale: float
-    diff_stderr: float | None
-    dof: float | None
-    z: float | None
-    threshold: float | None
-    detectable: float | None  # d80
-
-
-@dataclass
-class ExpertCell(Cell):
-    expert: int = -1
-
-
-@dataclass
-class PowerRow:
-    """How much of one range one rank's check could judge: (range, expert) cells pooled over the layers, and
-    (layer, range, expert) cells."""
-
-    range: str
-    rank: str
-    cells: int  # experts this rank holds that were routed in this range (the cells owed)
-    judged: int  # ... resolving a `power` one-expert error
-    detectable_95: (
-        float | None
-    )  # the error that 95 % of the cells resolve (None: fewer than 95 % resolve any)
-    layer_cells: int
-    layer_judged: int
-    unjudged: list[int] = field(default_factory=list)  # the routed experts not judged
-    not_routed: list[int] = field(default_factory=list)  # held, never routed in this range: nothing to judge
-    least_routed: list[int] | None = None  # [expert, slots routed]: the rarest routed expert of the range
-
-
-@dataclass
-class LayerSummary:
-    processes: int  # files read (a process keeps one per expert count it served)
-    world_size: int  # the ranks the layout has
-    counted_on: list[str]
-    max_tokens: int  # the most tokens one call can carry (the server's batched-token limit)
-    layers: int
-    ranges: list[RangeRow] = field(default_factory=list)
-    experts: list[ExpertCell] = field(default_factory=list)  # off cells, and each (range, rank)'s largest
-    activation: list[Cell] = field(default_factory=list)  # per range (pooled and per layer) and rank
-    power: list[PowerRow] = field(default_factory=list)
-    off_experts: int = 0
-    problems: list[str] = field(default_factory=list)  # files that could not be read, missing ranks
-    ranks: int = 0  # distinct ranks among the files: what coverage counts (two files of one rank are one)
-
-
-def rank_name(rank: dict[str, Any]) -> str:
-    if rank.get("use_ep"):
-        return f"EP{rank.get('ep_rank', 0)}/{rank.get('ep_size', 1)}"
-    return f"TP{rank.get('tp_rank', 0)}/{rank.get('tp_size', 1)}" + (
-        f" DP{rank.get('dp_rank', 0)}" if rank.get("dp_size", 1) > 1 else ""
-    )
-
-
-def _finite(value: Any) -> float | None:
-    value = float(value)
-    return value if math.isfinite(value) else None
-
-
-def _range_row(name: str, rank: str, layer: int | None, seen: int, sums: np.ndarray) -> RangeRow:
-    sq_res, sq_exact, sq_ref = sums[ROW["sq_res"]], sums[ROW["sq_exact"]], sums[ROW["sq_ref"]]
-    error = math.sqrt(sq_res / sq_exact) if sq_exact > 0 else None
-    incumbent = math.sqrt(sq_ref / sq_exact) if sq_exact > 0 else None
-    if error is None or incumbent is None:
-        ratio = None
-    elif incumbent > 0:
-        ratio = error / incumbent
-    else:
-        ratio = 1.0 if error == 0 else math.inf
-    return RangeRow(
-        name, rank, layer, seen, int(sums[ROW["calls"]]), int(sums[ROW["rows"]]), error, incumbent, ratio,
-        int(sums[ROW["nonfinite"]]),
-    )  # fmt: skip
-
-
-def _cell(est: Estimates, index: tuple, name: str, rank: str, layer: int | None, slots: int) -> Cell:
-    return Cell(
-        name, rank, layer, slots, float(est.scale[index]), _finite(est.stderr[index]),
-        float(est.incumbent[index]), _finite(est.diff_stderr[index]), _finite(est.dof[index]),
-        _finite(est.z[index]), _finite(est.threshold[index]), _finite(est.detectable[index]),
-    )  # fmt: skip
-
-
-def _routed(f: LayerFile) -> np.ndarray:
-    """Slots routed per (layer, range, expert); a table without the count (synthetic) counts every compared
-    slot as routed."""
-    return f.routed if f.routed is not None else f.cells[..., CELL["n"]].astype(np.int64)
-
-
-def reachable_ranges(max_tokens: int) -> list[str]:
-    """The ranges a server whose calls carry up to max_tokens tokens can produce."""
-    return [
-        name for name, low in zip(layer_range_names(), LAYER_RANGE_EDGES, strict=True) if low <= max_tokens
-    ]
-
-
-def summarize(
-    files: list[LayerFile], limits: LayerCheckLimits, world_size: int = 1, problems: list[str] | None = None
-) -> LayerSummary:
-    names = layer_range_names()
-    summary = LayerSummary(
-        processes=len(files),
-        world_size=world_size,
-        counted_on=sorted({str(f.meta.get("counted_on", "?")) for f in files}),
-        max_tokens=max((int(f.meta.get("max_tokens", 0)) for f in files), default=0),
-        layers=max((f.cells.shape[0] for f in files), default=0),
-        problems=list(problems or []),
-        ranks=len({rank_name(f.rank) for f in files}),
-    )
-    if not files:
-        return summary
-    files = sorted(files, key=lambda f: rank_name(f.rank))
-    ranks = [rank_name(f.rank) for f in files]
-    pools: list[tuple] = []
-    for f, rank in zip(files, ranks, strict=True):
-        held = f.meta.get("experts_held")
-        held = list(range(f.cells.shape[2])) if held is None else [int(e) for e in held]
-        pools.append((rank, f.cells, f.rows, f.seen, _routed(f), held))
-    if len(files) > 1 and len({f.cells.shape for f in files}) == 1:
-        held_all = sorted({e for p in pools for e in p[5]})
-        total = [sum(p[i] for p in pools) for i in range(1, 5)]
-        pools.append(("all", *total, held_all))
-    for rank, cells, rows, seen, routed, held in pools:
-        _judge_pool(summary, limits, names, rank, cells, rows, seen, routed, held)
-    return summary
-
-
-def _judge_pool(
-    summary: LayerSummary,
-    limits: LayerCheckLimits,
-    names: tuple[str, ...],
-    rank: str,
-    cells: np.ndarray,  # (L, NR, E, NF)
-    rows: np.ndarray,  # (L, NR, NRF)
-    seen: np.ndarray,  # (L, NR)
-    routed: np.ndarray,  # (L, NR, E)
-    held: list[int],
-) -> None:
-    L = cells.shape[0]
-    # Ranges, pooled over layers and per layer.
-    for i, name in enumerate(names):
-        pooled = rows[:, i].sum(0)
-        if pooled[ROW["calls"]] > 0 or seen[:, i].sum() > 0:
-            summary.ranges.append(_range_row(name, rank, None, int(seen[:, i].sum()), pooled))
-        if L > 1:
-            for layer in range(L):
-                if rows[layer, i, ROW["calls"]] > 0:
-                    summary.ranges.append(_range_row(name, rank, layer, int(seen[layer, i]), rows[layer, i]))
-    # The activation direction, pooled and per layer.
-    act_sums = rows[..., ROW["sa"] : ROW["svd2"] + 1]
-    for layer, sums in [(None, act_sums.sum(0))] + ([(j, act_sums[j]) for j in range(L)] if L > 1 else []):
-        est = Estimates.of(sums, limits.activation_bound, limits.z)
-        source = rows[:, :, ROW["rows"]].sum(0) if layer is None else rows[layer, :, ROW["rows"]]
-        for i, name in enumerate(names):
-            if sums[i, 1] > 0:
-                summary.activation.append(_cell(est, (i,), name, rank, layer, int(source[i])))
-    # Expert cells: per layer (judged, counted) and pooled over the layers.
-    expert_sums = cells[..., CELL["a"] :]
-    per_layer = Estimates.of(expert_sums, limits.scale_bound, limits.z)
-    pooled_sums = expert_sums.sum(0)
-    pooled = Estimates.of(pooled_sums, limits.scale_bound, limits.z)
-    slots_layer, slots_pooled = cells[..., CELL["n"]], cells[..., CELL["n"]].sum(0)
-    off_layer = per_layer.off(limits.scale_bound) & (slots_layer > 0)
-    off_pooled = pooled.off(limits.scale_bound) & (slots_pooled > 0)
-    summary.off_experts += int(off_layer.sum()) + int(off_pooled.sum())
-    shown: list[ExpertCell] = []
-    # The largest off cells only: a gross bug puts every cell of a 48-layer model off (43,000 of them); the
-    # count says how many there are.
-    for layer, i, e in _largest(off_layer, per_layer.scale):
-        shown.append(
-            _expert(per_layer, (layer, i, e), names[i], rank, int(layer), int(slots_layer[layer, i, e]), e)
-        )
-    for i, e in _largest(off_pooled, pooled.scale):
-        shown.append(_expert(pooled, (i, e), names[i], rank, None, int(slots_pooled[i, e]), e))
-    judged_pooled = (pooled.detectable <= limits.power) & (slots_pooled > 0)
-    for i, name in enumerate(names):
-        candidates = np.nonzero((slots_pooled[i] > 0) & judged_pooled[i])[0]
-        if len(candidates):  # the range's largest judged estimate, when nothing is off: what "passed" means
-            e = candidates[np.argmax(np.abs(pooled.scale[i, candidates]))]
-            if not off_pooled[i, e]:
-                shown.append(_expert(pooled, (i, e), name, rank, None, int(slots_pooled[i, e]), e))
-        routed_here = routed[:, i].sum(0)
-        if slots_pooled[i].sum() == 0 and routed_here.sum() == 0:
-            continue
-        owed = [e for e in held if routed_here[e] > 0]
-        d = np.sort(pooled.detectable[i, owed])
-        k = max(int(math.ceil(0.95 * len(d))) - 1, 0)
-        layer_owed = routed[:, i][:, owed] > 0
-        layer_detect = per_layer.detectable[:, i][:, owed][layer_owed]
-        rarest = min(owed, key=lambda e: routed_here[e], default=None)
-        summary.power.append(
-            PowerRow(
-                name,
-                rank,
-                len(owed),
-                int(judged_pooled[i, owed].sum()),
-                _finite(d[k]) if len(d) else None,
-                int(layer_detect.size),
-                int((layer_detect <= limits.power).sum()),
-                [int(e) for e in owed if not judged_pooled[i, e]],
-                [int(e) for e in held if routed_here[e] == 0],
-                None if rarest is None else [int(rarest), int(routed_here[rarest])],
-            )
-        )
-    summary.experts += shown
-
-
-def _largest(mask: np.ndarray, scale: np.ndarray) -> list[tuple]:
-    """The indices where `mask` holds, largest |scale| first, at most SHOWN_OFF of them."""
-    where = np.nonzero(mask)
-    order = np.argsort(-np.abs(scale[where]), kind="stable")[:SHOWN_OFF]
-    return [tuple(int(axis[j]) for axis in where) for j in order]
-
-
-def _expert(
-    est: Estimates, index: tuple, name: str, rank: str, layer: int | None, slots: int, e: Any
-) -> ExpertCell:
-    cell = _cell(est, index, name, rank, layer, slots)
-    return ExpertCell(**asdict(cell), expert=int(e))
+__all__ = ["GATE", "LayerCheckLimits", "LayerSummary", "layer_check_limits", "layer_checks", "summarize"]
 
 
 def _where(layer: int | None) -> str:
@@ -346,6 +99,7 @@ def _coverage(summary: LayerSummary) -> Check:
         f"ranges up to the server's {summary.max_tokens} tokens per call: {covered or 'none'} compared"
         + (f"; NOT COMPARED (< {MIN_ROWS} rows): {', '.join(missing)}" if missing else "")
     )
+    evidence = Evidence("rank", min(summary.ranks, summary.world_size), summary.world_size)
     if summary.ranks < summary.world_size or summary.problems:
         lost = "; ".join(summary.problems)
         return Check.not_run(
@@ -353,14 +107,22 @@ def _coverage(summary: LayerSummary) -> Check:
             f"not run: {summary.world_size - summary.ranks} rank(s) wrote no layer-check tables"
             + (f" ({lost})" if lost else "")
             + f": their calls were compared with nothing. {detail}",
+            evidence,
         )
     if missing:  # ranges the server can reach that the check did not see: not measured, not a kernel fault
-        return Check.not_run("layer_check_coverage", f"not run: {detail}")
-    return Check.judged("layer_check_coverage", True, detail)
+        return Check.not_run("layer_check_coverage", f"not run: {detail}", evidence)
+    return Check.judged("layer_check_coverage", True, detail, evidence)
 
 
 def _ranges(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
     judged = [row for row in summary.ranges if row.rows >= MIN_ROWS and row.ratio is not None]
+    pooled = [r for r in summary.ranges if r.layer is None and (r.rank != "all" or summary.processes == 1)]
+    evidence = Evidence(
+        "(range, rank) pool",
+        sum(1 for r in pooled if r.rows >= MIN_ROWS and r.ratio is not None),
+        len(pooled),
+        would_catch=f"an error x{1 + limits.margin:.2f} of the incumbent's",
+    )
     worse = [row for row in judged if row.ratio > 1 + limits.margin or row.nonfinite]
     worst = max((r for r in judged if r.layer is None), key=lambda row: row.ratio, default=None)
     worse.sort(key=lambda r: -(r.ratio or 0))
@@ -377,12 +139,12 @@ def _ranges(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
         f"limit {1 + limits.margin:.2f}: "
     )
     if not judged:
-        return Check.not_run("layer_check_ranges", "not run: " + head + text)
-    return Check.judged("layer_check_ranges", not worse, head + text)
+        return Check.not_run("layer_check_ranges", "not run: " + head + text, evidence)
+    return Check.judged("layer_check_ranges", not worse, head + text, evidence)
 
 
 def _experts(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
-    off = [c for c in summary.experts if _is_off(c, limits.scale_bound)]
+    off = [c for c in summary.experts if is_off(c, limits.scale_bound)]
     off.sort(key=lambda c: -abs(c.scale))
     biggest = max((c for c in summary.experts if c not in off), key=lambda c: abs(c.scale), default=None)
     head = (
@@ -390,28 +152,62 @@ def _experts(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
         f"+-{limits.scale_bound:g} and beyond the incumbent's by t(dof) at z = {limits.z:g}, per layer and "
         f"pooled over layers: "
     )
+    rows = _power_rows(summary)
+    evidence = Evidence(
+        "(range, expert) cell", sum(p.judged for p in rows), sum(p.cells for p in rows),
+        would_catch=f"a {limits.power:.1%} one-expert error",
+    )  # fmt: skip
     if off:
-        text = "; ".join(_describe_cell(c) for c in off[:NAMED])
+        shared = _shared(summary, limits, {(c.range, c.rank) for c in off})
+        text = (shared + "; largest cells: " if shared else "") + "; ".join(
+            _describe_cell(c) for c in off[:NAMED]
+        )
         text += f" (+{summary.off_experts - NAMED} more)" if summary.off_experts > NAMED else ""
     elif biggest is None:
-        return Check.not_run("layer_check_experts", f"not run: {head}no cell judged")
+        return Check.not_run("layer_check_experts", f"not run: {head}no cell judged", evidence)
     else:
         text = f"none off; largest judged {_describe_cell(biggest)}"
-    return Check.judged("layer_check_experts", not off, head + text)
+    return Check.judged("layer_check_experts", not off, head + text, evidence)
 
 
-def _is_off(c: Cell, bound: float) -> bool:
-    """The rule on a stored cell (None: infinite, as results.json writes it)."""
-    z = math.inf if c.z is None else c.z
-    threshold = math.inf if c.threshold is None else c.threshold
-    return c.slots > 0 and abs(c.scale) > bound and z >= threshold
+def _shared(summary: LayerSummary, limits: LayerCheckLimits, where: set[tuple[str, str]]) -> str:
+    """The diagnosis where the off cells' ranges show one shift in every expert: 'a shift shared by every
+    expert (a global scale, not an expert's bug): M=1 (TP0/1) median s = +0.0050, 97% of 128 judged cells
+    on its side'; '' where none does."""
+    shared = [
+        f"{sh.range} ({sh.rank}) median s = {sh.median:+.4f}, {sh.same_side:.0%} of {sh.cells} judged "
+        "cells on its side"
+        for sh in summary.shifts
+        if (sh.range, sh.rank) in where
+        and abs(sh.median) > limits.scale_bound / 2
+        and sh.same_side >= SHARED_SIDE
+    ]
+    if not shared:
+        return ""
+    return "a shift shared by every expert (a global scale, not an expert's bug): " + "; ".join(
+        shared[:NAMED]
+    )
 
 
 def _activation(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
     cells = summary.activation
-    off = sorted((c for c in cells if _is_off(c, limits.activation_bound)), key=lambda c: -abs(c.scale))
-    pooled = [c for c in cells if c.layer is None]
+    off = sorted((c for c in cells if is_off(c, limits.activation_bound)), key=lambda c: -abs(c.scale))
+    pooled = [c for c in cells if c.layer is None and (c.rank != "all" or summary.processes == 1)]
+    if summary.processes == 1:
+        pooled = [c for c in cells if c.layer is None]
     largest = max(pooled, key=lambda c: abs(c.scale), default=None)
+    # Judged: a range's pooled cell that resolves ACTIVATION_RESOLVES x the bound (its `detectable`); the
+    # registry's floor asks for every reachable (range, rank) pool.
+    wanted = reachable_ranges(summary.max_tokens)
+    resolved = ACTIVATION_RESOLVES * limits.activation_bound
+    judged = [
+        c for c in pooled if c.range in wanted and c.detectable is not None and c.detectable <= resolved
+    ]
+    ranks = max(summary.ranks, 1)
+    evidence = Evidence(
+        "(range, rank) pool", len(judged), len(wanted) * ranks,
+        would_catch=f"a SiLU slope error of {resolved:g}" if judged else None,
+    )  # fmt: skip
     text = (
         "; ".join(_describe_activation(c) for c in off[:NAMED])
         if off
@@ -424,18 +220,36 @@ def _activation(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
         f"limit +-{limits.activation_bound:g} and beyond the incumbent's by t(dof) at z = {limits.z:g}: "
     )
     if not off and largest is None:
-        return Check.not_run("layer_check_activation", "not run: " + head + text)
-    return Check.judged("layer_check_activation", not off, head + text)
+        return Check.not_run("layer_check_activation", "not run: " + head + text, evidence)
+    return Check.judged("layer_check_activation", not off, head + text, evidence)
+
+
+def _power_rows(summary: LayerSummary) -> list[PowerRow]:
+    """Each reachable range's power row per rank (pooled over the ranks only with one process)."""
+    wanted = set(reachable_ranges(summary.max_tokens))
+    if summary.processes == 1:
+        return [p for p in summary.power if p.range in wanted]
+    return [p for p in summary.power if p.range in wanted and p.rank != "all"]
 
 
 def _power(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
+    """Per reachable range and rank, the share of its (range, expert) cells that resolve a `power`
+    one-expert error, pooled over the layers (at least min_judged) and per layer (at least
+    min_judged_per_layer). A pool short of either is not judged; the registry's floor asks for every pool,
+    so the row is then "not run", the short pools named."""
     wanted = set(reachable_ranges(summary.max_tokens))
-    rows = [p for p in summary.power if p.range in wanted and (p.rank != "all" or summary.processes == 1)]
-    if summary.processes == 1:
-        rows = [p for p in summary.power if p.range in wanted]
-    short = [p for p in rows if p.judged < limits.min_judged * p.cells or not p.cells]
-    seen_ranges = {p.range for p in rows}
-    never = sorted(wanted - seen_ranges, key=list(layer_range_names()).index)
+    rows = _power_rows(summary)
+    short = [
+        p for p in rows
+        if not p.cells or p.judged < limits.min_judged * p.cells
+        or p.layer_judged < limits.min_judged_per_layer * p.layer_cells
+    ]  # fmt: skip
+    never = sorted(wanted - {p.range for p in rows}, key=list(layer_range_names()).index)
+    ranks = max(summary.ranks, 1)
+    evidence = Evidence(
+        "(range, rank) pool", len(rows) - len(short), len(rows) + len(never) * ranks,
+        would_catch=f"a {limits.power:.1%} one-expert error in {limits.min_judged:.0%} of a range's experts",
+    )  # fmt: skip
     total = sum(p.cells for p in rows)
     judged = sum(p.judged for p in rows)
     detail = (
@@ -444,18 +258,19 @@ def _power(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
     )
     if short or never:
         named = "; ".join(
-            f"{p.range} ({p.rank}) {p.judged}/{p.cells}, unjudged experts "
+            f"{p.range} ({p.rank}) {p.judged}/{p.cells}, per layer {p.layer_judged}/{p.layer_cells}, "
+            "unjudged experts "
             + ", ".join(map(str, p.unjudged[:NAMED]))
             + (f" (+{len(p.unjudged) - NAMED})" if len(p.unjudged) > NAMED else "")
             for p in short
         )
         if never:
             named = (named + "; " if named else "") + f"no cell at all in {', '.join(never)}"
-        return Check.not_run(
-            "layer_check_power",
-            f"not run: under {limits.min_judged:.0%} of the cells judged: {named}. {detail}",
+        detail = (
+            f"under {limits.min_judged:.0%} of the cells (or {limits.min_judged_per_layer:.0%} per layer) "
+            f"judged: {named}. {detail}"
         )
-    return Check.judged("layer_check_power", True, detail)
+    return Check.judged("layer_check_power", True, detail, evidence)
 
 
 def _describe_power(p: PowerRow) -> str:
@@ -492,32 +307,183 @@ def _describe_activation(c: Cell) -> str:
     )
 
 
-def summary_record(summary: LayerSummary, limits: LayerCheckLimits) -> dict[str, Any]:
-    """results.json's "layer_check": the ranges (pooled over layers; per layer only where judged off), the
-    power per range and rank, the activation per range, and the expert cells worth reading (the off ones,
-    and each range's largest judged)."""
-    layer_rows = [
-        r for r in summary.ranges if r.layer is not None and r.ratio is not None and r.rows >= MIN_ROWS
-        and (r.ratio > 1 + limits.margin or r.nonfinite)
+# --- the gate -------------------------------------------------------------------------------------------
+
+SECTION = "layer_check"
+
+
+class LayerCheckSection(TypedDict):
+    """results.json `layer_check`: summary_record, the served MoE calls against the exact MoE."""
+
+    processes: int
+    """table files read (a process writes one per expert count it served)"""
+    ranks: NotRequired[int]
+    """distinct ranks among them: what coverage counts (absent before schema 9)"""
+    shifts: NotRequired[list[SharedShift]]
+    """per range and rank, what its judged experts share (a global scale reads as one shift; schema 9)"""
+    world_size: int
+    """the ranks the layout has"""
+    layers: int
+    """MoE layers in the tables"""
+    counted_on: list[str]
+    """device or host, per process"""
+    max_tokens_per_call: int
+    """the server's batched-token limit: which ranges it can reach"""
+    limits: LayerCheckLimits
+    """the limits judged"""
+    min_rows: int
+    """rows a range needs to be compared"""
+    problems: list[str]
+    """files that could not be read, missing ranks"""
+    ranges: list[RangeRow]
+    """each range pooled over the layers (per rank, and pooled over ranks), and layers judged off"""
+    power: list[PowerRow]
+    """per range and rank, how many cells it could judge"""
+    activation: list[Cell]
+    """the SiLU slope error per range (pooled), and per layer where off"""
+    expert_cells_off: int
+    """cells judged off, every layer and pool"""
+    expert_cells: list[ExpertCell]
+    """the off cells, and each (range, rank)'s largest"""
+
+
+def layer_check_limits(config: EvalConfig) -> LayerCheckLimits:
+    return LayerCheckLimits(
+        margin=config.layer_check_margin,
+        scale_bound=config.layer_check_scale_bound,
+        z=config.layer_check_z,
+        activation_bound=config.layer_check_activation_bound,
+        power=config.layer_check_power,
+        min_judged=config.layer_check_min_judged,
+        min_judged_per_layer=config.layer_check_min_judged_per_layer,
+    )
+
+
+def judge_layer_check(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
+    if m.layer is None:
+        return "the processes' layer-check sums were not read"
+    limits = layer_check_limits(config)
+    out.checks += layer_checks(m.layer, limits)
+    out.sections[SECTION] = summary_record(m.layer, limits)
+    return None
+
+
+def ratio_text(ratio: float | None) -> str:
+    """'x1.02'; 'xinf' for an error against an exact incumbent (results.json writes it null); 'no ratio'."""
+    if ratio is None:
+        return "no ratio"
+    return "xinf" if math.isinf(ratio) else f"x{ratio:.2f}"
+
+
+def layer_ratio(row: dict) -> float | None:
+    """A range's error ratio as results.json holds it; null with an error against an exact incumbent is
+    infinite (JSON has no inf), the worst there is, not a range left out."""
+    if row.get("ratio") is not None:
+        return float(row["ratio"])
+    return math.inf if (row.get("error") or 0) > 0 and row.get("incumbent_error") == 0 else None
+
+
+def power_counts(check: dict) -> tuple[int, int]:
+    """(judged, total) (range, expert) cells over the ranges and the ranks (not their pool)."""
+    rows = [p for p in check.get("power", []) if p.get("rank") != "all" or check.get("processes") == 1]
+    return sum(p["judged"] for p in rows), sum(p["cells"] for p in rows)
+
+
+def layer_cell(check: Any, row: RowView | None = None) -> str:
+    """'x0.85 worst (M=1); 890/896 cells at 1%; |s| <= 0.0005': the served MoE calls against the exact MoE:
+    the worst range's error ratio to the incumbent's arithmetic, the (range, expert) cells that resolve the
+    power target of the total, and the largest per-expert scale error."""
+    if not check:
+        return "-"
+    ranges = [
+        r | {"ratio": layer_ratio(r)} for r in check.get("ranges", []) if layer_ratio(r) is not None
+        and r.get("layer") is None and (r.get("rank") == "all" or check.get("processes") == 1)
     ]  # fmt: skip
-    return {
-        "processes": summary.processes,
-        "ranks": summary.ranks,
-        "world_size": summary.world_size,
-        "layers": summary.layers,
-        "counted_on": summary.counted_on,
-        "max_tokens_per_call": summary.max_tokens,
-        "limits": asdict(limits),
-        "min_rows": MIN_ROWS,
-        "problems": summary.problems,
-        "ranges": [asdict(r) for r in summary.ranges if r.layer is None] + [asdict(r) for r in layer_rows],
-        "power": [asdict(p) for p in summary.power],
-        "activation": [asdict(c) for c in summary.activation if c.layer is None]
-        + [
-            asdict(c)
-            for c in summary.activation
-            if c.layer is not None and _is_off(c, limits.activation_bound)
-        ],
-        "expert_cells_off": summary.off_experts,
-        "expert_cells": [asdict(c) for c in summary.experts],
-    }
+    worst = max(ranges, key=lambda r: r["ratio"], default=None)
+    parts = [f"{ratio_text(worst['ratio'])} worst ({worst['range']})" if worst else "no range"]
+    judged, total = power_counts(check)
+    if total:
+        parts.append(f"{judged}/{total} cells at {check['limits']['power']:.0%}")
+    largest = max((abs(c["scale"]) for c in check.get("expert_cells", [])), default=None)
+    if largest is not None:
+        parts.append(f"|s| <= {largest:.4f}")
+    return "; ".join(parts)
+
+
+def compare_rows(checked: list[Any], ref: int) -> list[list[str]]:
+    """`moe-eval compare`'s rows, runs as columns: per dispatch range each run's RMS error of the served MoE
+    output against the exact MoE (and x its incumbent arithmetic's on the same rows); each run's largest
+    per-expert scale error; how many (range, expert) cells it judged; its largest SiLU slope error. Kernels
+    whose GSM8K numbers agree differ here (vLLM's kernel runs no check)."""
+    if not any(checked):
+        return []
+    by_range: dict[str, dict[int, dict]] = {}
+    for i, check in enumerate(checked):
+        pooled = "all" if (check or {}).get("processes", 1) > 1 else None
+        for row in (check or {}).get("ranges", []):
+            if row.get("layer") is not None or row.get("error") is None:
+                continue
+            if pooled is None or row.get("rank") == pooled:
+                by_range.setdefault(row["range"], {})[i] = row
+    rows = []
+    for name in layer_range_names():
+        if name not in by_range:
+            continue
+        cells = []
+        for i in range(len(checked)):
+            row = by_range[name].get(i)
+            cells.append("-" if row is None else f"{row['error']:.2e} ({ratio_text(layer_ratio(row))})")
+        rows.append([f"layer error {name}", "", "RMS vs exact (x incumbent)", *cells])
+    largest, judged, activation = [], [], []
+    for check in checked:
+        cells = (check or {}).get("expert_cells", [])
+        worst = max(cells, key=lambda c: abs(c["scale"]), default=None)
+        largest.append(
+            "-" if worst is None else f"{worst['scale']:+.4f} (expert {worst['expert']}, {worst['range']})"
+        )
+        judged.append(_judged_cell(check))
+        slopes = [c for c in (check or {}).get("activation", []) if c.get("layer") is None]
+        steepest = max(slopes, key=lambda c: abs(c["scale"]), default=None)
+        activation.append("-" if steepest is None else f"{steepest['scale']:+.4f} ({steepest['range']})")
+    rows.append(["layer expert scale", "", "largest |s|", *largest])
+    rows.append(["layer cells judged", "", "(range, expert) at the power target", *judged])
+    rows.append(["layer SiLU slope", "", "largest error", *activation])
+    return rows
+
+
+def _judged_cell(check: dict | None) -> str:
+    """'890/896 at 1% (95%: 0.62%)': how much of the (range, expert) cells the check could judge."""
+    if not check or not check.get("power"):
+        return "-"
+    judged, total = power_counts(check)
+    per_rank = [p for p in check["power"] if p.get("rank") != "all" or check.get("processes") == 1]
+    d95 = [p["detectable_95"] for p in per_rank]
+    worst = "none" if any(d is None for d in d95) else f"{max(d95):.2%}"
+    return f"{judged}/{total} at {check['limits']['power']:.0%} (95% of cells resolve {worst})"
+
+
+GATE = Gate(
+    "layer_check",
+    (
+        "layer_check_coverage",
+        "layer_check_ranges",
+        "layer_check_experts",
+        "layer_check_activation",
+        "layer_check_power",
+    ),
+    lambda c, _: c.layer_checked,
+    False,
+    judge_layer_check,
+    "the served MoE calls of every layer, dispatch range, expert and rank against the exact MoE, "
+    "with the cells it could not judge counted",
+    section=SECTION,
+    payload=LayerCheckSection,
+    # Every reachable (range, rank) pool judged, in the activation check and in the cells (min_judged and
+    # min_judged_per_layer decide a pool's), and min_judged of the (range, expert) cells overall.
+    floors={
+        "layer_check_power": Floor(share=1.0),
+        "layer_check_activation": Floor(share=1.0),
+        "layer_check_experts": Floor(share_key="layer_check_min_judged"),
+    },
+    show=Show(columns=(Column("Layer check vs exact", layer_cell),), compare=compare_rows),
+)

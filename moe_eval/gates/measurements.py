@@ -4,13 +4,34 @@ and the judgement they give (checks, verdict, results.json sections)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from moe_eval.core.check import Check
 from moe_eval.core.logprob_texts import TextLogprobs
 from moe_eval.core.moe_timing import TimingSummary
-from moe_eval.gates.checks import Baseline
-from moe_eval.gates.layer_gate import LayerSummary
+
+if TYPE_CHECKING:
+    from moe_eval.gates.layer_summary import LayerSummary
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The incumbent a row is compared with (evaluate/incumbent.py reads it from a finished run): its
+    per-question correctness (the paired gate), where it scored them its log-probabilities and greedy
+    continuations (divergence, golden), its MoE timing and where it was timed (speed)."""
+
+    results_path: Path
+    correctness: dict[int, bool]
+    logprobs_path: Path | None = None
+    moe_backend_used: str | None = None  # what its server's log said served ("bundled:torch", "vllm:CPU")
+    layout: str | None = None  # Layout.describe() of its config
+    decode_path: Path | None = None  # its greedy continuations (DECODE_FILE), where it made them
+    speed: TimingSummary | None = None  # its MoE calls' time per range (captures.timing), where timed
+    machine: str | None = None  # the GPUs (or CPU) it ran on: a speed reference holds on that machine only
+    workload: str | None = None  # what its timed sweep computed (speed.workload_identity): must match
+    speed_warnings: tuple[str, ...] = ()  # its server's (serving.speed_warnings_logged)
+    world_size: int = 1  # the ranks of its layout: the processes its timing must come from
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,21 @@ reached was judged and none failed. What it could not judge is named, and a row 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from typing_extensions import NotRequired, TypedDict  # pydantic reads typing's TypedDict from 3.12 only
 
 from moe_eval.core.check import Check
 from moe_eval.core.evidence import Evidence
 from moe_eval.core.moe_timing import RangeTiming, SizeTiming, TimingSummary
+from moe_eval.core.payload import described
+from moe_eval.gates.gate import Column, Gate, RowView, Show, Skipped
+
+if TYPE_CHECKING:
+    from moe_eval.core.record import RunRecord
+    from moe_eval.gates.measurements import Judgement, Measurements
+    from moe_eval.plan.config import EvalConfig
 
 # A size's mean from fewer calls (per rank) is one or two calls' luck.
 MIN_SIZE_CALLS = 3
@@ -86,24 +95,34 @@ class Margins:
 
 @dataclass(frozen=True)
 class RangeSpeed:
-    range: str
-    us: float | None  # this row's mean call in the range (None: it made no call there)
-    reference_us: float | None
-    ratio: float | None  # matched sizes' ratio (this row / the reference); None: not judged
-    calls: int  # matched calls per rank, this row
-    reference_calls: int
-    passed: bool | None  # None: not judged
-    why_not: str | None = None
-    z: float | None = None  # the excess over the margin in standard errors (fails beyond SPEED_Z)
-    fails_above: float | None = None  # the ratio above which this range fails, at its errors
-    would_catch: float | None = None  # the slowdown it fails with 80 % probability
-    replayed: bool = False  # a graph-replayed range: must be judged for a pass
-    margin: float | None = None
-    sizes_matched: int = 0  # sizes compared, of the sizes either row called in the range
-    sizes: int = 0
-    matched_share: float | None = None  # the smaller of the two rows' time shares in the matched sizes
-    unsteady: tuple[int, ...] = ()  # sizes left out: their mean was a few calls' time
-    between_servers: float | None = None  # the floor's log standard deviation per server, time-weighted
+    """One dispatch range's MoE calls against the reference's, size for size."""
+
+    range: str = described("the dispatch range, e.g. M=17-64 (tokens per call)")
+    us: float | None = described("this row's mean call in the range, us (null: it made no call there)")
+    reference_us: float | None = described("the reference's (null: it made no call there)")
+    ratio: float | None = described(
+        "the matched sizes' ratio, weighted by the reference's time at each (null: not judged)"
+    )
+    calls: int = described("this row's calls at the matched sizes, on the slowest rank")
+    reference_calls: int = described("the reference's")
+    passed: bool | None = described("null: not judged")
+    why_not: str | None = described("why it was not judged", None)
+    z: float | None = described(
+        "the excess over the margin in standard errors (fails beyond z)", None, newer=True
+    )
+    fails_above: float | None = described("the ratio above which it fails at its errors", None, newer=True)
+    would_catch: float | None = described("the slowdown it fails with 80 % probability", None, newer=True)
+    replayed: bool = described("a graph-replayed range: a pass needs it judged", False, newer=True)
+    margin: float | None = described("its margin: speed_margin, or speed_margin_eager", None, newer=True)
+    sizes_matched: int = described("call sizes compared", 0, newer=True)
+    sizes: int = described("call sizes either row made in the range", 0, newer=True)
+    matched_share: float | None = described(
+        "the smaller of the two rows' shares of their range time in the matched sizes", None, newer=True
+    )
+    unsteady: tuple[int, ...] = described("sizes left out: their mean was a few calls' time", (), newer=True)
+    between_servers: float | None = described(
+        "the floor: a log standard deviation per server, weighted over the matched sizes", None, newer=True
+    )
 
 
 def _eager(size: SizeTiming) -> float:
@@ -308,13 +327,12 @@ def speed_check(
         detail = f"slower than {reference_name} in {len(slow)} of {len(judged)} dispatch ranges: {listed}"
         return Check.judged("speed_gate", False, f"{detail}; {counted}", evidence=evidence), section
     sensitivity = "; ".join(f"{r.range} x{r.would_catch:.3f}" for r in judged)
-    if missing:
+    if missing:  # a pass on less than its floor: the judge makes it "not run" (evidence.required)
         detail = (
-            f"not run: {len(missing)} graph-replayed range(s) either row reached could not be judged "
-            f"({', '.join(r.range for r in missing)}), so no pass stands on the other {len(judged)}; "
-            f"none judged was slower; {counted}"
+            f"{len(missing)} graph-replayed range(s) either row reached could not be judged "
+            f"({', '.join(r.range for r in missing)}); none judged was slower; {counted}"
         )
-        return Check.not_run("speed_gate", detail, evidence=evidence), section
+        return Check.judged("speed_gate", True, detail, evidence=evidence), section
     detail = (
         f"no range slower than {reference_name} beyond x(1 + margin) and noise in {len(judged)} of "
         f"{len(judged)} judged ranges; worst {_named(worst)}; would catch (80 %): {sensitivity}; {counted}"
@@ -330,3 +348,222 @@ def _named(r: RangeSpeed) -> str:
         f"fails above x{r.fails_above:.3f}, "
         f"z = {r.z if r.z is not None else 'inf'})"
     )
+
+
+# --- where a row was timed, and on what (a reference must match both) --------------------------------------
+
+
+def machine_of(hardware: Any) -> str:
+    """What a timing depends on: the GPUs' names, or the CPU's model where no GPU served."""
+    return ", ".join(hardware.gpus) if hardware.gpus else f"cpu: {hardware.cpu}"
+
+
+def workload_identity(workload: dict[str, Any] | None) -> str | None:
+    """What a row's timed sweep computed, for the speed gate to compare: the fingerprint of its requests
+    (layer_sweep.sweep), and the prompt tokens the server's prefix cache served instead, where any did (those
+    calls were shorter than sent). None: not recorded (a run before moe-eval recorded it)."""
+    fingerprint = (workload or {}).get("fingerprint")
+    if fingerprint is None:
+        return None
+    cached = (workload or {}).get("prefix_cache_hit_tokens")
+    return f"{fingerprint} with {cached} prompt tokens from the prefix cache" if cached else fingerprint
+
+
+def timed_where(record: RunRecord) -> tuple[str, str | None]:
+    """(machine, workload): where a record's MoE calls were timed and on which requests. Two rows' times
+    compare only where both match (times_differ_by); the gate's reference and `moe-eval compare`'s columns
+    are read by this one function."""
+    timing = record.captures.timing or {}
+    return machine_of(record.environment.hardware), workload_identity(timing.get("workload"))
+
+
+# --- the gate -------------------------------------------------------------------------------------------
+
+NO_REFERENCE = "no reference to compare the MoE calls' time with (no incumbent, no --baseline)"
+
+
+def _comparable(config: EvalConfig, m: Measurements) -> str | None:
+    """Why this row's MoE times cannot be compared with its reference's (None: they can)."""
+    if m.speed is None:
+        return "the row's MoE calls were not timed"
+    if m.incumbent is None:
+        return NO_REFERENCE
+    reference = m.incumbent.speed
+    if reference is None:
+        return (
+            f"the reference ({m.incumbent.results_path}) holds no MoE timing: it ran with moe_timing: false "
+            "or before moe-eval timed its calls"
+        )
+    apart = times_differ_by(m.machine, m.workload, m.incumbent.machine, m.incumbent.workload)
+    if apart == "machine":
+        return f"the reference ran on {m.incumbent.machine}, this row on {m.machine}: times do not compare"
+    if apart == "requests":
+        # Other prompts route to other experts: the per-size means of two workloads are not one kernel's
+        # against another's (the sweep's prompts changed in moe-eval itself on 2026-12-05).
+        there, here = (workload or "not recorded" for workload in (m.incumbent.workload, m.workload))
+        return (
+            f"the reference's timed requests differ from this row's (workload {there} there, {here} here: "
+            "another moe-eval, tokenizer, task texts or token limit)"
+        )
+    for what, timing, ranks in (
+        ("this row", m.speed, config.layout.world_size),
+        ("the reference", reference, m.incumbent.world_size),
+    ):
+        if timing.processes < ranks:
+            # A rank that wrote no timing could be the slow one: the slowest rank is what the gate compares.
+            return f"{what} was timed on {timing.processes} of its {ranks} ranks"
+    if set(m.speed.timed_on) != set(reference.timed_on):
+        return (
+            f"this row was timed on the {'/'.join(m.speed.timed_on)}, the reference on the "
+            f"{'/'.join(reference.timed_on)}: the brackets differ"
+        )
+    return None
+
+
+def _margins(config: EvalConfig) -> Margins:
+    return Margins(replayed=config.speed_margin, eager=config.speed_margin_eager)
+
+
+def judge_speed(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
+    """Per dispatch range, the served MoE calls' time against the reference's at matched sizes."""
+    why = _comparable(config, m)
+    if why is not None:
+        return why
+    assert m.speed is not None and m.incumbent is not None and m.incumbent.speed is not None  # _comparable
+    check, section = speed_check(m.speed, m.incumbent.speed, _margins(config), str(m.incumbent.results_path))
+    out.sections[SECTION] = section
+    if check is None:
+        return "no dispatch range could be judged: " + "; ".join(
+            f"{r['range']}: {r['why_not']}" for r in section["ranges"]
+        )
+    logged = (("this row's", m.speed_warnings), ("the reference's", m.incumbent.speed_warnings))
+    warned = [f"{whose} server logged: {'; '.join(warnings)}" for whose, warnings in logged if warnings]
+    if warned:
+        # Not a verdict of its own: a change that breaks the autotune is a slowdown the gate must still show.
+        check = replace(check, detail=f"{check.detail}; {'; '.join(warned)}")
+    out.checks.append(check)
+    return None
+
+
+def report_speed(config: EvalConfig, m: Measurements, out: Judgement) -> None:
+    """A row timed beside an incumbent but not gated (the CPU): the same comparison, reported only."""
+    if not config.speed_reported(m.incumbent is not None):
+        return
+    why = _comparable(config, m)
+    if why is not None:
+        out.sections[SECTION] = {"skipped": f"not compared: {why}"}
+        return
+    assert m.speed is not None and m.incumbent is not None and m.incumbent.speed is not None  # _comparable
+    _, section = speed_check(m.speed, m.incumbent.speed, _margins(config), str(m.incumbent.results_path))
+    out.sections[SECTION] = section | {"gated": False}
+
+
+class SpeedSection(TypedDict):
+    """results.json `speed`: per range, the matched call sizes' ratio against the reference's; a range fails
+    beyond (1 + margin) and z standard errors (within-run errors and the between-server floor)."""
+
+    reference: str
+    """the reference row's results.json (the incumbent, or --baseline's row)"""
+    rule: NotRequired[str]
+    """matched call sizes (absent before schema 9: range means)"""
+    margin: float
+    """the config's speed_margin, for graph-replayed ranges"""
+    margin_eager: NotRequired[float]
+    """the config's speed_margin_eager, for eager ranges"""
+    min_calls: int
+    """matched calls per rank a range needs to be judged"""
+    min_size_calls: NotRequired[int]
+    """calls per rank a size needs in both rows to be matched"""
+    min_matched_share: NotRequired[float]
+    """the share of each row's range time the matched sizes must hold"""
+    z: NotRequired[float]
+    """standard errors beyond the margin a range fails at"""
+    max_relative_error: NotRequired[float]
+    """a size whose mean has a standard error above this share of it is left out"""
+    between_servers: NotRequired[dict[str, float]]
+    """the floor's constants: replayed and eager log standard deviations per server"""
+    timed_on: list[str]
+    """device (every call, CUDA-graph replays included) or host"""
+    ranges: list[RangeSpeed]
+    """every range either row timed, judged or not"""
+    judged: NotRequired[int]
+    """ranges judged"""
+    required_not_judged: NotRequired[list[str]]
+    """graph-replayed ranges either row reached that were not judged: no pass stands without them"""
+    evidence: NotRequired[Evidence]
+    """ranges judged of those given, and the least sensitive judged range's would_catch"""
+    gated: NotRequired[bool]
+    """false: reported only (the CPU), no check made"""
+    worst_ratio: NotRequired[float | None]
+    """the largest failing ratio where a range failed, else the largest judged one"""
+    worst_range: NotRequired[str]
+    """the range of worst_ratio"""
+
+
+SECTION = "speed"
+
+
+def speed_cell(gate: Any, row: RowView) -> str:
+    """'x1.01 worst (M=2-16), 7/7 ranges judged, would catch x1.04': the speed gate's worst judged range
+    against its reference (a failed gate's worst failing range), the ranges it judged of those either row
+    called, and the slowdown its least sensitive judged range would catch with 80 % probability; 'report
+    only: ...' where the row was compared but not gated (the CPU); a row timed with nothing to compare shows
+    its slowest range's call ('412.4 us at M>=1024, 6 ranges timed, not gated')."""
+    if gate and gate.get("ranges") and "evidence" in gate:
+        judged = [r for r in gate["ranges"] if r.get("passed") is not None]
+        evidence = gate["evidence"]
+        counted = f"{evidence['judged']}/{evidence['total']} ranges judged"
+        if gate.get("required_not_judged"):
+            counted += f" ({', '.join(gate['required_not_judged'])} not: required)"
+        prefix = "report only: " if gate.get("gated") is False else ""
+        if not judged:
+            return f"{prefix}no range judged, {counted}"
+        failed = [r for r in judged if r.get("passed") is False]
+        worst = max(failed or judged, key=lambda r: r["ratio"])
+        catch = max(r["would_catch"] for r in judged)
+        return f"{prefix}x{worst['ratio']:.2f} worst ({worst['range']}), {counted}, would catch x{catch:.2f}"
+    if gate and gate.get("worst_ratio") is not None:  # a record from before matched sizes (schema 8)
+        judged = [r for r in gate["ranges"] if r.get("passed") is not None]
+        worst = max(judged, key=lambda r: r["ratio"])
+        counted = f"{len(judged)}/{len(gate['ranges'])} ranges judged"
+        return f"x{worst['ratio']:.2f} worst ({worst['range']}), {counted}"
+    ranges = (row.timing or {}).get("ranges") or []
+    if not ranges:
+        return "-"
+    slowest = max(ranges, key=lambda r: r["mean_us"])
+    return f"{slowest['mean_us']:.1f} us at {slowest['range']}, {len(ranges)} ranges timed, not gated"
+
+
+def speed_junit(gate: Any) -> dict[str, object]:
+    gate = gate or {}
+    judged = f"{gate['judged']}/{len(gate['ranges'])}" if "judged" in gate else None
+    return {
+        "speed.worst_ratio": gate.get("worst_ratio"),
+        "speed.worst_range": gate.get("worst_range"),
+        # the ranges judged of those either row timed, so a pass over few ranges shows
+        "speed.judged": judged,
+        "speed.reference": gate.get("reference"),
+        "speed.would_catch": (gate.get("evidence") or {}).get("would_catch"),
+    }
+
+
+def _blocked(config: EvalConfig) -> tuple[str, str] | None:
+    if config.moe_timing:
+        return None
+    return "moe_timing is false: the row's MoE calls are not timed", "moe_timing false"
+
+
+GATE = Gate(
+    "speed",
+    ("speed_gate",),
+    lambda c, incumbent: c.speed_gated(incumbent),
+    True,
+    judge_speed,
+    "per dispatch range, the served MoE calls' time at matched call sizes within x(1 + speed_margin) of "
+    "the incumbent's (or --baseline's) on the same workload and machine, beyond noise",
+    section=SECTION,
+    payload=SpeedSection | Skipped,
+    show=Show(columns=(Column("MoE time (x reference)", speed_cell),), junit=speed_junit),
+    blocked=_blocked,
+    report=report_speed,
+)

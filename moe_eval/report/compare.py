@@ -7,7 +7,7 @@ order; a run made with a deliberately broken kernel (`run --mutation`) is marked
   - where both runs scored the same texts, the log-probability divergence against the reference
     column (moe_eval.evaluate.logprobs);
   - every run's error against the golden reference (mean |Δ log p| of the reference tokens,
-    moe_eval.gates.golden_gate) and its ratio to the reference column's. The golden record is the one the
+    moe_eval.gates.golden_errors) and its ratio to the reference column's. The golden record is the one the
     runs' results.json name; all runs of one model and texts share it, so a run that names none is
     measured too. The golden used is the reference column's, else the first named; a run that names
     another shows "other golden", and a golden folder not readable here "golden missing".
@@ -33,18 +33,12 @@ from moe_eval.core.logprob_texts import LOGPROBS_FILE, TextLogprobs, read_logpro
 from moe_eval.core.plugin_protocol import layer_range_names
 from moe_eval.core.record import RunRecord, UnreadableRecord, result_files
 from moe_eval.evaluate.gsm8k import FILTERS
-from moe_eval.gates.checks import correctness, timed_where
-from moe_eval.gates.divergence import divergence
-from moe_eval.gates.speed import times_differ_by
+from moe_eval.gates import registry
+from moe_eval.gates.answers import correctness
+from moe_eval.gates.divergence import divergence, divergence_cell
+from moe_eval.gates.speed import timed_where, times_differ_by
 from moe_eval.gates.stats import paired_compare
-from moe_eval.report.table import (
-    divergence_cell,
-    layer_ratio,
-    markdown_table,
-    power_counts,
-    ratio_text,
-    rich_table,
-)
+from moe_eval.report.table import evidence_cell, markdown_table, rich_table
 
 DEFAULT_REFERENCE = "vllm"
 GOLDEN_PREFILL = (
@@ -66,7 +60,8 @@ class RunResult:
     mutation: str | None = None  # the deliberate kernel bug the run was made with, if any
     golden_digest: str | None = None  # the golden record the run was gated against (results.json "golden")
     golden_path: Path | None = None
-    layer_check: dict | None = None  # results.json "layer_check" (gates/layer_gate.py), bundled kernels only
+    judged: dict = dataclasses.field(default_factory=dict)  # results.json's gate sections, by key
+    checks: tuple = ()  # its checks (core/check.Check)
     moe_timing: dict | None = None  # results.json captures "speed.moe" (core/moe_timing.py), every timed row
     machine: str | None = None  # where it ran (checks.machine_of): times compare on one machine only
     workload: str | None = None  # what its timed sweep computed (checks.workload_identity)
@@ -74,6 +69,10 @@ class RunResult:
     @property
     def questions(self) -> frozenset[int]:
         return frozenset(self.correct)
+
+    def section(self, key: str) -> dict | None:
+        value = self.judged.get(key)
+        return value if isinstance(value, dict) and "skipped" not in value else None
 
 
 def _result_files(inputs: list[Path]) -> list[Path]:
@@ -126,7 +125,8 @@ def load_run(path: Path) -> RunResult | None:
         mutation=mutation or None,
         golden_digest=golden.get("digest"),
         golden_path=Path(golden["path"]) if golden.get("path") else None,
-        layer_check=record.judged.layer_check if isinstance(record.judged.layer_check, dict) else None,
+        judged=dict(record.judged),
+        checks=tuple(record.verdict.checks),
         moe_timing=(record.captures.timing or {}).get("moe"),
         machine=machine,
         workload=workload,
@@ -226,51 +226,13 @@ def table_rows(members: list[RunResult], ref: int = 0) -> tuple[list[str], list[
     ]
     rows.append([f"Δ log p vs {base.label}", "", "mean, top-1 changed", *divergences])
     rows.append(["error vs golden", "", "mean |Δ log p|, x reference", *_golden_cells(members, records, ref)])
-    rows += _layer_rows(members)
+    for gate in registry.GATES:  # each gate's own rows, from each run's section (its Show)
+        if gate.show.compare is not None and gate.section:
+            rows += gate.show.compare([m.section(gate.section) for m in members], ref)
     rows += _speed_rows(members, ref)
+    rows.append(["evidence", "", "judged/total (would catch)", *[evidence_cell(m.checks) for m in members]])
     rows.append(["verdict", "", "", *[m.verdict for m in members]])
     return header, rows
-
-
-def _layer_rows(members: list[RunResult]) -> list[list[str]]:
-    """The layer check side by side: per dispatch range, each run's RMS error of the served MoE output
-    against the exact MoE (and x its incumbent arithmetic's on the same rows); then each run's largest
-    per-expert scale error. Kernels whose GSM8K numbers agree differ here (vLLM's kernel runs no check)."""
-    checked = [m.layer_check for m in members]
-    if not any(checked):
-        return []
-    by_range: dict[str, dict[int, dict]] = {}
-    for i, check in enumerate(checked):
-        pooled = "all" if (check or {}).get("processes", 1) > 1 else None
-        for row in (check or {}).get("ranges", []):
-            if row.get("layer") is not None or row.get("error") is None:
-                continue
-            if pooled is None or row.get("rank") == pooled:
-                by_range.setdefault(row["range"], {})[i] = row
-    rows = []
-    for name in layer_range_names():
-        if name not in by_range:
-            continue
-        cells = []
-        for i in range(len(members)):
-            row = by_range[name].get(i)
-            cells.append("-" if row is None else f"{row['error']:.2e} ({ratio_text(layer_ratio(row))})")
-        rows.append([f"layer error {name}", "", "RMS vs exact (x incumbent)", *cells])
-    largest, judged, activation = [], [], []
-    for check in checked:
-        cells = [c for c in (check or {}).get("expert_cells", []) if c.get("layer") is None]
-        worst = max(cells, key=lambda c: abs(c["scale"]), default=None)
-        largest.append(
-            "-" if worst is None else f"{worst['scale']:+.4f} (expert {worst['expert']}, {worst['range']})"
-        )
-        judged.append(_judged_cell(check))
-        slopes = [c for c in (check or {}).get("activation", []) if c.get("layer") is None]
-        steepest = max(slopes, key=lambda c: abs(c["scale"]), default=None)
-        activation.append("-" if steepest is None else f"{steepest['scale']:+.4f} ({steepest['range']})")
-    rows.append(["layer expert scale", "", "largest |s|", *largest])
-    rows.append(["layer cells judged", "", "(range, expert) at the power target", *judged])
-    rows.append(["layer SiLU slope", "", "largest error", *activation])
-    return rows
 
 
 def _speed_rows(members: list[RunResult], ref: int) -> list[list[str]]:
@@ -300,17 +262,6 @@ def _speed_rows(members: list[RunResult], ref: int) -> list[list[str]]:
                 cells.append(f"{row['mean_us']:.1f} us (x{row['mean_us'] / base['mean_us']:.2f})")
         rows.append([f"MoE time {name}", "", "us per call (x reference)", *cells])
     return rows
-
-
-def _judged_cell(check: dict | None) -> str:
-    """'890/896 at 1% (95%: 0.62%)': how much of the (range, expert) cells the check could judge."""
-    if not check or not check.get("power"):
-        return "-"
-    judged, total = power_counts(check)
-    per_rank = [p for p in check["power"] if p.get("rank") != "all" or check.get("processes") == 1]
-    d95 = [p["detectable_95"] for p in per_rank]
-    worst = "none" if any(d is None for d in d95) else f"{max(d95):.2%}"
-    return f"{judged}/{total} at {check['limits']['power']:.0%} (95% of cells resolve {worst})"
 
 
 def _divergence(base: list[TextLogprobs] | None, other: list[TextLogprobs] | None) -> str:
@@ -350,7 +301,7 @@ def _read_golden(paths: list[Path]) -> list[TextLogprobs] | None:
 
 def _golden_cells(members: list[RunResult], records: list[list[TextLogprobs] | None], ref: int) -> list[str]:
     """'0.0169 (x0.98)' per run: its error vs the golden and the ratio to the reference column's error."""
-    from moe_eval.gates.golden_gate import errors_vs_golden
+    from moe_eval.gates.golden_errors import errors_vs_golden  # noqa: I001
 
     digest, paths = _golden_of(members, ref)
     if not paths:

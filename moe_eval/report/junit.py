@@ -15,6 +15,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from moe_eval.core.results import atomic_write_text, versions
+from moe_eval.gates import registry
 from moe_eval.launch import log_tail
 from moe_eval.runner import ConfigOutcome
 
@@ -23,14 +24,6 @@ def _properties(parent: ET.Element, values: dict[str, object]) -> None:
     props = ET.SubElement(parent, "properties")
     for name, value in values.items():
         ET.SubElement(props, "property", name=name, value="" if value is None else str(value))
-
-
-def _judged_ranges(speed: dict | None) -> str | None:
-    """'6/7': the dispatch ranges the speed gate judged of those either row timed, so a pass over few
-    ranges shows."""
-    if not speed or "judged" not in speed:
-        return None
-    return f"{speed['judged']}/{len(speed['ranges'])}"
 
 
 def junit_xml(outcomes: list[ConfigOutcome], hw: str, gpus: list[str]) -> str:
@@ -68,21 +61,24 @@ def junit_xml(outcomes: list[ConfigOutcome], hw: str, gpus: list[str]) -> str:
                 "moe_backend_used": o.moe_backend_used,
                 "hardware": hw,
                 "gpus": ", ".join(gpus),
-                "gate.detectable_drop_80": o.detectable_drop,
+                # Each gate's own properties (its Show), then what every check judged of what it was given.
                 **{
-                    f"divergence.{k}": (o.divergence or {}).get(k)
-                    for k in ("mean_abs_dlogp", "p99_abs_dlogp", "top1_flip_rate", "kl_topk", "comparison")
+                    name: value
+                    for gate in registry.GATES
+                    if gate.show.junit is not None
+                    for name, value in gate.show.junit(
+                        o.section(gate.section) if gate.section else None
+                    ).items()
                 },
-                "speed.worst_ratio": (o.speed or {}).get("worst_ratio"),
-                "speed.worst_range": (o.speed or {}).get("worst_range"),
-                "speed.judged": _judged_ranges(o.speed),
-                "speed.reference": (o.speed or {}).get("reference"),
-                "speed.would_catch": ((o.speed or {}).get("evidence") or {}).get("would_catch"),
-                # Every check that counts its evidence: what it judged of what it was given.
                 **{
                     f"evidence.{c.name}": f"{c.evidence.judged}/{c.evidence.total} {c.evidence.unit}s"
                     for c in o.checks
                     if c.evidence is not None
+                },
+                **{
+                    f"would_catch.{c.name}": c.evidence.would_catch
+                    for c in o.checks
+                    if c.evidence is not None and c.evidence.would_catch
                 },
                 **{f"version.{k}": v for k, v in versions().items()},
             },

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moe_eval.core.logprob_texts import TextLogprobs
-from moe_eval.gates.golden_gate import (
+from moe_eval.gates.golden_errors import (
     decode_errors,
     decode_rule,
     errors_vs_golden,
@@ -131,6 +131,6 @@ def test_decode_error_reads_the_runner_up_tokens_not_only_the_saturated_greedy_o
 def test_student_t_tail_matches_scipy(t, df):
     from scipy.stats import t as scipy_t  # lm-eval's dependencies bring SciPy on the CPU
 
-    from moe_eval.gates.golden_gate import student_t_sf
+    from moe_eval.gates.golden_errors import student_t_sf
 
     assert student_t_sf(t, df) == pytest.approx(float(scipy_t.sf(t, df)), rel=1e-9, abs=1e-300)

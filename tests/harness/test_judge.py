@@ -12,10 +12,10 @@ import pytest
 from moe_eval.core.check import Check, verdict
 from moe_eval.core.errors import ConfigError
 from moe_eval.core.logprob_texts import TextLogprobs
-from moe_eval.gates.checks import Baseline
 from moe_eval.gates.judge import Answers, GoldenRecord, Measurements, judge
 from moe_eval.gates.layer_gate import summarize
-from moe_eval.gates.table import GATE_BY_NAME, GATES, NOT_RUN_SUFFIX, describe_plan
+from moe_eval.gates.measurements import Baseline
+from moe_eval.gates.registry import GATES, NOT_RUN_SUFFIX, describe_plan, gate_by_name
 from moe_eval.plan.config import load_config
 from moe_eval.plan.selection import read_list, with_baselines
 from tests.golden.test_golden_gate import capture
@@ -95,7 +95,7 @@ def test_a_correct_row_passes_every_gate_it_calls_for(config):
     assert all(c.ran and c.passed for c in got.checks)
     names = set(_by_name(got))
     for gate in ("served", "accuracy", "paired", "golden", "kernel_calls", "layer_check"):
-        assert names & set(GATE_BY_NAME[gate].checks), gate
+        assert names & set(gate_by_name()[gate].checks), gate
 
 
 def test_one_registry_each_gate_carries_its_rule_and_the_judge_follows_it(config, monkeypatch):
@@ -104,16 +104,17 @@ def test_one_registry_each_gate_carries_its_rule_and_the_judge_follows_it(config
     judge does, and every gate has one."""
     import dataclasses as dc
 
-    from moe_eval.gates import table
-    from moe_eval.plan.gate_names import GATE_NAMES
+    from moe_eval.gates.registry import gate_names
 
-    assert tuple(g.name for g in GATES) == GATE_NAMES and all(callable(g.rule) for g in GATES)
+    assert tuple(g.name for g in GATES) == gate_names() and all(callable(g.rule) for g in GATES)
 
     def broken_layer_rule(config, m, out):
         return "a rule replaced in the registry"
 
-    gates = tuple(dc.replace(g, rule=broken_layer_rule) if g.name == "layer_check" else g for g in GATES)
-    monkeypatch.setattr(table, "GATES", gates)
+    from moe_eval.gates import registry
+
+    gates = [dc.replace(g, rule=broken_layer_rule) if g.name == "layer_check" else g for g in GATES]
+    monkeypatch.setattr(registry, "GATES", gates)
     got = judge(config, measured(config))
     assert got.verdict == "incomplete"
     assert "a rule replaced in the registry" in _by_name(got)["layer_check" + NOT_RUN_SUFFIX].detail
@@ -282,7 +283,7 @@ def test_an_incumbent_row_is_judged_by_what_it_served(config):
     incumbent = dataclasses.replace(config, moe_backend=None, baseline_config=None)
     got = judge(incumbent, measured(incumbent, incumbent=None))
     assert got.checks[0].name == "served" and got.checks[0].passed
-    assert {c.name for c in got.checks} <= {"served", "accuracy_gate", *GATE_BY_NAME["garbage"].checks}
+    assert {c.name for c in got.checks} <= {"served", "accuracy_gate", *gate_by_name()["garbage"].checks}
     assert got.verdict == "passed"
     short = dataclasses.replace(measured(incumbent, incumbent=None).answers, num_questions=3)  # of 20 asked
     assert judge(incumbent, measured(incumbent, incumbent=None, answers=short)).verdict == "failed"
@@ -413,7 +414,7 @@ def test_the_speed_gate_is_a_gpus_and_judges_each_range_against_the_incumbents(c
 def test_a_sweep_the_prefix_cache_shortened_is_another_workload():
     """Two rows' times compare where their sweeps sent the same requests and the server computed them as
     sent: prompt tokens served from the prefix cache make shorter calls, so they are part of the identity."""
-    from moe_eval.gates.checks import workload_identity
+    from moe_eval.gates.speed import workload_identity
 
     assert workload_identity(None) is None and workload_identity({"requests": 3}) is None  # not recorded
     assert workload_identity({"fingerprint": "ab", "prefix_cache_hit_tokens": 0}) == "ab"
@@ -426,15 +427,14 @@ def test_a_sweep_the_prefix_cache_shortened_is_another_workload():
 def test_a_rule_that_breaks_is_its_gate_not_run_and_every_other_verdict_stands(config, monkeypatch):
     """The judge caught five exception types (e49cc3c): an AttributeError or IndexError in one rule lost every
     check of the row. Now any exception of a rule is that gate not run, with its type and message."""
-    from moe_eval.gates import judge as judge_module
-    from moe_eval.gates import table
 
     def broken(config, m, out):
         return [][1]  # IndexError
 
-    gates = tuple(dataclasses.replace(g, rule=broken) if g.name == "golden" else g for g in table.GATES)
-    monkeypatch.setattr(table, "GATES", gates)
-    monkeypatch.setattr(judge_module, "GATES", gates)
+    from moe_eval.gates import registry
+
+    gates = [dataclasses.replace(g, rule=broken) if g.name == "golden" else g for g in GATES]
+    monkeypatch.setattr(registry, "GATES", gates)
     got = judge(config, measured(config, answers_right=QUESTIONS // 2))
     checks = _by_name(got)
     assert "IndexError" in checks["golden_not_run"].detail and checks["golden_not_run"].status == "not_run"

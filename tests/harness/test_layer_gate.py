@@ -17,12 +17,12 @@ from moe_eval.gates.layer_estimates import self_normalized_bound, t_threshold
 from moe_eval.gates.layer_gate import (
     MIN_ROWS,
     LayerCheckLimits,
+    layer_cell,
     layer_checks,
     reachable_ranges,
     summarize,
     summary_record,
 )
-from moe_eval.report.table import layer_cell
 
 LIMITS = LayerCheckLimits(margin=0.25, scale_bound=0.005, z=5.0, activation_bound=0.002, power=0.01)
 NR = len(LAYER_RANGE_EDGES)
@@ -99,7 +99,15 @@ def _file(
 
 
 def _checks(files, world_size=1):
-    return {c.name: c for c in layer_checks(summarize(files, LIMITS, world_size), LIMITS)}
+    """The layer check's checks as the judge leaves them: with the registry's floors applied."""
+    from types import SimpleNamespace
+
+    from moe_eval.gates.judge import on_floor
+    from moe_eval.gates.layer_gate import GATE
+
+    config = SimpleNamespace(layer_check_min_judged=LIMITS.min_judged)
+    checks = layer_checks(summarize(files, LIMITS, world_size), LIMITS)
+    return {c.name: on_floor(config, GATE, c) for c in checks}
 
 
 def _verdicts(files, world_size=1):
@@ -124,7 +132,17 @@ ALL_PASS = dict.fromkeys(
         ([_file()], ALL_PASS),  # a correct kernel: every range compared, ratio 0.85, nothing off, all judged
         ([_file(ratio=1.24)], ALL_PASS),  # just under the margin
         ([_file(ratio=1.30)], ALL_PASS | {"layer_check_ranges": False}),  # over it
-        ([_file(skip=(5,))], ALL_PASS | {"layer_check_coverage": "not_run", "layer_check_power": "not_run"}),
+        # a reachable range never seen: its cells and its activation judged nowhere (the floors ask for every
+        # reachable range, the activation's since the evidence was counted)
+        (
+            [_file(skip=(5,))],
+            ALL_PASS
+            | {
+                "layer_check_coverage": "not_run",
+                "layer_check_power": "not_run",
+                "layer_check_activation": "not_run",
+            },
+        ),
         ([_file(max_tokens=512)], ALL_PASS),  # a server whose calls stop at 512: nothing above is owed
         (
             [_file(rows=MIN_ROWS - 1, ratio=3.0)],
@@ -242,7 +260,7 @@ def test_the_power_line_counts_and_names_the_unjudged_cells():
         )
     ]
     check = _checks(files)["layer_check_power"]
-    assert not check.ran and "M=1 (TP0/1) 6/8, unjudged experts 2, 6" in check.detail
+    assert not check.ran and "M=1 (TP0/1) 6/8, per layer 6/8, unjudged experts 2, 6" in check.detail
     summary = summarize(files, LIMITS, 1)
     m1 = next(p for p in summary.power if p.range == "M=1")
     assert (m1.judged, m1.cells, m1.unjudged) == (6, 8, [2, 6]) and m1.detectable_95 is None
@@ -320,7 +338,7 @@ def test_infinite_values_are_written_as_null():
 def test_an_infinite_range_ratio_is_the_worst_in_the_table_not_left_out():
     """Issue 41: a range whose incumbent arithmetic was exact (error 0) and whose served error was not has
     an infinite ratio, written as null; at 593f15d the table's "worst" cell left it out."""
-    from moe_eval.report.table import layer_cell
+    from moe_eval.gates.layer_gate import layer_cell
 
     record = {
         "processes": 1,
@@ -366,11 +384,10 @@ def test_the_file_round_trips_and_a_foreign_file_is_a_problem_not_a_crash(tmp_pa
 
 
 def test_compare_shows_each_backend_per_range_and_the_cells_judged(tmp_path):
-    from moe_eval.report.compare import _layer_rows
+    from moe_eval.gates.layer_gate import compare_rows
 
     record = summary_record(summarize([_file()], LIMITS, 1), LIMITS)
-    members = [type("M", (), {"layer_check": record})(), type("M", (), {"layer_check": None})()]
-    rows = {r[0]: r[3:] for r in _layer_rows(members)}
+    rows = {r[0]: r[3:] for r in compare_rows([record, None], 0)}
     assert rows["layer error M=1"][0].endswith("(x0.85)") and rows["layer error M=1"][1] == "-"
     assert rows["layer cells judged"][0].startswith("192/192 at 1%") and rows["layer cells judged"][1] == "-"
     assert math.isfinite(float(rows["layer SiLU slope"][0].split()[0]))
@@ -389,7 +406,9 @@ def test_a_gross_bug_keeps_the_largest_off_cells_and_counts_them_all():
     assert summary.off_experts == 4 * 6 * 32 + 6 * 32
     assert len([c for c in summary.experts if c.layer is not None]) == 64
     check = {c.name: c for c in layer_checks(summary, LIMITS)}["layer_check_experts"]
-    assert not check.passed and "expert 31" in check.detail.split(";")[0]
+    # every cell off on one side reads as one shift shared by every expert, then the largest cells
+    assert not check.passed and "a shift shared by every expert" in check.detail
+    assert "expert 31" in check.detail.split("largest cells: ")[1].split(";")[0]
 
 
 def test_the_threshold_stays_defined_at_any_z_and_infinite_where_nothing_can_be_judged():

@@ -15,7 +15,6 @@ from moe_eval.core.errors import ExitCode
 from moe_eval.core.record import (
     RESULTS_SCHEMA_VERSION,
     Bookkeeping,
-    Judged,
     RunError,
     RunRecord,
     UnreadableRecord,
@@ -81,8 +80,9 @@ def test_the_verdict_is_a_function_of_the_checks_alone():
 
 def test_the_committed_schemas_are_the_ones_the_types_generate(repo_root):
     """docs/results.schema.json and docs/summary.schema.json are generated (python -m
-    moe_eval.core.record_schema --write): a field added to a section without regenerating them fails here."""
-    from moe_eval.core.record_schema import rendered
+    moe_eval.report.record_schema --write): a field added to a section without regenerating them fails
+    here."""
+    from moe_eval.report.record_schema import rendered
 
     for name, text in rendered().items():
         assert (repo_root / "docs" / name).read_text() == text, f"docs/{name} is stale: regenerate it"
@@ -95,7 +95,7 @@ def test_every_status_the_runner_writes_validates_against_the_schema():
 
     from moe_eval.core.check import Check
     from moe_eval.core.record import Evaluation, RunError, RunRecord
-    from moe_eval.core.record_schema import results_schema
+    from moe_eval.report.record_schema import results_schema
 
     schema = results_schema()
     incomplete = RunRecord(
@@ -107,7 +107,7 @@ def test_every_status_the_runner_writes_validates_against_the_schema():
         )
     )
     incomplete.identity.config_sha256 = "0" * 64
-    incomplete.judged.gate = {"skipped": "random weights"}
+    incomplete.judged["gate"] = {"skipped": "random weights"}
     incomplete.verdict.checks = [Check.not_run("golden_not_run", "no scoring texts")]
     incomplete.verdict.status = "incomplete"
     errored = RunRecord()
@@ -194,7 +194,7 @@ def _real_records(repo_root) -> list[Path]:
 
 def test_each_judged_section_and_timing_capture_lists_its_fields():
     """At 593f15d every judged section's schema was {"type": "object"}."""
-    from moe_eval.core.record_schema import results_schema
+    from moe_eval.report.record_schema import results_schema
 
     schema = results_schema()
     for name in PAYLOADS:
@@ -208,7 +208,7 @@ def test_each_judged_section_and_timing_capture_lists_its_fields():
 def test_every_real_record_validates_and_holds_no_untyped_key(repo_root):
     import jsonschema
 
-    from moe_eval.core.record_schema import results_schema
+    from moe_eval.report.record_schema import results_schema
 
     schema = _closed(results_schema())
     records = _real_records(repo_root)
@@ -228,8 +228,8 @@ def test_the_sections_the_judge_writes_validate(config_for_judge):
     """Every payload form the current judge writes: each gate passing, and the {skipped} and partial forms."""
     import jsonschema
 
-    from moe_eval.core.record_schema import results_schema
     from moe_eval.gates.judge import judge
+    from moe_eval.report.record_schema import results_schema
     from tests.harness.test_judge import _decode_from, _timed, measured
 
     config, gpu = config_for_judge
@@ -249,7 +249,7 @@ def test_the_sections_the_judge_writes_validate(config_for_judge):
     ]
     seen = set()
     for kind, m in cases:
-        sections = _json(RunRecord(judged=Judged(**judge(kind, m).sections)))
+        sections = _json(RunRecord(judged=judge(kind, m).sections))
         for name in PAYLOADS[:6]:
             if name in sections:
                 jsonschema.validate(sections[name], _section_schema(schema, name))
@@ -269,7 +269,7 @@ def config_for_judge():
 def test_a_speed_section_with_a_ratio_of_another_type_is_refused():
     import jsonschema
 
-    from moe_eval.core.record_schema import results_schema
+    from moe_eval.report.record_schema import results_schema
 
     speed = {
         "reference": "runs/vllm/results.json",
@@ -301,23 +301,22 @@ def test_a_speed_section_with_a_ratio_of_another_type_is_refused():
         jsonschema.validate(record | {"speed": speed}, schema)
 
 
-def test_the_layer_checks_payload_types_list_the_fields_of_the_dataclasses_that_write_them():
-    """core/gate_payloads.py describes the layer check's section for the schema; gates/layer_gate.py's
-    dataclasses write it (asdict). The two lists are kept in step here: a field added to one alone fails."""
+def test_the_payload_types_are_the_dataclasses_that_write_them():
+    """e49cc3c kept a TypedDict beside each dataclass a gate writes (DivergenceLimits, LayerCheckLimits, the
+    layer check's rows and cells, GoldenErrors, DecodeErrors, RangeTiming), held in step by a test. Now the
+    schema is generated from the dataclasses themselves: no second list to keep."""
     from dataclasses import fields
-    from typing import get_type_hints
 
-    from moe_eval.core import gate_payloads as payloads
-    from moe_eval.gates import layer_gate
+    from moe_eval.core import moe_timing
+    from moe_eval.gates import divergence, golden_errors, layer_gate
+    from moe_eval.report.record_schema import results_schema
 
-    pairs = [
-        (payloads.LayerCheckLimits, layer_gate.LayerCheckLimits),
-        (payloads.LayerRange, layer_gate.RangeRow),
-        (payloads.ScaleCell, layer_gate.ExpertCell),
-        (payloads.LayerPower, layer_gate.PowerRow),
-    ]
-    for typed, written in pairs:
-        assert set(get_type_hints(typed)) == {f.name for f in fields(written)}, (
-            typed.__name__,
-            written.__name__,
-        )
+    defs = results_schema()["$defs"]
+    for written in (
+        divergence.DivergenceLimits, layer_gate.LayerCheckLimits, layer_gate.RangeRow, layer_gate.ExpertCell,
+        layer_gate.PowerRow, golden_errors.GoldenErrors, golden_errors.DecodeErrors, moe_timing.RangeTiming,
+        moe_timing.SizeTiming,
+    ):  # fmt: skip
+        made = defs[written.__name__]["properties"]
+        assert set(made) == {f.name for f in fields(written)}, written.__name__
+        assert all(p.get("description") for p in made.values()), written.__name__

@@ -505,8 +505,7 @@ def test_a_tep_row_missing_one_ranks_tables_is_not_passed(embedded_default_run, 
     check says which ranks wrote nothing and the row ends incomplete, never judged on the other half."""
     from moe_eval.core import layer_cells
     from moe_eval.core.check import verdict
-    from moe_eval.gates.layer_gate import layer_checks, summarize
-    from moe_eval.gates.rules import layer_check_limits
+    from moe_eval.gates.layer_gate import layer_check_limits, layer_checks, summarize
     from moe_eval.plan.config import load_config
 
     row = next(

@@ -36,8 +36,9 @@ def _outcome(tmp_path: Path, name: str, status: str) -> ConfigOutcome:
         outcome.error = "vLLM server exited with code 1 before it was ready"
         return outcome
     acc = 0.9 if status == "passed" else 0.5
-    outcome.gate = GateResult(accuracy=acc, stderr=0.05, threshold=0.8, tolerance=0.08)
-    outcome.checks = [Check.judged("accuracy_gate", outcome.gate.passed, outcome.gate.describe())]
+    gate = GateResult(accuracy=acc, stderr=0.05, threshold=0.8, tolerance=0.08)
+    outcome.judged["gate"] = gate.as_dict()
+    outcome.checks = [Check.judged("accuracy_gate", gate.passed, gate.describe())]
     return outcome
 
 
@@ -92,7 +93,7 @@ def test_junit_carries_the_speed_gates_worst_range_and_how_many_ranges_it_judged
         return TimingSummary(1, ("device",), ("s",), ("triton",), tuple(ranges))
 
     outcome = _outcome(tmp_path, "Slow-BF16-torch", "failed")
-    check, outcome.speed = speed_check(
+    check, outcome.judged["speed"] = speed_check(
         timing(10.0, 30.0, 0), timing(10.0, 20.0, 0), Margins(0.01, 0.03), "vllm"
     )
     outcome.checks.append(check)
@@ -435,9 +436,11 @@ def test_a_random_weights_row_reads_n_a_never_a_passing_zero(tmp_path):
 def test_compare_shows_a_layer_range_whose_ratio_is_null_as_infinite(tmp_path):
     """results.json writes an infinite ratio (an error against an exact incumbent) as null: compare read it
     with :.2f and raised TypeError (e49cc3c)."""
-    from moe_eval.report.compare import RunResult, _layer_rows
+    from moe_eval.gates.layer_gate import compare_rows
+    from moe_eval.report.compare import RunResult  # noqa: F401
 
     null = {"range": "M=1", "error": 2e-3, "incumbent_error": 0.0, "ratio": None}
     check = {"processes": 1, "ranges": [null]}
-    run = RunResult(tmp_path, "m", "triton", 5, {}, "FAILED", {}, layer_check=check)
-    assert _layer_rows([run])[0] == ["layer error M=1", "", "RMS vs exact (x incumbent)", "2.00e-03 (xinf)"]
+    run = RunResult(tmp_path, "m", "triton", 5, {}, "FAILED", {}, judged={"layer_check": check})
+    rows = compare_rows([run.section("layer_check")], 0)
+    assert rows[0] == ["layer error M=1", "", "RMS vs exact (x incumbent)", "2.00e-03 (xinf)"]

@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 
 from moe_eval.core.errors import ConfigError
+from moe_eval.evaluate.incumbent import find_baseline
 from moe_eval.gates.accuracy import GateResult
-from moe_eval.gates.checks import answer_stats, find_baseline, garbage_checks
+from moe_eval.gates.answers import answer_stats
+from moe_eval.gates.garbage import garbage_checks
 from moe_eval.gates.stats import accuracy_stderr, mcnemar_exact, paired_compare
 from moe_eval.plan.config import parse_config
 

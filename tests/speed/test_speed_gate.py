@@ -26,6 +26,15 @@ from moe_eval.gates.speed import (
 MARGINS = Margins(replayed=0.01, eager=0.03)
 
 
+def _as_judged(check):
+    """The check as the judge leaves it: the speed gate's floor (every graph-replayed range either row
+    reached) applied by gates/judge.on_floor, as for every gate."""
+    from moe_eval.gates.judge import on_floor
+    from moe_eval.gates.speed import GATE
+
+    return on_floor(SimpleNamespace(), GATE, check)
+
+
 def _range(name: str, sizes: dict[int, tuple[int, float, float, bool]], rank_calls: int | None = None):
     """sizes: per call size M its calls, mean us, spread us (one call's standard deviation), replayed."""
     cells = tuple(SizeTiming(m, n, mean, spread, n if replayed else 0) for m, (n, mean, spread, replayed) in
@@ -128,6 +137,7 @@ def test_one_judged_range_of_seven_is_not_a_pass():
     ranges = [_range(name, sizes) for name, sizes in few.items()]
     ranges.append(_range("M=257-1023", {600: (24, 700.0, 10.0, False)}))
     check, section = speed_check(_timing(*ranges), _timing(*ranges), MARGINS, "ref")
+    check = _as_judged(check)
     assert check.status == "not_run" and not check.passed
     assert section["required_not_judged"] == ["M=1", "M=2-16", "M=17-64", "M=65-256"]
     assert check.evidence.judged == 1 and check.evidence.required == 5
@@ -135,7 +145,7 @@ def test_one_judged_range_of_seven_is_not_a_pass():
     # the same, with a judged range failing: the failure stands
     slow = [*ranges[:-1], _range("M=257-1023", {600: (24, 900.0, 10.0, False)})]
     check, _ = speed_check(_timing(*slow), _timing(*ranges), MARGINS, "ref")
-    assert check.status == "failed"
+    assert _as_judged(check).status == "failed"
 
 
 def test_a_zero_or_missing_own_time_is_never_a_pass():
@@ -145,10 +155,10 @@ def test_a_zero_or_missing_own_time_is_never_a_pass():
     check, section = speed_check(_timing(*ranges), reference, MARGINS, "ref")
     m1 = {r["range"]: r for r in section["ranges"]}["M=1"]
     assert m1["passed"] is None and m1["why_not"] == "this row's mean call is 0 us"
-    assert check.status == "not_run"
+    assert _as_judged(check).status == "not_run"
     missing = [r for r in reference.ranges if r.range != "M=1"]
     check, section = speed_check(_timing(*missing), reference, MARGINS, "ref")
-    assert check.status == "not_run" and section["required_not_judged"] == ["M=1"]
+    assert _as_judged(check).status == "not_run" and section["required_not_judged"] == ["M=1"]
     assert {r["range"]: r for r in section["ranges"]}["M=1"]["why_not"] == "this row made no call there"
     # nothing timed at all: no check (the rule then says the gate was not run)
     check, _ = speed_check(_timing(), reference, MARGINS, "ref")
@@ -225,7 +235,7 @@ def _speed_config(**keys):
 def test_speed_gate_true_without_a_reference_or_timing_is_not_run_and_listed():
     from moe_eval.gates.judge import judge
     from moe_eval.gates.measurements import Measurements
-    from moe_eval.gates.table import describe_plan
+    from moe_eval.gates.registry import describe_plan
 
     asked = _speed_config(speed_gate=True)
     assert "speed(not run: no incumbent)" in describe_plan(asked, has_incumbent=False)

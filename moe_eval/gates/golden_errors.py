@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from moe_eval.core.logprob_texts import TextLogprobs
+from moe_eval.core.payload import described
 from moe_eval.gates.divergence import divergence_of_pairs, paired_texts
 from moe_eval.gates.stats import student_t_sf  # noqa: F401  (re-exported: the golden tests read it here)
 
@@ -46,15 +47,17 @@ BOOTSTRAP_DRAWS = 400  # resamples of the texts per candidate scale error (fixed
 class GoldenErrors:
     """One capture against the golden, over the same texts (positions exclude each text's first)."""
 
-    texts: int
-    positions: int
-    mean_abs: float  # pooled mean |Δ log p| of the reference tokens: "the error"
-    per_text: tuple[float, ...]  # each text's mean |Δ log p|, in text-index order
-    per_text_positions: tuple[int, ...]
-    signed_mean: float  # pooled mean of log p - log p_golden (> 0: the reference text more likely)
-    texts_more_likely: int  # texts whose mean signed shift is > 0
-    kl_topk: float
-    top1_agreement: float  # share of positions whose top-1 token is the golden's
+    texts: int = described("texts compared")
+    positions: int = described("positions compared, each text's first left out")
+    mean_abs: float = described("pooled mean |log p - log p_golden| of the reference tokens: the error")
+    per_text: tuple[float, ...] = described("each text's mean |log p - log p_golden|, in text-index order")
+    per_text_positions: tuple[int, ...] = described("each text's positions")
+    signed_mean: float = described(
+        "pooled mean of log p - log p_golden (> 0: the reference text more likely)"
+    )
+    texts_more_likely: int = described("texts whose mean signed shift is > 0")
+    kl_topk: float = described("mean KL(golden || capture) on the shared top-k")
+    top1_agreement: float = described("share of positions whose top-1 token is the golden's")
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -102,15 +105,17 @@ def paired_t_greater(diffs: np.ndarray) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class GoldenRuleResult:
-    ratio: float  # run error / incumbent error
-    paired_mean_diff: float  # mean over texts of (run's per-text error - incumbent's)
-    t: float
-    p: float
-    texts_worse: int  # texts where the run's error is above the incumbent's
-    texts: int
-    margin: float
-    alpha: float
-    failed: bool
+    """Fails iff ratio > 1 + margin and p < alpha."""
+
+    ratio: float = described("this run's error / the incumbent's")
+    paired_mean_diff: float = described("mean over texts of (this run's error - the incumbent's)")
+    t: float = described("the paired t statistic over texts")
+    p: float = described("one-sided paired t-test")
+    texts_worse: int = described("texts where this run's error is above the incumbent's")
+    texts: int = described("texts compared")
+    margin: float = described("the config's golden_margin")
+    alpha: float = described("the config's golden_alpha")
+    failed: bool = described("ratio > 1 + margin and p < alpha")
 
     def describe(self) -> str:
         verdict = "FAIL" if self.failed else "pass"
@@ -224,14 +229,18 @@ def scale_error_power(
 class DecodeErrors:
     """Greedy continuations against the golden's: compared while both generated the same tokens."""
 
-    texts: int
-    tokens_generated: int  # by the golden, all texts
-    positions: int  # compared: the positions before the first token where the two part
-    mean_abs: float | None  # pooled; a position's: mean |Δ log p| over the top-k both list (None: none)
-    per_text: tuple[float | None, ...]
-    per_text_positions: tuple[int, ...]
-    identical_texts: int  # continuations identical to the golden's to the end
-    first_difference: tuple[int | None, ...]  # per text, the position of the first different token
+    texts: int = described("continuations compared")
+    tokens_generated: int = described("by the golden, all texts")
+    positions: int = described("compared: before the first token where the two part")
+    mean_abs: float | None = described(
+        "pooled mean |log p - log p_golden| over the top-k both list (null: no position)"
+    )
+    per_text: tuple[float | None, ...] = described("each text's (null: no position shared)")
+    per_text_positions: tuple[int, ...] = described("each text's positions compared")
+    identical_texts: int = described("continuations identical to the golden's to the end")
+    first_difference: tuple[int | None, ...] = described(
+        "per text, the first position whose token differs (null: identical)"
+    )
 
     def as_dict(self) -> dict:
         return asdict(self)

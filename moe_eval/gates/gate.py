@@ -1,0 +1,96 @@
+"""What a gate is: its registry row (`Gate`), the evidence floor every gate's pass must meet (`Floor`), and
+how a gate is shown (`Show`, `Column`). Each gate module defines its row as GATE; moe_eval.gates.registry
+lists them. Apart from the registry so that a gate module can import these types without importing every
+gate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from typing_extensions import TypedDict  # pydantic reads typing's TypedDict from 3.12 only
+
+if TYPE_CHECKING:
+    from moe_eval.gates.measurements import Judgement, Measurements
+    from moe_eval.plan.config import EvalConfig
+
+
+class RowView(Protocol):
+    """What a gate's table cell may read of a finished row (moe_eval.runner.ConfigOutcome)."""
+
+    @property
+    def config(self) -> EvalConfig: ...
+
+    @property
+    def timing(self) -> dict[str, Any] | None: ...
+
+    def section(self, key: str) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the run table: its header and each row's cell (from the gate's section)."""
+
+    header: str
+    cell: Callable[[Any, RowView], str]
+
+
+@dataclass(frozen=True)
+class Show:
+    """How a gate is shown beyond its checks (each optional): run-table columns, JUnit properties from its
+    section, and `moe-eval compare` rows from each compared run's section (runs as columns)."""
+
+    columns: tuple[Column, ...] = ()
+    junit: Callable[[Any], dict[str, object]] | None = None
+    compare: Callable[[list[Any], int], list[list[str]]] | None = None
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The least evidence a pass needs, for every check of the gate that counts its evidence: at least
+    `units` judged, and `share` of those it was given (the config can set the share: `share_key`). A check
+    that passed on less is "not run" (decided by the judge, the same for every gate)."""
+
+    units: int = 1
+    share: float = 0.0
+    share_key: str | None = None  # an EvalConfig key holding the share, where the config sets it
+
+    def required(self, config: EvalConfig, total: int) -> int:
+        share = getattr(config, self.share_key) if self.share_key else self.share
+        return max(self.units, math.ceil(share * total - 1e-9))
+
+
+@dataclass(frozen=True)
+class Gate:
+    name: str  # as `moe-eval list` prints it; `optional_gates` names it
+    checks: tuple[str, ...]  # the checks it can make (results.json "checks" names)
+    # The config's keys ask for it, given whether the run has an incumbent (baseline_config or --baseline).
+    called_for: Callable[[EvalConfig, bool], bool]
+    needs_incumbent: bool  # cannot run without one: called for and none is "not run", not a pass
+    # Appends the gate's checks and results.json section; returns why it could not judge (None: judged).
+    rule: Callable[[EvalConfig, Measurements, Judgement], str | None]
+    what: str  # what it checks, in one line: the registry read as documentation
+    section: str | None = None  # its results.json key (None: it writes checks only)
+    payload: Any = None  # its section's type (a dataclass or TypedDict): the schema's
+    # The least evidence a pass of each check needs (a check not named: Floor(), one unit judged).
+    floors: dict[str, Floor] = field(default_factory=dict)
+    show: Show = field(default_factory=Show)
+    # Why the config alone keeps it from running where it is called for, with the short words `moe-eval
+    # list` shows: (why, short); None: nothing does.
+    blocked: Callable[[EvalConfig], tuple[str, str] | None] = lambda config: None
+    # Where it is not called for but could still be computed: its section, reported only (no check, so
+    # never a verdict).
+    report: Callable[[EvalConfig, Measurements, Judgement], None] | None = None
+
+    def floor_of(self, check: str) -> Floor:
+        return self.floors.get(check, Floor())
+
+
+class Skipped(TypedDict):
+    """A gate's section, or part of one, that measured nothing."""
+
+    skipped: str
+    """why"""

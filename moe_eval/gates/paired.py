@@ -1,0 +1,73 @@
+"""The paired gate: per-question flips against the incumbent's answers to the same questions, with an exact
+McNemar test (moe_eval.gates.stats)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from typing_extensions import TypedDict  # pydantic reads typing's TypedDict from 3.12 only
+
+from moe_eval.core.check import Check
+from moe_eval.core.evidence import Evidence
+from moe_eval.gates.gate import Gate
+from moe_eval.gates.stats import PairedResult, paired_compare
+
+if TYPE_CHECKING:
+    from moe_eval.gates.measurements import Baseline, Judgement, Measurements
+    from moe_eval.plan.config import EvalConfig
+
+
+class PairedFlips(TypedDict):
+    """results.json `paired`: gates/stats.py PairedResult against the incumbent."""
+
+    n: int
+    """questions both runs answered"""
+    both_right: int
+    """right in both"""
+    baseline_only_right: int
+    """right in the incumbent only (b)"""
+    new_only_right: int
+    """right in this run only (c)"""
+    both_wrong: int
+    """wrong in both"""
+    p_worse: float
+    """exact one-sided McNemar p-value for 'this run is worse'"""
+    p_two_sided: float
+    """two-sided"""
+    alpha: float
+    """the config's paired_alpha"""
+    passed: bool
+    """not (b > c and p_worse < alpha)"""
+    baseline: str
+    """the incumbent's results.json"""
+
+
+def paired_check(baseline: Baseline, correct: dict[int, bool], alpha: float) -> tuple[Check, PairedResult]:
+    """The paired gate: this run's per-question strict-match correctness against the baseline's."""
+    result = paired_compare(baseline.correctness, correct, alpha)
+    detail = result.describe() + f" [baseline {baseline.results_path}]"
+    return Check.judged(
+        "paired_gate", result.passed, detail, Evidence("question", result.n, len(correct))
+    ), result
+
+
+def judge_paired(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
+    if m.answers is None:
+        return "the evaluation made no answers"
+    assert m.incumbent is not None  # the gate needs an incumbent: the judge gives it one or none
+    check, result = paired_check(m.incumbent, m.answers.correctness, config.paired_alpha)
+    out.sections["paired"] = result.as_dict() | {"baseline": str(m.incumbent.results_path)}
+    out.checks.append(check)
+    return None
+
+
+GATE = Gate(
+    "paired",
+    ("paired_gate",),
+    lambda c, incumbent: c.answers_gated and incumbent,
+    True,
+    judge_paired,
+    "per-question flips against the incumbent, exact McNemar test (paired_alpha)",
+    section="paired",
+    payload=PairedFlips,
+)
