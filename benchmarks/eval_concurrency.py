@@ -43,7 +43,7 @@ from moe_eval.gates.answers import correctness, first_response, per_question
 from moe_eval.gates.stats import paired_compare
 from moe_eval.models.builtin import resolve_model
 from moe_eval.plan.config import EvalConfig, load_config
-from moe_eval.runner import count_answer_tokens
+from moe_eval.steps import count_answer_tokens
 
 ALPHA = 0.05  # the paired gate's default alpha
 WARMUP_QUESTIONS = 8

@@ -17,14 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import requests
-
-from moe_eval.core import layer_cells, moe_timing
 from moe_eval.core.check import VERDICTS, Check
 from moe_eval.core.errors import ConfigError, InfraError, MoeEvalError
 from moe_eval.core.layout import LayoutKind
-from moe_eval.core.logprob_texts import TextLogprobs, read_logprobs
-from moe_eval.core.plugin_protocol import STATS_INTERVAL_SECONDS
 from moe_eval.core.record import (
     RESULTS_FILE,
     Attempt,
@@ -39,16 +34,10 @@ from moe_eval.core.record import (
 )
 from moe_eval.core.results import cpu_model, rules_digest, versions, write_samples
 from moe_eval.core.status import StatusWriter
-from moe_eval.evaluate.gsm8k import Gsm8kData, canary_data, run_gsm8k
-from moe_eval.evaluate.layer_sweep import reach_every_range, sweep_target
-from moe_eval.evaluate.moe_speed import end_to_end, timed_sweep
-from moe_eval.evaluate.serving import score_texts, server_launch, serving
-from moe_eval.gates.answers import answer_stats, correctness, first_response, per_question
+from moe_eval.evaluate.gsm8k import Gsm8kData, canary_data
+from moe_eval.evaluate.serving import server_launch, serving
 from moe_eval.gates.judge import judge
-from moe_eval.gates.layer_gate import layer_check_limits
-from moe_eval.gates.layer_summary import MIN_ROWS, reachable_ranges, summarize
-from moe_eval.gates.measurements import Answers, Baseline, Measurements
-from moe_eval.gates.speed import machine_of, workload_identity
+from moe_eval.gates.measurements import Baseline
 from moe_eval.models.builtin import resolve_model
 from moe_eval.plan.config import EvalConfig
 from moe_eval.serve import cancel
@@ -61,6 +50,7 @@ from moe_eval.serve.server_log import (
     speed_warnings,
     vllm_moe_backends,
 )
+from moe_eval.steps import AFTER, SERVING, Row
 
 Progress = Callable[[str], None]
 
@@ -175,23 +165,6 @@ def preflight(config: EvalConfig, hw: str, gpus: int, mutation: str | None = Non
         )
 
 
-def count_answer_tokens(base_url: str, model: str, samples: list[dict]) -> dict[int, int] | None:
-    """Token count of each answer, by the server's own tokenizer (/tokenize); None if it cannot say."""
-    counts = {}
-    try:
-        for qid, sample in per_question(samples, "strict-match").items():
-            reply = requests.post(
-                f"{base_url}/tokenize",
-                timeout=60,
-                json={"model": model, "prompt": first_response(sample), "add_special_tokens": False},
-            )
-            reply.raise_for_status()
-            counts[qid] = int(reply.json()["count"])
-    except (requests.RequestException, KeyError, ValueError):
-        return None
-    return counts
-
-
 def run_config(config: EvalConfig, options: RunOptions) -> ConfigOutcome:
     run_dir = config_run_dir(options.run_root, config)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -290,214 +263,52 @@ def _serve_and_evaluate(
     log_path: Path,
     record: RunRecord,
 ) -> None:
+    """Serve the row, run its measuring steps (moe_eval.steps) against the server and after it, judge."""
     if options.baseline_error is not None:
         raise InfraError(options.baseline_error)
-    timings = record.bookkeeping.timings
     _stage(options, "preparing the model")
     model = resolve_model(config.model_name)
     record.environment.model_path = model
+    row = Row(config, options, data, run_dir, model, record)
     plan = server_launch(
-        config,
-        model,
-        hw=options.hw,
-        devices=options.devices,
-        run_dir=run_dir,
-        log_path=log_path,
-        moe_backend=config.moe_backend,
-        mutation=options.mutation,
-        layer_check=config.layer_checked,
-        port=options.port,
-        moe_timing=config.moe_timing,
-    )
+        config, model, hw=options.hw, devices=options.devices, run_dir=run_dir, log_path=log_path,
+        moe_backend=config.moe_backend, mutation=options.mutation, layer_check=config.layer_checked,
+        port=options.port, moe_timing=config.moe_timing,
+    )  # fmt: skip
     record.environment.server = plan.describe()
-    options.progress(
-        f"  starting vLLM ({config.layout.describe()}) on port {plan.spec.port}; log: {log_path}"
-    )
+    where = f"{config.layout.describe()}) on port {plan.spec.port}; log: {log_path}"
+    options.progress(f"  starting vLLM ({where}")
     _stage(options, "starting the server")
     with serving(plan, config.name, options.progress) as served:
-        server = served.server
-        timings["startup_seconds"] = server.startup_seconds or 0.0
-        served_by = record.serving.moe_backend_used = served.moe_backend_used
+        row.server = served.server
+        record.bookkeeping.timings["startup_seconds"] = served.server.startup_seconds or 0.0
+        record.serving.moe_backend_used = served.moe_backend_used
         options.progress(
-            f"  server ready in {server.startup_seconds:.1f} s; MoE kernel: {served_by}; "
-            f"GSM8K {config.num_questions} questions, {config.num_fewshot}-shot"
+            f"  server ready in {served.server.startup_seconds:.1f} s; MoE kernel: "
+            f"{served.moe_backend_used}; GSM8K {config.num_questions} questions, {config.num_fewshot}-shot"
         )
-        _stage(options, "evaluating")
-        eval_started = time.monotonic()
-        try:
-            result = run_gsm8k(
-                config,
-                server.base_url,
-                model,
-                data,
-                run_dir,
-                listener=options.status.answered if options.status is not None else None,
-            )
-        except MoeEvalError:
-            server.check_alive("during the evaluation")  # a dead server explains the failure better
-            raise
-        server.check_alive("during the evaluation")
-        timings["eval_seconds"] = time.monotonic() - eval_started
-        _stage(options, "counting answer tokens")
-        token_counts = count_answer_tokens(server.base_url, model, result.samples)
-        scoring = score_texts(
-            config,
-            data,
-            served.base_url,
-            model,
-            run_dir,
-            lambda: _stage(options, "scoring log-probabilities"),
-        )
-        record.captures.logprobs, record.captures.decode = scoring.logprobs, scoring.decode_info
-        timings.update(scoring.seconds)
-        logprobs, decode = scoring.prefill, scoring.decode
-        swept, speed = None, None
-        if config.moe_timing or config.layer_checked:  # one sweep workload for both, its pool read once
-            per_call = _max_tokens_per_call(run_dir)
-            target = sweep_target(config, data, server.base_url, model, per_call)
-        if config.moe_timing:
-            _stage(options, "timing the MoE calls")
-            clock = time.monotonic()
-            swept, speed = timed_sweep(target, run_dir, pause_layer_check=config.layer_checked)
-            timings["speed_seconds"] = time.monotonic() - clock
-            record.captures.timing = {
-                "moe": speed.as_dict(),
-                "end_to_end": end_to_end(swept),
-                "eval_output_tokens_per_s": _eval_tokens_per_second(token_counts, timings["eval_seconds"]),
-                "workload": swept,
-            }
-        if config.layer_checked:
-            _stage(options, "layer check: reaching every dispatch range")
-            clock = time.monotonic()
-            # The check was paused through the timed requests (or tried to be): its own sweep, on the prompts
-            # after them (prompts sent before are in the prefix cache and would make smaller calls).
-            record.captures.layer_sweep = reach_every_range(
-                config, target, owed=lambda: owed_cells(config, run_dir),
-                first_index=swept["requests"] if swept else 0,
-            )  # fmt: skip
-            timings["layer_sweep_seconds"] = time.monotonic() - clock
-        # Read while the server still runs: the counters' flusher thread wrote them within its interval.
-        time.sleep(2 * STATS_INTERVAL_SECONDS)
-        record.serving.bundled_kernel_calls = kernel_call_counts(run_dir)
-        layer_summary, not_measured = None, {}
-        if config.layer_checked:
-            files, problems = layer_cells.read_folder(run_dir)
-            layer_summary, why = measured_or_why(
-                lambda: summarize(files, layer_check_limits(config), config.layout.world_size, problems),
-                "the layer check's tables could not be summarized",
-            )
-            if why is not None:
-                not_measured["layer_check"] = why
+        for step in SERVING:
+            if step.wanted(config):
+                _stage(options, step.stage)
+                step.run(row)
         _stage(options, "stopping the server")
-    write_samples(run_dir / "samples.jsonl", result.samples)
-    stats = answer_stats(result.samples, token_counts, config.max_tokens)
-    baseline = options.baselines.get(config.path)
+    assert row.result is not None  # the evaluation step always runs
+    write_samples(run_dir / "samples.jsonl", row.result.samples)
     _read_server_log(record, run_dir, log_path)
-    measured = Measurements(
-        moe_backend_used=served_by,
-        answers=Answers(
-            result.scores, result.num_questions, stats, correctness(result.samples), _asked(config, data)
-        ),
-        jit=record.serving.jit_while_serving,
-        speed_warnings=record.serving.speed_warnings_logged or [],
-        kernel_calls=record.serving.bundled_kernel_calls,
-        layer=layer_summary,
-        logprobs=logprobs,
-        decode=decode,
-        logprobs_skipped=(record.captures.logprobs or {}).get("skipped"),
-        incumbent=baseline,
-        incumbent_logprobs=_read_if(baseline and baseline.logprobs_path),
-        incumbent_decode=_read_if(baseline and baseline.decode_path),
-        speed=speed,
-        machine=machine_of(record.environment.hardware),
-        workload=workload_identity(swept),
-        not_measured=not_measured,
-    )
+    measured = row.measurements(options.baselines.get(config.path))
     # Scores first: a golden that cannot be made must not take the evaluation's numbers with it.
     record.evaluation = Evaluation(
-        scores=result.scores,
-        num_questions_evaluated=result.num_questions,
-        answers=stats,
-        lm_eval=result.lm_eval_config,
+        scores=row.result.scores,
+        num_questions_evaluated=row.result.num_questions,
+        answers=measured.answers.stats if measured.answers else None,
+        lm_eval=row.result.lm_eval_config,
         samples="samples.jsonl",
     )
-    # The golden is made (a server) only where the judge can compare with it: both sides scored texts.
-    if config.golden_gated and measured.logprobs is not None and measured.incumbent_logprobs is not None:
-        from moe_eval.evaluate.golden_checks import measure_golden
-
-        cancel.raise_if_cancelled()  # a signal during the teardown: no golden server starts after it
-
-        _stage(options, "comparing with the golden reference")
-        # A golden that cannot be made is the golden gate not run: what the row measured is still judged (an
-        # accuracy regression stays a failure, never an infrastructure error).
-        made, why = measured_or_why(
-            lambda: measure_golden(config, options, data, model, run_dir, timings),
-            "the golden reference could not be made",
-        )
-        if why is None:
-            measured.golden, record.captures.golden = made
-        else:
-            measured.not_measured["golden"] = why
-            record.captures.golden = {"not_made": why}
+    for after in AFTER:
+        if after.wanted(config):
+            _stage(options, after.stage)
+            after.run(row, measured)
     judgement = judge(config, measured, frozenset(config.optional_gates) | set(options.optional_gates))
     record.judged = judgement.sections
     record.verdict.checks = judgement.checks
     record.verdict.status = judgement.verdict
-
-
-def _asked(config: EvalConfig, data: Gsm8kData) -> int | None:
-    """The questions asked of lm-eval: the config's, at most what the task holds (None: the rows unknown)."""
-    held = len(data.test_rows())
-    return min(config.num_questions, held) if held else None
-
-
-def measured_or_why(measure: Callable[[], Any], what: str) -> tuple[Any, str | None]:
-    """(measure(), None), or (None, why) where it failed on the infrastructure or on its own bug: one
-    measurement lost is its gate not run, never the row's other verdicts. A signal (Cancelled, Ctrl-C) and a
-    bad config still end the row."""
-    try:
-        return measure(), None
-    except ConfigError:
-        raise
-    except Exception as exc:  # noqa: BLE001  named in the gate's not-run check
-        return None, f"{what}: {type(exc).__name__}: {exc}"
-
-
-def owed_cells(config: EvalConfig, run_dir: Path) -> dict[str, int]:
-    """Per reachable range, as the processes' last flush has them: the (range, expert) cells the layer check
-    cannot judge yet, and the experts a rank holds that no call of the range has routed to (what the sweep
-    still owes; the rounds end when they stop shrinking)."""
-    files, problems = layer_cells.read_folder(run_dir)
-    limits = layer_check_limits(config)
-    summary = summarize(files, limits, config.layout.world_size, problems)
-    owed: dict[str, int] = {}
-    for row in summary.power:
-        if row.rank == "all" and summary.processes > 1:
-            continue
-        missing = row.cells - row.judged + len(row.not_routed)
-        if missing:
-            owed[row.range] = owed.get(row.range, 0) + missing
-    compared = {row.range for row in summary.ranges if row.rows >= MIN_ROWS}
-    for name in reachable_ranges(summary.max_tokens):
-        if name not in compared:
-            owed[name] = owed.get(name, 0) + 1
-    return owed
-
-
-def _max_tokens_per_call(run_dir: Path) -> int:
-    """The largest call the server's processes said they can make (0: none said; the sweep's default)."""
-    # An unreadable file says nothing here: the gate names it where it reads the tables.
-    said = [int(meta.get("max_tokens", 0)) for meta in layer_cells.read_metas(run_dir).values() if meta]
-    said += [p.max_tokens for p in moe_timing.read_folder(run_dir)]
-    return max(said, default=0)
-
-
-def _eval_tokens_per_second(token_counts: dict[int, int] | None, seconds: float) -> float | None:
-    """The GSM8K eval's generated tokens per wall second (None where the answers' tokens were not counted)."""
-    if not token_counts or seconds <= 0:
-        return None
-    return round(sum(token_counts.values()) / seconds, 1)
-
-
-def _read_if(path: Path | None) -> list[TextLogprobs] | None:
-    return read_logprobs(path) if path else None

@@ -15,6 +15,7 @@ gate's rule, come from the one registry (moe_eval.gates.registry). Decided here,
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from moe_eval.core.check import Check, verdict
 from moe_eval.core.evidence import Status
@@ -22,7 +23,9 @@ from moe_eval.gates import registry
 from moe_eval.gates.gate import Gate
 from moe_eval.gates.measurements import Answers, GoldenRecord, Judgement, Measurements
 from moe_eval.gates.registry import NOT_RUN_SUFFIX, planned
-from moe_eval.plan.config import EvalConfig
+
+if TYPE_CHECKING:
+    from moe_eval.plan.config import EvalConfig
 
 __all__ = ["Answers", "GoldenRecord", "Judgement", "Measurements", "judge", "not_run"]
 

@@ -446,7 +446,7 @@ def test_a_golden_that_could_not_be_made_leaves_a_measured_accuracy_regression_f
     exit 3, its accuracy regression lost): the measurement's failure is the golden gate not run, and the
     row's verdict is its accuracy's."""
     from moe_eval.core.errors import InfraError
-    from moe_eval.runner import measured_or_why
+    from moe_eval.steps import measured_or_why
 
     def golden_server():
         raise InfraError("vLLM server exited with code 1 during startup")

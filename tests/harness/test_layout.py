@@ -76,7 +76,7 @@ def test_no_two_stages_import_each_other_and_the_bottom_stays_at_the_bottom():
 
 
 # What does I/O: serving, evaluating through a server, launching processes, the run's own orchestration.
-IO_STAGES = ("evaluate", "serve", "launch", "runner", "worker", "scheduler", "cli")
+IO_STAGES = ("evaluate", "serve", "launch", "steps", "runner", "worker", "scheduler", "cli")
 
 
 def test_the_gates_reach_no_stage_that_does_io_even_indirectly():
@@ -93,3 +93,30 @@ def test_the_gates_reach_no_stage_that_does_io_even_indirectly():
                     todo.append(dep)
         reached = sorted(m for m in seen if _stage(m) in IO_STAGES)
         assert not reached, f"{start} reaches {reached}"
+
+
+def test_judging_reads_no_file(monkeypatch):
+    """gates/ judges from the Measurements alone: with every way to read a file made to fail, the judge
+    still gives its checks, sections and verdict (a gate that opened a file would fail here)."""
+    import builtins
+    import dataclasses
+    import io
+    import os
+    import pathlib
+
+    from moe_eval.gates.judge import judge
+    from tests.harness.test_judge import QUESTIONS, TORCH_TP1, load_config, measured
+
+    config = dataclasses.replace(load_config(TORCH_TP1), num_questions=QUESTIONS, accuracy_threshold=0.9)
+    m = measured(config)  # built before the reads are closed: the test's own fixtures read files
+
+    def refused(*args, **kwargs):
+        raise AssertionError(f"a file was read while judging: {args[:1]}")
+
+    for target, name in ((builtins, "open"), (io, "open"), (os, "open"), (pathlib.Path, "open"),
+                         (pathlib.Path, "read_text"), (pathlib.Path, "read_bytes")):  # fmt: skip
+        monkeypatch.setattr(target, name, refused)
+    got = judge(config, m)
+    assert got.verdict == "passed" and {"gate", "paired", "divergence", "golden_gate", "layer_check"} <= set(
+        got.sections
+    )
