@@ -101,9 +101,17 @@ def _time_layer_steps(steps: dict[str, object], rank: int, reps: int) -> dict[st
     return out
 
 
-def _timings(moe, full, w13, w2, emap, M: int, rank: int, rounds: int) -> dict[str, float]:
-    """Medians in microseconds: the local works and the one-GPU layer (graphs), the layer steps (eager)."""
-    from moe_eval.kernels.expert_parallel import dep_moe, tep_moe
+def _step(wrapper, hidden, weights, routing, emap):
+    """One layer step through a TEP / DEP wrapper (moe_eval.kernels.expert_parallel)."""
+    from moe_eval.kernels.moe_call import MoeCall, Routing
+
+    return wrapper.apply(MoeCall(hidden, weights, Routing(*routing), emap))
+
+
+def _timings(moe, kernel, full, w13, w2, emap, M: int, rank: int, rounds: int) -> dict[str, float]:
+    """Medians in microseconds: the local works and the one-GPU layer (graphs), the layer steps (eager).
+    `moe`: the kernel's function (the local works); `kernel`: the registered kernel the wrappers take."""
+    from moe_eval.kernels.expert_parallel import DepKernel, TepKernel
     from moe_eval.kernels.testing import make_case
 
     E, K, D, F = QWEN3_30B_A3B.values()
@@ -130,10 +138,12 @@ def _timings(moe, full, w13, w2, emap, M: int, rank: int, rounds: int) -> dict[s
     del timers
     c, mine = rotations[0], slice(rank * M, (rank + 1) * M)
     hidden, weights, ids = c.hidden_TD, c.topk_weights_TK, c.topk_ids_TK
+    local = kernel.to_kernel_format(w13, w2)
+    tep, dep = TepKernel(kernel), DepKernel(kernel)
     steps = {
-        "tep_step": lambda: tep_moe(moe, hidden[:M], w13, w2, weights[:M], ids[:M], emap),
-        "dep_step": lambda: dep_moe(moe, hidden[mine], w13, w2, weights[mine].contiguous(),
-                                    ids[mine].contiguous(), emap),
+        "tep_step": lambda: _step(tep, hidden[:M], local, (weights[:M], ids[:M]), emap),
+        "dep_step": lambda: _step(dep, hidden[mine], local, (weights[mine].contiguous(),
+                                  ids[mine].contiguous()), emap),
     }  # fmt: skip
     for name, us in _time_layer_steps(steps, rank, reps=20).items():
         out[f"us_{name}_eager"] = statistics.median(us)
@@ -144,15 +154,20 @@ def _timings(moe, full, w13, w2, emap, M: int, rank: int, rounds: int) -> dict[s
 
 def _rank_main(rank: int, store: str, out_dir: str, Ms: list[int], cpu_smoke: bool, rounds: int) -> None:
     os.environ.update(NO_MULTICAST_ENV)
-    from moe_eval.kernels.expert_parallel import dep_moe, shard_experts, tep_moe
+    from moe_eval.kernels.backends import BACKENDS
+    from moe_eval.kernels.expert_parallel import DepKernel, TepKernel, shard_experts
+    from moe_eval.kernels.moe_call import MoeBackend
     from moe_eval.kernels.testing import make_case, rel_err
 
     if cpu_smoke:
         from moe_eval.kernels.torch_moe import torch_moe as moe
 
+        kernel = BACKENDS[MoeBackend.TORCH]
         device, backend, shape = torch.device("cpu"), "gloo", SMOKE_SHAPE
     else:
         from moe_eval.kernels.fused_moe import fused_moe as moe
+
+        kernel = BACKENDS[MoeBackend.TRITON]
 
         torch.cuda.set_device(rank)
         device, backend, shape = torch.device("cuda", rank), "nccl", QWEN3_30B_A3B
@@ -166,13 +181,15 @@ def _rank_main(rank: int, store: str, out_dir: str, Ms: list[int], cpu_smoke: bo
         full = make_case(WORLD * M, E, K, D, F, dtype=torch.bfloat16, device=device, seed=M)
         ref = full.reference_fp32()
         w13, w2, emap = shard_experts(full.w13_eFD, full.w2_eDF, WORLD, rank)
-        tep = tep_moe(moe, full.hidden_TD[:M], w13, w2, full.topk_weights_TK[:M], full.topk_ids_TK[:M], emap)
+        local = kernel.to_kernel_format(w13, w2)
+        first = (full.topk_weights_TK[:M], full.topk_ids_TK[:M])
+        tep = _step(TepKernel(kernel), full.hidden_TD[:M], local, first, emap)
         row = {"rank": rank, "M_per_rank": M, "rel_err_tep": rel_err(tep, ref[:M]),
                "nan_tep": bool(tep.isnan().any())}  # fmt: skip
         mine = slice(rank * M, (rank + 1) * M)
         for combine in combines:
-            dep = dep_moe(moe, full.hidden_TD[mine], w13, w2, full.topk_weights_TK[mine].contiguous(),
-                          full.topk_ids_TK[mine].contiguous(), emap, combine=combine)  # fmt: skip
+            routing = (full.topk_weights_TK[mine].contiguous(), full.topk_ids_TK[mine].contiguous())
+            dep = _step(DepKernel(kernel, combine=combine), full.hidden_TD[mine], local, routing, emap)
             sent = dep.float() if cpu_smoke else dep  # gloo: no bf16 all_gather
             gathered = [torch.empty_like(sent) for _ in range(WORLD)]
             dist.all_gather(gathered, sent)
@@ -184,7 +201,7 @@ def _rank_main(rank: int, store: str, out_dir: str, Ms: list[int], cpu_smoke: bo
             v for k, v in row.items() if k.startswith("nan")
         )
         if not cpu_smoke:
-            row |= _timings(moe, full, w13, w2, emap, M, rank, rounds)
+            row |= _timings(moe, kernel, full, w13, w2, emap, M, rank, rounds)
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         print(f"rank {rank} M/rank {M}: {'ok' if row['ok'] else 'FAIL'} "

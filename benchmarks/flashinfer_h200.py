@@ -5,7 +5,7 @@ after every case so a run cut short keeps what it has:
   build    JIT-build FlashInfer's `fused_moe_90` with only the BF16 sources (32 of 247 files, see
            install_bf16_source_filter); the library is copied to DIR so a later machine can load it
            as an AOT module (<site-packages>/flashinfer/data/aot/fused_moe_90/fused_moe_90.so).
-  correct  the adapter through the oracle (convert_to_kernel_format + make_moe_kernel) and, with its
+  correct  the adapter through the oracle (make_moe_kernel and its to_kernel_format) and, with its
            output poisoned (NaN), directly, against fused_moe_ref in fp32 at the shipped shapes.
   time     bench_fused_moe.bench_shape with peers triton, flashinfer_cutlass (autotuned at each M)
            and grouped_mm: CUDA graphs over rotated input sets, interleaved replays, ceilings
@@ -174,7 +174,7 @@ def correctness(res: Results, shapes: list, Ms: tuple[int, ...], deadline: float
     import torch
 
     from moe_eval.kernels.flashinfer_cutlass import flashinfer_cutlass_moe
-    from moe_eval.kernels.oracle import MoeBackend, convert_to_kernel_format, make_moe_kernel
+    from moe_eval.kernels.oracle import MoeBackend, make_moe_kernel
     from moe_eval.kernels.testing import rel_err, shape_case
 
     kernel = make_moe_kernel(MoeBackend.FLASHINFER_CUTLASS)
@@ -186,11 +186,9 @@ def correctness(res: Results, shapes: list, Ms: tuple[int, ...], deadline: float
                 return False
             case = shape_case(shape, M, seed=11 + M)
             ref = case.reference_fp32()
-            weights = convert_to_kernel_format(MoeBackend.FLASHINFER_CUTLASS, case.w13_eFD, case.w2_eDF)
-            out_oracle = kernel(
-                case.hidden_TD, weights, case.topk_weights_TK, case.topk_ids_TK, case.expert_map_E,
-                case.apply_router_weight_on_input,
-            )  # fmt: skip
+            call = case.call(MoeBackend.FLASHINFER_CUTLASS)
+            weights = call.weights
+            out_oracle = kernel.apply(call)
             out_TD = torch.full_like(case.hidden_TD, float("nan"))  # poisoned: every row must be written
             flashinfer_cutlass_moe(  # on the oracle's converted weights (w31)
                 case.hidden_TD, weights.w13_eFD, weights.w2_eDF, case.topk_weights_TK,

@@ -607,9 +607,7 @@ def validate(root: str | None) -> None:
     from moe_eval.plan.validate import validate_repository
 
     base = Path(root).resolve() if root else (Path.cwd() if (Path.cwd() / "configs").is_dir() else REPO_ROOT)
-    from moe_eval.gates.registry import config_problems
-
-    problems, checked = validate_repository(base, config_problems)
+    problems, checked = validate_repository(base)
     for problem in problems:
         click.echo(f"error: {problem}", err=True)
     if problems:

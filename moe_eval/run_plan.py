@@ -14,7 +14,7 @@ from pathlib import Path
 from moe_eval.core.errors import ConfigError
 from moe_eval.evaluate.gsm8k import Gsm8kData, gsm8k_data, hub_preflight
 from moe_eval.evaluate.incumbent import find_baseline
-from moe_eval.gates.registry import config_problems, describe_plan
+from moe_eval.gates.registry import describe_plan
 from moe_eval.kernels.mutations import check_mutation, check_target, parse_mutation
 from moe_eval.models.builtin import moe_shape
 from moe_eval.plan.config import EvalConfig, effective_config, load_config
@@ -157,9 +157,6 @@ def make_plan(
         parse_mutation(mutation)  # an unknown name or parameter: exit 4 before anything is planned
     effective = [effective_config(c, limit, mutation, hw) for c in selected]  # (config, its mutation)
     selected = [config for config, _ in effective]
-    problems = [problem for config in selected for problem in config_problems(config)]
-    if problems:
-        raise ConfigError("\n".join(problems))
     if baseline_path:  # refused now, before anything launches, when a config has no row there
         for config in selected:
             find_baseline(Path(baseline_path).resolve(), config)

@@ -12,16 +12,26 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pydantic import Field
 from typing_extensions import NotRequired, TypedDict  # pydantic reads typing's TypedDict from 3.12 only
 
 from moe_eval.core.check import Check
 from moe_eval.core.evidence import Evidence
-from moe_eval.gates.gate import Column, Gate, RowView, Show, Skipped
+from moe_eval.gates.gate import Column, Gate, RowView, Show, Skipped, gate_keys
 from moe_eval.gates.stats import describe_power, detectable_drop
 
 if TYPE_CHECKING:
     from moe_eval.gates.measurements import Judgement, Measurements
     from moe_eval.plan.config import EvalConfig
+
+
+@gate_keys
+class AccuracyKeys:
+    """The accuracy gate's keys (beside the harness's accuracy_threshold and tolerance)."""
+
+    stderr_gate_k: float | None = Field(
+        None, ge=0, description="also require accuracy >= threshold - k * stderr"
+    )
 
 
 @dataclass(frozen=True)
@@ -140,7 +150,7 @@ def judge_accuracy(config: EvalConfig, m: Measurements, out: Judgement) -> str |
         stderr=strict["stderr"],
         threshold=config.accuracy_threshold,
         tolerance=config.tolerance,
-        stderr_k=config.stderr_gate_k,
+        stderr_k=config.keys(AccuracyKeys).stderr_gate_k,
     )
     n = m.answers.num_questions
     drop = detectable_drop(n, config.accuracy_threshold, gate.floor)
@@ -190,6 +200,7 @@ GATE = Gate(
     False,
     judge_accuracy,
     "strict-match accuracy against accuracy_threshold - tolerance (and stderr_gate_k)",
+    keys=AccuracyKeys,
     section=SECTION,
     payload=AccuracyGate | Skipped,
     show=Show(

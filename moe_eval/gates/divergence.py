@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from pydantic import Field
 from typing_extensions import TypedDict  # pydantic reads typing's TypedDict from 3.12 only
 
 from moe_eval.core.check import Check
@@ -16,11 +17,36 @@ from moe_eval.core.errors import InfraError
 from moe_eval.core.evidence import Evidence
 from moe_eval.core.logprob_texts import TextLogprobs
 from moe_eval.core.payload import described
-from moe_eval.gates.gate import Column, Gate, RowView, Show, Skipped
+from moe_eval.gates.gate import Column, Gate, RowView, Show, Skipped, gate_keys
 
 if TYPE_CHECKING:
     from moe_eval.gates.measurements import Judgement, Measurements
     from moe_eval.plan.config import EvalConfig
+
+
+@gate_keys
+class DivergenceKeys:
+    """The divergence gate's limits; unset: the default for the kind of baseline (default_limits)."""
+
+    max_logprob_mean_abs_diff: float | None = Field(
+        None,
+        ge=0,
+        description="with a baseline: fail when the mean |Δ log p| of the reference tokens "
+        "is above this (unset: the default for the kind of baseline)",
+    )
+    max_logprob_p99_abs_diff: float | None = Field(
+        None, ge=0, description="with a baseline: fail when the 99th percentile of |Δ log p| is above this"
+    )
+    max_top1_flip_rate: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="with a baseline: fail when more positions than this change their top-1 token "
+        "(unset: the default for the kind of baseline)",
+    )
+    max_logprob_kl: float | None = Field(
+        None, ge=0, description="with a baseline: fail when the mean KL over the shared top-k is above this"
+    )
 
 
 @dataclass(frozen=True)
@@ -284,11 +310,12 @@ def judge_divergence(config: EvalConfig, m: Measurements, out: Judgement) -> str
         # alone (1.9% for a correct kernel on the Scout twin, H200), so only an explicit max_top1_flip_rate
         # gates it.
         defaults = replace(defaults, max_top1_flip_rate=None)
+    keys = config.keys(DivergenceKeys)
     limits = DivergenceLimits(
-        _first_set(config.max_logprob_mean_abs_diff, defaults.max_mean_abs_dlogp),
-        _first_set(config.max_logprob_p99_abs_diff, defaults.max_p99_abs_dlogp),
-        _first_set(config.max_top1_flip_rate, defaults.max_top1_flip_rate),
-        _first_set(config.max_logprob_kl, defaults.max_kl_topk),
+        _first_set(keys.max_logprob_mean_abs_diff, defaults.max_mean_abs_dlogp),
+        _first_set(keys.max_logprob_p99_abs_diff, defaults.max_p99_abs_dlogp),
+        _first_set(keys.max_top1_flip_rate, defaults.max_top1_flip_rate),
+        _first_set(keys.max_logprob_kl, defaults.max_kl_topk),
     )
     if m.logprobs is None or m.incumbent_logprobs is None:
         why = no_logprobs(m)
@@ -332,6 +359,7 @@ GATE = Gate(
     True,
     judge_divergence,
     "log-probabilities of logprob_texts fixed texts against the incumbent's",
+    keys=DivergenceKeys,
     section=SECTION,
     payload=LogprobDivergence | Skipped,
     show=Show(columns=(Column("Δ log p vs baseline", divergence_cell),), junit=divergence_junit),

@@ -5,13 +5,31 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pydantic import Field
+
 from moe_eval.core.check import Check
 from moe_eval.core.evidence import Evidence
-from moe_eval.gates.gate import Gate
+from moe_eval.gates.gate import Gate, gate_keys
 
 if TYPE_CHECKING:
     from moe_eval.gates.measurements import Judgement, Measurements
     from moe_eval.plan.config import EvalConfig
+
+
+@gate_keys
+class GarbageKeys:
+    """The garbage gate's keys: each limit set turns its check on."""
+
+    max_empty_rate: float | None = Field(
+        None, ge=0.0, le=1.0, description="fail when more answers than this are empty"
+    )
+    max_truncated_rate: float | None = Field(
+        None, ge=0.0, le=1.0, description="fail when more answers than this hit max_tokens"
+    )
+    max_invalid_rate: float | None = Field(
+        None, ge=0.0, le=1.0, description="fail when more answers than this hold no number at all"
+    )
+
 
 LIMITS = (  # (check name and config key, the count it limits, what it counts); each on when its limit is set
     ("max_empty_rate", "empty", "empty answers"),
@@ -23,8 +41,9 @@ LIMITS = (  # (check name and config key, the count it limits, what it counts); 
 def garbage_checks(config: EvalConfig, stats: dict[str, Any]) -> list[Check]:
     n = max(stats["questions"], 1)
     checks = []
+    keys = config.keys(GarbageKeys)
     for key, count_key, what in LIMITS:
-        limit = getattr(config, key)
+        limit = getattr(keys, key)
         if limit is None:
             continue
         count = stats[count_key]
@@ -48,8 +67,9 @@ def judge_garbage(config: EvalConfig, m: Measurements, out: Judgement) -> str | 
 GATE = Gate(
     "garbage",
     tuple(key for key, _, _ in LIMITS),
-    lambda c, _: c.answers_gated and any(getattr(c, key) is not None for key, _, _ in LIMITS),
+    lambda c, _: c.answers_gated and any(getattr(c.keys(GarbageKeys), key) is not None for key, *_ in LIMITS),
     False,
     judge_garbage,
     "empty, truncated and number-less answers, each against its max_*_rate",
+    keys=GarbageKeys,
 )

@@ -9,13 +9,31 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from typing_extensions import TypedDict  # pydantic reads typing's TypedDict from 3.12 only
+import pydantic
+import pydantic.dataclasses
+from typing_extensions import (  # pydantic reads typing's TypedDict from 3.12 only
+    TypedDict,
+    dataclass_transform,
+)
 
 if TYPE_CHECKING:
     from moe_eval.gates.measurements import Judgement, Measurements
     from moe_eval.plan.config import EvalConfig
+
+
+T = TypeVar("T")
+
+
+@dataclass_transform(kw_only_default=True, frozen_default=True, field_specifiers=(pydantic.Field,))
+def gate_keys(cls: type[T]) -> type[T]:
+    """Makes a class a gate's config keys: a frozen pydantic dataclass, strict (a string "0.5" is not a
+    number, an unknown key is an error). Its fields, every one with a default and a `description` (the
+    key's doc), are keys of the per-model YAML, flat beside the run's own (moe_eval.plan.config); the gate
+    names the class as its registry row's `keys` and reads them as `config.keys(TheClass)`."""
+    config = pydantic.ConfigDict(strict=True, extra="forbid")
+    return pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=config)(cls)
 
 
 class RowView(Protocol):
@@ -56,10 +74,10 @@ class Floor:
 
     units: int = 1
     share: float = 0.0
-    share_key: str | None = None  # an EvalConfig key holding the share, where the config sets it
+    share_key: str | None = None  # a config key holding the share, where the config sets it
 
     def required(self, config: EvalConfig, total: int) -> int:
-        share = getattr(config, self.share_key) if self.share_key else self.share
+        share = config.key(self.share_key) if self.share_key else self.share
         return max(self.units, math.ceil(share * total - 1e-9))
 
 
@@ -73,6 +91,7 @@ class Gate:
     # Appends the gate's checks and results.json section; returns why it could not judge (None: judged).
     rule: Callable[[EvalConfig, Measurements, Judgement], str | None]
     what: str  # what it checks, in one line: the registry read as documentation
+    keys: type | None = None  # its config keys (a @gate_keys class; None: it reads none)
     section: str | None = None  # its results.json key (None: it writes checks only)
     payload: Any = None  # its section's type (a dataclass or TypedDict): the schema's
     # The least evidence a pass of each check needs (a check not named: Floor(), one unit judged).

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pydantic import Field
 from typing_extensions import NotRequired, TypedDict  # pydantic reads typing's TypedDict from 3.12 only
 
 from moe_eval.core.check import Check
 from moe_eval.core.errors import InfraError
 from moe_eval.core.evidence import Evidence
 from moe_eval.gates.divergence import no_logprobs
-from moe_eval.gates.gate import Column, Gate, RowView, Show, Skipped
+from moe_eval.gates.gate import Column, Gate, RowView, Show, Skipped, gate_keys
 from moe_eval.gates.golden_errors import (
     POWER,
     DecodeErrors,
@@ -28,6 +29,22 @@ from moe_eval.gates.golden_errors import (
 if TYPE_CHECKING:
     from moe_eval.gates.measurements import Baseline, Judgement, Measurements
     from moe_eval.plan.config import EvalConfig
+
+
+@gate_keys
+class GoldenKeys:
+    """The golden gate's keys (whether the golden runs at all is the run's: golden, logprob_texts)."""
+
+    golden_margin: float = Field(
+        0.10,
+        ge=0.0,
+        le=10.0,
+        description="golden gate: fail when error / incumbent's error > 1 + this and the paired test agrees",
+    )
+    golden_alpha: float = Field(
+        0.01, ge=1e-9, le=0.5, description="golden gate: the one-sided paired t-test's significance level"
+    )
+
 
 SECTION = "golden_gate"
 
@@ -116,8 +133,8 @@ def judge_golden(config: EvalConfig, m: Measurements, out: Judgement) -> str | N
     gate: dict[str, Any] = {
         "golden": golden.digest,
         "run": run.as_dict(),
-        "margin": config.golden_margin,
-        "alpha": config.golden_alpha,
+        "margin": config.keys(GoldenKeys).golden_margin,
+        "alpha": config.keys(GoldenKeys).golden_alpha,
     }
     out.sections[SECTION] = gate
     try:
@@ -127,15 +144,17 @@ def judge_golden(config: EvalConfig, m: Measurements, out: Judgement) -> str | N
             f"the incumbent's log-probabilities ({m.incumbent.logprobs_path}) are not comparable with "
             f"the golden {golden.path}: {exc}"
         ) from None
-    rule = golden_rule(run, incumbent, config.golden_margin, config.golden_alpha)
+    rule = golden_rule(
+        run, incumbent, config.keys(GoldenKeys).golden_margin, config.keys(GoldenKeys).golden_alpha
+    )
     power = scale_error_power(
         golden.prefill,
         golden.probe,
         golden.probe_scale_error,
         run,
         incumbent,
-        config.golden_margin,
-        config.golden_alpha,
+        config.keys(GoldenKeys).golden_margin,
+        config.keys(GoldenKeys).golden_alpha,
     )
     who = incumbent_description(config, m.incumbent)
     gate.update(
@@ -194,7 +213,9 @@ def _decode(config: EvalConfig, m: Measurements, gate: dict[str, Any]) -> list[C
         incumbent = decode_errors(golden_decode, m.incumbent_decode)
     except ValueError as exc:
         raise InfraError(f"greedy continuations not comparable with the golden's: {exc}") from None
-    rule = decode_rule(run, incumbent, config.golden_margin, config.golden_alpha)
+    rule = decode_rule(
+        run, incumbent, config.keys(GoldenKeys).golden_margin, config.keys(GoldenKeys).golden_alpha
+    )
     gate["decode"] = {
         "run": run.as_dict(),
         "incumbent": incumbent.as_dict(),
@@ -277,6 +298,7 @@ GATE = Gate(
     True,
     judge_golden,
     "error against the exact-MoE golden reference, no worse than the incumbent's (prefill and decode)",
+    keys=GoldenKeys,
     section=SECTION,
     payload=GoldenGate | Skipped,
     show=Show(columns=(Column("Error vs golden (incumbent)", golden_cell),)),

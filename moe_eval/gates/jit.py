@@ -5,19 +5,33 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pydantic import Field
+
 from moe_eval.core.check import Check
 from moe_eval.core.evidence import Evidence
-from moe_eval.gates.gate import Gate
+from moe_eval.gates.gate import Gate, gate_keys
 
 if TYPE_CHECKING:
     from moe_eval.gates.measurements import Judgement, Measurements
     from moe_eval.plan.config import EvalConfig
 
 
+@gate_keys
+class JitKeys:
+    """The JIT gate's key: set, it turns the gate on."""
+
+    max_jit_while_serving: int | None = Field(
+        None,
+        ge=0,
+        description="fail when more kernel compilations than this happen while serving (vLLM's JIT "
+        "monitor, GPU servers)",
+    )
+
+
 def judge_jit(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
     if m.jit is None:
         return "the server's log was not read"
-    jit, limit = m.jit, config.max_jit_while_serving
+    jit, limit = m.jit, config.keys(JitKeys).max_jit_while_serving
     monitored = Evidence("process", jit["monitored_processes"], config.layout.world_size)
     if jit["monitored_processes"] == 0:
         detail = (
@@ -38,8 +52,9 @@ def judge_jit(config: EvalConfig, m: Measurements, out: Judgement) -> str | None
 GATE = Gate(
     "jit",
     ("jit_while_serving",),
-    lambda c, _: c.max_jit_while_serving is not None,
+    lambda c, _: c.keys(JitKeys).max_jit_while_serving is not None,
     False,
     judge_jit,
     "kernel compilations while serving, at most max_jit_while_serving",
+    keys=JitKeys,
 )

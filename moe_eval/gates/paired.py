@@ -5,16 +5,26 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pydantic import Field
 from typing_extensions import TypedDict  # pydantic reads typing's TypedDict from 3.12 only
 
 from moe_eval.core.check import Check
 from moe_eval.core.evidence import Evidence
-from moe_eval.gates.gate import Gate
+from moe_eval.gates.gate import Gate, gate_keys
 from moe_eval.gates.stats import PairedResult, paired_compare
 
 if TYPE_CHECKING:
     from moe_eval.gates.measurements import Baseline, Judgement, Measurements
     from moe_eval.plan.config import EvalConfig
+
+
+@gate_keys
+class PairedKeys:
+    """The paired gate's keys."""
+
+    paired_alpha: float = Field(
+        0.05, ge=1e-9, le=0.5, description="paired gate: fail when McNemar p(worse) < this"
+    )
 
 
 class PairedFlips(TypedDict):
@@ -55,7 +65,7 @@ def judge_paired(config: EvalConfig, m: Measurements, out: Judgement) -> str | N
     if m.answers is None:
         return "the evaluation made no answers"
     assert m.incumbent is not None  # the gate needs an incumbent: the judge gives it one or none
-    check, result = paired_check(m.incumbent, m.answers.correctness, config.paired_alpha)
+    check, result = paired_check(m.incumbent, m.answers.correctness, config.keys(PairedKeys).paired_alpha)
     out.sections["paired"] = result.as_dict() | {"baseline": str(m.incumbent.results_path)}
     out.checks.append(check)
     return None
@@ -68,6 +78,7 @@ GATE = Gate(
     True,
     judge_paired,
     "per-question flips against the incumbent, exact McNemar test (paired_alpha)",
+    keys=PairedKeys,
     section="paired",
     payload=PairedFlips,
 )

@@ -114,15 +114,3 @@ def describe_plan(
         else:
             out.append(f"{gate.name}({'skipped' if gate.name in optional else 'not run'}: {blocked[1]})")
     return out
-
-
-def config_problems(config: EvalConfig) -> list[str]:
-    """What of a config only the registry can check: its optional_gates must name gates."""
-    known = gate_names()
-    unknown = [name for name in config.optional_gates if name not in known]
-    if not unknown:
-        return []
-    return [
-        f"{config.path}: key 'optional_gates': value {list(config.optional_gates)!r} names no gate: "
-        f"{', '.join(unknown)} (gates: {', '.join(known)})"
-    ]

@@ -32,18 +32,49 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from pydantic import Field
 from typing_extensions import NotRequired, TypedDict  # pydantic reads typing's TypedDict from 3.12 only
 
 from moe_eval.core.check import Check
 from moe_eval.core.evidence import Evidence
 from moe_eval.core.moe_timing import RangeTiming, SizeTiming, TimingSummary
 from moe_eval.core.payload import described
-from moe_eval.gates.gate import Column, Gate, RowView, Show, Skipped
+from moe_eval.gates.gate import Column, Gate, RowView, Show, Skipped, gate_keys
 
 if TYPE_CHECKING:
     from moe_eval.core.record import RunRecord
     from moe_eval.gates.measurements import Judgement, Measurements
     from moe_eval.plan.config import EvalConfig
+
+
+@gate_keys
+class SpeedKeys:
+    """The speed gate's keys (the timing it reads is the run's: moe_timing)."""
+
+    # None: on where the run's hardware is a GPU (run --hw other than cpu) and the row has an incumbent, off
+    # on the CPU, where the comparison is reported only (a 2-core machine's timings move with whatever else
+    # runs on it). True: the gate is asked for, and a row without timing or a reference is the gate not run.
+    speed_gate: bool | None = Field(
+        None,
+        description="fail a dispatch range whose MoE calls take more than (1 + speed_margin) x the "
+        "incumbent's (or --baseline's) at the same call sizes on the same machine, beyond noise; absent: on "
+        "for GPUs where the row has an incumbent, reported only for --hw cpu; true: required",
+    )
+    speed_margin: float = Field(
+        0.01,
+        ge=0.0,
+        le=10.0,
+        description="speed gate: the slowdown it lets pass in a graph-replayed (decode) range beyond noise "
+        "(0.01: 1 %)",
+    )
+    speed_margin_eager: float = Field(
+        0.03,
+        ge=0.0,
+        le=10.0,
+        description="speed gate: the slowdown it lets pass in an eager (prefill) range beyond noise "
+        "(0.03: 3 %)",
+    )
+
 
 # A size's mean from fewer calls (per rank) is one or two calls' luck.
 MIN_SIZE_CALLS = 3
@@ -420,8 +451,23 @@ def _comparable(config: EvalConfig, m: Measurements) -> str | None:
     return None
 
 
+def speed_gated(config: EvalConfig, has_incumbent: bool) -> bool:
+    """The gate is called for: asked for (speed_gate: true, with or without what it needs: then it is not
+    run), or absent on a GPU run (config.on_gpu, from --hw) of a row with an incumbent."""
+    asked = config.keys(SpeedKeys).speed_gate
+    if asked is None:
+        return bool(config.on_gpu) and has_incumbent
+    return asked
+
+
+def speed_reported(config: EvalConfig, has_incumbent: bool) -> bool:
+    """Timed beside an incumbent but not gated (the CPU): the comparison is reported, never a verdict."""
+    return config.moe_timing and has_incumbent and not speed_gated(config, has_incumbent)
+
+
 def _margins(config: EvalConfig) -> Margins:
-    return Margins(replayed=config.speed_margin, eager=config.speed_margin_eager)
+    keys = config.keys(SpeedKeys)
+    return Margins(replayed=keys.speed_margin, eager=keys.speed_margin_eager)
 
 
 def judge_speed(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
@@ -447,7 +493,7 @@ def judge_speed(config: EvalConfig, m: Measurements, out: Judgement) -> str | No
 
 def report_speed(config: EvalConfig, m: Measurements, out: Judgement) -> None:
     """A row timed beside an incumbent but not gated (the CPU): the same comparison, reported only."""
-    if not config.speed_reported(m.incumbent is not None):
+    if not speed_reported(config, m.incumbent is not None):
         return
     why = _comparable(config, m)
     if why is not None:
@@ -556,11 +602,12 @@ def _blocked(config: EvalConfig) -> tuple[str, str] | None:
 GATE = Gate(
     "speed",
     ("speed_gate",),
-    lambda c, incumbent: c.speed_gated(incumbent),
+    speed_gated,
     True,
     judge_speed,
     "per dispatch range, the served MoE calls' time at matched call sizes within x(1 + speed_margin) of "
     "the incumbent's (or --baseline's) on the same workload and machine, beyond noise",
+    keys=SpeedKeys,
     section=SECTION,
     payload=SpeedSection | Skipped,
     show=Show(columns=(Column("MoE time (x reference)", speed_cell),), junit=speed_junit),

@@ -10,22 +10,25 @@ combines, written with torch.distributed so they run over gloo (CPU, in CI) and 
   its own rows (vLLM's naive dispatch/combine: all-gather, then reduce-scatter; over gloo, which
   has no reduce-scatter, an all-reduce of which each rank keeps its rows).
 
-Usage, in each rank's process after init_process_group:
+TEP and DEP are wrappers around any kernel (moe_eval.kernels.moe_call.MoeKernel). Usage, in each rank's
+process after init_process_group:
 
     w13_eFD, w2_eDF, expert_map_E = shard_experts(w13_EFD, w2_EDF, world, rank)
-    out_TD = tep_moe(torch_moe, hidden_TD, w13_eFD, w2_eDF, topk_weights_TK, topk_ids_TK, expert_map_E)
+    kernel = BACKENDS[MoeBackend.TORCH]
+    weights = kernel.to_kernel_format(w13_eFD, w2_eDF)
+    out_TD = TepKernel(kernel).apply(MoeCall(hidden_TD, weights, Routing(weights_TK, ids_TK), expert_map_E))
 
 T tokens, D hidden, F intermediate, E experts (global), e local experts, K top-k, W ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-MoeFn = Callable[..., torch.Tensor]  # fused_moe_ref's signature: torch_moe, fused_moe, ...
+from moe_eval.kernels.moe_call import MoeCall, MoeKernel, Routing, WrappedKernel
 
 
 def local_experts(num_experts: int, world: int, rank: int) -> range:
@@ -65,29 +68,19 @@ def _sum_across_ranks(partial_TD: torch.Tensor, group: dist.ProcessGroup | None)
     return total
 
 
-def tep_moe(
-    moe: MoeFn,
-    hidden_TD: torch.Tensor,
-    w13_eFD: torch.Tensor,
-    w2_eDF: torch.Tensor,
-    topk_weights_TK: torch.Tensor,
-    topk_ids_TK: torch.Tensor,
-    expert_map_E: torch.Tensor,
-    *,
-    group: dist.ProcessGroup | None = None,
-    apply_router_weight_on_input: bool = False,
-) -> torch.Tensor:
-    """Same tokens on every rank; each computes its experts; partial outputs summed."""
-    partial_TD = moe(
-        hidden_TD,
-        w13_eFD,
-        w2_eDF,
-        topk_weights_TK,
-        topk_ids_TK,
-        expert_map_E=expert_map_E,
-        apply_router_weight_on_input=apply_router_weight_on_input,
-    )
-    return _sum_across_ranks(partial_TD, group).to(hidden_TD.dtype)
+class TepKernel(WrappedKernel):
+    """Same tokens on every rank; each computes its experts (the call's expert map); partial outputs
+    summed."""
+
+    def __init__(self, inner: MoeKernel, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(inner, "tep")
+        self.group = group
+
+    def apply(self, call: MoeCall) -> torch.Tensor:
+        if call.expert_map_E is None:
+            raise ValueError("TEP needs the call's expert map (shard_experts gives it)")
+        partial_TD = self.inner.apply(call)
+        return _sum_across_ranks(partial_TD, self.group).to(call.hidden_TD.dtype)
 
 
 def _all_gather_rows(rows: torch.Tensor, counts: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -100,52 +93,44 @@ def _all_gather_rows(rows: torch.Tensor, counts: list[int], group: dist.ProcessG
     return torch.cat([g[:n] for g, n in zip(gathered, counts)])
 
 
-def dep_moe(
-    moe: MoeFn,
-    hidden_TD: torch.Tensor,
-    w13_eFD: torch.Tensor,
-    w2_eDF: torch.Tensor,
-    topk_weights_TK: torch.Tensor,
-    topk_ids_TK: torch.Tensor,
-    expert_map_E: torch.Tensor,
-    *,
-    group: dist.ProcessGroup | None = None,
-    apply_router_weight_on_input: bool = False,
-    combine: str | None = None,
-) -> torch.Tensor:
+class DepKernel(WrappedKernel):
     """Own tokens per rank: all-gather tokens and routing, local experts over all, reduce-scatter back.
 
     combine: "reduce_scatter" or "all_reduce" (then keep own rows); default: all_reduce on gloo,
     which has no reduce-scatter, reduce_scatter elsewhere.
     """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    count = torch.tensor([hidden_TD.shape[0]], dtype=torch.int64, device=hidden_TD.device)
-    counts_t = [torch.empty_like(count) for _ in range(world)]
-    dist.all_gather(counts_t, count, group=group)
-    counts = [int(c.item()) for c in counts_t]
-    # Gathered as fp32 (exact for bf16 and fp16, back to the same values after): gloo's all_gather
-    # takes neither bf16 nor int16. Twice the bytes on the wire; NCCL could move bf16 directly.
-    hidden_all = _all_gather_rows(hidden_TD.float(), counts, group).to(hidden_TD.dtype)
-    weights_all = _all_gather_rows(topk_weights_TK.float(), counts, group)
-    ids_all = _all_gather_rows(topk_ids_TK, counts, group).contiguous()
-    partial_all = moe(
-        hidden_all,
-        w13_eFD,
-        w2_eDF,
-        weights_all.contiguous(),
-        ids_all,
-        expert_map_E=expert_map_E,
-        apply_router_weight_on_input=apply_router_weight_on_input,
-    )
-    start = sum(counts[:rank])
-    if combine is None:
-        combine = "all_reduce" if dist.get_backend(group) == "gloo" else "reduce_scatter"
-    if combine not in ("all_reduce", "reduce_scatter"):
-        raise ValueError(f"combine must be 'all_reduce' or 'reduce_scatter', got {combine!r}")
-    if combine == "all_reduce":  # the same sum; each rank keeps its own rows
-        total = _sum_across_ranks(partial_all, group)
-        return total[start : start + counts[rank]].to(hidden_TD.dtype)
-    return _reduce_scatter_rows(partial_all, counts, group)[: counts[rank]].to(hidden_TD.dtype)
+
+    def __init__(
+        self, inner: MoeKernel, group: dist.ProcessGroup | None = None, combine: str | None = None
+    ) -> None:
+        if combine not in (None, "all_reduce", "reduce_scatter"):
+            raise ValueError(f"combine must be 'all_reduce' or 'reduce_scatter', got {combine!r}")
+        super().__init__(inner, "dep")
+        self.group, self.combine = group, combine
+
+    def apply(self, call: MoeCall) -> torch.Tensor:
+        if call.expert_map_E is None:
+            raise ValueError("DEP needs the call's expert map (shard_experts gives it)")
+        group, hidden_TD = self.group, call.hidden_TD
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        count = torch.tensor([hidden_TD.shape[0]], dtype=torch.int64, device=hidden_TD.device)
+        counts_t = [torch.empty_like(count) for _ in range(world)]
+        dist.all_gather(counts_t, count, group=group)
+        counts = [int(c.item()) for c in counts_t]
+        # Gathered as fp32 (exact for bf16 and fp16, back to the same values after): gloo's all_gather
+        # takes neither bf16 nor int16. Twice the bytes on the wire; NCCL could move bf16 directly.
+        hidden_all = _all_gather_rows(hidden_TD.float(), counts, group).to(hidden_TD.dtype)
+        weights_all = _all_gather_rows(call.routing.weights_TK.float(), counts, group).contiguous()
+        ids_all = _all_gather_rows(call.routing.ids_TK, counts, group).contiguous()
+        partial_all = self.inner.apply(
+            replace(call, hidden_TD=hidden_all, routing=Routing(weights_all, ids_all))
+        )
+        start = sum(counts[:rank])
+        combine = self.combine or ("all_reduce" if dist.get_backend(group) == "gloo" else "reduce_scatter")
+        if combine == "all_reduce":  # the same sum; each rank keeps its own rows
+            total = _sum_across_ranks(partial_all, group)
+            return total[start : start + counts[rank]].to(hidden_TD.dtype)
+        return _reduce_scatter_rows(partial_all, counts, group)[: counts[rank]].to(hidden_TD.dtype)
 
 
 def _reduce_scatter_rows(

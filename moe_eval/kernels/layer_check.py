@@ -43,6 +43,7 @@ from moe_eval.core.plugin_protocol import (
     layer_range_names,
 )
 from moe_eval.kernels import layer_check_ref as ref
+from moe_eval.kernels.moe_call import MoeCall
 from moe_eval.kernels.stats_file import StatsFile
 
 ROWS_CAP = 64  # rows one call compares at most (the device scratch is sized for it)
@@ -181,18 +182,10 @@ class LayerCheck:
 
     # --- observing (hot path) ---
 
-    def observe(
-        self,
-        layer: int,
-        hidden_TD: torch.Tensor,
-        out_TD: torch.Tensor,
-        topk_weights_TK: torch.Tensor,
-        topk_ids_TK: torch.Tensor,
-        expert_map_E: torch.Tensor | None,
-        w13_eFD: torch.Tensor,
-        w2_eDF: torch.Tensor,
-        apply_router_weight_on_input: bool,
-    ) -> None:
+    def observe(self, layer: int, call: MoeCall, out_TD: torch.Tensor) -> None:
+        """One served call: `call` as vLLM handed it (its routing, its expert map, the weights it loaded, in
+        the checkpoint's layout) and what the kernel returned."""
+        hidden_TD, routing = call.hidden_TD, call.routing
         T = hidden_TD.shape[0]
         if T == 0:
             return
@@ -201,25 +194,17 @@ class LayerCheck:
             return
         range_index = layer_range_index(T)
         tables = self.layers[layer]
-        args = (hidden_TD, out_TD, topk_weights_TK, topk_ids_TK, expert_map_E, w13_eFD, w2_eDF)
-        if self.device is not None:
-            self._observe_on_device(tables, range_index, *args, apply_router_weight_on_input)
-        else:
-            self._observe_on_host(tables, range_index, *args, apply_router_weight_on_input)
+        if self.device is None:
+            self._observe_on_host(tables, range_index, call, out_TD)
+            return
+        args = (hidden_TD, out_TD, routing.weights_TK, routing.ids_TK, call.expert_map_E)
+        weights = (call.weights.w13_eFD, call.weights.w2_eDF, call.options.apply_router_weight_on_input)
+        self._observe_on_device(tables, range_index, *args, *weights)
 
     def _observe_on_host(
-        self,
-        tables: _LayerTables,
-        range_index: int,
-        hidden_TD: torch.Tensor,
-        out_TD: torch.Tensor,
-        topk_weights_TK: torch.Tensor,
-        topk_ids_TK: torch.Tensor,
-        expert_map_E: torch.Tensor | None,
-        w13_eFD: torch.Tensor,
-        w2_eDF: torch.Tensor,
-        on_input: bool,
+        self, tables: _LayerTables, range_index: int, call: MoeCall, out_TD: torch.Tensor
     ) -> None:
+        topk_ids_TK, expert_map_E = call.routing.ids_TK, call.expert_map_E
         seen = int(tables.seen[range_index])
         tables.seen[range_index] += 1
         ids = topk_ids_TK.long().cpu().reshape(-1)
@@ -227,7 +212,7 @@ class LayerCheck:
             ids = ids[expert_map_E.long().cpu()[ids] >= 0]
         tables.routed[range_index].index_add_(0, ids, torch.ones_like(ids))
         rows = ref.pick_rows(
-            hidden_TD.shape[0],
+            call.hidden_TD.shape[0],
             seen,
             self.needy_rows(tables.cells[range_index], topk_ids_TK, expert_map_E),
             self.cap,
@@ -236,9 +221,7 @@ class LayerCheck:
         )
         if not rows:
             return
-        sums = ref.call_row_sums(
-            hidden_TD, out_TD, topk_weights_TK, topk_ids_TK, expert_map_E, w13_eFD, w2_eDF, on_input, rows
-        )
+        sums = ref.call_row_sums(call, out_TD, rows)
         with self._lock:
             add(tables, range_index, sums)
 

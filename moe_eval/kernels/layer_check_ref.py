@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F_nn
 
+from moe_eval.kernels.moe_call import MoeCall
+
 ROW_STRIDE = 7919  # needy rows are searched from a start that moves by this prime each call
 
 
@@ -180,27 +182,17 @@ def row_sums(
     return RowSums(ids_RK, valid_RK, slot_RK6, row_R11)
 
 
-def call_row_sums(
-    hidden_TD: torch.Tensor,
-    out_TD: torch.Tensor,
-    topk_weights_TK: torch.Tensor,
-    topk_ids_TK: torch.Tensor,
-    expert_map_E: torch.Tensor | None,
-    w13_eFD: torch.Tensor,
-    w2_eDF: torch.Tensor,
-    apply_router_weight_on_input: bool,
-    rows: list[int],
-) -> RowSums:
-    """The whole definition for the given rows of one call."""
+def call_row_sums(call: MoeCall, out_TD: torch.Tensor, rows: list[int]) -> RowSums:
+    """The whole definition for the given rows of one call (its weights in the checkpoint's layout)."""
     y, q, v, ids, held = slot_vectors(
-        hidden_TD,
-        topk_weights_TK,
-        topk_ids_TK,
-        expert_map_E,
-        w13_eFD,
-        w2_eDF,
-        apply_router_weight_on_input,
+        call.hidden_TD,
+        call.routing.weights_TK,
+        call.routing.ids_TK,
+        call.expert_map_E,
+        call.weights.w13_eFD,
+        call.weights.w2_eDF,
+        call.options.apply_router_weight_on_input,
         rows,
     )
     index_R = torch.tensor(rows, dtype=torch.long, device=out_TD.device)
-    return row_sums(y, q, v, ids, held, out_TD[index_R], hidden_TD.dtype)
+    return row_sums(y, q, v, ids, held, out_TD[index_R], call.hidden_TD.dtype)

@@ -374,65 +374,69 @@ def _tiles_chosen(name: str, kernel: Any) -> Any:
 
     overrides: dict[tuple, Any] = {}
 
-    def chosen(hidden_TD, weights, topk_weights_TK, topk_ids_TK, expert_map_E, on_input, **extra):
-        e, F2, D = weights.w13_eFD.shape
-        key = (e, F2, D, topk_ids_TK.shape[1])
+    def chosen(inner: Any, call: Any) -> Any:
+        e, F2, D = call.weights.w13_eFD.shape
+        key = (e, F2, D, call.routing.ids_TK.shape[1])
         if key not in overrides:
-            overrides[key] = tile_override(name, e, F2 // 2, D, key[3], _device_name(hidden_TD.device))
-        config = overrides[key](hidden_TD.shape[0])
-        return kernel(
-            hidden_TD,
-            weights,
-            topk_weights_TK,
-            topk_ids_TK,
-            expert_map_E,
-            on_input,
-            tile_config=config,
-            **extra,
-        )
+            overrides[key] = tile_override(name, e, F2 // 2, D, key[3], _device_name(call.hidden_TD.device))
+        options = replace(call.options, tile_config=overrides[key](call.hidden_TD.shape[0]))
+        return inner.apply(replace(call, options=options))
 
-    chosen.__name__ = f"{getattr(kernel, '__name__', 'kernel')}_{name}"
-    return chosen
+    return _mutated(kernel, name, chosen)
+
+
+def _mutated(kernel: Any, name: str, apply: Any) -> Any:
+    """`kernel` with its apply replaced by apply(inner, call): a MoeKernel still (moe_call.WrappedKernel)."""
+    from moe_eval.kernels.moe_call import WrappedKernel
+
+    class Mutated(WrappedKernel):
+        def apply(self, call: Any) -> Any:
+            return apply(self.inner, call)
+
+    return Mutated(kernel, name)
 
 
 def _with_weight_copies(kernel: Any) -> Any:
     """extra_weight_copy: both weight tensors copied on every call and the copies used (the same bits)."""
-    from moe_eval.kernels.oracle import MoeWeights
 
-    def copied(hidden_TD, weights, *args, **kwargs):
-        fresh = MoeWeights(weights.backend, weights.w13_eFD.clone(), weights.w2_eDF.clone())
-        return kernel(hidden_TD, fresh, *args, **kwargs)
+    def copied(inner: Any, call: Any) -> Any:
+        weights = call.weights
+        fresh = replace(weights, w13_eFD=weights.w13_eFD.clone(), w2_eDF=weights.w2_eDF.clone())
+        return inner.apply(replace(call, weights=fresh))
 
-    copied.__name__ = f"{getattr(kernel, '__name__', 'kernel')}_extra_weight_copy"
-    return copied
+    return _mutated(kernel, "extra_weight_copy", copied)
+
+
+def _with_silu_slope(name: str, kernel: Any) -> Any:
+    slope = parse_mutation(name).slope
+
+    def sloped(inner: Any, call: Any) -> Any:
+        return inner.apply(replace(call, options=replace(call.options, silu_slope=slope)))
+
+    return _mutated(kernel, "silu_slope", sloped)
 
 
 def mutate_kernel(name: str | None, kernel: Any) -> Any:
-    """Applied once, to the backend's kernel callable (oracle.make_moe_kernel's contract)."""
+    """Applied once, to the backend's kernel (a moe_call.MoeKernel): the kernel the server calls."""
     base = name.partition(":")[0] if name else None
     if base == "extra_weight_copy":
         return _with_weight_copies(kernel)
     if base in TILE_MUTATIONS:
         return _tiles_chosen(name, kernel)
-    if name is not None and name.partition(":")[0] == "silu_slope":
-        import functools
-
-        slope = parse_mutation(name).slope
-        wrapped = functools.partial(kernel, silu_slope=slope)
-        wrapped.__name__ = f"{getattr(kernel, '__name__', 'kernel')}_silu_slope"  # type: ignore[attr-defined]
-        return wrapped
+    if base == "silu_slope":
+        return _with_silu_slope(name, kernel)
     if name != "bf16_down_accumulation":
         return kernel
     return _chunked_bf16_sum(kernel)
 
 
 def down_chunks(weights: Any) -> list[Any]:
-    """bf16_down_accumulation's pieces of `weights` (an oracle.MoeWeights): F split in DOWN_CHUNKS
+    """bf16_down_accumulation's pieces of `weights` (a moe_call.MoeWeights): F split in DOWN_CHUNKS
     near-equal chunks, each chunk's rows of both w13 halves and its columns of w2, as contiguous
     copies in the same backend's layout. Also the shapes a Triton warm-up must compile for."""
     import torch
 
-    from moe_eval.kernels.oracle import MoeWeights
+    from moe_eval.kernels.moe_call import MoeWeights
 
     F = weights.w2_eDF.shape[2]
     w13_eFD = weights.w13_eFD
@@ -465,24 +469,14 @@ def _chunked_bf16_sum(kernel: Any) -> Any:
     """
     import torch
 
-    def chunked(
-        hidden_TD: torch.Tensor,
-        weights: Any,
-        topk_weights_TK: torch.Tensor,
-        topk_ids_TK: torch.Tensor,
-        expert_map_E: torch.Tensor | None,
-        apply_router_weight_on_input: bool,
-    ) -> torch.Tensor:
+    def chunked(inner: Any, call: Any) -> Any:
         out_TD = None
-        for chunk in down_chunks(weights):
-            part_TD = kernel(
-                hidden_TD, chunk, topk_weights_TK, topk_ids_TK, expert_map_E, apply_router_weight_on_input
-            ).to(torch.bfloat16)
+        for chunk in down_chunks(call.weights):
+            part_TD = inner.apply(replace(call, weights=chunk)).to(torch.bfloat16)
             out_TD = part_TD if out_TD is None else out_TD + part_TD  # bf16 + bf16: rounded at each add
-        return out_TD.to(hidden_TD.dtype)
+        return out_TD.to(call.hidden_TD.dtype)
 
-    chunked.__name__ = f"{getattr(kernel, '__name__', 'kernel')}_bf16_down_accumulation"
-    return chunked
+    return _mutated(kernel, "bf16_down_accumulation", chunked)
 
 
 def tail_block_slots(topk_ids_TK: Any, expert_map_E: Any, num_local_experts: int) -> Any:

@@ -47,6 +47,7 @@ from moe_eval.core.plugin_protocol import (
     STATS_DIR,
     SUPPORTED_VLLM,
 )
+from moe_eval.kernels.moe_call import MoeBackend, MoeCall, MoeOptions, MoeWeights, Routing  # no torch
 
 logger = logging.getLogger("moe_eval.kernels.plugin")
 _OOT_NAME = "UnquantizedFusedMoEMethod"  # vLLM's registry key is the class name, not the op name
@@ -210,7 +211,7 @@ class BundledExperts:
         rank: dict[str, Any] | None = None,
     ) -> None:
         from moe_eval.kernels.mutations import mutate_kernel
-        from moe_eval.kernels.oracle import MoeBackend, detect_hardware, make_moe_kernel, select_moe_backend
+        from moe_eval.kernels.oracle import detect_hardware, make_moe_kernel, select_moe_backend
 
         self.layout = layout
         self.mutation = mutation
@@ -257,7 +258,7 @@ class BundledExperts:
 
     def process_weights(self, layer: Any, global_experts: int, top_k: int) -> None:
         from moe_eval.kernels.mutations import mutate_weights
-        from moe_eval.kernels.oracle import MoeBackend, convert_to_kernel_format
+        from moe_eval.kernels.oracle import convert_to_kernel_format
 
         self.expert_map = getattr(layer, "expert_map", None)
         self.layer_index = model_layer_index(getattr(layer, "layer_name", None))
@@ -305,8 +306,6 @@ class BundledExperts:
 
     def _precompile(self, layer: Any, global_experts: int, top_k: int) -> Any:
         """Compile the Triton kernels for every token count up to max_tokens, once per layer shape."""
-        from moe_eval.kernels.oracle import MoeBackend
-
         if self.choice.backend is not MoeBackend.TRITON:
             return None  # FlashInfer's module is prebuilt (or built at its first call); torch has no JIT
         from moe_eval.kernels.fused_moe import _device_name
@@ -424,8 +423,9 @@ class BundledExperts:
                 layer=self.layer_index,
             )
         on_input = bool(layer.apply_router_weight_on_input)
+        call = MoeCall(x, self.weights, Routing(served_weights, served_ids), expert_map, MoeOptions(on_input))
         started = self.timer.start(x) if self.timer is not None else 0
-        out = self.kernel(x, self.weights, served_weights, served_ids, expert_map, on_input)
+        out = self.kernel.apply(call)
         if self.timer is not None:
             slow = 0.0
             if self.slow_range is not None:
@@ -436,9 +436,9 @@ class BundledExperts:
             self.timer.stop(started, x, topk_ids, slow)
         if self.check is not None:
             # What vLLM handed apply() and what apply() returns: a bug anywhere in between counts.
-            self.check.observe(
-                self.check_layer, x, out, topk_weights, topk_ids, loaded_map, *self.check_weights, on_input
-            )
+            loaded = MoeWeights(MoeBackend.REFERENCE, *self.check_weights)  # the checkpoint's layout
+            asked = MoeCall(x, loaded, Routing(topk_weights, topk_ids), loaded_map, MoeOptions(on_input))
+            self.check.observe(self.check_layer, asked, out)
         return out
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_eval.kernels.moe_call import MoeBackend, MoeCall, MoeOptions, Routing
 from moe_eval.kernels.tile_configs import MoeShape
 
 
@@ -30,6 +31,16 @@ class MoeCase:
             "expert_map_E": self.expert_map_E,
             "apply_router_weight_on_input": self.apply_router_weight_on_input,
         }
+
+    def call(self, backend: MoeBackend = MoeBackend.TORCH) -> MoeCall:
+        """The case as one MoeCall, its weights converted to `backend`'s layout."""
+        from moe_eval.kernels.backends import BACKENDS
+
+        weights = BACKENDS[MoeBackend(backend)].to_kernel_format(self.w13_eFD, self.w2_eDF)
+        routing = Routing(self.topk_weights_TK, self.topk_ids_TK)
+        return MoeCall(
+            self.hidden_TD, weights, routing, self.expert_map_E, MoeOptions(self.apply_router_weight_on_input)
+        )
 
     def reference_fp32(self) -> torch.Tensor:
         """fused_moe_ref on the same (already rounded) inputs upcast to fp32: fp32 output."""

@@ -1,7 +1,10 @@
 """Per-model eval configs: a strict superset of the YAML that vLLM's GSM8K harness reads.
 
-Every key is a field of EvalConfig (a pydantic dataclass) with its type, range, default and doc; an unknown
-key, a wrong type or an out-of-range value is a ConfigError naming the file, the key and the value. Usage:
+The YAML is one flat mapping. The keys of the run (what it serves and measures) are EvalConfig's fields; the
+keys of how a gate judges are that gate's own (its module's `@gate_keys` class, the registry row's `keys`),
+read as `config.keys(SpeedKeys)`: a gate's key is added in the gate's module alone. Each key has its type,
+range, default and doc; an unknown key, a wrong type or an out-of-range value is a ConfigError naming the
+file, the key and the value. Usage:
 
     config = load_config(Path("configs/moe-refactor/Qwen3-30B-A3B-BF16-triton.yaml"))
 """
@@ -12,7 +15,7 @@ import dataclasses
 import hashlib
 import shlex
 from pathlib import Path
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 import yaml
 from pydantic import AfterValidator, ConfigDict, Field, ValidationError
@@ -22,6 +25,7 @@ from pydantic_core import ErrorDetails
 
 from moe_eval.core.errors import ConfigError
 from moe_eval.core.layout import Layout, layout_from_server_args
+from moe_eval.gates import registry
 
 GSM8K_TEST_QUESTIONS = 1319
 # The golden gate's paired test over texts: below this many texts its p-value and its power analysis are
@@ -80,7 +84,7 @@ def _str_values(v: dict) -> dict[str, str]:
 ServerArgs = Annotated[str, AfterValidator(_shell_splittable), AfterValidator(_single_spaced)]
 Env = Annotated[dict, AfterValidator(_str_values)]  # YAML scalars, kept as strings
 # A YAML list; lax (not strict) so that the list becomes a tuple, a frozen config's value. The names are the
-# registry's gates (moe_eval.gates.registry.config_problems checks them where the registry is known).
+# registry's gates (parse_config checks them).
 GateNames = Annotated[tuple[str, ...], Field(strict=False)]
 
 
@@ -127,22 +131,8 @@ class EvalConfig:
     max_retries: int = Field(
         3, ge=0, description="retries of a failed request before the run is an infra error"
     )
-    stderr_gate_k: float | None = Field(
-        None, ge=0, description="also require accuracy >= threshold - k * stderr"
-    )
-    paired_alpha: float = Field(
-        0.05, ge=1e-9, le=0.5, description="paired gate: fail when McNemar p(worse) < this"
-    )
-    max_empty_rate: float | None = Field(
-        None, ge=0.0, le=1.0, description="fail when more answers than this are empty"
-    )
-    max_truncated_rate: float | None = Field(
-        None, ge=0.0, le=1.0, description="fail when more answers than this hit max_tokens"
-    )
-    max_invalid_rate: float | None = Field(
-        None, ge=0.0, le=1.0, description="fail when more answers than this hold no number at all"
-    )
-    # --- the log-probability divergence gate (moe_eval.evaluate.logprobs; docs/logprob-gate.md) ---
+    # --- what the row measures beyond its answers (moe_eval.steps); how each gate judges it is the gate's
+    # own keys (moe_eval.gates.<gate>.*Keys, read as config.keys(...)) ---
     logprob_texts: int = Field(
         64,
         ge=0,
@@ -155,39 +145,11 @@ class EvalConfig:
         description="a config (path relative to this file) run first in the same run; "
         "its answers and log-probabilities are this config's baseline",
     )
-    max_logprob_mean_abs_diff: float | None = Field(
-        None,
-        ge=0,
-        description="with a baseline: fail when the mean |Δ log p| of the reference tokens "
-        "is above this (unset: the default for the kind of baseline)",
-    )
-    max_logprob_p99_abs_diff: float | None = Field(
-        None, ge=0, description="with a baseline: fail when the 99th percentile of |Δ log p| is above this"
-    )
-    max_top1_flip_rate: float | None = Field(
-        None,
-        ge=0.0,
-        le=1.0,
-        description="with a baseline: fail when more positions than this change their top-1 token "
-        "(unset: the default for the kind of baseline)",
-    )
-    max_logprob_kl: float | None = Field(
-        None, ge=0, description="with a baseline: fail when the mean KL over the shared top-k is above this"
-    )
-    # --- the golden gate (moe_eval.evaluate.golden, moe_eval.gates.golden_errors; docs/logprob-gate.md) ---
+    # the golden reference (moe_eval.evaluate.golden; docs/logprob-gate.md)
     golden: bool = Field(
         True,
         description="a bundled-kernel config with a baseline and logprob_texts > 0: compare its error "
         "against an exact golden reference with the incumbent's (the baseline's); false: off",
-    )
-    golden_margin: float = Field(
-        0.10,
-        ge=0.0,
-        le=10.0,
-        description="golden gate: fail when error / incumbent's error > 1 + this and the paired test agrees",
-    )
-    golden_alpha: float = Field(
-        0.01, ge=1e-9, le=0.5, description="golden gate: the one-sided paired t-test's significance level"
     )
     golden_server_args: ServerArgs | None = Field(
         None,
@@ -207,63 +169,12 @@ class EvalConfig:
         description="the model's weights are random (a shape twin, models/twins.py): its answers mean "
         "nothing, so no accuracy, paired or garbage gate; accuracy is reported as n/a",
     )
-    # --- the layer check (moe_eval.kernels.layer_check, moe_eval.gates.layer_gate; docs/logprob-gate.md) ---
+    # the layer check's sums (moe_eval.kernels.layer_check; docs/logprob-gate.md)
     layer_check: bool = Field(
         True,
         description="a bundled-kernel config: compare the MoE calls the server makes (every dispatch "
         "range, every rank) with the exact MoE of the same inputs, after a sweep that reaches each range; "
         "false: off",
-    )
-    # 1.5: a legitimate kernel that rounds once more than the incumbent, as finely, adds up to sqrt(2) = 1.41
-    # times its error (FlashInfer CUTLASS reads 1.17-1.26 per layer on the H200 canary); the bugs of
-    # docs/logprob-gate.md read 1.8 and up here, and the expert and activation checks resolve smaller ones.
-    layer_check_margin: float = Field(
-        0.5,
-        ge=0.0,
-        le=10.0,
-        description="layer check: fail a dispatch range whose error against the exact MoE / the "
-        "incumbent's > 1 + this",
-    )
-    layer_check_scale_bound: float = Field(
-        0.005,
-        ge=0.0,
-        le=1.0,
-        description="layer check: fail an expert whose output scale in one range is off by more than this "
-        "(z agreeing)",
-    )
-    layer_check_z: float = Field(
-        5.0,
-        gt=0,
-        description="layer check: an error must be this many standard errors (the normal quantile; a cell "
-        "whose variance estimate has few degrees of freedom needs the Student t quantile of the same tail)",
-    )
-    layer_check_activation_bound: float = Field(
-        0.002,
-        ge=0.0,
-        le=1.0,
-        description="layer check: fail a layer or range whose SiLU slope error (the served output along the "
-        "direction a slope change of every expert's activation moves it) is beyond this (z agreeing)",
-    )
-    layer_check_power: float = Field(
-        0.01,
-        ge=0.0,
-        le=1.0,
-        description="layer check: a (range, expert) cell is judged when it resolves a one-expert scale "
-        "error of this size with 80% probability",
-    )
-    layer_check_min_judged: float = Field(
-        0.95,
-        gt=0.0,  # 0 would pass a check that judged nothing
-        le=1.0,
-        description="layer check: each reachable range needs this share of its (range, expert) cells "
-        "judged on every rank; less ends the row not passed (incomplete, exit 6), the unjudged cells named",
-    )
-    layer_check_min_judged_per_layer: float = Field(
-        0.5,
-        gt=0.0,
-        le=1.0,
-        description="layer check: each reachable range also needs this share of its (layer, range, expert) "
-        "cells judged on every rank, so that an error in one layer cannot hide in its unjudged cells",
     )
     layer_check_slots: int = Field(
         32,
@@ -285,40 +196,14 @@ class EvalConfig:
         "`moe-eval list`'s gates column (e.g. [golden, divergence] where the scoring texts may be "
         "unavailable)",
     )
-    max_jit_while_serving: int | None = Field(
-        None,
-        ge=0,
-        description="fail when more kernel compilations than this happen while serving (vLLM's JIT "
-        "monitor, GPU servers)",
-    )
     moe_timing: bool = Field(
         True,
         description="time the server's MoE calls per dispatch range on the layer sweep's workload (every "
         "row, vLLM's own kernel's too; the speed gate's input and the table's MoE time)",
     )
-    # None: on where the run's hardware is a GPU (run --hw other than cpu) and the row has an incumbent, off
-    # on the CPU, where the comparison is reported only (a 2-core machine's timings move with whatever else
-    # runs on it). True: the gate is asked for, and a row without timing or a reference is the gate not run.
-    speed_gate: bool | None = Field(
-        None,
-        description="fail a dispatch range whose MoE calls take more than (1 + speed_margin) x the "
-        "incumbent's (or --baseline's) at the same call sizes on the same machine, beyond noise; absent: on "
-        "for GPUs where the row has an incumbent, reported only for --hw cpu; true: required",
-    )
-    speed_margin: float = Field(
-        0.01,
-        ge=0.0,
-        le=10.0,
-        description="speed gate: the slowdown it lets pass in a graph-replayed (decode) range beyond noise "
-        "(0.01: 1 %)",
-    )
-    speed_margin_eager: float = Field(
-        0.03,
-        ge=0.0,
-        le=10.0,
-        description="speed gate: the slowdown it lets pass in an eager (prefill) range beyond noise "
-        "(0.03: 3 %)",
-    )
+    # Each registered gate's keys (moe_eval.gates.registry: the gate's `keys` type), parsed from the same
+    # mapping; config.keys(Type) reads them.
+    gate_keys: tuple[Any, ...] = ()
     # The file's text as parsed: what travels to the worker process (moe_eval.worker), which parses the
     # same bytes instead of reading the file again (an edit meanwhile cannot split a run's configs).
     text: str = dataclasses.field(default="", repr=False, compare=False)
@@ -330,16 +215,39 @@ class EvalConfig:
         """The layer check applies: a bundled kernel (the plugin runs it inside the server), and on."""
         return self.layer_check and self.moe_backend is not None
 
-    def speed_gated(self, has_incumbent: bool) -> bool:
-        """The speed gate is called for: asked for (speed_gate: true, with or without what it needs: then it
-        is not run), or absent on a GPU run of a row with an incumbent."""
-        if self.speed_gate is None:
-            return bool(self.on_gpu) and has_incumbent
-        return self.speed_gate
+    def keys(self, kind: type[K]) -> K:
+        """A gate's keys (`kind`: its keys type) as this config set them; the defaults where none was parsed
+        (a config built in code)."""
+        found = next((keys for keys in self.gate_keys if type(keys) is kind), None)
+        return found if found is not None else kind()
 
-    def speed_reported(self, has_incumbent: bool) -> bool:
-        """Timed beside an incumbent but not gated (the CPU): the comparison is reported, never a verdict."""
-        return self.moe_timing and has_incumbent and not self.speed_gated(has_incumbent)
+    def key(self, name: str) -> Any:
+        """One key's effective value by name, the run's or a gate's."""
+        if name in RUN_KEYS:
+            return getattr(self, name)
+        for keys in self.gate_keys:
+            if name in keys.__pydantic_fields__:
+                return getattr(keys, name)
+        owner = _key_owners().get(name)
+        if owner is None:
+            raise KeyError(name)
+        return getattr(owner(), name)
+
+    def with_keys(self, **changes: Any) -> EvalConfig:
+        """This config with some keys changed, the run's or a gate's (each revalidated)."""
+        run = {k: v for k, v in changes.items() if k in RUN_KEYS}
+        rest = {k: v for k, v in changes.items() if k not in RUN_KEYS}
+        owners = _key_owners()
+        unknown = [k for k in rest if k not in owners]
+        if unknown:
+            raise KeyError(", ".join(unknown))
+        gate_keys = list(self.gate_keys)
+        for kind in {owners[k] for k in rest}:
+            mine = {k: v for k, v in rest.items() if owners[k] is kind}
+            current = self.keys(kind)
+            gate_keys = [k for k in gate_keys if type(k) is not kind]
+            gate_keys.append(dataclasses.replace(current, **mine))
+        return dataclasses.replace(self, **run, gate_keys=tuple(gate_keys))
 
     @property
     def answers_gated(self) -> bool:
@@ -372,15 +280,41 @@ class EvalConfig:
 
     def resolved(self) -> dict[str, Any]:
         """Every key with its effective value (defaults filled in), for results.json."""
-        return {key: getattr(self, key) for key in CONFIG_KEYS}
+        return {key: self.key(key) for key in config_keys()}
 
 
-# The config's keys: EvalConfig's fields less what parse_config adds; a FieldInfo's description is its doc.
-CONFIG_KEYS: dict[str, FieldInfo] = {
+K = TypeVar("K")
+
+# The run's own keys: EvalConfig's fields less what parse_config adds; a FieldInfo's description is its doc.
+RUN_KEYS: dict[str, FieldInfo] = {
     key: info
     for key, info in EvalConfig.__pydantic_fields__.items()
-    if key not in ("path", "sha256", "text", "on_gpu")
+    if key not in ("path", "sha256", "gate_keys", "text", "on_gpu")
 }
+
+
+def _gate_key_types() -> list[type]:
+    # Read at each call, not at import: a test registers a gate of its own for its duration.
+    return [gate.keys for gate in registry.GATES if gate.keys is not None]
+
+
+def _gate_names() -> tuple[str, ...]:
+    return registry.gate_names()
+
+
+def _key_owners() -> dict[str, type]:
+    """Each gate key's name -> the gate keys type that holds it."""
+    return {key: kind for kind in _gate_key_types() for key in kind.__pydantic_fields__}  # type: ignore[attr-defined]
+
+
+def config_keys() -> dict[str, FieldInfo]:
+    """Every key a config may set: the run's, then each registered gate's, in the registry's order."""
+    keys = dict(RUN_KEYS)
+    for kind in _gate_key_types():
+        keys.update(kind.__pydantic_fields__)  # type: ignore[attr-defined]
+    return keys
+
+
 # pydantic's error types -> the words these messages have always used (tests quote them).
 _MUST_BE = {
     "bool_type": "true or false",
@@ -392,8 +326,8 @@ _MUST_BE = {
 }
 
 
-def _problem(path: Path, data: dict[str, Any], error: ErrorDetails) -> str:
-    """One pydantic error as a line naming the file, the key and the value."""
+def _problem(path: Path, data: dict[str, Any], error: ErrorDetails, fields: dict[str, FieldInfo]) -> str:
+    """One pydantic error as a line naming the file, the key and the value (`fields`: the keys validated)."""
     key, kind = str(error["loc"][0]), error["type"]
     if kind == "missing":
         return f"{path}: missing required key '{key}'"
@@ -402,9 +336,7 @@ def _problem(path: Path, data: dict[str, Any], error: ErrorDetails) -> str:
     elif kind in _MUST_BE:
         reason = f"must be {_MUST_BE[kind]}"
     elif kind in ("greater_than", "greater_than_equal", "less_than_equal"):
-        bound = {
-            b: getattr(m, b) for m in CONFIG_KEYS[key].metadata for b in ("gt", "ge", "le") if hasattr(m, b)
-        }
+        bound = {b: getattr(m, b) for m in fields[key].metadata for b in ("gt", "ge", "le") if hasattr(m, b)}
         if "le" in bound:
             low = f"above {bound['gt']}" if "gt" in bound else f"between {bound['ge']}"
             reason = (
@@ -428,16 +360,35 @@ def parse_config(path: Path, text: str) -> EvalConfig:
         raise ConfigError(f"{path}: top level must be a mapping of keys to values, got {type(data).__name__}")
     # Before pydantic (whose extra="forbid" would say the same): "path", "sha256" and "text" are fields but
     # not keys, and a key that is not a string cannot be a keyword argument.
-    unknown = [key for key in data if key not in CONFIG_KEYS]
+    known = config_keys()
+    unknown = [key for key in data if key not in known]
     if unknown:
         raise ConfigError(
-            f"{path}: unknown key '{unknown[0]}' (value {data[unknown[0]]!r}); "
-            f"known keys: {', '.join(CONFIG_KEYS)}"
+            f"{path}: unknown key '{unknown[0]}' (value {data[unknown[0]]!r}); known keys: {', '.join(known)}"
         )
+    # The run's keys and each gate's are validated apart (each by its own type) and every problem reported.
+    problems: list[str] = []
+    gate_keys = []
+    for kind in _gate_key_types():
+        fields: dict[str, FieldInfo] = kind.__pydantic_fields__  # type: ignore[attr-defined]
+        try:
+            gate_keys.append(kind(**{key: value for key, value in data.items() if key in fields}))
+        except ValidationError as exc:
+            problems += [_problem(path, data, error, fields) for error in exc.errors()]
+    run = {key: value for key, value in data.items() if key in RUN_KEYS}
+    sha256 = hashlib.sha256(text.encode()).hexdigest()
     try:
-        config = EvalConfig(path=path, sha256=hashlib.sha256(text.encode()).hexdigest(), text=text, **data)
+        config = EvalConfig(path=path, sha256=sha256, text=text, gate_keys=tuple(gate_keys), **run)
     except ValidationError as exc:
-        raise ConfigError("\n".join(_problem(path, data, error) for error in exc.errors())) from None
+        problems = [_problem(path, data, error, RUN_KEYS) for error in exc.errors()] + problems
+    if problems:
+        raise ConfigError("\n".join(problems))
+    unnamed = [name for name in config.optional_gates if name not in _gate_names()]
+    if unnamed:
+        raise ConfigError(
+            f"{path}: key 'optional_gates': value {list(config.optional_gates)!r} names no gate: "
+            f"{', '.join(unnamed)} (gates: {', '.join(_gate_names())})"
+        )
     if config.random_weights and config.accuracy_threshold is not None:
         raise ConfigError(
             f"{path}: key 'accuracy_threshold': value {config.accuracy_threshold!r} cannot be met by "

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 from moe_eval.core.errors import ConfigError
-from moe_eval.plan.config import EvalConfig, backend_named_by, load_config
+from moe_eval.plan.config import backend_named_by, load_config
 from moe_eval.plan.selection import read_list
 
 
-def validate_repository(
-    root: Path, more: Callable[[EvalConfig], list[str]] = lambda config: []
-) -> tuple[list[str], int]:
-    """Every problem of every config and list under `root`; `more`: what a stage above checks of a config
-    (the gates' registry: moe_eval.gates.registry.config_problems)."""
+def validate_repository(root: Path) -> tuple[list[str], int]:
+    """Every problem of every config and list under `root`."""
     problems: list[str] = []
     checked = 0
     for path in sorted((root / "configs").rglob("*.yaml")):
@@ -24,7 +20,6 @@ def validate_repository(
         except ConfigError as exc:
             problems.append(str(exc))
             continue
-        problems += more(config)
         named = backend_named_by(path.stem).bundled  # the backend the config must ask for
         if named and config.moe_backend not in (None, named):
             problems.append(

@@ -149,7 +149,7 @@ def test_model_identity_hashes_the_checkpoint(tmp_path):
 
 def test_golden_keys_in_configs(tmp_path):
     on = config(tmp_path, "")
-    assert on.golden_gated and on.golden_margin == 0.10 and on.decode_texts == 8
+    assert on.golden_gated and on.key("golden_margin") == 0.10 and on.decode_texts == 8
     off = config(tmp_path, "", "golden: false\n")
     assert not off.golden_gated
     with pytest.raises(ConfigError, match="key 'golden': value 'yes' must be true or false"):

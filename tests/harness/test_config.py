@@ -6,7 +6,7 @@ import pytest
 
 from moe_eval.core.errors import ConfigError, ExitCode
 from moe_eval.core.layout import LayoutKind
-from moe_eval.plan.config import CONFIG_KEYS, load_config, parse_config
+from moe_eval.plan.config import RUN_KEYS, config_keys, load_config, parse_config
 
 P = Path("configs/x/Model-BF16-triton.yaml")
 MINIMAL = "model_name: m\naccuracy_threshold: 0.5\nnum_questions: 10\nnum_fewshot: 5\n"
@@ -23,7 +23,7 @@ def test_minimal_config_gets_vllm_defaults():
     )
     assert c.request_timeout_seconds == 600 and c.moe_backend is None and c.server_args == "" and c.env == {}
     assert c.name == "Model-BF16-triton"
-    assert set(c.resolved()) == set(CONFIG_KEYS)
+    assert set(c.resolved()) == set(config_keys())
 
 
 def test_vllm_harness_yaml_runs_unchanged():
@@ -81,19 +81,18 @@ def test_each_problem_names_file_key_value_and_reason(extra, key, value_text, re
 
 
 def test_optional_gates_must_name_registered_gates():
-    """The names are the registry's (moe_eval.gates.registry): checked where the registry is known (the plan,
-    `moe-eval validate`), still naming file, key and value."""
-    from moe_eval.gates.registry import config_problems
-
-    (problem,) = config_problems(parse_config(P, MINIMAL + "optional_gates: [golden, nope]\n"))
+    """The names are the registry's (moe_eval.gates.registry), naming file, key and value."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(P, MINIMAL + "optional_gates: [golden, nope]\n")
+    problem = str(err.value)
     assert str(P) in problem and "'optional_gates'" in problem and "['golden', 'nope']" in problem
     assert "names no gate: nope" in problem
-    assert config_problems(parse_config(P, MINIMAL + "optional_gates: [golden]\n")) == []
+    assert parse_config(P, MINIMAL + "optional_gates: [golden]\n").optional_gates == ("golden",)
 
 
 def test_an_int_is_a_number_and_null_leaves_an_optional_key_unset():
     c = parse_config(P, MINIMAL + "tolerance: 0\ntemperature: 1\nstderr_gate_k: null\nmoe_backend: null\n")
-    assert (c.tolerance, c.temperature, c.stderr_gate_k, c.moe_backend) == (0, 1, None, None)
+    assert (c.tolerance, c.temperature, c.key("stderr_gate_k"), c.moe_backend) == (0, 1, None, None)
 
 
 def test_every_problem_is_reported_at_once():
@@ -105,7 +104,34 @@ def test_every_problem_is_reported_at_once():
 def test_normalizers_and_docs():
     c = parse_config(P, MINIMAL + 'optional_gates: [golden]\nenv: {A: true}\nserver_args: "--a\\n  --b"\n')
     assert (c.optional_gates, c.env, c.server_args) == (("golden",), {"A": "True"}, "--a --b")
-    assert all(info.description for info in CONFIG_KEYS.values())  # each key keeps its doc
+    assert all(info.description for info in config_keys().values())  # each key keeps its doc
+
+
+def test_a_gates_keys_are_its_own_and_flat_in_the_yaml():
+    """A gate's keys are its module's (the registry row's `keys`), validated by their own type with the run's
+    keys in one pass; no gate's key shadows a run key or another gate's."""
+    from moe_eval.gates import registry
+    from moe_eval.gates.layer_gate import LayerCheckKeys
+    from moe_eval.gates.speed import SpeedKeys
+
+    owners: dict[str, str] = dict.fromkeys(RUN_KEYS, "run")
+    for gate in registry.GATES:
+        for key in gate.keys.__pydantic_fields__ if gate.keys else ():
+            assert key not in owners, f"{gate.name}'s key {key} is {owners[key]}'s too"
+            owners[key] = gate.name
+    c = parse_config(P, MINIMAL + "speed_margin: 0.02\nlayer_check_z: 4\n")
+    assert c.keys(SpeedKeys).speed_margin == 0.02 and c.keys(LayerCheckKeys).layer_check_z == 4
+    assert c.resolved()["speed_margin"] == 0.02 and c.resolved()["paired_alpha"] == 0.05  # a default
+    changed = c.with_keys(speed_gate=True, num_questions=3)
+    assert (
+        changed.keys(SpeedKeys).speed_gate
+        and changed.num_questions == 3
+        and changed.key("speed_margin") == 0.02
+    )
+    with pytest.raises(ConfigError) as err:  # a gate's key and a run key wrong at once: both named
+        parse_config(P, MINIMAL + 'speed_margin: "0.02"\nmax_tokens: 0\n')
+    assert "key 'speed_margin': value '0.02' must be a number" in str(err.value)
+    assert "key 'max_tokens'" in str(err.value)
 
 
 @pytest.mark.parametrize(

@@ -105,7 +105,7 @@ def _checks(files, world_size=1):
     from moe_eval.gates.judge import on_floor
     from moe_eval.gates.layer_gate import GATE
 
-    config = SimpleNamespace(layer_check_min_judged=LIMITS.min_judged)
+    config = SimpleNamespace(key={"layer_check_min_judged": LIMITS.min_judged}.get)
     checks = layer_checks(summarize(files, LIMITS, world_size), LIMITS)
     return {c.name: on_floor(config, GATE, c) for c in checks}
 

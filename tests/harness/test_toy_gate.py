@@ -1,6 +1,7 @@
-"""Adding a gate is one module and one registry row: a gate defined in this test alone is found by `moe-eval
-list`, judged in a run, written to results.json and described by its schema, shown in the run table, JUnit
-and `moe-eval compare`, its evidence counted and its floor applied like every gate's."""
+"""Adding a gate is one module and one registry row: a gate defined in this test alone, with config keys of
+its own, is found by `moe-eval list`, read from a config's YAML, judged in a run, written to results.json and
+described by its schema, shown in the run table, JUnit and `moe-eval compare`, its evidence counted and its
+floor applied like every gate's."""
 
 from __future__ import annotations
 
@@ -8,16 +9,20 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+import pytest
 from click.testing import CliRunner
 from junitparser import JUnitXml
+from pydantic import Field
 
 from moe_eval.core.check import Check
+from moe_eval.core.errors import ConfigError
 from moe_eval.core.evidence import Evidence
 from moe_eval.core.payload import described
 from moe_eval.core.record import RunRecord, Verdict
-from moe_eval.gates.gate import Column, Floor, Gate, Show
+from moe_eval.gates.gate import Column, Floor, Gate, Show, gate_keys
 from moe_eval.gates.judge import judge
-from moe_eval.gates.registry import registered
+from moe_eval.gates.registry import describe_plan, registered
+from moe_eval.plan.config import parse_config
 from tests.harness.test_judge import QUESTIONS, TORCH_TP1, load_config, measured
 
 
@@ -37,16 +42,23 @@ def toy_rule(config, m, out):
     return None
 
 
+@gate_keys
+class ToyKeys:
+    toy_gate: bool = Field(True, description="count the questions answered (the toy gate)")
+    toy_min_share: float = Field(1.0, gt=0.0, le=1.0, description="toy gate: share of the questions it needs")
+
+
 TOY = Gate(
     "toy",
     ("toy_check",),
-    lambda config, incumbent: True,
+    lambda config, incumbent: config.keys(ToyKeys).toy_gate,
     False,
     toy_rule,
     "counts the questions answered (a gate made in a test)",
+    keys=ToyKeys,
     section="toy",
     payload=ToySection,
-    floors={"toy_check": Floor(share=1.0)},  # every question, or no pass
+    floors={"toy_check": Floor(share_key="toy_min_share")},  # every question by default, or no pass
     show=Show(
         columns=(Column("Toy count", lambda section, row: f"{(section or {}).get('counted', '-')} counted"),),
         junit=lambda section: {"toy.counted": (section or {}).get("counted")},
@@ -123,16 +135,41 @@ def test_a_gate_defined_in_a_test_alone_is_found_everywhere(tmp_path):
     assert "toy" not in results_schema()["properties"]
 
 
+def _thin(config, m, out):
+    out.checks.append(Check.judged("toy_check", True, "x", Evidence("question", 3, QUESTIONS)))
+
+
 def test_the_toy_gates_floor_makes_a_thin_pass_not_run():
     config = dataclasses.replace(load_config(TORCH_TP1), num_questions=QUESTIONS)
-
-    def thin(config, m, out):
-        out.checks.append(Check.judged("toy_check", True, "x", Evidence("question", 3, QUESTIONS)))
-
-    with registered(dataclasses.replace(TOY, rule=thin)):
+    with registered(dataclasses.replace(TOY, rule=_thin)):
         got = judge(config, measured(config))
     check = next(c for c in got.checks if c.name == "toy_check")
     assert check.status == "not_run" and check.detail.startswith(
         f"not run: judged 3 of {QUESTIONS} questions"
     )
     assert got.verdict == "incomplete"
+
+
+def test_the_toy_gates_keys_are_read_from_the_yaml_while_it_is_registered():
+    """Its keys sit flat in the YAML beside the run's, validated by its own type (file, key and value named),
+    ask for the gate, set its floor's share, and are results.json's config like every key; unregistered, they
+    are unknown keys."""
+    base = load_config(TORCH_TP1)
+
+    def parsed(extra: str):
+        return dataclasses.replace(parse_config(base.path, base.text + extra), num_questions=QUESTIONS)
+
+    with registered(dataclasses.replace(TOY, rule=_thin)):
+        assert "toy" not in describe_plan(parsed("toy_gate: false\n"), has_incumbent=True)
+        assert "toy" in describe_plan(parsed(""), has_incumbent=True)
+        lenient = parsed("toy_min_share: 0.1\n")  # 3 of 20 questions is enough now
+        assert lenient.keys(ToyKeys).toy_min_share == 0.1 and lenient.resolved()["toy_min_share"] == 0.1
+        check = next(c for c in judge(lenient, measured(lenient)).checks if c.name == "toy_check")
+        assert check.status == "passed"
+        with pytest.raises(ConfigError) as err:
+            parsed("toy_min_share: 2\n")
+        assert f"{base.path}: key 'toy_min_share': value 2 must be above 0.0 and at most 1.0" in str(
+            err.value
+        )
+    with pytest.raises(ConfigError, match="unknown key 'toy_gate'"):
+        parsed("toy_gate: true\n")

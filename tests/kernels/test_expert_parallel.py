@@ -62,12 +62,11 @@ def _rank_main(rank: int, backend: str, store: str, out_dir: str, combine: str |
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported in this fresh process
     import torch.distributed as dist
 
-    from moe_eval.kernels.expert_parallel import dep_moe, shard_experts, tep_moe
+    from moe_eval.kernels.backends import BACKENDS
+    from moe_eval.kernels.expert_parallel import DepKernel, TepKernel, shard_experts
+    from moe_eval.kernels.moe_call import MoeBackend, MoeCall, Routing
 
-    if backend == "triton":
-        from moe_eval.kernels.fused_moe import fused_moe as moe
-    else:
-        from moe_eval.kernels.torch_moe import torch_moe as moe
+    kernel = BACKENDS[MoeBackend(backend)]
     if combine == "reduce_scatter":
         dist.reduce_scatter_tensor = _reduce_scatter_over_all_reduce  # this process only
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
@@ -75,19 +74,13 @@ def _rank_main(rank: int, backend: str, store: str, out_dir: str, combine: str |
     for name, E, K, D, F, per_rank, _ in CASES:
         full = make_case(sum(per_rank), E, K, D, F, dtype=DTYPE[backend], device="cpu", seed=11)
         w13, w2, emap = shard_experts(full.w13_eFD, full.w2_eDF, WORLD, rank)
-        tep = tep_moe(moe, full.hidden_TD, w13, w2, full.topk_weights_TK, full.topk_ids_TK, emap)
+        weights = kernel.to_kernel_format(w13, w2)
+        routing = Routing(full.topk_weights_TK, full.topk_ids_TK)
+        tep = TepKernel(kernel).apply(MoeCall(full.hidden_TD, weights, routing, emap))
         start = sum(per_rank[:rank])
         rows = slice(start, start + per_rank[rank])
-        dep = dep_moe(
-            moe,
-            full.hidden_TD[rows],
-            w13,
-            w2,
-            full.topk_weights_TK[rows].contiguous(),
-            full.topk_ids_TK[rows].contiguous(),
-            emap,
-            combine=combine,
-        )
+        mine = Routing(full.topk_weights_TK[rows].contiguous(), full.topk_ids_TK[rows].contiguous())
+        dep = DepKernel(kernel, combine=combine).apply(MoeCall(full.hidden_TD[rows], weights, mine, emap))
         results[name] = {"tep": tep, "dep": dep, "rows": (rows.start, rows.stop)}
     dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(results))

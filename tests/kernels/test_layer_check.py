@@ -25,6 +25,7 @@ from moe_eval.kernels import layer_check as lc
 from moe_eval.kernels import layer_check_ref as ref
 from moe_eval.kernels import plugin
 from moe_eval.kernels.fused_moe import fused_moe_ref
+from moe_eval.kernels.moe_call import MoeBackend, MoeCall, MoeWeights, Routing
 from moe_eval.kernels.mutations import RANGE_EXPERT_SCALE, RANGE_MUTATIONS, TARGET_EXPERT, range_target
 from moe_eval.kernels.plugin import BundledExperts
 from moe_eval.kernels.torch_moe import torch_moe
@@ -35,6 +36,11 @@ LIMITS = LayerCheckLimits(margin=0.25, scale_bound=0.005, z=5.0, activation_boun
 # A correct bf16 kernel's scale estimate per expert: rounding only. Measured on this CPU, canary-like shapes
 # (E=8, K=2, D=256, F=128): |s| <= 5e-4; 2e-3 leaves room and is 5x under the 1% bug.
 CORRECT_SCALE_TOL = 2e-3
+
+
+def _call(x, weights, ids, expert_map, w13, w2):
+    """The call as vLLM hands it to the plugin, its weights as loaded (the layer check's reference)."""
+    return MoeCall(x, MoeWeights(MoeBackend.REFERENCE, w13, w2), Routing(weights, ids), expert_map)
 
 
 def _routing(T: int, E: int, K: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +97,7 @@ def test_exact_contributions_sum_to_the_fp32_oracle():
     weights, ids = _routing(T, E, K, g)
     w13, w2 = layer.w13_weight.data.float(), layer.w2_weight.data.float()
     out = fused_moe_ref(x, w13, w2, weights, ids)
-    sums = ref.call_row_sums(x, out, weights, ids, None, w13, w2, False, list(range(T)))
+    sums = ref.call_row_sums(_call(x, weights, ids, None, w13, w2), out, list(range(T)))
     rows, sq_res, sq_exact, _, nonfinite = sums.row_R11.sum(0)[:5].tolist()
     assert rows == T and sq_exact > 1 and sq_res / sq_exact < 1e-12 and nonfinite == 0
     assert int(sums.valid_RK.sum()) == T * K  # every slot counted once
@@ -108,13 +114,13 @@ def test_rows_of_garbage_input_are_left_out_and_nan_outputs_counted():
     weights, ids = _routing(T, E, K, g)
     out = torch_moe(x, w13, w2, weights, ids)
     rows = list(range(T))
-    clean = ref.call_row_sums(x, out, weights, ids, None, w13, w2, False, rows).row_R11.sum(0)
+    clean = ref.call_row_sums(_call(x, weights, ids, None, w13, w2), out, rows).row_R11.sum(0)
     x[3] = float("nan")  # the last row: padding
-    padded = ref.call_row_sums(x, out, weights, ids, None, w13, w2, False, rows)
+    padded = ref.call_row_sums(_call(x, weights, ids, None, w13, w2), out, rows)
     assert padded.row_R11[:, 4].sum() == 0 and padded.row_R11[:, 1].sum() < clean[1]
     assert torch.isfinite(padded.slot_RK6).all() and not padded.valid_RK[3].any()
     out[0, :5] = float("nan")  # a real row: the kernel wrote NaN
-    broken = ref.call_row_sums(x, out, weights, ids, None, w13, w2, False, rows)
+    broken = ref.call_row_sums(_call(x, weights, ids, None, w13, w2), out, rows)
     assert broken.row_R11[:, 4].sum() == 5
 
 
@@ -148,7 +154,7 @@ def test_the_joint_estimate_names_the_right_expert_at_the_right_size():
         served = weights.clone()
         served[ids == 6] *= 1.005
         out = torch_moe(x, w13, w2, served, ids)
-        sums = ref.call_row_sums(x, out, weights, ids, None, w13, w2, False, list(range(T)))
+        sums = ref.call_row_sums(_call(x, weights, ids, None, w13, w2), out, list(range(T)))
         y, _, _, ids_RK, _ = ref.slot_vectors(x, weights, ids, None, w13, w2, False, list(range(T)))
         res = out.float() - y.sum(1)
         for r in range(T):
@@ -175,7 +181,7 @@ def test_the_activation_direction_reads_a_silu_slope_error_and_no_expert_is_blam
         x = torch.randn(T, D, generator=g).bfloat16()
         weights, ids = _routing(T, E, K, g)
         out = torch_moe(x, w13, w2, weights, ids, silu_slope=1.005)
-        check.observe(index, x, out, weights, ids, None, w13, w2, False)
+        check.observe(index, _call(x, weights, ids, None, w13, w2), out)
     meta, cells, rows, seen, routed = check.snapshot()
     summary = summarize([LayerFile(meta, cells, rows, seen, routed)], LIMITS, 1)
     checks = {c.name: c for c in layer_checks(summary, LIMITS)}
@@ -324,7 +330,7 @@ def test_the_tables_are_flushed_to_the_run_folder(tmp_path):
     weights, ids = _routing(5, 8, 2, g)
     out = torch_moe(x, layer.w13_weight.data, layer.w2_weight.data, weights, ids)
     for index in (first, second, second):
-        check.observe(index, x, out, weights, ids, None, layer.w13_weight.data, layer.w2_weight.data, False)
+        check.observe(index, _call(x, weights, ids, None, layer.w13_weight.data, layer.w2_weight.data), out)
     time.sleep(STATS_INTERVAL_SECONDS * 3)
     f = layer_cells.read(path)
     assert f.meta["counted_on"] == "host" and f.meta["layers"] == ["model.layers.0.mlp.experts", "layer1"]
@@ -351,7 +357,7 @@ def test_a_paused_check_counts_and_compares_nothing_and_says_so_in_its_file(tmp_
     out = torch_moe(x, layer.w13_weight.data, layer.w2_weight.data, weights, ids)
 
     def call() -> None:
-        check.observe(index, x, out, weights, ids, None, layer.w13_weight.data, layer.w2_weight.data, False)
+        check.observe(index, _call(x, weights, ids, None, layer.w13_weight.data, layer.w2_weight.data), out)
 
     call()  # the flusher starts with the first call
     assert switch_layer_check(run_dir, paused=True) is None
@@ -400,7 +406,7 @@ for m in (None, emap):
         layer = check.register_layer()
         for x, w, ids in calls:
             out = torch_moe(x, lw13, lw2, w, ids, expert_map_E=m)
-            check.observe(layer, x, out, w, ids, m, lw13, lw2, False)
+            check.observe(layer, _call(x, w, ids, m, lw13, lw2), out)
         _, cells, rows, seen, routed = check.snapshot()
         snaps.append([cells.tolist(), rows.tolist(), seen.tolist(), routed.tolist()])
         if device is not None:
@@ -489,13 +495,13 @@ def test_device_path_matches_torch_under_cuda_graphs(expert_map):
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream), torch.cuda.graph(graph):
-            device.observe(d_layer, x, out, weights, ids, emap_d, w13, w2, False)
+            device.observe(d_layer, _call(x, weights, ids, emap_d, w13, w2), out)
         graphs.append((graph, (x, out, weights, ids)))
     for _ in range(3):
         for graph, args in graphs:
             graph.replay()
             torch.cuda.synchronize()
-            host.observe(h_layer, args[0], args[1], args[2], args[3], emap_d, w13, w2, False)
+            host.observe(h_layer, _call(args[0], args[2], args[3], emap_d, w13, w2), args[1])
     _, h_cells, h_rows, h_seen, h_routed = host.snapshot()
     _, d_cells, d_rows, d_seen, d_routed = device.snapshot()  # the pinned mirrors the flusher reads
     assert np.array_equal(h_seen, d_seen) and np.array_equal(h_cells[..., 0], d_cells[..., 0])

@@ -16,6 +16,7 @@ import torch
 
 from moe_eval.core.layout import Layout, LayoutKind
 from moe_eval.kernels.fused_moe import fused_moe_ref
+from moe_eval.kernels.moe_call import MoeCall, MoeOptions, Routing, WrappedKernel
 from moe_eval.kernels.mutations import (
     DOWN_CHUNKS,
     MUTATIONS,
@@ -99,7 +100,7 @@ def _apply(mutation: str | None, layer_args: dict, x, topk_weights, topk_ids, E:
 
 def _plugin_applies_mutate_kernel() -> bool:
     experts = BundledExperts("torch", Layout(LayoutKind.TP), CPU_HARDWARE, mutation="bf16_down_accumulation")
-    return experts.kernel.__name__.endswith("_bf16_down_accumulation")
+    return getattr(experts.kernel, "name", None) == "bf16_down_accumulation"
 
 
 @pytest.mark.parametrize("mutation", SUBTLE)
@@ -135,11 +136,13 @@ class _CountingKernel:
     weights ([up; gate]) are swapped back first, so the wrapper's slicing of that layout is checked
     on CPU."""
 
+    backend = MoeBackend.TORCH
+
     def __init__(self) -> None:
         self.F_seen: list[int] = []
-        self.__name__ = "counting"
 
-    def __call__(self, hidden_TD, weights, topk_weights_TK, topk_ids_TK, expert_map_E, on_input):
+    def apply(self, call):
+        weights = call.weights
         w13 = weights.w13_eFD
         if weights.backend is MoeBackend.FLASHINFER_CUTLASS:
             from moe_eval.kernels.flashinfer_cutlass import from_flashinfer_w31
@@ -147,13 +150,13 @@ class _CountingKernel:
             w13 = from_flashinfer_w31(w13)
         self.F_seen.append(weights.w2_eDF.shape[2])
         return torch_moe(
-            hidden_TD,
+            call.hidden_TD,
             w13,
             weights.w2_eDF,
-            topk_weights_TK,
-            topk_ids_TK,
-            expert_map_E=expert_map_E,
-            apply_router_weight_on_input=on_input,
+            call.routing.weights_TK,
+            call.routing.ids_TK,
+            expert_map_E=call.expert_map_E,
+            apply_router_weight_on_input=call.options.apply_router_weight_on_input,
         )
 
 
@@ -172,9 +175,8 @@ def test_bf16_down_accumulation_sums_the_chunks_of_F(backend, F):
     topk_weights, topk_ids = _routing(T, E, K, seed=2)
     kernel_w13 = to_flashinfer_w31(w13) if backend is MoeBackend.FLASHINFER_CUTLASS else w13
     inner = _CountingKernel()
-    out = mutate_kernel("bf16_down_accumulation", inner)(
-        x, MoeWeights(backend, kernel_w13, w2), topk_weights, topk_ids, None, False
-    )
+    call = MoeCall(x, MoeWeights(backend, kernel_w13, w2), Routing(topk_weights, topk_ids))
+    out = mutate_kernel("bf16_down_accumulation", inner).apply(call)
     assert inner.F_seen == [F * (c + 1) // DOWN_CHUNKS - F * c // DOWN_CHUNKS for c in range(DOWN_CHUNKS)]
     ref = fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
     assert out.dtype == torch.float32 and 0 < rel_err(out, ref) < REL_TOL_BF16_ROUNDING
@@ -190,7 +192,8 @@ def test_bf16_down_accumulation_under_ep_and_router_weight_on_input():
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(5))
     topk_weights, topk_ids = _routing(T, E, K, seed=5)
     kernel = mutate_kernel("bf16_down_accumulation", make_moe_kernel(MoeBackend.TORCH))
-    out = kernel(x, MoeWeights(MoeBackend.TORCH, w13, w2), topk_weights, topk_ids, emap, True)
+    weights = MoeWeights(MoeBackend.TORCH, w13, w2)
+    out = kernel.apply(MoeCall(x, weights, Routing(topk_weights, topk_ids), emap, MoeOptions(True)))
     ref = fused_moe_ref(
         x, w13, w2, topk_weights, topk_ids, expert_map_E=emap, apply_router_weight_on_input=True
     )
@@ -219,14 +222,15 @@ def test_silu_slope_computes_gate_times_a_steeper_sigmoid_and_nothing_else():
     weights, ids = weights / weights.sum(-1, keepdim=True), ids.int()
     weights_obj = MoeWeights(MoeBackend.TORCH, w13, w2)
     kernel = mutate_kernel("silu_slope:slope=1.01", make_moe_kernel(MoeBackend.TORCH))
-    out = kernel(x, weights_obj, weights, ids, None, False).float()
+    call = MoeCall(x, weights_obj, Routing(weights, ids))
+    out = kernel.apply(call).float()
     expected = torch.zeros(T, D)
     for t in range(T):
         for k in range(K):
             gu = w13[ids[t, k]].float() @ x[t].float()
             h = gu[:F] * torch.sigmoid(1.01 * gu[:F]) * gu[F:]
             expected[t] += weights[t, k] * (w2[ids[t, k]].float() @ h.bfloat16().float())
-    plain = make_moe_kernel(MoeBackend.TORCH)(x, weights_obj, weights, ids, None, False).float()
+    plain = make_moe_kernel(MoeBackend.TORCH).apply(call).float()
     assert (out - expected).norm() / expected.norm() < 1e-2
     assert (out - plain).norm() / plain.norm() > 1e-3  # it changed something
 
@@ -573,12 +577,14 @@ def test_the_tile_perf_mutations_compute_the_same_moe_with_other_tiles(mutation,
     kernel = make_moe_kernel(MoeBackend.TRITON)
     seen = []
 
-    def recording(*args, tile_config=None, **kwargs):
-        seen.append(tile_config)
-        return kernel(*args, tile_config=tile_config, **kwargs)
+    class Recording(WrappedKernel):
+        def apply(self, call):
+            seen.append(call.options.tile_config)
+            return self.inner.apply(call)
 
-    out = mutate_kernel(mutation, recording)(x, weights, topk_weights, topk_ids, None, False)
+    call = MoeCall(x, weights, Routing(topk_weights, topk_ids))
+    out = mutate_kernel(mutation, Recording(kernel, "recording")).apply(call)
     assert (seen[0] is not None) is retiled
     ref = fused_moe_ref(x, layer.w13_weight.data, layer.w2_weight.data, topk_weights, topk_ids)
     assert rel_err(out, ref) < 1e-5
-    assert torch.allclose(out, kernel(x, weights, topk_weights, topk_ids, None, False), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(out, kernel.apply(call), rtol=1e-5, atol=1e-6)

@@ -148,6 +148,26 @@ def test_weight_format_round_trip(backend):
     assert torch.equal(back_w13, w13_eFD) and torch.equal(back_w2, w2_eDF)
 
 
+def test_every_backend_is_one_registered_kernel_and_the_oracle_asks_it(monkeypatch):
+    """The registry (kernels/backends.py) holds one MoeKernel per backend; the oracle's reasons are the
+    kernels' own: a kernel that says it cannot run here is passed over with its words."""
+    from moe_eval.kernels import backends
+    from moe_eval.kernels.moe_call import WrappedKernel
+
+    assert set(backends.BACKENDS) == set(MoeBackend)
+    assert all(kernel.backend is name for name, kernel in backends.BACKENDS.items())
+
+    class Unwell(WrappedKernel):
+        def usable(self, hardware):
+            return False, "this test says it is unwell"
+
+    monkeypatch.setitem(backends.BACKENDS, TORCH, Unwell(backends.BACKENDS[TORCH], "unwell"))
+    with pytest.raises(MoeBackendUnavailable, match="torch: this test says it is unwell"):
+        select_moe_backend(CPU, TP1, None)
+    choice = select_moe_backend(H200, TP1, None)
+    assert (TORCH, "this test says it is unwell") in choice.rejected
+
+
 def test_flashinfer_format_swaps_halves_per_expert():
     w13_eFD = torch.randn(3, 2 * 8, 16)
     w31 = convert_to_kernel_format(FLASHINFER, w13_eFD, torch.randn(3, 16, 8)).w13_eFD
@@ -159,11 +179,7 @@ def test_torch_kernel_through_the_entry_point(apply_on_input):
     K = 1 if apply_on_input else 2
     case = make_case(17, 8, K, 32, 48, dtype=torch.float32, device="cpu", seed=3, local_experts=[1, 3, 5, 7],
                      apply_router_weight_on_input=apply_on_input)  # fmt: skip
-    kernel = make_moe_kernel(TORCH)
-    weights = convert_to_kernel_format(TORCH, case.w13_eFD, case.w2_eDF)
-    out_TD = kernel(
-        case.hidden_TD, weights, case.topk_weights_TK, case.topk_ids_TK, case.expert_map_E, apply_on_input
-    )
+    out_TD = make_moe_kernel(TORCH).apply(case.call(TORCH))
     assert rel_err(out_TD, fused_moe_ref(*case.args(), **case.kwargs())) <= 1e-5
 
 
@@ -171,14 +187,11 @@ def test_triton_kernel_through_the_entry_point(device):
     assert INTERPRETER_PROBLEM is None, INTERPRETER_PROBLEM
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # interpreter: no bf16 dot
     case = make_case(9, 8, 2, 32, 32, dtype=dtype, device=device, seed=4, local_experts=[0, 2, 4, 6])
-    weights = convert_to_kernel_format(TRITON, case.w13_eFD, case.w2_eDF)
-    out_TD = make_moe_kernel(TRITON)(case.hidden_TD, weights, case.topk_weights_TK, case.topk_ids_TK,
-                                     case.expert_map_E, False)  # fmt: skip
+    out_TD = make_moe_kernel(TRITON).apply(case.call(TRITON))
     assert rel_err(out_TD, case.reference_fp32()) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 def test_kernel_refuses_weights_of_another_format():
     case = make_case(4, 4, 2, 32, 32, dtype=torch.float32, device="cpu", seed=5)
-    weights = convert_to_kernel_format(FLASHINFER, case.w13_eFD, case.w2_eDF)
     with pytest.raises(ValueError, match="flashinfer_cutlass format"):
-        make_moe_kernel(TORCH)(case.hidden_TD, weights, case.topk_weights_TK, case.topk_ids_TK, None, False)
+        make_moe_kernel(TORCH).apply(case.call(FLASHINFER))

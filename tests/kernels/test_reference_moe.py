@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_eval.kernels.oracle import MoeBackend, convert_to_kernel_format, make_moe_kernel
+from moe_eval.kernels.oracle import MoeBackend, make_moe_kernel
 from moe_eval.kernels.reference_moe import exact_matmul_mode, exact_matmul_problem, reference_moe
 from moe_eval.kernels.testing import make_case
 
@@ -76,10 +76,7 @@ def test_refuses_when_fp32_matmuls_may_use_tf32_or_bf16():
 def test_through_the_oracle_entry_point():
     exact_matmul_mode()
     case = make_case(9, 8, 2, 32, 32, dtype=torch.bfloat16, device="cpu", seed=4)
-    weights = convert_to_kernel_format(MoeBackend.REFERENCE, case.w13_eFD, case.w2_eDF)
-    out = make_moe_kernel(MoeBackend.REFERENCE)(
-        case.hidden_TD, weights, case.topk_weights_TK, case.topk_ids_TK, None, False
-    )
+    out = make_moe_kernel(MoeBackend.REFERENCE).apply(case.call(MoeBackend.REFERENCE))
     assert torch.equal(out, reference_moe(*case.args(), **case.kwargs()))
 
 

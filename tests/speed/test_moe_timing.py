@@ -120,6 +120,7 @@ def _torch_weights(e=4, F=8, D=16):
 
 
 def test_extra_weight_copy_computes_the_same_bits_from_fresh_copies():
+    from moe_eval.kernels.moe_call import MoeCall, Routing
     from moe_eval.kernels.mutations import mutate_kernel
     from moe_eval.kernels.oracle import MoeBackend, make_moe_kernel
 
@@ -136,12 +137,13 @@ def test_extra_weight_copy_computes_the_same_bits_from_fresh_copies():
     ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2]], dtype=torch.int32)
     w = torch.rand(5, 2)
     mutated = mutate_kernel("extra_weight_copy", kernel)
+    call = MoeCall(hidden, weights, Routing(w, ids))
     torch.Tensor.clone = counting_clone
     try:
-        out = mutated(hidden, weights, w, ids, None, False)
+        out = mutated.apply(call)
     finally:
         torch.Tensor.clone = original_clone
-    assert torch.equal(out, kernel(hidden, weights, w, ids, None, False))
+    assert torch.equal(out, kernel.apply(call))
     assert tuple(weights.w13_eFD.shape) in copies and tuple(weights.w2_eDF.shape) in copies
 
 
