@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from moe_eval.configs.config import EvalConfig, load_config
 from moe_eval.core.results import versions
 from moe_eval.evaluate import lm_eval_model
 from moe_eval.evaluate.gsm8k import canary_data, gsm8k_data, run_gsm8k
@@ -42,7 +43,6 @@ from moe_eval.evaluate.serving import server_launch, serving
 from moe_eval.gates.answers import correctness, first_response, per_question
 from moe_eval.gates.stats import paired_compare
 from moe_eval.models.builtin import resolve_model
-from moe_eval.plan.config import EvalConfig, load_config
 from moe_eval.steps import count_answer_tokens
 
 ALPHA = 0.05  # the paired gate's default alpha

@@ -21,9 +21,9 @@ PAIRS="${PAIRS:-2}"
 read -r -a cmd <<< "${MOE_EVAL:-.venv/bin/moe-eval}"
 python="${PYTHON:-.venv/bin/python}"
 export MOE_EVAL_GOLDEN_CACHE="$work/goldens"
-# The list as moe-eval reads it (moe_eval.plan.selection.read_list: comments, blank lines, missing files refused),
+# The list as moe-eval reads it (moe_eval.configs.selection.read_list: comments, blank lines, missing files refused),
 # as paths relative to the checkout.
-mapfile -t shipped < <("$python" -c 'import os; from pathlib import Path; from moe_eval.plan.selection import read_list
+mapfile -t shipped < <("$python" -c 'import os; from pathlib import Path; from moe_eval.configs.selection import read_list
 print(*(os.path.relpath(p) for p in read_list(Path("config-cpu.txt"))), sep="\n")')
 # No configs would make both sides the default list, and the ratio a comparison of A with A.
 [ "${#shipped[@]}" -gt 0 ] || { echo "no configs in config-cpu.txt"; exit 2; }

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import click
 
+from moe_eval.configs.config import EvalConfig
+from moe_eval.configs.selection import HARDWARE
 from moe_eval.core.errors import ConfigError, ExitCode, InfraError, MoeEvalError
 from moe_eval.core.status import progress_line
 from moe_eval.gates.registry import gate_names
-from moe_eval.plan.config import EvalConfig
-from moe_eval.plan.selection import HARDWARE
 from moe_eval.run_plan import REPO_ROOT, make_plan, select_configs
 from moe_eval.serve import cancel
 from moe_eval.serve.cancel import EXIT_CANCELLED
@@ -33,7 +33,7 @@ def resolve_hw(hw: str, gpus: list[str] | None = None) -> str:
     """`gpus`: gpu_names()'s answer when the caller has it (saves a second nvidia-smi)."""
     if hw != "auto":
         return hw
-    from moe_eval.plan.hardware import detect_hardware
+    from moe_eval.configs.hardware import detect_hardware
 
     return detect_hardware(gpus)
 
@@ -221,9 +221,9 @@ def run(
     dry_run: bool,
 ) -> None:
     """Serve each selected config with vLLM, run GSM8K through lm-eval, gate, report."""
+    from moe_eval.configs.devices import cpu_pool, gpu_pool
+    from moe_eval.configs.hardware import gpu_names
     from moe_eval.core.results import append_text, atomic_write_text
-    from moe_eval.plan.devices import cpu_pool, gpu_pool
-    from moe_eval.plan.hardware import gpu_names
     from moe_eval.report.progress_view import ProgressView
     from moe_eval.report.table import print_table
     from moe_eval.runner import preflight
@@ -517,11 +517,11 @@ def golden(
 ) -> None:
     """Make the golden references the selected configs' golden gate needs (ahead of `run`, e.g. in CI's
     cache step); each is made once per key and kept in the golden cache."""
+    from moe_eval.configs.hardware import gpu_names
     from moe_eval.evaluate.golden import GoldenStore, ServerPlace, cache_dir, ensure_golden
-    from moe_eval.evaluate.golden_checks import plan_on
+    from moe_eval.evaluate.golden_checks import golden_spec_on
     from moe_eval.evaluate.gsm8k import gsm8k_data
     from moe_eval.models.builtin import resolve_model
-    from moe_eval.plan.hardware import gpu_names
     from moe_eval.runner import task_data
 
     gpu_list = gpu_names()
@@ -535,17 +535,17 @@ def golden(
     data = gsm8k_data(gsm8k_dir)
     store = GoldenStore(cache_dir(golden_cache))
     logs = new_run_root(Path(output_dir).resolve())
-    plans = {}
+    specs = {}
     for config in gated:
         model = resolve_model(config.model_name)
-        plan = plan_on(config, task_data(config, data), model, hw, tuple(gpu_list), store)
-        plans.setdefault(plan.key.digest, (plan, config, []))[2].append(config)
-    progress(f"{len(plans)} golden reference(s) for {len(gated)} config(s) of {source}; cache {store.root}")
+        spec = golden_spec_on(config, task_data(config, data), model, hw, tuple(gpu_list), store)
+        specs.setdefault(spec.key.digest, (spec, config, []))[2].append(config)
+    progress(f"{len(specs)} golden reference(s) for {len(gated)} config(s) of {source}; cache {store.root}")
     click.echo("golden	made	seconds	model	server_args	configs	path")
-    for digest, (plan, config, users) in plans.items():
+    for digest, (spec, config, users) in specs.items():
         place = ServerPlace(hw=hw, devices=None, gpus=len(gpu_list), log_dir=logs / digest, progress=progress)
         started = time.monotonic()
-        found, made = ensure_golden(plan, config, place, store, refresh=refresh)
+        found, made = ensure_golden(spec, config, place, store, refresh=refresh)
         click.echo(
             "\t".join(
                 [
@@ -553,7 +553,7 @@ def golden(
                     "made" if made else "cached",
                     f"{time.monotonic() - started:.0f}",
                     config.model_name,
-                    " ".join(plan.server_argv),
+                    " ".join(spec.server_argv),
                     ",".join(c.path.stem for c in users),
                     str(found.path),
                 ]
@@ -604,7 +604,7 @@ def print_plan(plan) -> None:
 @root_option
 def validate(root: str | None) -> None:
     """Check every config under configs/ and every config-*.txt list; print all problems."""
-    from moe_eval.plan.validate import validate_repository
+    from moe_eval.configs.validate import validate_repository
 
     base = Path(root).resolve() if root else (Path.cwd() if (Path.cwd() / "configs").is_dir() else REPO_ROOT)
     problems, checked = validate_repository(base)

@@ -11,14 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_eval.core.errors import ConfigError
-from moe_eval.evaluate.gsm8k import Gsm8kData, gsm8k_data, hub_preflight
-from moe_eval.evaluate.incumbent import find_baseline
-from moe_eval.gates.registry import describe_plan
-from moe_eval.kernels.mutations import check_mutation, check_target, parse_mutation
-from moe_eval.models.builtin import moe_shape
-from moe_eval.plan.config import EvalConfig, effective_config, load_config
-from moe_eval.plan.selection import (
+from moe_eval.configs.config import EvalConfig, effective_config, load_config
+from moe_eval.configs.selection import (
     list_for_hardware,
     parse_shard,
     read_list,
@@ -26,6 +20,12 @@ from moe_eval.plan.selection import (
     shard,
     with_baselines,
 )
+from moe_eval.core.errors import ConfigError
+from moe_eval.evaluate.gsm8k import Gsm8kData, gsm8k_data, hub_preflight
+from moe_eval.evaluate.incumbent import find_incumbent
+from moe_eval.gates.registry import describe_plan
+from moe_eval.kernels.mutations import check_mutation, check_target, parse_mutation
+from moe_eval.models.builtin import moe_shape
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -159,7 +159,7 @@ def make_plan(
     selected = [config for config, _ in effective]
     if baseline_path:  # refused now, before anything launches, when a config has no row there
         for config in selected:
-            find_baseline(Path(baseline_path).resolve(), config)
+            find_incumbent(Path(baseline_path).resolve(), config)
     for config, config_mutation in effective:
         if config_mutation is not None:  # refused now, for `list` and `run --dry-run` as for the run
             check_mutation(config_mutation, config)

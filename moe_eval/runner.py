@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moe_eval.configs.config import EvalConfig
 from moe_eval.core.check import VERDICTS, Check
 from moe_eval.core.errors import ConfigError, InfraError, MoeEvalError
 from moe_eval.core.layout import LayoutKind
@@ -37,9 +38,8 @@ from moe_eval.core.status import StatusWriter
 from moe_eval.evaluate.gsm8k import Gsm8kData, canary_data
 from moe_eval.evaluate.serving import server_launch, serving
 from moe_eval.gates.judge import judge
-from moe_eval.gates.measurements import Baseline
+from moe_eval.gates.measurements import IncumbentRow
 from moe_eval.models.builtin import resolve_model
-from moe_eval.plan.config import EvalConfig
 from moe_eval.serve import cancel
 from moe_eval.serve.server_log import (
     bundled_kernel_lines,
@@ -62,7 +62,7 @@ class RunOptions:
     data: Gsm8kData
     port: int | None = None
     progress: Progress = field(default=lambda _: None)
-    baselines: dict[Path, Baseline] = field(default_factory=dict)  # config path -> its paired baseline
+    incumbents: dict[Path, IncumbentRow] = field(default_factory=dict)  # config path -> its incumbent's row
     mutation: str | None = None  # a deliberate kernel bug (moe_eval.kernels.mutations), to prove the gate
     gpus: tuple[str, ...] = ()  # read once per run (nvidia-smi), recorded in every results.json
     devices: tuple[int, ...] | None = None  # GPUs (or CPU cores) this config may use; None: all
@@ -295,7 +295,7 @@ def _serve_and_evaluate(
     assert row.result is not None  # the evaluation step always runs
     write_samples(run_dir / "samples.jsonl", row.result.samples)
     _read_server_log(record, run_dir, log_path)
-    measured = row.measurements(options.baselines.get(config.path))
+    measured = row.measurements(options.incumbents.get(config.path))
     # Scores first: a golden that cannot be made must not take the evaluation's numbers with it.
     record.evaluation = Evaluation(
         scores=row.result.scores,

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from moe_eval.configs.config import EvalConfig
+from moe_eval.configs.devices import DevicePool
 from moe_eval.core.plugin_protocol import RUN_DIR_ENV
 from moe_eval.core.record import RESULTS_FILE, Attempt, RunRecord
 from moe_eval.core.status import STATUS_FILE, Status, read_status
 from moe_eval.launch import free_port
-from moe_eval.plan.config import EvalConfig
-from moe_eval.plan.devices import DevicePool
 from moe_eval.runner import ConfigOutcome, config_run_dir
 from moe_eval.worker import JOB_FILE, LOG_FILE, Job
 

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import requests
 
+from moe_eval.configs.config import EvalConfig
 from moe_eval.core import layer_cells, moe_timing
 from moe_eval.core.errors import ConfigError, MoeEvalError
 from moe_eval.core.logprob_texts import TextLogprobs, read_logprobs
@@ -28,9 +29,8 @@ from moe_eval.evaluate.serving import Scoring, score_texts
 from moe_eval.gates.answers import answer_stats, correctness, first_response, per_question
 from moe_eval.gates.layer_gate import layer_check_limits
 from moe_eval.gates.layer_summary import MIN_ROWS, LayerSummary, reachable_ranges, summarize
-from moe_eval.gates.measurements import Answers, Baseline, Measurements
+from moe_eval.gates.measurements import Answers, IncumbentRow, Measurements
 from moe_eval.gates.speed import machine_of, workload_identity
-from moe_eval.plan.config import EvalConfig
 from moe_eval.serve import cancel
 from moe_eval.serve.server_log import kernel_call_counts
 
@@ -70,7 +70,7 @@ class Row:
         if self.options.status is not None:
             self.options.status.stage(name)
 
-    def measurements(self, baseline: Baseline | None) -> Measurements:
+    def measurements(self, incumbent: IncumbentRow | None) -> Measurements:
         """What the judge reads of this row (the evaluation must have run)."""
         assert self.result is not None
         stats = answer_stats(self.result.samples, self.token_counts, self.config.max_tokens)
@@ -92,9 +92,9 @@ class Row:
             logprobs=scoring.prefill if scoring else None,
             decode=scoring.decode if scoring else None,
             logprobs_skipped=(self.record.captures.logprobs or {}).get("skipped"),
-            incumbent=baseline,
-            incumbent_logprobs=_read_if(baseline and baseline.logprobs_path),
-            incumbent_decode=_read_if(baseline and baseline.decode_path),
+            incumbent=incumbent,
+            incumbent_logprobs=_read_if(incumbent and incumbent.logprobs_path),
+            incumbent_decode=_read_if(incumbent and incumbent.decode_path),
             speed=self.speed,
             machine=machine_of(self.record.environment.hardware),
             workload=workload_identity(self.swept),

@@ -60,7 +60,7 @@ class Job:
 def run_job(job: Job) -> int:
     from moe_eval.core.status import STATUS_FILE, StatusWriter, reference_answers
     from moe_eval.evaluate.gsm8k import gsm8k_data
-    from moe_eval.evaluate.incumbent import find_baseline
+    from moe_eval.evaluate.incumbent import find_incumbent
     from moe_eval.runner import config_run_dir, run_config, task_data
 
     config, mutation = job_config(job)
@@ -76,18 +76,18 @@ def run_job(job: Job) -> int:
         attempt=job.attempt,
         references=references,
     )
-    baselines, baseline_error = {}, None
+    incumbents, baseline_error = {}, None
     if job.baseline:
-        baselines[config.path] = find_baseline(Path(job.baseline), config)
+        incumbents[config.path] = find_incumbent(Path(job.baseline), config)
     elif config.baseline_config_path is not None:
         found = _baseline_config(config, job, run_root)
         if isinstance(found, str):
             baseline_error = found
         else:
-            baselines[config.path] = found
+            incumbents[config.path] = found
     options = dataclasses.replace(
         _options(job, run_root, data),
-        baselines=baselines,
+        incumbents=incumbents,
         status=status,
         baseline_error=baseline_error,
         mutation=mutation,
@@ -105,17 +105,17 @@ def run_job(job: Job) -> int:
 def job_config(job: Job):
     """The config as the run parsed it, and the mutation it runs under: its text travels in the job (the
     scheduler writes it), and the run's --limit and --mutate apply as they did in the parent (the one
-    function, moe_eval.plan.config.effective_config)."""
-    from moe_eval.plan.config import effective_config, parse_config
+    function, moe_eval.configs.config.effective_config)."""
+    from moe_eval.configs.config import effective_config, parse_config
 
     config = parse_config(Path(job.config_path), job.config_text)
     return effective_config(config, job.limit, job.mutation, job.hw)
 
 
 def _baseline_config(config, job: Job, run_root: Path):
-    """The Baseline that config's baseline_config left in this run's folder, or why there is none."""
+    """The IncumbentRow that config's baseline_config left in this run's folder, or why there is none."""
     from moe_eval.core.record import RESULTS_FILE, RunRecord
-    from moe_eval.evaluate.incumbent import load_baseline
+    from moe_eval.evaluate.incumbent import load_incumbent
     from moe_eval.runner import run_dir_of
 
     baseline = config.baseline_config_path  # its folder in the run is named by its path alone
@@ -126,7 +126,7 @@ def _baseline_config(config, job: Job, run_root: Path):
     if not record.has_verdict:
         why, status = record.error_message, record.status
         return f"baseline_config {baseline} ended {status} ({why}); nothing to compare against"
-    return load_baseline(results, f"{config.path}: baseline_config", record)
+    return load_incumbent(results, f"{config.path}: baseline_config", record)
 
 
 def _options(job: Job, run_root: Path, data: object):

@@ -100,7 +100,8 @@ def read_meta(path: Path) -> dict[str, Any]:
     """One file's meta alone (np.load reads an .npz member only when asked); ValueError when unreadable."""
     try:
         with np.load(path, allow_pickle=False) as data:
-            return json.loads(str(data["meta"]))
+            meta: dict[str, Any] = json.loads(str(data["meta"]))
+            return meta
     except (OSError, KeyError, ValueError, EOFError) as exc:
         raise ValueError(f"{path}: not a layer-check file ({exc})") from None
 

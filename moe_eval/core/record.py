@@ -30,25 +30,10 @@ from moe_eval.core.captures import TimingCapture, Workload
 from moe_eval.core.check import STATUSES, VERDICTS, Check
 from moe_eval.core.results import atomic_write_json
 
-RESULTS_SCHEMA_VERSION = 9
-SCHEMA_HISTORY = (  # what each version added; a reader takes every version up to RESULTS_SCHEMA_VERSION
-    "9: timing.moe.ranges[].sizes and rank_calls (the MoE calls per call size, the slowest rank's); speed "
-    "judged on matched call sizes (rule, margin_eager, would_catch, required_not_judged, evidence, gated); "
-    "a check's evidence; timing.workload.warm_up; rules (the digest of the judging code); "
-    "8: timing.end_to_end.engine_prefill_tokens_per_s and engine_decode_ms_per_step (the engine's own times "
-    "of the timed requests, from vLLM's /metrics), timing.workload.engine_prefill_seconds and "
-    "engine_decode_step_seconds; "
-    "7: serving.speed_warnings_logged (FlashInfer served untuned), named in the speed gate's message; "
-    "6: timing (the served MoE calls' time per dispatch range on a fixed workload, the client's view of it), "
-    "speed (the speed gate: per range against the incumbent's), the checks speed_gate and speed_not_run; "
-    "the judged sections' fields typed in the schema; "
-    "5: status 'incomplete' (a gate called for could not run, not optional); checks '<gate>_not_run' "
-    "with ran false; the check 'served'; config key optional_gates; 4: gate is {skipped} for a "
-    "random-weights model (a shape twin); gpu_memory_logged; the check bundled_kernel_calls; 3: golden "
-    "(the golden reference used), golden_gate (error against it, the incumbent's, the rule, the power, "
-    "decode), decode (greedy continuations); 2: status 'cancelled'; attempt/attempts; jit_while_serving; "
-    "bundled_kernel_calls counted on the device; logprobs, divergence, the gate's power"
-)
+# results.json's layout; CHANGELOG.md says what each version added. A reader takes every version up to this
+# one: a key a version added is absent from older records (the field's default), and Check reads a check
+# written before `status` (10) from its `passed` and `ran`.
+RESULTS_SCHEMA_VERSION = 10
 RESULTS_FILE = "results.json"  # one per config run folder
 SUMMARY_FILE = "summary.json"  # one per run folder
 
@@ -343,7 +328,8 @@ class RunRecord:
         out: dict[str, Any] = {"schema_version": self.schema_version}
         for name in SECTION_TYPES:
             out.update(to_json(getattr(self, name)))
-        return out | to_json(self.judged)
+        judged: dict[str, Any] = to_json(self.judged)
+        return out | judged
 
     @classmethod
     def from_json(cls, data: dict[str, Any], path: Path | None = None) -> RunRecord:
@@ -476,7 +462,8 @@ class RunSummary:
         """ValueError (naming the file) when it is not a summary."""
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            return _from_json(cls, data)
+            summary: RunSummary = _from_json(cls, data)
+            return summary
         except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
             raise ValueError(f"{path}: cannot read a run summary ({exc})") from None
 

@@ -53,7 +53,7 @@ def atomic_write_json(path: Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(_json_safe(data), indent=2, default=str) + "\n")
 
 
-def write_samples(path: Path, samples: list[dict]) -> None:
+def write_samples(path: Path, samples: list[dict[str, Any]]) -> None:
     lines = (json.dumps(_json_safe(s), default=str) for s in samples)
     atomic_write_text(path, "".join(line + "\n" for line in lines))
 

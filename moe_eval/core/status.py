@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from moe_eval.core.results import atomic_write_text
 
@@ -41,7 +42,7 @@ def _normalized(number: str) -> str:
     return re.sub(r"[,$]", "", number).rstrip(".")
 
 
-def reference_answers(rows: list[dict]) -> dict[str, str]:
+def reference_answers(rows: list[dict[str, Any]]) -> dict[str, str]:
     """question text -> normalized reference number, from GSM8K-format rows."""
     found = {}
     for row in rows:

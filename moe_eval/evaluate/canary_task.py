@@ -15,7 +15,7 @@ import json
 import random
 from pathlib import Path
 
-from moe_eval.plan.config import GSM8K_TEST_QUESTIONS
+from moe_eval.configs.config import GSM8K_TEST_QUESTIONS
 
 # The canary's splits: the training script, the agreement check and the harness's cached task all use these.
 SPLIT_SEED = 0

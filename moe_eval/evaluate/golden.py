@@ -19,7 +19,7 @@ MOE_EVAL_GOLDEN_CACHE, default ~/.cache/moe-eval/goldens). A new vLLM, model rev
 makes a new key, so a stale record is never found; a record whose files do not match its own
 golden.json (sha256) or whose key differs is an error naming the file, never reused.
 
-Stages: `golden_plan` (key, server args, texts) -> `GoldenStore.load` or `make_golden` (under a file
+Stages: `golden_spec` (key, server args, texts) -> `GoldenStore.load` or `make_golden` (under a file
 lock, so configs running in parallel make one record) -> `GoldenStore.save` (atomic: a folder renamed
 into place).
 """
@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moe_eval.configs.config import EvalConfig
 from moe_eval.core.errors import ConfigError, InfraError
 from moe_eval.core.layout import layout_from_server_args
 from moe_eval.core.logprob_texts import TOP_K, TextLogprobs, read_logprobs, write_logprobs
@@ -54,7 +55,6 @@ from moe_eval.evaluate.serving import (
     serving,
 )
 from moe_eval.kernels.mutations import ONE_EXPERT_SCALE, TARGET_EXPERT
-from moe_eval.plan.config import EvalConfig
 
 GOLDEN_FORMAT = 1  # golden.json's layout; a record of another format is refused by name
 GOLDEN_METHOD = (
@@ -240,7 +240,7 @@ class GoldenKey:
 
 
 @dataclass(frozen=True)
-class GoldenPlan:
+class GoldenSpec:
     """One config's golden: its key, the server that makes it and the texts it scores."""
 
     key: GoldenKey
@@ -254,9 +254,9 @@ class GoldenPlan:
         return layout_from_server_args(list(self.server_argv)).world_size
 
 
-def golden_plan(
+def golden_spec(
     config: EvalConfig, data: Gsm8kData, model_path: str, device: str, memo_path: Path | None = None
-) -> GoldenPlan:
+) -> GoldenSpec:
     """ConfigError when the config cannot have a golden (no texts, no local questions)."""
     if config.logprob_texts == 0:
         raise ConfigError(
@@ -284,7 +284,7 @@ def golden_plan(
         vllm=versions()["vllm"],
         torch=versions()["torch"],
     )
-    return GoldenPlan(key, model_path, tuple(argv), tuple(texts), tuple(prompts))
+    return GoldenSpec(key, model_path, tuple(argv), tuple(texts), tuple(prompts))
 
 
 # --- the store -------------------------------------------------------------------------------------
@@ -470,20 +470,20 @@ def _switch_probe(base_url: str, state: str, timeout: float, log_path: Path) -> 
 
 
 def _serve_and_score(
-    plan: GoldenPlan, config: EvalConfig, place: ServerPlace, log_path: Path
+    spec: GoldenSpec, config: EvalConfig, place: ServerPlace, log_path: Path
 ) -> tuple[list[TextLogprobs], list[TextLogprobs], list[TextLogprobs], dict[str, Any]]:
     """One eager server with the reference MoE: the golden's prefill and decode, then, with the probe
     switched on in place, the probe's prefill. (prefill, decode, probe, timings and the workers' answers)."""
     plan_server = server_launch(
         config,
-        plan.model_path,
+        spec.model_path,
         hw=place.hw,
         devices=place.devices,
         run_dir=log_path.parent,
         log_path=log_path,
         moe_backend=REFERENCE_BACKEND,
         # The extension adds the probe switch's method to vLLM's worker; it changes no number.
-        server_args=[*plan.server_argv, "--worker-extension-cls", GOLDEN_PROBE_EXTENSION],
+        server_args=[*spec.server_argv, "--worker-extension-cls", GOLDEN_PROBE_EXTENSION],
         # /collective_rpc, for the probe switch; this server is local and short-lived.
         extra_env={"VLLM_SERVER_DEV_MODE": "1"},
     )
@@ -495,10 +495,10 @@ def _serve_and_score(
         def score() -> list[TextLogprobs]:
             # Prompt log-probabilities never read vLLM's prefix cache (its SamplingParams rule, 0.26 and
             # 0.32), so the probe's pass cannot reuse the golden's KV blocks.
-            return capture_prefill(config, served.base_url, plan.model_path, plan.texts)
+            return capture_prefill(config, served.base_url, spec.model_path, spec.texts)
 
         prefill = score()
-        decode = capture_continuations(config, served.base_url, plan.model_path, plan.prompts)
+        decode = capture_continuations(config, served.base_url, spec.model_path, spec.prompts)
         timings["golden_scoring_seconds"] = (
             time.monotonic() - started - timings["golden_server_start_seconds"]
         )
@@ -513,12 +513,12 @@ def _serve_and_score(
     return prefill, decode, probe, timings
 
 
-def make_golden(plan: GoldenPlan, config: EvalConfig, place: ServerPlace, store: GoldenStore) -> Golden:
+def make_golden(spec: GoldenSpec, config: EvalConfig, place: ServerPlace, store: GoldenStore) -> Golden:
     """Serve the golden (one server: the golden's texts, then the probe's), save the record."""
-    if place.hw != "cpu" and plan.world_size > place.gpus:
+    if place.hw != "cpu" and spec.world_size > place.gpus:
         raise ConfigError(
-            f"{config.path}: the golden needs {plan.world_size} GPU(s) (server args "
-            f"{' '.join(plan.server_argv)!r}) and this machine has {place.gpus}: set golden_server_args "
+            f"{config.path}: the golden needs {spec.world_size} GPU(s) (server args "
+            f"{' '.join(spec.server_argv)!r}) and this machine has {place.gpus}: set golden_server_args "
             "with a --pipeline-parallel-size that fits, or make the golden where it fits (`moe-eval golden`) "
             "and share the cache folder (--golden-cache)"
         )
@@ -526,18 +526,18 @@ def make_golden(plan: GoldenPlan, config: EvalConfig, place: ServerPlace, store:
     started = time.monotonic()
     place.stage("making the golden reference")
     place.progress(
-        f"  making the golden reference {plan.key.digest} (exact fp32 MoE, "
-        f"{' '.join(plan.server_argv)}); logs in {place.log_dir}"
+        f"  making the golden reference {spec.key.digest} (exact fp32 MoE, "
+        f"{' '.join(spec.server_argv)}); logs in {place.log_dir}"
     )
     prefill, decode, probe, timings = _serve_and_score(
-        plan, config, place, place.log_dir / "golden-server.log"
+        spec, config, place, place.log_dir / "golden-server.log"
     )
     meta = {
         "made_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "made_seconds": time.monotonic() - started,
         **timings,
-        "server_argv": list(plan.server_argv),
-        "model_path": plan.model_path,
+        "server_argv": list(spec.server_argv),
+        "model_path": spec.model_path,
         "config": str(config.path),
         "versions": versions(),
         "probe": {
@@ -547,7 +547,7 @@ def make_golden(plan: GoldenPlan, config: EvalConfig, place: ServerPlace, store:
             "how": "switched on in place in the golden's server after its texts (kernels/golden_probe.py)",
         },
     }
-    golden = store.save(plan.key, prefill, decode, probe, meta)
+    golden = store.save(spec.key, prefill, decode, probe, meta)
     with contextlib.suppress(OSError):
         shutil.copy(place.log_dir / "golden-server.log", golden.path / "golden-server.log")
     place.progress(f"  golden reference made in {meta['made_seconds']:.0f} s: {golden.path}")
@@ -555,24 +555,24 @@ def make_golden(plan: GoldenPlan, config: EvalConfig, place: ServerPlace, store:
 
 
 def ensure_golden(
-    plan: GoldenPlan, config: EvalConfig, place: ServerPlace, store: GoldenStore, refresh: bool = False
+    spec: GoldenSpec, config: EvalConfig, place: ServerPlace, store: GoldenStore, refresh: bool = False
 ) -> tuple[Golden, bool]:
     """The cached record, or a new one made now. (golden, made_now)."""
     if not refresh:
-        found = store.load(plan.key)
+        found = store.load(spec.key)
         if found is not None:
             return found, False
 
     def waiting() -> None:
-        place.progress(f"  waiting for another process making golden {plan.key.digest}")
+        place.progress(f"  waiting for another process making golden {spec.key.digest}")
         place.stage("waiting for the golden reference")
 
-    with store.lock(plan.key, waiting):
-        found = None if refresh else store.load(plan.key)  # made by another process while we waited
+    with store.lock(spec.key, waiting):
+        found = None if refresh else store.load(spec.key)  # made by another process while we waited
         if found is not None:
             return found, False
         try:
-            return make_golden(plan, config, place, store), True
+            return make_golden(spec, config, place, store), True
         except InfraError as exc:
             raise InfraError(f"making the golden reference for {config.path}: {exc}") from None
 

@@ -11,19 +11,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moe_eval.configs.config import EvalConfig
 from moe_eval.core.results import cpu_model
 from moe_eval.evaluate.golden import (
     PROBE_SCALE_ERROR,
-    GoldenPlan,
+    GoldenSpec,
     GoldenStore,
     ServerPlace,
     cache_dir,
     ensure_golden,
-    golden_plan,
+    golden_spec,
 )
 from moe_eval.evaluate.gsm8k import Gsm8kData
 from moe_eval.gates.measurements import GoldenRecord
-from moe_eval.plan.config import EvalConfig
 
 
 def golden_device(hw: str, gpus: tuple[str, ...]) -> str:
@@ -33,12 +33,12 @@ def golden_device(hw: str, gpus: tuple[str, ...]) -> str:
     return gpus[0] if gpus else hw
 
 
-def plan_on(
+def golden_spec_on(
     config: EvalConfig, data: Gsm8kData, model: str, hw: str, gpus: tuple[str, ...], store: GoldenStore
-) -> GoldenPlan:
+) -> GoldenSpec:
     """The golden `config`'s gate compares with, made on this hardware: one setup for a run's golden
     (measure_golden) and `moe-eval golden`'s."""
-    return golden_plan(
+    return golden_spec(
         config, data, model, golden_device(hw, gpus), memo_path=store.root / "weights-digests.json"
     )
 
@@ -56,7 +56,7 @@ def measure_golden(
     `golden` (which record, made now or cached, its cost)."""
     started = time.monotonic()
     store = GoldenStore(options.golden_cache or cache_dir())
-    plan = plan_on(config, data, model, options.hw, options.gpus, store)
+    spec = golden_spec_on(config, data, model, options.hw, options.gpus, store)
     place = ServerPlace(
         hw=options.hw,
         devices=options.devices,
@@ -65,7 +65,7 @@ def measure_golden(
         progress=options.progress,
         stage=options.status.stage if options.status is not None else (lambda _: None),
     )
-    golden, made_now = ensure_golden(plan, config, place, store)
+    golden, made_now = ensure_golden(spec, config, place, store)
     timings["golden_seconds"] = time.monotonic() - started
     described = golden.describe() | {"made_now": made_now, "seconds": timings["golden_seconds"]}
     return GoldenRecord(

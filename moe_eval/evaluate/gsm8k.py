@@ -21,9 +21,9 @@ from typing import Any
 
 import yaml
 
+from moe_eval.configs.config import EvalConfig
 from moe_eval.core.errors import ConfigError, InfraError
 from moe_eval.evaluate.canary_task import SPLIT_SEED, write_splits
-from moe_eval.plan.config import EvalConfig
 
 # sha256 of the original OpenAI release (grade-school-math @ 3101c7d), as lm-eval's hub copy.
 ORIGINAL_SHA256 = {
@@ -231,7 +231,7 @@ def run_gsm8k(
     listener: Callable[[str, str], None] | None = None,
 ) -> Gsm8kOutcome:
     """lm-eval against the server; `listener(prompt, text)` hears every answer as it arrives."""
-    if config.max_concurrency is None:  # plan.config.effective_config resolves it from the hardware
+    if config.max_concurrency is None:  # configs.config.effective_config resolves it from the hardware
         raise ValueError(
             f"{config.path}: max_concurrency unresolved (run the config through effective_config)"
         )

@@ -1,23 +1,23 @@
 """The incumbent a row is compared with, read from a finished run: its baseline_config's row of this run,
 or with `run --baseline RUN` the same config's row of an earlier run (the file I/O of the comparing gates:
-the gates read the `Baseline` this returns, never a file)."""
+the gates read the `IncumbentRow` this returns, never a file)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from moe_eval.configs.config import EvalConfig
 from moe_eval.core.errors import ConfigError
 from moe_eval.core.logprob_texts import DECODE_FILE, LOGPROBS_FILE
 from moe_eval.core.moe_timing import TimingSummary
 from moe_eval.core.record import RunRecord, UnreadableRecord, result_files
 from moe_eval.gates.answers import correctness
-from moe_eval.gates.measurements import Baseline
+from moe_eval.gates.measurements import IncumbentRow
 from moe_eval.gates.speed import timed_where
-from moe_eval.plan.config import EvalConfig
 
 
-def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
+def find_incumbent(baseline_root: Path, config: EvalConfig) -> IncumbentRow:
     """The results.json under baseline_root for the same model, question count and few-shot count;
     the same family folder and config name win a tie, then the same name. Refused (ConfigError) when
     there is none or it is ambiguous."""
@@ -52,10 +52,10 @@ def find_baseline(baseline_root: Path, config: EvalConfig) -> Baseline:
             f"--baseline: value '{baseline_root}' holds {len(pool)} results that fit {config.path}: "
             f"{', '.join(map(str, pool[:4]))}; point --baseline at one run folder or results.json"
         )
-    return load_baseline(pool[0], "--baseline")
+    return load_incumbent(pool[0], "--baseline")
 
 
-def load_baseline(results_path: Path, what: str, record: RunRecord | None = None) -> Baseline:
+def load_incumbent(results_path: Path, what: str, record: RunRecord | None = None) -> IncumbentRow:
     """The baseline a finished results.json holds (ConfigError, naming `what`, when its samples are
     unreadable); `record`: that file, when the caller has read it already."""
     samples_path = results_path.parent / "samples.jsonl"
@@ -71,7 +71,7 @@ def load_baseline(results_path: Path, what: str, record: RunRecord | None = None
     decode = results_path.parent / DECODE_FILE
     timing = record.captures.timing or {}
     speed = timing.get("moe")
-    return Baseline(
+    return IncumbentRow(
         results_path,
         correctness(samples),
         logprobs if logprobs.is_file() else None,

@@ -37,6 +37,7 @@ from typing import Any
 
 import requests
 
+from moe_eval.configs.config import EvalConfig
 from moe_eval.core.errors import InfraError
 from moe_eval.core.plugin_protocol import (
     DEFAULT_MAX_TOKENS,
@@ -47,7 +48,6 @@ from moe_eval.core.plugin_protocol import (
 from moe_eval.evaluate import server_metrics
 from moe_eval.evaluate.gsm8k import Gsm8kData
 from moe_eval.evaluate.logprobs import post_completions, scoring_texts
-from moe_eval.plan.config import EvalConfig
 
 PREFILL_LENGTHS = (24, 120, 600, 1500)  # one prompt each, 3 times: M=17-64, 65-256, 257-1023, >= 1024
 PREFILL_REPEATS = 3

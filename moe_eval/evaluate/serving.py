@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_eval import launch
+from moe_eval.configs.config import EvalConfig
 from moe_eval.core.layout import layout_from_server_args
 from moe_eval.core.logprob_texts import DECODE_FILE, LOGPROBS_FILE, TOP_K, TextLogprobs, write_logprobs
 from moe_eval.core.plugin_protocol import LAYER_CHECK_SLOTS_ENV
 from moe_eval.core.record import ServerInfo
 from moe_eval.evaluate.gsm8k import Gsm8kData
 from moe_eval.evaluate.logprobs import capture, capture_decode, decode_prompts, scoring_texts
-from moe_eval.plan.config import EvalConfig
 from moe_eval.serve.server_log import read_log, verify_moe_backend
 
 

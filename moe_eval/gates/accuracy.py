@@ -21,8 +21,8 @@ from moe_eval.gates.gate import Column, Gate, RowView, Show, Skipped, gate_keys
 from moe_eval.gates.stats import describe_power, detectable_drop
 
 if TYPE_CHECKING:
+    from moe_eval.configs.config import EvalConfig
     from moe_eval.gates.measurements import Judgement, Measurements
-    from moe_eval.plan.config import EvalConfig
 
 
 @gate_keys
@@ -85,7 +85,7 @@ class GateResult:
             f"margin {self.margin:+.4f}, {sigma_text}"
         )
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "metric": "exact_match,strict-match",
             "accuracy": self.accuracy,

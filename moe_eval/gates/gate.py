@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import pydantic
 import pydantic.dataclasses
@@ -19,8 +19,8 @@ from typing_extensions import (  # pydantic reads typing's TypedDict from 3.12 o
 )
 
 if TYPE_CHECKING:
+    from moe_eval.configs.config import EvalConfig
     from moe_eval.gates.measurements import Judgement, Measurements
-    from moe_eval.plan.config import EvalConfig
 
 
 T = TypeVar("T")
@@ -30,10 +30,11 @@ T = TypeVar("T")
 def gate_keys(cls: type[T]) -> type[T]:
     """Makes a class a gate's config keys: a frozen pydantic dataclass, strict (a string "0.5" is not a
     number, an unknown key is an error). Its fields, every one with a default and a `description` (the
-    key's doc), are keys of the per-model YAML, flat beside the run's own (moe_eval.plan.config); the gate
+    key's doc), are keys of the per-model YAML, flat beside the run's own (moe_eval.configs.config); the gate
     names the class as its registry row's `keys` and reads them as `config.keys(TheClass)`."""
     config = pydantic.ConfigDict(strict=True, extra="forbid")
-    return pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=config)(cls)
+    # pydantic's stub types the result as a PydanticDataclass; it is the class given, made a dataclass.
+    return cast("type[T]", pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=config)(cls))
 
 
 class RowView(Protocol):

@@ -27,8 +27,8 @@ from moe_eval.gates.golden_errors import (
 )
 
 if TYPE_CHECKING:
-    from moe_eval.gates.measurements import Baseline, Judgement, Measurements
-    from moe_eval.plan.config import EvalConfig
+    from moe_eval.configs.config import EvalConfig
+    from moe_eval.gates.measurements import IncumbentRow, Judgement, Measurements
 
 
 @gate_keys
@@ -251,25 +251,25 @@ def _decode(config: EvalConfig, m: Measurements, gate: dict[str, Any]) -> list[C
     return [Check.judged("golden_gate_decode", not rule.failed, detail, evidence)]
 
 
-def incumbent_description(config: EvalConfig, baseline: Baseline) -> dict[str, Any]:
+def incumbent_description(config: EvalConfig, incumbent: IncumbentRow) -> dict[str, Any]:
     """Which run stands as the incumbent, and whether it is the kernel users would otherwise run at this
     config's layout or a stand-in."""
     layout = config.layout.describe()
-    same_layout = baseline.layout == layout
-    backend = baseline.moe_backend_used or "unknown"
+    same_layout = incumbent.layout == layout
+    backend = incumbent.moe_backend_used or "unknown"
     if backend.startswith("bundled:"):
         role = "your baseline run (--baseline): the kernel before your change"
     elif same_layout:
         role = "vLLM's own MoE kernel at the same layout"
     else:
         role = (
-            f"vLLM's own MoE kernel at {baseline.layout}, standing in: this config's baseline_config runs "
+            f"vLLM's own MoE kernel at {incumbent.layout}, standing in: this config's baseline_config runs "
             f"another layout than {layout}"
         )
     return {
-        "results": str(baseline.results_path),
+        "results": str(incumbent.results_path),
         "moe_backend_used": backend,
-        "layout": baseline.layout,
+        "layout": incumbent.layout,
         "same_layout": same_layout,
         "role": role,
     }

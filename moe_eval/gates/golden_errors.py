@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any, cast
 
 import numpy as np
 
@@ -59,7 +60,7 @@ class GoldenErrors:
     kl_topk: float = described("mean KL(golden || capture) on the shared top-k")
     top1_agreement: float = described("share of positions whose top-1 token is the golden's")
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["per_text"] = [round(v, 7) for v in self.per_text]
         return out
@@ -242,7 +243,7 @@ class DecodeErrors:
         "per text, the first position whose token differs (null: identical)"
     )
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -256,7 +257,9 @@ def _top_k_abs_delta(gold: TextLogprobs, other: TextLogprobs, position: int) -> 
         if token in theirs
     ]
     if not deltas:  # no top-k recorded: the generated token's own log p
-        return abs(float(other.logprobs[position]) - float(gold.logprobs[position]))
+        # A generated token always has its log p (parse_generation refuses one without); a None read from a
+        # file fails in float() as before.
+        return abs(float(cast(float, other.logprobs[position])) - float(cast(float, gold.logprobs[position])))
     return float(np.mean(deltas))
 
 

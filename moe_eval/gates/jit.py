@@ -12,8 +12,8 @@ from moe_eval.core.evidence import Evidence
 from moe_eval.gates.gate import Gate, gate_keys
 
 if TYPE_CHECKING:
+    from moe_eval.configs.config import EvalConfig
     from moe_eval.gates.measurements import Judgement, Measurements
-    from moe_eval.plan.config import EvalConfig
 
 
 @gate_keys

@@ -25,7 +25,7 @@ from moe_eval.gates.measurements import Answers, GoldenRecord, Judgement, Measur
 from moe_eval.gates.registry import NOT_RUN_SUFFIX, planned
 
 if TYPE_CHECKING:
-    from moe_eval.plan.config import EvalConfig
+    from moe_eval.configs.config import EvalConfig
 
 __all__ = ["Answers", "GoldenRecord", "Judgement", "Measurements", "judge", "not_run"]
 

@@ -11,8 +11,8 @@ from moe_eval.core.evidence import Evidence
 from moe_eval.gates.gate import Gate
 
 if TYPE_CHECKING:
+    from moe_eval.configs.config import EvalConfig
     from moe_eval.gates.measurements import Judgement, Measurements
-    from moe_eval.plan.config import EvalConfig
 
 
 def judge_kernel_calls(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:

@@ -120,4 +120,5 @@ class Estimates:
         return cls(scale, stderr, incumbent, diff_stderr, dof, zs, threshold, detectable)
 
     def off(self, bound: float) -> np.ndarray:
-        return (np.abs(self.scale) > bound) & (self.z >= self.threshold)
+        off: np.ndarray = (np.abs(self.scale) > bound) & (self.z >= self.threshold)
+        return off

@@ -59,8 +59,8 @@ from moe_eval.gates.layer_summary import (
 )
 
 if TYPE_CHECKING:
+    from moe_eval.configs.config import EvalConfig
     from moe_eval.gates.measurements import Judgement, Measurements
-    from moe_eval.plan.config import EvalConfig
 
 
 @gate_keys
@@ -174,6 +174,12 @@ def _coverage(summary: LayerSummary) -> Check:
     return Check.judged("layer_check_coverage", True, detail, evidence)
 
 
+def _judged_ratio(row: RangeRow) -> float:
+    """A judged row's ratio: _ranges judges the rows that have one."""
+    assert row.ratio is not None
+    return row.ratio
+
+
 def _ranges(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
     judged = [row for row in summary.ranges if row.rows >= MIN_ROWS and row.ratio is not None]
     pooled = [r for r in summary.ranges if r.layer is None and (r.rank != "all" or summary.processes == 1)]
@@ -183,8 +189,8 @@ def _ranges(summary: LayerSummary, limits: LayerCheckLimits) -> Check:
         len(pooled),
         would_catch=f"an error x{1 + limits.margin:.2f} of the incumbent's",
     )
-    worse = [row for row in judged if row.ratio > 1 + limits.margin or row.nonfinite]
-    worst = max((r for r in judged if r.layer is None), key=lambda row: row.ratio, default=None)
+    worse = [row for row in judged if _judged_ratio(row) > 1 + limits.margin or row.nonfinite]
+    worst = max((r for r in judged if r.layer is None), key=_judged_ratio, default=None)
     worse.sort(key=lambda r: -(r.ratio or 0))
     text = (
         "; ".join(_describe_range(row) for row in worse[:NAMED])
@@ -436,7 +442,7 @@ def ratio_text(ratio: float | None) -> str:
     return "xinf" if math.isinf(ratio) else f"x{ratio:.2f}"
 
 
-def layer_ratio(row: dict) -> float | None:
+def layer_ratio(row: dict[str, Any]) -> float | None:
     """A range's error ratio as results.json holds it; null with an error against an exact incumbent is
     infinite (JSON has no inf), the worst there is, not a range left out."""
     if row.get("ratio") is not None:
@@ -444,7 +450,7 @@ def layer_ratio(row: dict) -> float | None:
     return math.inf if (row.get("error") or 0) > 0 and row.get("incumbent_error") == 0 else None
 
 
-def power_counts(check: dict) -> tuple[int, int]:
+def power_counts(check: dict[str, Any]) -> tuple[int, int]:
     """(judged, total) (range, expert) cells over the ranges and the ranks (not their pool)."""
     rows = [p for p in check.get("power", []) if p.get("rank") != "all" or check.get("processes") == 1]
     return sum(p["judged"] for p in rows), sum(p["cells"] for p in rows)
@@ -478,7 +484,7 @@ def compare_rows(checked: list[Any], ref: int) -> list[list[str]]:
     whose GSM8K numbers agree differ here (vLLM's kernel runs no check)."""
     if not any(checked):
         return []
-    by_range: dict[str, dict[int, dict]] = {}
+    by_range: dict[str, dict[int, dict[str, Any]]] = {}
     for i, check in enumerate(checked):
         pooled = "all" if (check or {}).get("processes", 1) > 1 else None
         for row in (check or {}).get("ranges", []):
@@ -512,7 +518,7 @@ def compare_rows(checked: list[Any], ref: int) -> list[list[str]]:
     return rows
 
 
-def _judged_cell(check: dict | None) -> str:
+def _judged_cell(check: dict[str, Any] | None) -> str:
     """'890/896 at 1% (95%: 0.62%)': how much of the (range, expert) cells the check could judge."""
     if not check or not check.get("power"):
         return "-"

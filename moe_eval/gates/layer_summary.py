@@ -172,7 +172,9 @@ def _range_row(name: str, rank: str, layer: int | None, seen: int, sums: np.ndar
     )  # fmt: skip
 
 
-def _cell(est: Estimates, index: tuple, name: str, rank: str, layer: int | None, slots: int) -> Cell:
+def _cell(
+    est: Estimates, index: tuple[int, ...], name: str, rank: str, layer: int | None, slots: int
+) -> Cell:
     return Cell(
         name, rank, layer, slots, float(est.scale[index]), _finite(est.stderr[index]),
         float(est.incumbent[index]), _finite(est.diff_stderr[index]), _finite(est.dof[index]),
@@ -210,7 +212,7 @@ def summarize(
         return summary
     files = sorted(files, key=lambda f: rank_name(f.rank))
     ranks = [rank_name(f.rank) for f in files]
-    pools: list[tuple] = []
+    pools: list[tuple[Any, ...]] = []
     for f, rank in zip(files, ranks, strict=True):
         held = f.meta.get("experts_held")
         held = list(range(f.cells.shape[2])) if held is None else [int(e) for e in held]
@@ -236,6 +238,7 @@ def _judge_pool(
     held: list[int],
 ) -> None:
     L = cells.shape[0]
+    layer: int | None  # None: pooled over the layers
     # Ranges, pooled over layers and per layer.
     for i, name in enumerate(names):
         pooled = rows[:, i].sum(0)
@@ -310,7 +313,7 @@ def _judge_pool(
     summary.experts += shown
 
 
-def _largest(mask: np.ndarray, scale: np.ndarray) -> list[tuple]:
+def _largest(mask: np.ndarray, scale: np.ndarray) -> list[tuple[int, ...]]:
     """The indices where `mask` holds, largest |scale| first, at most SHOWN_OFF of them."""
     where = np.nonzero(mask)
     order = np.argsort(-np.abs(scale[where]), kind="stable")[:SHOWN_OFF]
@@ -318,7 +321,7 @@ def _largest(mask: np.ndarray, scale: np.ndarray) -> list[tuple]:
 
 
 def _expert(
-    est: Estimates, index: tuple, name: str, rank: str, layer: int | None, slots: int, e: Any
+    est: Estimates, index: tuple[int, ...], name: str, rank: str, layer: int | None, slots: int, e: Any
 ) -> ExpertCell:
     cell = _cell(est, index, name, rank, layer, slots)
     return ExpertCell(**asdict(cell), expert=int(e))

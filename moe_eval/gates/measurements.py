@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Baseline:
+class IncumbentRow:
     """The incumbent a row is compared with (evaluate/incumbent.py reads it from a finished run): its
     per-question correctness (the paired gate), where it scored them its log-probabilities and greedy
     continuations (divergence, golden), its MoE timing and where it was timed (speed)."""
@@ -66,13 +66,13 @@ class Measurements:
 
     moe_backend_used: str | None = None
     answers: Answers | None = None
-    jit: dict | None = None  # server_log.jit_while_serving
-    kernel_calls: dict | None = None  # kernels.call_counter counts
+    jit: dict[str, Any] | None = None  # server_log.jit_while_serving
+    kernel_calls: dict[str, Any] | None = None  # kernels.call_counter counts
     layer: LayerSummary | None = None
     logprobs: list[TextLogprobs] | None = None  # the scored texts (prefill)
     decode: list[TextLogprobs] | None = None  # the greedy continuations
     logprobs_skipped: str | None = None  # why the texts were not scored (results.json logprobs.skipped)
-    incumbent: Baseline | None = None
+    incumbent: IncumbentRow | None = None
     incumbent_logprobs: list[TextLogprobs] | None = None
     incumbent_decode: list[TextLogprobs] | None = None
     golden: GoldenRecord | None = None

@@ -14,8 +14,8 @@ from moe_eval.gates.gate import Gate, gate_keys
 from moe_eval.gates.stats import PairedResult, paired_compare
 
 if TYPE_CHECKING:
-    from moe_eval.gates.measurements import Baseline, Judgement, Measurements
-    from moe_eval.plan.config import EvalConfig
+    from moe_eval.configs.config import EvalConfig
+    from moe_eval.gates.measurements import IncumbentRow, Judgement, Measurements
 
 
 @gate_keys
@@ -52,10 +52,12 @@ class PairedFlips(TypedDict):
     """the incumbent's results.json"""
 
 
-def paired_check(baseline: Baseline, correct: dict[int, bool], alpha: float) -> tuple[Check, PairedResult]:
-    """The paired gate: this run's per-question strict-match correctness against the baseline's."""
-    result = paired_compare(baseline.correctness, correct, alpha)
-    detail = result.describe() + f" [baseline {baseline.results_path}]"
+def paired_check(
+    incumbent: IncumbentRow, correct: dict[int, bool], alpha: float
+) -> tuple[Check, PairedResult]:
+    """The paired gate: this run's per-question strict-match correctness against the incumbent's."""
+    result = paired_compare(incumbent.correctness, correct, alpha)
+    detail = result.describe() + f" [incumbent {incumbent.results_path}]"
     return Check.judged(
         "paired_gate", result.passed, detail, Evidence("question", result.n, len(correct))
     ), result

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from moe_eval.gates.gate import Gate
 
 if TYPE_CHECKING:
-    from moe_eval.plan.config import EvalConfig
+    from moe_eval.configs.config import EvalConfig
 
 NOT_RUN_SUFFIX = "_not_run"  # the check a gate called for makes when it could not run: "<gate>_not_run"
 NO_INCUMBENT = (

@@ -29,6 +29,7 @@ reached was judged and none failed. What it could not judge is named, and a row 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -42,9 +43,9 @@ from moe_eval.core.payload import described
 from moe_eval.gates.gate import Column, Gate, RowView, Show, Skipped, gate_keys
 
 if TYPE_CHECKING:
+    from moe_eval.configs.config import EvalConfig
     from moe_eval.core.record import RunRecord
     from moe_eval.gates.measurements import Judgement, Measurements
-    from moe_eval.plan.config import EvalConfig
 
 
 @gate_keys
@@ -176,7 +177,7 @@ def compare_size(mine: SizeTiming, other: SizeTiming) -> tuple[float, float]:
     moved to the reference's mean experts, where both counted them) over the reference's mean."""
     mean = mine.mean_us
     extra = 0.0  # the slope's own error, times how far the line is moved
-    if None not in (mine.slope_us, other.experts, mine.experts):
+    if mine.slope_us is not None and other.experts is not None and mine.experts is not None:
         shift = other.experts - mine.experts
         mean += mine.slope_us * shift
         if mine.experts_spread:
@@ -202,11 +203,37 @@ def _replayed_range(*timings: RangeTiming | None) -> bool:
     )
 
 
+class _Base(TypedDict):
+    """The RangeSpeed fields every range has, judged or not."""
+
+    range: str
+    us: float | None
+    reference_us: float | None
+    replayed: bool
+    margin: float
+
+
+class _Counts(TypedDict):
+    """The RangeSpeed fields of the sizes compared."""
+
+    sizes: int
+    sizes_matched: int
+    unsteady: tuple[int, ...]
+
+
+def _judged(value: float | None) -> float:
+    """A judged range's ratio or would_catch: judge_range sets them wherever it sets `passed`."""
+    assert value is not None
+    return value
+
+
 def judge_range(mine: RangeTiming | None, other: RangeTiming | None, margins: Margins) -> RangeSpeed:
-    name = (mine or other).range
+    either = mine or other
+    assert either is not None  # compare() asks for the ranges either row called
+    name = either.range
     replayed = _replayed_range(mine, other)
     margin = margins.replayed if replayed else margins.eager
-    base = {
+    base: _Base = {
         "range": name,
         "us": mine.mean_us if mine else None,
         "reference_us": other.mean_us if other else None,
@@ -243,7 +270,7 @@ def judge_range(mine: RangeTiming | None, other: RangeTiming | None, margins: Ma
             unsteady.append(size.tokens)
             continue
         pairs.append((size, ref))
-    counts = {"sizes": len(sizes), "sizes_matched": len(pairs), "unsteady": tuple(unsteady)}
+    counts: _Counts = {"sizes": len(sizes), "sizes_matched": len(pairs), "unsteady": tuple(unsteady)}
     time_mine = sum(s.calls * s.mean_us for s in mine.sizes)
     time_ref = sum(s.calls * s.mean_us for s in other.sizes)
     share = min(
@@ -323,7 +350,9 @@ def speed_check(
         total=len(ranges),
         required=len(judged) + len(missing) if missing else None,
         would_catch=(
-            f"x{max(r.would_catch for r in judged):.3f} in its least sensitive range" if judged else None
+            f"x{max(_judged(r.would_catch) for r in judged):.3f} in its least sensitive range"
+            if judged
+            else None
         ),
     )
     section = {
@@ -347,7 +376,7 @@ def speed_check(
         return None, section
     # A failed gate's worst is its worst failing range: a wider ratio that passed by noise must not stand for
     # the failure in results.json, JUnit or the table.
-    worst = max(slow or judged, key=lambda r: r.ratio)
+    worst = max(slow or judged, key=lambda r: _judged(r.ratio))
     section["worst_ratio"] = worst.ratio
     section["worst_range"] = worst.range
     counted = f"judged {len(judged)}/{len(ranges)} ranges"
@@ -389,7 +418,7 @@ def machine_of(hardware: Any) -> str:
     return ", ".join(hardware.gpus) if hardware.gpus else f"cpu: {hardware.cpu}"
 
 
-def workload_identity(workload: dict[str, Any] | None) -> str | None:
+def workload_identity(workload: Mapping[str, Any] | None) -> str | None:
     """What a row's timed sweep computed, for the speed gate to compare: the fingerprint of its requests
     (layer_sweep.sweep), and the prompt tokens the server's prefix cache served instead, where any did (those
     calls were shorter than sent). None: not recorded (a run before moe-eval recorded it)."""
@@ -404,7 +433,7 @@ def timed_where(record: RunRecord) -> tuple[str, str | None]:
     """(machine, workload): where a record's MoE calls were timed and on which requests. Two rows' times
     compare only where both match (times_differ_by); the gate's reference and `moe-eval compare`'s columns
     are read by this one function."""
-    timing = record.captures.timing or {}
+    timing: Mapping[str, Any] = record.captures.timing or {}
     return machine_of(record.environment.hardware), workload_identity(timing.get("workload"))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 def accuracy_stderr(correct: int, n: int) -> float:
@@ -66,12 +67,12 @@ class PairedResult:
     def describe(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
         return (
-            f"{verdict}: paired vs baseline on {self.n} questions: {self.baseline_only} flipped "
+            f"{verdict}: paired vs the incumbent on {self.n} questions: {self.baseline_only} flipped "
             f"right->wrong, {self.new_only} wrong->right; exact McNemar p(worse) = {self.p_worse:.4g} "
             f"(alpha {self.alpha:g})"
         )
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "n": self.n,
             "both_right": self.both_right,
@@ -90,7 +91,7 @@ def paired_compare(baseline: dict[int, bool], new: dict[int, bool], alpha: float
     if set(baseline) != set(new):
         only_base, only_new = sorted(set(baseline) - set(new)), sorted(set(new) - set(baseline))
         raise ValueError(
-            f"the runs answered different questions (only baseline: {only_base[:5]}, "
+            f"the runs answered different questions (only the incumbent: {only_base[:5]}, "
             f"only new: {only_new[:5]})"
         )
     cells = {(True, True): 0, (True, False): 0, (False, True): 0, (False, False): 0}

@@ -115,7 +115,8 @@ def results_schema() -> dict[str, Any]:
             "type": "integer",
             "minimum": 1,
             "maximum": rec.RESULTS_SCHEMA_VERSION,
-            "description": rec.SCHEMA_HISTORY,
+            "description": "the layout this file follows; CHANGELOG.md says what each version added, and a "
+            "reader takes every version up to its own",
         }
     } | body["properties"]
     body["required"] = ["schema_version", *body["required"]]

@@ -8,6 +8,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from moe_eval.core.check import Check
+from moe_eval.core.evidence import Evidence
 from moe_eval.gates import registry
 from moe_eval.gates.gate import Column
 
@@ -45,18 +46,25 @@ def _verdict(o: ConfigOutcome) -> str:
 
 
 def evidence_cell(checks: Iterable[Check]) -> str:
-    """'accuracy_gate 200/200 questions (an accuracy drop of 0.013); speed_gate 5/7 dispatch ranges (x1.04
-    ...)': what every check that counts its evidence judged, of what it was given, and would catch."""
-    parts = []
+    """'accuracy 200/200 questions, catches an accuracy drop of 0.013; speed 5/7 dispatch ranges, catches
+    x1.04': per gate, its weakest check's evidence (the least share judged of what it was given) and what the
+    gate would catch; a check short of its floor is named. JUnit's evidence.<check> has every check's."""
+    gate_of = {name: gate.name for gate in registry.GATES for name in gate.checks}
+    by_gate: dict[str, list[tuple[Check, Evidence]]] = {}
     for check in checks:
-        if check.evidence is None:
-            continue
-        ev = check.evidence
-        part = f"{check.name} {ev.judged}/{ev.total} {ev.unit}s"
-        if ev.required is not None and ev.judged < ev.required:
-            part += f" ({ev.required} needed)"
-        if ev.would_catch:
-            part += f" (catches {ev.would_catch})"
+        if check.evidence is not None:
+            by_gate.setdefault(gate_of.get(check.name, check.name), []).append((check, check.evidence))
+    parts = []
+    for gate, counted in by_gate.items():
+        # the least share judged; among equals the check given the most units (its evidence says the most)
+        _, ev = min(counted, key=lambda pair: (pair[1].judged / max(pair[1].total, 1), -pair[1].total))
+        part = f"{gate} {ev.judged}/{ev.total} {ev.unit}s"
+        short = [(c, e) for c, e in counted if e.required is not None and e.judged < e.required]
+        if short:
+            part += f" ({short[0][0].name}: {short[0][1].required} needed)"
+        catches = ev.would_catch or next((e.would_catch for _, e in counted if e.would_catch), None)
+        if catches:
+            part += f", catches {catches}"
         parts.append(part)
     return "; ".join(parts) or "-"
 

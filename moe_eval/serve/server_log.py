@@ -12,9 +12,9 @@ import json
 import re
 from pathlib import Path
 
+from moe_eval.configs.config import backend_named_by
 from moe_eval.core.errors import InfraError
 from moe_eval.core.plugin_protocol import LOG_PREFIX, STATS_DIR
-from moe_eval.plan.config import backend_named_by
 
 # vLLM 0.32.0: "Using CPU Unquantized MoE backend out of potential backends: ['CPU']."
 # Names may hold a space ("FlashInfer CUTLASS"), so the name runs up to " Unquantized".

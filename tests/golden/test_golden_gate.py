@@ -134,3 +134,26 @@ def test_student_t_tail_matches_scipy(t, df):
     from moe_eval.gates.golden_errors import student_t_sf
 
     assert student_t_sf(t, df) == pytest.approx(float(scipy_t.sf(t, df)), rel=1e-9, abs=1e-300)
+
+
+@pytest.mark.parametrize(
+    ("backend", "layout", "role"),
+    [
+        ("vllm:CPU", "TP (TP1)", "vLLM's own MoE kernel at the same layout"),
+        ("vllm:CPU", "TP (TP2)", "vLLM's own MoE kernel at TP (TP2), standing in"),
+        ("bundled:triton", "TP (TP1)", "your baseline run (--baseline)"),
+    ],
+)
+def test_the_incumbent_is_named_for_what_it_is(backend, layout, role, tmp_path):
+    """Which run stands as the incumbent: vLLM's kernel at the row's layout, at another one (a stand-in), or
+    an earlier run of a bundled kernel."""
+    from moe_eval.configs.config import parse_config
+    from moe_eval.gates.golden import incumbent_description
+    from moe_eval.gates.measurements import IncumbentRow
+
+    config = parse_config(
+        tmp_path / "c.yaml", "model_name: m\nrandom_weights: true\nnum_questions: 4\nnum_fewshot: 0\n"
+    )
+    incumbent = IncumbentRow(tmp_path / "results.json", {}, moe_backend_used=backend, layout=layout)
+    described = incumbent_description(config, incumbent)
+    assert described["role"].startswith(role) and described["layout"] == layout

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from moe_eval.configs.config import parse_config
 from moe_eval.core.errors import ConfigError
 from moe_eval.core.logprob_texts import TextLogprobs
 from moe_eval.evaluate.golden import (
@@ -17,7 +18,6 @@ from moe_eval.evaluate.golden import (
     model_identity,
     weights_digest,
 )
-from moe_eval.plan.config import parse_config
 
 KEY = GoldenKey(
     model="weights-sha256:ab",

@@ -58,7 +58,7 @@ def test_list_b200_shows_exactly_the_b200_configs_with_layouts(repo_root):
 
 
 def test_h100_and_b200_lists_split_the_seed_configs(repo_root):
-    from moe_eval.plan.selection import read_list
+    from moe_eval.configs.selection import read_list
 
     b200 = set(read_list(repo_root / "config-b200.txt"))
     h100 = set(read_list(repo_root / "config-h100.txt"))
@@ -74,7 +74,7 @@ def test_list_shows_a_builtin_twin_for_each_shipped_gpu_config(repo_root):
     the
     same layout, backend and baseline layout, on a builtin: twin model, its answers not gated (accuracy
     n/a)."""
-    from moe_eval.plan.selection import read_list
+    from moe_eval.configs.selection import read_list
 
     result = run_cli(["list", "--hw", "b200", "--list", "config-gpu-twins.txt"], cwd=repo_root)
     assert result.returncode == 0, result.stderr

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from moe_eval.configs.config import RUN_KEYS, config_keys, load_config, parse_config
 from moe_eval.core.errors import ConfigError, ExitCode
 from moe_eval.core.layout import LayoutKind
-from moe_eval.plan.config import RUN_KEYS, config_keys, load_config, parse_config
 
 P = Path("configs/x/Model-BF16-triton.yaml")
 MINIMAL = "model_name: m\naccuracy_threshold: 0.5\nnum_questions: 10\nnum_fewshot: 5\n"
@@ -241,7 +241,7 @@ def test_random_weights_drop_the_accuracy_threshold():
 
 
 def test_an_absent_max_concurrency_comes_from_the_hardware_and_a_set_one_stays():
-    from moe_eval.plan.config import DEFAULT_CONCURRENCY, effective_config
+    from moe_eval.configs.config import DEFAULT_CONCURRENCY, effective_config
 
     absent = parse_config(P, MINIMAL)
     assert absent.max_concurrency is None

@@ -9,15 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moe_eval.configs.config import load_config
+from moe_eval.configs.selection import read_list, with_baselines
 from moe_eval.core.check import Check, verdict
 from moe_eval.core.errors import ConfigError
 from moe_eval.core.logprob_texts import TextLogprobs
 from moe_eval.gates.judge import Answers, GoldenRecord, Measurements, judge
 from moe_eval.gates.layer_gate import summarize
-from moe_eval.gates.measurements import Baseline
+from moe_eval.gates.measurements import IncumbentRow
 from moe_eval.gates.registry import GATES, NOT_RUN_SUFFIX, describe_plan, gate_by_name
-from moe_eval.plan.config import load_config
-from moe_eval.plan.selection import read_list, with_baselines
 from tests.golden.test_golden_gate import capture
 from tests.harness.test_layer_gate import LIMITS, _file
 
@@ -65,7 +65,7 @@ def measured(config, *, run_noise=0.02, answers_right=QUESTIONS, **changes) -> M
         layer=summarize([_file()], LIMITS, 1),
         logprobs=capture(run),
         decode=_decode(0.0),
-        incumbent=Baseline(
+        incumbent=IncumbentRow(
             Path("/runs/vllm/results.json"),
             dict.fromkeys(range(QUESTIONS), True),
             Path("/runs/vllm/logprobs.jsonl"),
@@ -364,8 +364,8 @@ def _timed(means_us: dict[str, float], calls: int = 100):
 
 
 def test_the_speed_gate_is_a_gpus_and_judges_each_range_against_the_incumbents(config):
+    from moe_eval.configs.config import effective_config
     from moe_eval.gates.speed import speed_gated
-    from moe_eval.plan.config import effective_config
 
     assert not speed_gated(effective_config(config, None, None, "cpu")[0], True)  # the CPU: reported only
     gpu, _ = effective_config(config, None, None, "h200")

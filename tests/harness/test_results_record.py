@@ -259,7 +259,7 @@ def test_the_sections_the_judge_writes_validate(config_for_judge):
 
 @pytest.fixture(scope="module")
 def config_for_judge():
-    from moe_eval.plan.config import effective_config
+    from moe_eval.configs.config import effective_config
     from tests.harness.test_judge import QUESTIONS, TORCH_TP1, load_config
 
     config = dataclasses.replace(load_config(TORCH_TP1), num_questions=QUESTIONS, accuracy_threshold=0.9)

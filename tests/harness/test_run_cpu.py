@@ -175,7 +175,7 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
     assert sorted(made) == [False, True], "one row makes the golden, the other finds it in the cache"
     assert len(list(goldens.glob("*/golden.json"))) == 1, "TP and TEP rows share one golden (TP1, eager)"
     assert "|Config|" in result.stdout and "PASS" in result.stdout and "bundled:torch" in result.stdout
-    assert "Δ log p vs baseline" in result.stdout and "Catches a drop of" in result.stdout
+    assert "Δ log p vs incumbent" in result.stdout and "Catches a drop of" in result.stdout
     assert "Error vs golden (incumbent)" in result.stdout and "Layer check vs exact" in result.stdout
     assert "MoE time (x reference)" in result.stdout and "ranges timed, not gated" in result.stdout
     assert not processes_with_env("MOE_EVAL_RUN_DIR", str(out)), "processes of the run survived it"
@@ -503,10 +503,10 @@ def test_golden_command_makes_the_runs_golden_bit_for_bit_then_reuses_it(
 def test_a_tep_row_missing_one_ranks_tables_is_not_passed(embedded_default_run, tmp_path, repo_root):
     """The TEP row of the embedded default, judged again with one rank's layer-check tables removed: the
     check says which ranks wrote nothing and the row ends incomplete, never judged on the other half."""
+    from moe_eval.configs.config import load_config
     from moe_eval.core import layer_cells
     from moe_eval.core.check import verdict
     from moe_eval.gates.layer_gate import layer_check_limits, layer_checks, summarize
-    from moe_eval.plan.config import load_config
 
     row = next(
         p.parent

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from moe_eval.plan.devices import DevicePool
+from moe_eval.configs.devices import DevicePool
 from moe_eval.scheduler import Planned, Scheduler, SchedulerOptions
 from moe_eval.worker import Job
 
@@ -43,9 +43,9 @@ def test_resume_reruns_a_row_whose_baseline_runs_again(tmp_path):
     import json
 
     from moe_eval.cli import resumable_outcomes
+    from moe_eval.configs.config import parse_config
     from moe_eval.core.results import rules_digest, versions
     from moe_eval.evaluate.gsm8k import Gsm8kData
-    from moe_eval.plan.config import parse_config
     from moe_eval.runner import config_run_dir, task_data
 
     family = tmp_path / "configs" / "fam"
@@ -87,9 +87,9 @@ def test_resume_keeps_a_row_whose_questions_were_read_from_another_folder(tmp_pa
     import json
 
     from moe_eval.cli import resumable_outcomes
+    from moe_eval.configs.config import parse_config
     from moe_eval.core.results import rules_digest, versions
     from moe_eval.evaluate.gsm8k import Gsm8kData, questions_difference
-    from moe_eval.plan.config import parse_config
     from moe_eval.runner import config_run_dir
 
     for name in ("train.jsonl", "test.jsonl"):
@@ -134,9 +134,9 @@ def test_resume_says_why_a_row_runs_again(tmp_path):
     import json
 
     from moe_eval.cli import resumable_outcomes
+    from moe_eval.configs.config import parse_config
     from moe_eval.core.results import rules_digest, versions
     from moe_eval.evaluate.gsm8k import Gsm8kData
-    from moe_eval.plan.config import parse_config
     from moe_eval.runner import config_run_dir, task_data
 
     config = parse_config(

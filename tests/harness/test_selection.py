@@ -4,10 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_eval.core.errors import ConfigError, NothingSelected
-from moe_eval.core.layout import LayoutKind, layout_from_server_args
-from moe_eval.plan.config import load_config
-from moe_eval.plan.selection import (
+from moe_eval.configs.config import load_config
+from moe_eval.configs.selection import (
     list_for_hardware,
     parse_shard,
     read_list,
@@ -15,6 +13,8 @@ from moe_eval.plan.selection import (
     shard,
     with_baselines,
 )
+from moe_eval.core.errors import ConfigError, NothingSelected
+from moe_eval.core.layout import LayoutKind, layout_from_server_args
 
 
 def _write(path: Path, text: str = "") -> Path:

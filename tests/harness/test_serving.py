@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moe_eval.configs.config import parse_config
 from moe_eval.core.plugin_protocol import BACKEND_ENV, GOLDEN_PROBE_EXTENSION, MUTATION_ENV, RUN_DIR_ENV
 from moe_eval.evaluate.golden import REFERENCE_BACKEND, golden_server_argv
 from moe_eval.evaluate.serving import capture_continuations, scoring_inputs, server_launch
-from moe_eval.plan.config import parse_config
 
 CONFIG = (
     "model_name: m\naccuracy_threshold: 0.5\nnum_questions: 4\nnum_fewshot: 2\nmoe_backend: torch\n"

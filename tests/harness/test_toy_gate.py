@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from junitparser import JUnitXml
 from pydantic import Field
 
+from moe_eval.configs.config import parse_config
 from moe_eval.core.check import Check
 from moe_eval.core.errors import ConfigError
 from moe_eval.core.evidence import Evidence
@@ -22,7 +23,6 @@ from moe_eval.core.record import RunRecord, Verdict
 from moe_eval.gates.gate import Column, Floor, Gate, Show, gate_keys
 from moe_eval.gates.judge import judge
 from moe_eval.gates.registry import describe_plan, registered
-from moe_eval.plan.config import parse_config
 from tests.harness.test_judge import QUESTIONS, TORCH_TP1, load_config, measured
 
 
@@ -112,7 +112,7 @@ def test_a_gate_defined_in_a_test_alone_is_found_everywhere(tmp_path):
         outcome = ConfigOutcome.from_record(config, folder, RunRecord.read(record.path))
         table = markdown([outcome])
         assert "|Toy count|" in table.splitlines()[0] and f"{QUESTIONS} counted" in table
-        assert f"toy_check {QUESTIONS}/{QUESTIONS} questions" in table
+        assert f"toy {QUESTIONS}/{QUESTIONS} questions, catches a missing question" in table
         path = tmp_path / "junit.xml"
         path.write_text(junit_xml([outcome], "cpu", []))
         (suite,) = JUnitXml.fromfile(str(path))

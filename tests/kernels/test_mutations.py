@@ -492,7 +492,7 @@ def test_routing_temperature_slip_in_bf16_and_on_zero_weights():
 
 
 def test_subtle_mutations_are_listed_and_apply_to_any_bundled_config(tmp_path):
-    from moe_eval.plan.config import parse_config
+    from moe_eval.configs.config import parse_config
 
     base = "model_name: m\naccuracy_threshold: 0.5\nnum_questions: 4\nnum_fewshot: 5\nmoe_backend: torch\n"
     tp = parse_config(tmp_path / "a.yaml", base)

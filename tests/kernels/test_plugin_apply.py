@@ -141,9 +141,9 @@ def test_each_mutation_changes_the_output(mutation):
 
 
 def test_mutations_are_refused_where_they_cannot_apply(tmp_path):
+    from moe_eval.configs.config import parse_config
     from moe_eval.core.errors import ConfigError
     from moe_eval.kernels.mutations import check_mutation
-    from moe_eval.plan.config import parse_config
 
     base = "model_name: m\naccuracy_threshold: 0.5\nnum_questions: 4\nnum_fewshot: 5\n"
     tp = parse_config(tmp_path / "a.yaml", base + "moe_backend: torch\n")

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from lxml import etree
 
+from moe_eval.configs.config import parse_config
 from moe_eval.core.check import Check
 from moe_eval.core.errors import ConfigError
 from moe_eval.gates.accuracy import GateResult
-from moe_eval.plan.config import parse_config
 from moe_eval.report.compare import group_runs, markdown
 from moe_eval.report.junit import junit_xml
 from moe_eval.runner import ConfigOutcome
@@ -444,3 +444,27 @@ def test_compare_shows_a_layer_range_whose_ratio_is_null_as_infinite(tmp_path):
     run = RunResult(tmp_path, "m", "triton", 5, {}, "FAILED", {}, judged={"layer_check": check})
     rows = compare_rows([run.section("layer_check")], 0)
     assert rows[0] == ["layer error M=1", "", "RMS vs exact (x incumbent)", "2.00e-03 (xinf)"]
+
+
+def test_the_evidence_cell_shows_each_gates_weakest_check_and_names_one_short_of_its_floor():
+    from moe_eval.core.check import Check
+    from moe_eval.core.evidence import Evidence
+    from moe_eval.report.table import evidence_cell
+
+    checks = [
+        Check.judged(
+            "accuracy_gate", True, "", Evidence("question", 200, 200, would_catch="a drop of 0.013")
+        ),
+        Check.judged("layer_check_ranges", True, "", Evidence("(range, rank) pool", 14, 14)),
+        Check.judged(
+            "layer_check_experts", True, "", Evidence("(range, expert) cell", 50, 56, 54, "a 1% error")
+        ),
+        Check.not_run("speed_gate", "not run: x", Evidence("dispatch range", 2, 6, 6, "x1.04")),
+        Check.judged("served", True, ""),  # no evidence: not shown
+    ]
+    cell = evidence_cell(checks)
+    assert cell == (
+        "accuracy 200/200 questions, catches a drop of 0.013; "
+        "layer_check 50/56 (range, expert) cells (layer_check_experts: 54 needed), catches a 1% error; "
+        "speed 2/6 dispatch ranges (speed_gate: 6 needed), catches x1.04"
+    )

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from moe_eval.configs.config import parse_config
 from moe_eval.core.errors import ConfigError
-from moe_eval.evaluate.incumbent import find_baseline
+from moe_eval.evaluate.incumbent import find_incumbent
 from moe_eval.gates.accuracy import GateResult
 from moe_eval.gates.answers import answer_stats
 from moe_eval.gates.garbage import garbage_checks
 from moe_eval.gates.stats import accuracy_stderr, mcnemar_exact, paired_compare
-from moe_eval.plan.config import parse_config
 
 
 @pytest.mark.parametrize(
@@ -125,17 +125,17 @@ def _results_dir(
 def test_find_baseline_matches_model_questions_and_fewshot(tmp_path):
     config = parse_config(tmp_path / "cfg.yaml", CONFIG)
     run = _results_dir(tmp_path, "run1", "m", 4)
-    baseline = find_baseline(run, config)
+    baseline = find_incumbent(run, config)
     assert baseline.correctness == {0: True, 1: False, 2: True, 3: False}
     assert baseline.speed_warnings == ()  # a record from before version 7 has none
     untuned = ["No FlashInfer autotune cache entries found.Falling back to default tactics. (1x)"]
-    warned = find_baseline(_results_dir(tmp_path, "run4", "m", 4, speed_warnings_logged=untuned), config)
+    warned = find_incumbent(_results_dir(tmp_path, "run4", "m", 4, speed_warnings_logged=untuned), config)
     assert warned.speed_warnings == tuple(untuned)  # the speed gate names the reference's too
     with pytest.raises(ConfigError, match="holds no finished result for model m with 4 questions"):
-        find_baseline(_results_dir(tmp_path, "run2", "other-model", 4), config)
+        find_incumbent(_results_dir(tmp_path, "run2", "other-model", 4), config)
     with pytest.raises(ConfigError, match="holds no finished result"):
-        find_baseline(_results_dir(tmp_path, "run3", "m", 4, status="error"), config)
+        find_incumbent(_results_dir(tmp_path, "run3", "m", 4, status="error"), config)
     _results_dir(tmp_path / "both", "a", "m", 4)
     _results_dir(tmp_path / "both", "b", "m", 4)
     with pytest.raises(ConfigError, match="holds 2 results"):
-        find_baseline(tmp_path / "both", config)
+        find_incumbent(tmp_path / "both", config)

@@ -223,7 +223,7 @@ def test_compare_lists_every_range_either_row_called_in_order():
 
 
 def _speed_config(**keys):
-    from moe_eval.plan.config import EvalConfig
+    from moe_eval.configs.config import EvalConfig
 
     base = dict(
         path=Path("c.yaml"), sha256="0" * 64, model_name="m", num_questions=1, num_fewshot=0,

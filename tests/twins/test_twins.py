@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from moe_eval.configs.config import load_config
+from moe_eval.configs.selection import read_list
 from moe_eval.models.twins import TWINS, TensorPlan, TwinSpec, build_twin, draw, weight_plan
-from moe_eval.plan.config import load_config
-from moe_eval.plan.selection import read_list
 
 SEEDS = Path(__file__).parent / "seed_configs"
 SEED_FILE = {

@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from moe_eval.configs.config import EvalConfig, load_config
 from moe_eval.core.errors import ConfigError, NothingSelected
-from moe_eval.plan.config import EvalConfig, load_config
 
 HARDWARE = ("b200", "h100", "h200", "cpu")
 _SHARD = re.compile(r"^(\d+)/(\d+)$")

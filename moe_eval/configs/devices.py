@@ -36,7 +36,8 @@ def gpu_pool() -> DevicePool:
     apps = {line.strip() for line in _nvidia_smi(["--query-compute-apps=gpu_uuid", "--format=csv,noheader"])}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     allowed = None if visible is None else {v.strip() for v in visible.split(",") if v.strip()}
-    free, busy = [], []
+    free: list[int] = []
+    busy: list[int] = []
     for row in rows:
         index, uuid, used = (part.strip() for part in row.split(","))
         if allowed is not None and index not in allowed and uuid not in allowed:

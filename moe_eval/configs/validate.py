@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moe_eval.configs.config import backend_named_by, load_config
+from moe_eval.configs.selection import read_list
 from moe_eval.core.errors import ConfigError
-from moe_eval.plan.config import backend_named_by, load_config
-from moe_eval.plan.selection import read_list
 
 
 def validate_repository(root: Path) -> tuple[list[str], int]:

@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import shlex
 from pathlib import Path
-from typing import Annotated, Any, Literal, NamedTuple, TypeVar
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar, cast
 
 import yaml
 from pydantic import AfterValidator, ConfigDict, Field, ValidationError
@@ -74,7 +74,7 @@ def _single_spaced(v: str) -> str:
     return " ".join(v.split())  # folded YAML strings keep their newlines; vLLM wants words
 
 
-def _str_values(v: dict) -> dict[str, str]:
+def _str_values(v: dict[Any, Any]) -> dict[str, str]:
     for key, value in v.items():
         if not isinstance(key, str) or not isinstance(value, (str, int, float, bool)):
             raise ValueError(f"must map strings to strings (entry {key!r}: {value!r})")
@@ -82,7 +82,7 @@ def _str_values(v: dict) -> dict[str, str]:
 
 
 ServerArgs = Annotated[str, AfterValidator(_shell_splittable), AfterValidator(_single_spaced)]
-Env = Annotated[dict, AfterValidator(_str_values)]  # YAML scalars, kept as strings
+Env = Annotated[dict[Any, Any], AfterValidator(_str_values)]  # YAML scalars, kept as strings
 # A YAML list; lax (not strict) so that the list becomes a tuple, a frozen config's value. The names are the
 # registry's gates (parse_config checks them).
 GateNames = Annotated[tuple[str, ...], Field(strict=False)]
@@ -244,7 +244,7 @@ class EvalConfig:
         gate_keys = list(self.gate_keys)
         for kind in {owners[k] for k in rest}:
             mine = {k: v for k, v in rest.items() if owners[k] is kind}
-            current = self.keys(kind)
+            current: Any = self.keys(kind)  # a @gate_keys class, as gate_keys holds them
             gate_keys = [k for k in gate_keys if type(k) is not kind]
             gate_keys.append(dataclasses.replace(current, **mine))
         return dataclasses.replace(self, **run, gate_keys=tuple(gate_keys))
@@ -288,7 +288,8 @@ K = TypeVar("K")
 # The run's own keys: EvalConfig's fields less what parse_config adds; a FieldInfo's description is its doc.
 RUN_KEYS: dict[str, FieldInfo] = {
     key: info
-    for key, info in EvalConfig.__pydantic_fields__.items()
+    # pydantic sets __pydantic_fields__ on a pydantic dataclass; its types declare it on BaseModel only.
+    for key, info in cast("dict[str, FieldInfo]", getattr(EvalConfig, "__pydantic_fields__")).items()
     if key not in ("path", "sha256", "gate_keys", "text", "on_gpu")
 }
 
