@@ -26,6 +26,7 @@ from pydantic_core import ErrorDetails
 from moe_eval.core.errors import ConfigError
 from moe_eval.core.layout import Layout, layout_from_server_args
 from moe_eval.gates import registry
+from moe_eval.gates.gate import GateConfig
 
 GSM8K_TEST_QUESTIONS = 1319
 # The golden gate's paired test over texts: below this many texts its p-value and its power analysis are
@@ -452,3 +453,8 @@ def effective_config(
         on_gpu = hw is not None and hw != "cpu"
         config = dataclasses.replace(config, max_concurrency=DEFAULT_CONCURRENCY["gpu" if on_gpu else "cpu"])
     return config, (mutation if config.moe_backend is not None else None)
+
+
+def _is_a_gate_config(config: EvalConfig) -> GateConfig:
+    """Never called: mypy checks here that EvalConfig has everything a gate reads (gates.gate.GateConfig)."""
+    return config

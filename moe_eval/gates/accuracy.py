@@ -17,11 +17,10 @@ from typing_extensions import NotRequired, TypedDict  # pydantic reads typing's 
 
 from moe_eval.core.check import Check
 from moe_eval.core.evidence import Evidence
-from moe_eval.gates.gate import Column, Gate, RowView, Show, Skipped, gate_keys
+from moe_eval.gates.gate import Column, Gate, GateConfig, RowView, Show, Skipped, gate_keys
 from moe_eval.gates.stats import describe_power, detectable_drop
 
 if TYPE_CHECKING:
-    from moe_eval.configs.config import EvalConfig
     from moe_eval.gates.measurements import Judgement, Measurements
 
 
@@ -140,7 +139,7 @@ class AccuracyGate(TypedDict):
 SECTION = "gate"  # results.json's key of the accuracy gate (its first name, kept for readers)
 
 
-def judge_accuracy(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
+def judge_accuracy(config: GateConfig, m: Measurements, out: Judgement) -> str | None:
     if m.answers is None:
         return "the evaluation made no answers"
     assert config.accuracy_threshold is not None  # answers_gated: parse_config requires it

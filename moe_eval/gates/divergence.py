@@ -17,10 +17,9 @@ from moe_eval.core.errors import InfraError
 from moe_eval.core.evidence import Evidence
 from moe_eval.core.logprob_texts import TextLogprobs
 from moe_eval.core.payload import described
-from moe_eval.gates.gate import Column, Gate, RowView, Show, Skipped, gate_keys
+from moe_eval.gates.gate import Column, Gate, GateConfig, RowView, Show, Skipped, gate_keys
 
 if TYPE_CHECKING:
-    from moe_eval.configs.config import EvalConfig
     from moe_eval.gates.measurements import Judgement, Measurements
 
 
@@ -301,7 +300,7 @@ def _first_set(value: float | None, default: float | None) -> float | None:
     return default if value is None else value
 
 
-def judge_divergence(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
+def judge_divergence(config: GateConfig, m: Measurements, out: Judgement) -> str | None:
     """Limits from the config, else the defaults for the kind of incumbent (the same kernel at the same
     layout repeats bitwise; another kernel or layout differs by rounding)."""
     base = m.incumbent

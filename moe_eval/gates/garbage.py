@@ -9,10 +9,9 @@ from pydantic import Field
 
 from moe_eval.core.check import Check
 from moe_eval.core.evidence import Evidence
-from moe_eval.gates.gate import Gate, gate_keys
+from moe_eval.gates.gate import Gate, GateConfig, gate_keys
 
 if TYPE_CHECKING:
-    from moe_eval.configs.config import EvalConfig
     from moe_eval.gates.measurements import Judgement, Measurements
 
 
@@ -38,7 +37,7 @@ LIMITS = (  # (check name and config key, the count it limits, what it counts); 
 )
 
 
-def garbage_checks(config: EvalConfig, stats: dict[str, Any]) -> list[Check]:
+def garbage_checks(config: GateConfig, stats: dict[str, Any]) -> list[Check]:
     n = max(stats["questions"], 1)
     checks = []
     keys = config.keys(GarbageKeys)
@@ -57,7 +56,7 @@ def garbage_checks(config: EvalConfig, stats: dict[str, Any]) -> list[Check]:
     return checks
 
 
-def judge_garbage(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
+def judge_garbage(config: GateConfig, m: Measurements, out: Judgement) -> str | None:
     if m.answers is None:
         return "the evaluation made no answers"
     out.checks += garbage_checks(config, m.answers.stats)

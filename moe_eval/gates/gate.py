@@ -19,11 +19,56 @@ from typing_extensions import (  # pydantic reads typing's TypedDict from 3.12 o
 )
 
 if TYPE_CHECKING:
-    from moe_eval.configs.config import EvalConfig
+    from pathlib import Path
+
+    from moe_eval.core.layout import Layout
     from moe_eval.gates.measurements import Judgement, Measurements
 
 
 T = TypeVar("T")
+
+
+class GateConfig(Protocol):
+    """What a gate reads of a row's config (moe_eval.configs.config.GateConfig is one): a few of the run's
+    keys, what they imply, and the gate's own keys. gates/ imports no config module, not even for a type: the
+    config knows the gates (it asks the registry for their keys), not the other way round."""
+
+    @property
+    def path(self) -> Path: ...
+    @property
+    def layout(self) -> Layout: ...
+    @property
+    def accuracy_threshold(self) -> float | None: ...
+    @property
+    def tolerance(self) -> float: ...
+    @property
+    def num_questions(self) -> int: ...
+    @property
+    def random_weights(self) -> bool: ...
+    @property
+    def moe_backend(self) -> str | None: ...
+    @property
+    def moe_timing(self) -> bool: ...
+    @property
+    def on_gpu(self) -> bool | None: ...
+    @property
+    def logprob_texts(self) -> int: ...
+    @property
+    def decode_texts(self) -> int: ...
+    @property
+    def answers_gated(self) -> bool: ...
+    @property
+    def golden_gated(self) -> bool: ...
+    @property
+    def layer_checked(self) -> bool: ...
+
+    def keys(self, kind: type[T]) -> T:
+        """The gate's keys (its @gate_keys class) as this config set them."""
+        ...
+
+    def key(self, name: str) -> Any:
+        """One key's value by name (a Floor's share_key)."""
+        ...
 
 
 @dataclass_transform(kw_only_default=True, frozen_default=True, field_specifiers=(pydantic.Field,))
@@ -41,7 +86,7 @@ class RowView(Protocol):
     """What a gate's table cell may read of a finished row (moe_eval.runner.ConfigOutcome)."""
 
     @property
-    def config(self) -> EvalConfig: ...
+    def config(self) -> GateConfig: ...
 
     @property
     def timing(self) -> dict[str, Any] | None: ...
@@ -77,7 +122,7 @@ class Floor:
     share: float = 0.0
     share_key: str | None = None  # a config key holding the share, where the config sets it
 
-    def required(self, config: EvalConfig, total: int) -> int:
+    def required(self, config: GateConfig, total: int) -> int:
         share = config.key(self.share_key) if self.share_key else self.share
         return max(self.units, math.ceil(share * total - 1e-9))
 
@@ -87,10 +132,10 @@ class Gate:
     name: str  # as `moe-eval list` prints it; `optional_gates` names it
     checks: tuple[str, ...]  # the checks it can make (results.json "checks" names)
     # The config's keys ask for it, given whether the run has an incumbent (baseline_config or --baseline).
-    called_for: Callable[[EvalConfig, bool], bool]
+    called_for: Callable[[GateConfig, bool], bool]
     needs_incumbent: bool  # cannot run without one: called for and none is "not run", not a pass
     # Appends the gate's checks and results.json section; returns why it could not judge (None: judged).
-    rule: Callable[[EvalConfig, Measurements, Judgement], str | None]
+    rule: Callable[[GateConfig, Measurements, Judgement], str | None]
     what: str  # what it checks, in one line: the registry read as documentation
     keys: type | None = None  # its config keys (a @gate_keys class; None: it reads none)
     section: str | None = None  # its results.json key (None: it writes checks only)
@@ -100,10 +145,10 @@ class Gate:
     show: Show = field(default_factory=Show)
     # Why the config alone keeps it from running where it is called for, with the short words `moe-eval
     # list` shows: (why, short); None: nothing does.
-    blocked: Callable[[EvalConfig], tuple[str, str] | None] = lambda config: None
+    blocked: Callable[[GateConfig], tuple[str, str] | None] = lambda config: None
     # Where it is not called for but could still be computed: its section, reported only (no check, so
     # never a verdict).
-    report: Callable[[EvalConfig, Measurements, Judgement], None] | None = None
+    report: Callable[[GateConfig, Measurements, Judgement], None] | None = None
 
     def floor_of(self, check: str) -> Floor:
         return self.floors.get(check, Floor())

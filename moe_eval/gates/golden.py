@@ -13,7 +13,7 @@ from moe_eval.core.check import Check
 from moe_eval.core.errors import InfraError
 from moe_eval.core.evidence import Evidence
 from moe_eval.gates.divergence import no_logprobs
-from moe_eval.gates.gate import Column, Gate, RowView, Show, Skipped, gate_keys
+from moe_eval.gates.gate import Column, Gate, GateConfig, RowView, Show, Skipped, gate_keys
 from moe_eval.gates.golden_errors import (
     POWER,
     DecodeErrors,
@@ -27,7 +27,6 @@ from moe_eval.gates.golden_errors import (
 )
 
 if TYPE_CHECKING:
-    from moe_eval.configs.config import EvalConfig
     from moe_eval.gates.measurements import IncumbentRow, Judgement, Measurements
 
 
@@ -117,7 +116,7 @@ class GoldenGate(TypedDict):
     """the greedy continuations against the golden's, or {skipped}"""
 
 
-def judge_golden(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
+def judge_golden(config: GateConfig, m: Measurements, out: Judgement) -> str | None:
     if m.logprobs is None or m.incumbent_logprobs is None:
         why = no_logprobs(m)
         out.sections[SECTION] = {"skipped": why}
@@ -192,7 +191,7 @@ def judge_golden(config: EvalConfig, m: Measurements, out: Judgement) -> str | N
     return None
 
 
-def _decode(config: EvalConfig, m: Measurements, gate: dict[str, Any]) -> list[Check]:
+def _decode(config: GateConfig, m: Measurements, gate: dict[str, Any]) -> list[Check]:
     """The greedy continuations against the golden's: part of the golden gate where both made them."""
     assert m.golden is not None and m.incumbent is not None
     golden_decode = m.golden.decode
@@ -251,7 +250,7 @@ def _decode(config: EvalConfig, m: Measurements, gate: dict[str, Any]) -> list[C
     return [Check.judged("golden_gate_decode", not rule.failed, detail, evidence)]
 
 
-def incumbent_description(config: EvalConfig, incumbent: IncumbentRow) -> dict[str, Any]:
+def incumbent_description(config: GateConfig, incumbent: IncumbentRow) -> dict[str, Any]:
     """Which run stands as the incumbent, and whether it is the kernel users would otherwise run at this
     config's layout or a stand-in."""
     layout = config.layout.describe()

@@ -9,10 +9,9 @@ from pydantic import Field
 
 from moe_eval.core.check import Check
 from moe_eval.core.evidence import Evidence
-from moe_eval.gates.gate import Gate, gate_keys
+from moe_eval.gates.gate import Gate, GateConfig, gate_keys
 
 if TYPE_CHECKING:
-    from moe_eval.configs.config import EvalConfig
     from moe_eval.gates.measurements import Judgement, Measurements
 
 
@@ -28,7 +27,7 @@ class JitKeys:
     )
 
 
-def judge_jit(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
+def judge_jit(config: GateConfig, m: Measurements, out: Judgement) -> str | None:
     if m.jit is None:
         return "the server's log was not read"
     jit, limit = m.jit, config.keys(JitKeys).max_jit_while_serving

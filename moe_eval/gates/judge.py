@@ -15,22 +15,18 @@ gate's rule, come from the one registry (moe_eval.gates.registry). Decided here,
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from moe_eval.core.check import Check, verdict
 from moe_eval.core.evidence import Status
 from moe_eval.gates import registry
-from moe_eval.gates.gate import Gate
+from moe_eval.gates.gate import Gate, GateConfig
 from moe_eval.gates.measurements import Answers, GoldenRecord, Judgement, Measurements
 from moe_eval.gates.registry import NOT_RUN_SUFFIX, planned
-
-if TYPE_CHECKING:
-    from moe_eval.configs.config import EvalConfig
 
 __all__ = ["Answers", "GoldenRecord", "Judgement", "Measurements", "judge", "not_run"]
 
 
-def judge(config: EvalConfig, m: Measurements, optional: frozenset[str] = frozenset()) -> Judgement:
+def judge(config: GateConfig, m: Measurements, optional: frozenset[str] = frozenset()) -> Judgement:
     """The checks of every gate the registry gives this config, the verdict, and the records that explain
     them. `optional`: gates whose "not run" does not make the verdict incomplete."""
     out = Judgement([], "", {})
@@ -65,7 +61,7 @@ def judge(config: EvalConfig, m: Measurements, optional: frozenset[str] = frozen
     return out
 
 
-def on_floor(config: EvalConfig, gate: Gate, check: Check) -> Check:
+def on_floor(config: GateConfig, gate: Gate, check: Check) -> Check:
     """A passed check whose evidence is below its floor (the gate's, or what the evidence itself requires)
     is not run: a pass on thin evidence is no pass. The evidence keeps what the floor asked for."""
     evidence = check.evidence

@@ -8,14 +8,13 @@ from typing import TYPE_CHECKING
 
 from moe_eval.core.check import Check
 from moe_eval.core.evidence import Evidence
-from moe_eval.gates.gate import Gate
+from moe_eval.gates.gate import Gate, GateConfig
 
 if TYPE_CHECKING:
-    from moe_eval.configs.config import EvalConfig
     from moe_eval.gates.measurements import Judgement, Measurements
 
 
-def judge_kernel_calls(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
+def judge_kernel_calls(config: GateConfig, m: Measurements, out: Judgement) -> str | None:
     if m.kernel_calls is None:
         return "the kernel's counters were not read"
     calls, ranks = m.kernel_calls, config.layout.world_size

@@ -39,7 +39,7 @@ from typing_extensions import NotRequired, TypedDict  # pydantic reads typing's 
 from moe_eval.core.check import Check
 from moe_eval.core.evidence import Evidence
 from moe_eval.core.plugin_protocol import layer_range_names
-from moe_eval.gates.gate import Column, Floor, Gate, RowView, Show, gate_keys
+from moe_eval.gates.gate import Column, Floor, Gate, GateConfig, RowView, Show, gate_keys
 from moe_eval.gates.layer_summary import (
     ACTIVATION_RESOLVES,
     MIN_ROWS,
@@ -59,7 +59,6 @@ from moe_eval.gates.layer_summary import (
 )
 
 if TYPE_CHECKING:
-    from moe_eval.configs.config import EvalConfig
     from moe_eval.gates.measurements import Judgement, Measurements
 
 
@@ -413,7 +412,7 @@ class LayerCheckSection(TypedDict):
     """the off cells, and each (range, rank)'s largest"""
 
 
-def layer_check_limits(config: EvalConfig) -> LayerCheckLimits:
+def layer_check_limits(config: GateConfig) -> LayerCheckLimits:
     keys = config.keys(LayerCheckKeys)
     return LayerCheckLimits(
         margin=keys.layer_check_margin,
@@ -426,7 +425,7 @@ def layer_check_limits(config: EvalConfig) -> LayerCheckLimits:
     )
 
 
-def judge_layer_check(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
+def judge_layer_check(config: GateConfig, m: Measurements, out: Judgement) -> str | None:
     if m.layer is None:
         return "the processes' layer-check sums were not read"
     limits = layer_check_limits(config)

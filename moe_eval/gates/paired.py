@@ -10,11 +10,10 @@ from typing_extensions import TypedDict  # pydantic reads typing's TypedDict fro
 
 from moe_eval.core.check import Check
 from moe_eval.core.evidence import Evidence
-from moe_eval.gates.gate import Gate, gate_keys
+from moe_eval.gates.gate import Gate, GateConfig, gate_keys
 from moe_eval.gates.stats import PairedResult, paired_compare
 
 if TYPE_CHECKING:
-    from moe_eval.configs.config import EvalConfig
     from moe_eval.gates.measurements import IncumbentRow, Judgement, Measurements
 
 
@@ -63,7 +62,7 @@ def paired_check(
     ), result
 
 
-def judge_paired(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
+def judge_paired(config: GateConfig, m: Measurements, out: Judgement) -> str | None:
     if m.answers is None:
         return "the evaluation made no answers"
     assert m.incumbent is not None  # the gate needs an incumbent: the judge gives it one or none

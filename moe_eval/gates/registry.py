@@ -18,12 +18,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-from moe_eval.gates.gate import Gate
-
-if TYPE_CHECKING:
-    from moe_eval.configs.config import EvalConfig
+from moe_eval.gates.gate import Gate, GateConfig
 
 NOT_RUN_SUFFIX = "_not_run"  # the check a gate called for makes when it could not run: "<gate>_not_run"
 NO_INCUMBENT = (
@@ -79,19 +75,19 @@ def registered(gate: Gate) -> Iterator[Gate]:
         GATES.remove(gate)
 
 
-def gates_for(config: EvalConfig, has_incumbent: bool) -> list[Gate]:
+def gates_for(config: GateConfig, has_incumbent: bool) -> list[Gate]:
     """The gates this config's keys call for, in the registry's order."""
     return [gate for gate in GATES if gate.called_for(config, has_incumbent)]
 
 
-def _blocked(gate: Gate, config: EvalConfig, has_incumbent: bool) -> tuple[str, str] | None:
+def _blocked(gate: Gate, config: GateConfig, has_incumbent: bool) -> tuple[str, str] | None:
     """(why, short words) the gate cannot run, known before anything is measured; None: it runs."""
     if gate.needs_incumbent and not has_incumbent:
         return NO_INCUMBENT, "no incumbent"
     return gate.blocked(config)
 
 
-def planned(config: EvalConfig, has_incumbent: bool) -> list[tuple[Gate, str | None]]:
+def planned(config: GateConfig, has_incumbent: bool) -> list[tuple[Gate, str | None]]:
     """Each gate the config calls for, with the reason it cannot run before anything is measured (None:
     it runs). `moe-eval list` prints this; the judge starts from it."""
     out = []
@@ -102,7 +98,7 @@ def planned(config: EvalConfig, has_incumbent: bool) -> list[tuple[Gate, str | N
 
 
 def describe_plan(
-    config: EvalConfig, has_incumbent: bool, optional: frozenset[str] = frozenset()
+    config: GateConfig, has_incumbent: bool, optional: frozenset[str] = frozenset()
 ) -> list[str]:
     """`moe-eval list`'s gates column: a gate's name, or `name(not run: why)`, or `name(skipped: why)` for
     one that is optional here (the config's optional_gates, `--optional-gate`)."""

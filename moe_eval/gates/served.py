@@ -7,14 +7,13 @@ from typing import TYPE_CHECKING
 
 from moe_eval.core.check import Check
 from moe_eval.core.evidence import Evidence
-from moe_eval.gates.gate import Gate
+from moe_eval.gates.gate import Gate, GateConfig
 
 if TYPE_CHECKING:
-    from moe_eval.configs.config import EvalConfig
     from moe_eval.gates.measurements import Judgement, Measurements
 
 
-def judge_served(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
+def judge_served(config: GateConfig, m: Measurements, out: Judgement) -> str | None:
     if m.answers is None:
         return "the evaluation made no answers"
     # Against the questions asked, not a count of the same samples (which could not fail).

@@ -40,10 +40,9 @@ from moe_eval.core.check import Check
 from moe_eval.core.evidence import Evidence
 from moe_eval.core.moe_timing import RangeTiming, SizeTiming, TimingSummary
 from moe_eval.core.payload import described
-from moe_eval.gates.gate import Column, Gate, RowView, Show, Skipped, gate_keys
+from moe_eval.gates.gate import Column, Gate, GateConfig, RowView, Show, Skipped, gate_keys
 
 if TYPE_CHECKING:
-    from moe_eval.configs.config import EvalConfig
     from moe_eval.core.record import RunRecord
     from moe_eval.gates.measurements import Judgement, Measurements
 
@@ -442,7 +441,7 @@ def timed_where(record: RunRecord) -> tuple[str, str | None]:
 NO_REFERENCE = "no reference to compare the MoE calls' time with (no incumbent, no --baseline)"
 
 
-def _comparable(config: EvalConfig, m: Measurements) -> str | None:
+def _comparable(config: GateConfig, m: Measurements) -> str | None:
     """Why this row's MoE times cannot be compared with its reference's (None: they can)."""
     if m.speed is None:
         return "the row's MoE calls were not timed"
@@ -480,7 +479,7 @@ def _comparable(config: EvalConfig, m: Measurements) -> str | None:
     return None
 
 
-def speed_gated(config: EvalConfig, has_incumbent: bool) -> bool:
+def speed_gated(config: GateConfig, has_incumbent: bool) -> bool:
     """The gate is called for: asked for (speed_gate: true, with or without what it needs: then it is not
     run), or absent on a GPU run (config.on_gpu, from --hw) of a row with an incumbent."""
     asked = config.keys(SpeedKeys).speed_gate
@@ -489,17 +488,17 @@ def speed_gated(config: EvalConfig, has_incumbent: bool) -> bool:
     return asked
 
 
-def speed_reported(config: EvalConfig, has_incumbent: bool) -> bool:
+def speed_reported(config: GateConfig, has_incumbent: bool) -> bool:
     """Timed beside an incumbent but not gated (the CPU): the comparison is reported, never a verdict."""
     return config.moe_timing and has_incumbent and not speed_gated(config, has_incumbent)
 
 
-def _margins(config: EvalConfig) -> Margins:
+def _margins(config: GateConfig) -> Margins:
     keys = config.keys(SpeedKeys)
     return Margins(replayed=keys.speed_margin, eager=keys.speed_margin_eager)
 
 
-def judge_speed(config: EvalConfig, m: Measurements, out: Judgement) -> str | None:
+def judge_speed(config: GateConfig, m: Measurements, out: Judgement) -> str | None:
     """Per dispatch range, the served MoE calls' time against the reference's at matched sizes."""
     why = _comparable(config, m)
     if why is not None:
@@ -520,7 +519,7 @@ def judge_speed(config: EvalConfig, m: Measurements, out: Judgement) -> str | No
     return None
 
 
-def report_speed(config: EvalConfig, m: Measurements, out: Judgement) -> None:
+def report_speed(config: GateConfig, m: Measurements, out: Judgement) -> None:
     """A row timed beside an incumbent but not gated (the CPU): the same comparison, reported only."""
     if not speed_reported(config, m.incumbent is not None):
         return
@@ -622,7 +621,7 @@ def speed_junit(gate: Any) -> dict[str, object]:
     }
 
 
-def _blocked(config: EvalConfig) -> tuple[str, str] | None:
+def _blocked(config: GateConfig) -> tuple[str, str] | None:
     if config.moe_timing:
         return None
     return "moe_timing is false: the row's MoE calls are not timed", "moe_timing false"
