@@ -519,7 +519,7 @@ def golden(
     cache step); each is made once per key and kept in the golden cache."""
     from moe_eval.configs.hardware import gpu_names
     from moe_eval.evaluate.golden import GoldenStore, ServerPlace, cache_dir, ensure_golden
-    from moe_eval.evaluate.golden_checks import golden_spec_on
+    from moe_eval.evaluate.golden_for_row import golden_spec_on
     from moe_eval.evaluate.gsm8k import gsm8k_data
     from moe_eval.models.builtin import resolve_model
     from moe_eval.runner import task_data

@@ -250,7 +250,7 @@ class MakeGolden:
     def run(self, row: Row, measured: Measurements) -> None:
         if measured.logprobs is None or measured.incumbent_logprobs is None:
             return
-        from moe_eval.evaluate.golden_checks import measure_golden
+        from moe_eval.evaluate.golden_for_row import measure_golden
 
         cancel.raise_if_cancelled()  # a signal during the teardown: no golden server starts after it
         # A golden that cannot be made is the golden gate not run: what the row measured is still judged (an

@@ -1,8 +1,8 @@
-"""The golden reference inside a config's run: found in the cache or made, for moe_eval.gates.judge (the
-I/O half of the golden gate: it may start a golden server; the judge only compares).
+"""The golden reference a row is judged against: found in the cache or made (the I/O half of the golden gate:
+it may start a golden server; the gate only compares).
 
-Called by moe_eval.runner after the config's own server is down (its GPUs or cores then make the
-golden when the cache has none); the comparison and the decision are the judge's (`_golden`).
+The runner's last step (moe_eval.steps.MakeGolden) calls it after the row's own server is down (its GPUs or
+cores then make the golden when the cache has none); `moe-eval golden` makes them ahead of a run.
 """
 
 from __future__ import annotations
