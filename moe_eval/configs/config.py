@@ -420,15 +420,19 @@ def parse_config(path: Path, text: str) -> EvalConfig:
 
 
 def load_config(path: Path) -> EvalConfig:
+    return parse_config(path, read_text(path, "config file", "config"))
+
+
+def read_text(path: Path, what: str, short: str) -> str:
+    """A config or list file's text, or a ConfigError naming the file and why it cannot be read."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{path}: config file does not exist") from None
+        raise ConfigError(f"{path}: {what} does not exist") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
-    return parse_config(path, text)
+        raise ConfigError(f"{path}: cannot read {short}: {exc.strerror or exc}") from None
 
 
 # lm-eval's concurrent requests where a config names none. On the H200 the Qwen3-30B-A3B twin's 512-question

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from moe_eval.configs.config import EvalConfig, load_config
+from moe_eval.configs.config import EvalConfig, load_config, read_text
 from moe_eval.core.errors import ConfigError, NothingSelected
 
 HARDWARE = ("b200", "h100", "h200", "cpu")
@@ -21,14 +21,7 @@ _SHARD = re.compile(r"^(\d+)/(\d+)$")
 
 
 def read_list(list_path: Path) -> list[Path]:
-    try:
-        lines = list_path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise ConfigError(f"{list_path}: hardware list does not exist") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{list_path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
-    except OSError as exc:
-        raise ConfigError(f"{list_path}: cannot read the list: {exc.strerror or exc}") from None
+    lines = read_text(list_path, "hardware list", "the list").splitlines()
     paths: list[Path] = []
     for lineno, raw in enumerate(lines, start=1):
         entry = raw.split("#", 1)[0].strip()

@@ -386,7 +386,10 @@ _INTERPRETED = r"""
 import json, sys
 import torch
 from moe_eval.kernels import layer_check as lc
+from moe_eval.kernels.moe_call import MoeBackend, MoeCall, MoeWeights, Routing
 from moe_eval.kernels.torch_moe import torch_moe
+def _call(x, weights, ids, expert_map, w13, w2):
+    return MoeCall(x, MoeWeights(MoeBackend.REFERENCE, w13, w2), Routing(weights, ids), expert_map)
 torch.manual_seed(0)
 E, K, D, F = 8, 2, 96, 80
 w13 = (torch.randn(E, 2 * F, D) / D**0.5).bfloat16(); w2 = (torch.randn(E, D, F) / F**0.5).bfloat16()
