@@ -25,11 +25,12 @@ from moe_eval.core.record import RunRecord
 from moe_eval.evaluate.gsm8k import Gsm8kData, Gsm8kOutcome, run_gsm8k
 from moe_eval.evaluate.layer_sweep import SweepTarget, reach_every_range, sweep_target
 from moe_eval.evaluate.moe_speed import end_to_end, timed_sweep
-from moe_eval.evaluate.serving import Scoring, score_texts
+from moe_eval.evaluate.serving import Scoring, score_again, score_texts
 from moe_eval.gates.answers import answer_stats, correctness, first_response, per_question
 from moe_eval.gates.layer_gate import layer_check_limits
 from moe_eval.gates.layer_summary import MIN_ROWS, LayerSummary, reachable_ranges, summarize
 from moe_eval.gates.measurements import Answers, IncumbentRow, Measurements
+from moe_eval.gates.repeat import RepeatKeys, RepeatSection, compare_scorings
 from moe_eval.gates.speed import machine_of, workload_identity
 from moe_eval.serve import cancel
 from moe_eval.serve.server_log import kernel_call_counts
@@ -60,6 +61,7 @@ class Row:
     swept: dict[str, Any] | None = None
     speed: moe_timing.TimingSummary | None = None
     layer: LayerSummary | None = None
+    repeat: RepeatSection | None = None
     not_measured: dict[str, str] = field(default_factory=dict)  # gate name -> why its measurement failed
 
     @property
@@ -96,6 +98,7 @@ class Row:
             incumbent_logprobs=_read_if(incumbent and incumbent.logprobs_path),
             incumbent_decode=_read_if(incumbent and incumbent.decode_path),
             speed=self.speed,
+            repeat=self.repeat,
             machine=machine_of(self.record.environment.hardware),
             workload=workload_identity(self.swept),
             not_measured=dict(self.not_measured),
@@ -159,6 +162,32 @@ class ScoreTexts:
         row.scoring = scoring
         row.record.captures.logprobs, row.record.captures.decode = scoring.logprobs, scoring.decode_info
         row.timings.update(scoring.seconds)
+
+
+class RepeatScores:
+    """The scored texts once more, the same way, on the same server: do their log-probabilities repeat bit
+    for bit (gates/repeat.py compares them, in memory: the files round log p)."""
+
+    stage = "scoring log-probabilities again"
+
+    def wanted(self, config: EvalConfig) -> bool:
+        return config.keys(RepeatKeys).repeat_texts and config.logprob_texts > 0
+
+    def run(self, row: Row) -> None:
+        assert row.server is not None
+        first = row.scoring.prefill if row.scoring else None
+        if first is None:
+            return  # nothing was scored (no test questions): results.json's logprobs says why
+        started = time.monotonic()
+        server, config = row.server, row.config
+        row.repeat, why = measured_or_why(
+            lambda: compare_scorings(first, score_again(config, row.data, server.base_url, row.model)),
+            "the texts' second scoring failed",
+        )
+        if why is not None:
+            server.check_alive("while scoring the texts again")  # a dead server ends the row, as elsewhere
+            row.not_measured["repeat"] = why
+        row.timings["repeat_seconds"] = time.monotonic() - started
 
 
 def _target(row: Row) -> SweepTarget:
@@ -266,8 +295,8 @@ class MakeGolden:
             row.record.captures.golden = {"not_made": why}
 
 
-SERVING: tuple[Step, ...] = (Evaluate(), CountAnswerTokens(), ScoreTexts(), TimeMoeCalls(), ReachEveryRange(),
-                             ReadCounters())  # fmt: skip
+SERVING: tuple[Step, ...] = (Evaluate(), CountAnswerTokens(), ScoreTexts(), RepeatScores(), TimeMoeCalls(),
+                             ReachEveryRange(), ReadCounters())  # fmt: skip
 AFTER = (MakeGolden(),)
 
 

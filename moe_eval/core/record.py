@@ -33,7 +33,7 @@ from moe_eval.core.results import atomic_write_json
 # results.json's layout; CHANGELOG.md says what each version added. A reader takes every version up to this
 # one: a key a version added is absent from older records (the field's default), and Check reads a check
 # written before `status` (10) from its `passed` and `ran`.
-RESULTS_SCHEMA_VERSION = 10
+RESULTS_SCHEMA_VERSION = 11
 RESULTS_FILE = "results.json"  # one per config run folder
 SUMMARY_FILE = "summary.json"  # one per run folder
 

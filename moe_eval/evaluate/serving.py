@@ -149,6 +149,13 @@ def capture_prefill(
     )
 
 
+def score_again(config: EvalConfig, data: Gsm8kData, base_url: str, model: str) -> list[TextLogprobs]:
+    """The scoring texts of `score_texts` once more, the same way (the repeat check compares the two)."""
+    inputs = scoring_inputs(config, data)
+    assert inputs is not None, "score_again follows a scoring that found its texts"
+    return capture_prefill(config, base_url, model, inputs.texts)
+
+
 def capture_continuations(
     config: EvalConfig, base_url: str, model: str, prompts: Sequence[str]
 ) -> list[TextLogprobs]:

@@ -13,6 +13,7 @@ from moe_eval.core.moe_timing import TimingSummary
 
 if TYPE_CHECKING:
     from moe_eval.gates.layer_summary import LayerSummary
+    from moe_eval.gates.repeat import RepeatSection
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class Measurements:
     speed: TimingSummary | None = None  # the timed workload's MoE calls per range (evaluate/moe_speed.py)
     machine: str | None = None  # where they ran (checks.machine_of): a speed reference must match it
     workload: str | None = None  # what the timed sweep computed (checks.workload_identity)
+    repeat: RepeatSection | None = None  # the scored texts against their second scoring (gates/repeat.py)
     speed_warnings: list[str] = field(default_factory=list)  # server_log.speed_warnings: named with its speed
     not_measured: dict[str, str] = field(default_factory=dict)  # gate name -> why nothing was measured
 

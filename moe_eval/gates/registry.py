@@ -38,11 +38,24 @@ def _shipped() -> list[Gate]:
         kernel_calls,
         layer_gate,
         paired,
+        repeat,
         served,
         speed,
     )
 
-    modules = (served, accuracy, garbage, paired, divergence, golden, jit, kernel_calls, layer_gate, speed)
+    modules = (
+        served,
+        accuracy,
+        garbage,
+        paired,
+        divergence,
+        golden,
+        jit,
+        kernel_calls,
+        layer_gate,
+        speed,
+        repeat,
+    )
     return [module.GATE for module in modules]
 
 

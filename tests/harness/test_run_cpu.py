@@ -70,12 +70,13 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         assert record["versions"]["vllm"] == "0.32.0" and record["versions"]["lm-eval"] == "0.4.13"
         run_dir = Path(record["server"]["log"]).parent
         log = (run_dir / "server.log").read_text()
-        # Every question, scored text and decode prompt reached the server (plus the launcher's warm-up), the
-        # speed measurement's timed sweep (every row), and for a bundled kernel the layer check's own sweep
-        # and rounds: the check was paused through the timed requests, every server process saying so.
+        # Every question, scored text (twice: the repeat) and decode prompt reached the server (plus the
+        # launcher's warm-up), the speed measurement's timed sweep (every row), and for a bundled kernel the
+        # layer check's own sweep and rounds: the check was paused through the timed requests, every server
+        # process saying so.
         timed = record["timing"]["workload"]["requests"]
         checked = record["layer_sweep"]["requests"] if "layer_sweep" in record else 0
-        assert log.count("POST /v1/completions") == 200 + 16 + 8 + 1 + timed + checked
+        assert log.count("POST /v1/completions") == 200 + 2 * 16 + 8 + 1 + timed + checked
         assert record["timing"]["workload"].get("layer_check_paused") is ("layer_sweep" in record or None)
         # Every row's served MoE calls timed per dispatch range on the same workload (reported on the CPU,
         # never gated: the speed gate is off for --hw cpu), vLLM's own kernel's too.
@@ -110,6 +111,11 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         else:
             assert speed["skipped"].startswith("not compared: the reference's timed requests differ"), speed
         assert record["decode"]["prompts"] == 8 and (run_dir / "decode.jsonl").is_file()
+        # The 16 texts scored a second time on the same server, one at a time as before: the same bits, on
+        # vLLM's CPU kernel and the bundled torch kernel alike (reported: repeat_gate is not set).
+        repeat = record["repeat"]
+        assert repeat["identical"] and repeat["gated"] is False and repeat["texts"] == 16
+        assert repeat["positions"] == record["logprobs"]["positions"] and record["timings"]["repeat_seconds"]
         samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
         assert {s["doc_id"] for s in samples} == set(range(200))
         assert all(s["resps"][0][0] for s in samples), "every reply carries generated text"
@@ -191,6 +197,7 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
     assert "Error vs golden (incumbent)" in result.stdout and "Layer check vs exact" in result.stdout
     assert "MoE time (x reference)" in result.stdout and "ranges timed, not gated" in result.stdout
     assert "report only: x" in result.stdout  # the TP row's reported comparison, never a verdict
+    assert "Repeats bit for bit" in result.stdout and result.stdout.count("|yes, ") == 3
     assert not processes_with_env("MOE_EVAL_RUN_DIR", str(out)), "processes of the run survived it"
 
 

@@ -766,6 +766,26 @@ PREFILL_FORCED = {
 }
 
 
+@pytest.mark.parametrize(
+    "config", [SWIZZLED, INTERLEAVED, NAIVE_FOLD], ids=["aligned", "interleaved", "naive-fold"]
+)
+def test_the_same_tokens_in_another_order_give_the_same_bits(config, device):
+    """Batches of other composition under one plan (same T, same tile config): each token's output is its
+    own slots' arithmetic, summed in slot order, wherever the token sits in the batch. (Across plans, other
+    T, the tiles differ and so may the last bit: vLLM is not batch-invariant either.)"""
+    case = make_case(37, 8, 2, 32, 32, dtype=DTYPES[0], device=device, seed=141)
+    order = torch.randperm(37, generator=torch.Generator().manual_seed(5)).to(device)
+    shuffled = dataclasses.replace(
+        case,
+        hidden_TD=case.hidden_TD[order].contiguous(),
+        topk_weights_TK=case.topk_weights_TK[order].contiguous(),
+        topk_ids_TK=case.topk_ids_TK[order].contiguous(),
+    )
+    out = fused_moe(*case.args(), **case.kwargs(), config=config)
+    again = fused_moe(*shuffled.args(), **shuffled.kwargs(), config=config)
+    assert torch.equal(out[order], again)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("variant", list(PREFILL_FORCED))

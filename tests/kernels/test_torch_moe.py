@@ -111,3 +111,18 @@ def test_zero_tokens(impl):
     case = make_case(0, 8, 2, 32, 32, dtype=torch.bfloat16, device=_device(), seed=9)
     out_TD = impl(*case.args(), **case.kwargs())
     assert out_TD.shape == (0, 32) and out_TD.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+def test_the_same_call_twice_and_its_tokens_in_another_order_give_the_same_bits(seed):
+    """The top-k sum in a fixed order (index_add_ over slots sorted by expert, stably: token order within an
+    expert), no atomics: the same call repeats bit for bit, and a token's output does not depend on where it
+    sits in the batch (each expert's GEMM sees the same rows, in another order)."""
+    case = make_case(37, 8, 2, 64, 48, dtype=torch.bfloat16, device="cpu", seed=seed)
+    out = torch_moe(*case.args(), **case.kwargs())
+    assert torch.equal(out, torch_moe(*case.args(), **case.kwargs()))
+    order = torch.randperm(37, generator=torch.Generator().manual_seed(seed))
+    shuffled = torch_moe(
+        case.hidden_TD[order], case.w13_eFD, case.w2_eDF, case.topk_weights_TK[order], case.topk_ids_TK[order]
+    )
+    assert torch.equal(out[order], shuffled)

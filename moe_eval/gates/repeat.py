@@ -1,0 +1,207 @@
+"""The repeat check: the row's scored texts, scored a second time on the same server in the same way (one
+request at a time), give the same log-probabilities bit for bit. A kernel that sums in a varying order (the
+top-k slots added by atomics, vLLM #54945) gives a server whose identical requests disagree; users compare
+this property across backends. Reported for every row that scores texts; a verdict only where the config
+asks (`repeat_gate: true`).
+
+The comparison is made in memory by the step that scores again (moe_eval.steps.RepeatScores): the files
+keep log p to 6 decimals, too coarse for "bit for bit". The second pass recomputes every prompt: vLLM reads
+no prefix cache for a request that asks for prompt log-probabilities.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field
+from typing_extensions import NotRequired, TypedDict
+
+from moe_eval.core.check import Check
+from moe_eval.core.evidence import Evidence
+from moe_eval.core.logprob_texts import TextLogprobs
+from moe_eval.gates.gate import Column, Gate, GateConfig, RowView, Show, Skipped, gate_keys
+
+if TYPE_CHECKING:
+    from moe_eval.gates.measurements import Judgement, Measurements
+
+SECTION = "repeat"
+
+
+@gate_keys
+class RepeatKeys:
+    """The repeat check's keys: measured by default, gated when asked."""
+
+    repeat_texts: bool = Field(
+        True,
+        description="score the log-probability texts a second time on the same server and report whether "
+        "they repeat bit for bit (costs the scoring's time again)",
+    )
+    repeat_gate: bool = Field(
+        False, description="fail the row when the second scoring's log-probabilities differ in any bit"
+    )
+
+
+class FirstDifference(TypedDict):
+    """The first position, in text order, whose numbers differ."""
+
+    text: int
+    """the text's index"""
+    position: int
+    """the token position in it"""
+    first: float | None
+    """log p of the text's own token, first scoring"""
+    again: float | None
+    """the same, second scoring"""
+
+
+class RepeatSection(TypedDict):
+    """results.json `repeat`: the scored texts against their second scoring on the same server."""
+
+    texts: int
+    """texts scored twice"""
+    positions: int
+    """positions compared (each text's tokens after its first)"""
+    identical: bool
+    """every position's log p and top-k ids and log p the same bits"""
+    differing_positions: int
+    """positions where any of those differ"""
+    differing_texts: int
+    """texts with at least one such position"""
+    max_abs_difference: float
+    """the largest |log p first - log p again| of a text's own token (0 where identical)"""
+    first_difference: NotRequired[FirstDifference]
+    """where they first differ"""
+    gated: bool
+    """false: reported only (repeat_gate is not set)"""
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    # A NaN in both is the same bits for this purpose: the divergence gate names NaNs, not this check.
+    return a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))
+
+
+def _position_differs(first: TextLogprobs, again: TextLogprobs, position: int) -> bool:
+    a_top, b_top = first.top_logprobs[position], again.top_logprobs[position]
+    return (
+        not _same(first.logprobs[position], again.logprobs[position])
+        or first.top_ids[position] != again.top_ids[position]
+        or (a_top is None) != (b_top is None)
+        or (a_top is not None and b_top is not None and not all(map(_same, a_top, b_top)))
+    )
+
+
+def compare_scorings(first: Sequence[TextLogprobs], again: Sequence[TextLogprobs]) -> RepeatSection:
+    """The two scorings of the same texts, position by position (a text tokenized otherwise the second time
+    differs at every position)."""
+    if len(first) != len(again):
+        raise ValueError(f"{len(first)} texts scored first, {len(again)} the second time")
+    positions = differing = differing_texts = 0
+    largest = 0.0
+    where: FirstDifference | None = None
+    for a, b in zip(first, again):
+        count = len(a) - 1  # position 0 has no log p
+        positions += count
+        if a.token_ids != b.token_ids:
+            differing += count
+            differing_texts += 1
+            where = where or FirstDifference(text=a.index, position=1, first=None, again=None)
+            continue
+        in_text = 0
+        for position in range(1, len(a)):
+            if not _position_differs(a, b, position):
+                continue
+            in_text += 1
+            x, y = a.logprobs[position], b.logprobs[position]
+            if x is not None and y is not None and not (math.isnan(x) or math.isnan(y)):
+                largest = max(largest, abs(x - y))
+            where = where or FirstDifference(text=a.index, position=position, first=x, again=y)
+        differing += in_text
+        differing_texts += in_text > 0
+    section = RepeatSection(
+        texts=len(first),
+        positions=positions,
+        identical=differing == 0,
+        differing_positions=differing,
+        differing_texts=differing_texts,
+        max_abs_difference=largest,
+        gated=False,
+    )
+    if where is not None:
+        section["first_difference"] = where
+    return section
+
+
+def describe(section: RepeatSection) -> str:
+    """'16 texts (6,312 positions) scored twice: bit for bit the same' or where they differ."""
+    scored = f"{section['texts']} texts ({section['positions']:,} positions) scored twice on one server"
+    if section["identical"]:
+        return f"{scored}: the same log-probabilities bit for bit"
+    where = section.get("first_difference")
+    at = f"; first at text {where['text']} position {where['position']}" if where else ""
+    differ = f"{section['differing_positions']:,} positions in {section['differing_texts']} texts differ"
+    return f"{scored}: {differ}, max |Δ log p| {section['max_abs_difference']:.3g}{at}"
+
+
+def judge_repeat(config: GateConfig, m: Measurements, out: Judgement) -> str | None:
+    if m.repeat is None:
+        return "the texts were not scored a second time" + (
+            f" ({m.logprobs_skipped})" if m.logprobs_skipped else ""
+        )
+    section = m.repeat | {"gated": True}
+    out.sections[SECTION] = section
+    evidence = Evidence("position", section["positions"], section["positions"])
+    out.checks.append(Check.judged("repeat_bit_identical", section["identical"], describe(section), evidence))
+    return None
+
+
+def report_repeat(config: GateConfig, m: Measurements, out: Judgement) -> None:
+    """Every row that scored its texts twice: the comparison, reported only."""
+    if m.repeat is not None:
+        out.sections[SECTION] = m.repeat | {"gated": False}
+
+
+def _blocked(config: GateConfig) -> tuple[str, str] | None:
+    if config.logprob_texts == 0:
+        return "logprob_texts is 0: no texts are scored", "logprob_texts 0"
+    if not config.keys(RepeatKeys).repeat_texts:
+        return "repeat_texts is false: the texts are scored once", "repeat_texts false"
+    return None
+
+
+def repeat_cell(section: Any, row: RowView) -> str:
+    """'yes, 6,312 positions' / 'no: 12 of 6,312 positions differ (max |Δ log p| 3e-07)' / '-'."""
+    if not section or "identical" not in section:
+        return "-"
+    if section["identical"]:
+        return f"yes, {section['positions']:,} positions"
+    return (
+        f"no: {section['differing_positions']:,} of {section['positions']:,} positions differ "
+        f"(max |Δ log p| {section['max_abs_difference']:.2g})"
+    )
+
+
+def repeat_junit(section: Any) -> dict[str, object]:
+    section = section or {}
+    return {
+        "repeat.identical": section.get("identical"),
+        "repeat.differing_positions": section.get("differing_positions"),
+        "repeat.positions": section.get("positions"),
+    }
+
+
+GATE = Gate(
+    "repeat",
+    ("repeat_bit_identical",),
+    lambda c, _: c.keys(RepeatKeys).repeat_gate,
+    False,
+    judge_repeat,
+    "the scored texts' log-probabilities, scored again on the same server, the same bit for bit",
+    keys=RepeatKeys,
+    section=SECTION,
+    payload=RepeatSection | Skipped,
+    show=Show(columns=(Column("Repeats bit for bit", repeat_cell),), junit=repeat_junit),
+    blocked=_blocked,
+    report=report_repeat,
+)
