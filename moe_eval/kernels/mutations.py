@@ -71,6 +71,9 @@ MUTATIONS = {
     "expert 0, every layer, every call, 0.99)",
     "silu_slope": "every expert's SiLU as gate * sigmoid(S * gate): silu_slope:slope=S (default 1.005; "
     "Triton and torch kernels)",
+    "last_bit_race": "1 % of the output's elements, drawn anew at every call, one bf16 ulp toward zero: the "
+    "last-bit disagreement of a kernel whose top-k sum meets through atomics (vLLM #54945); the same MoE to "
+    "its last bit, other bits from call to call (what the repeat check sees); every backend",
     # Perf mutations: the same MoE, computed slower (what only the speed gate sees).
     "extra_weight_copy": "every call computes from fresh copies of both weight tensors (a per-call repack, "
     "as vLLM PR #46381's .contiguous()): the same bits, more memory traffic; every backend",
@@ -128,6 +131,7 @@ SMALL_EXPERT_SCALE = 0.98  # scale_one_expert_small: one expert's output 2% shor
 STALE_ROW_FRACTION = 8  # stale_gate_rows: F // 8 gate rows of the target expert are stale
 ROUTING_TEMPERATURE_EXPONENT = 1.05  # routing_temperature_slip: w ** 1.05, renormalised to the same sum
 DOWN_CHUNKS = 4  # bf16_down_accumulation: chunks of F, each one kernel call
+RACE_SHARE = 0.01  # last_bit_race: the share of output elements a call's race moves by one ulp
 TAIL_BLOCK_M = 16  # skip_tail_block: the Triton kernel's smallest BLOCK_M (tile_configs: few rows per expert)
 
 
@@ -416,9 +420,24 @@ def _with_silu_slope(name: str, kernel: Any) -> Any:
     return _mutated(kernel, "silu_slope", sloped)
 
 
+def _with_last_bit_race(kernel: Any) -> Any:
+    """last_bit_race: the kernel's output with RACE_SHARE of its elements, drawn on the device at every call
+    (torch.rand: a CUDA graph replays a new draw), moved one ulp toward zero."""
+    import torch
+
+    def raced(inner: Any, call: Any) -> Any:
+        out_TD = inner.apply(call)
+        hit_TD = torch.rand(out_TD.shape, device=out_TD.device) < RACE_SHARE
+        return torch.where(hit_TD, torch.nextafter(out_TD, torch.zeros_like(out_TD)), out_TD)
+
+    return _mutated(kernel, "last_bit_race", raced)
+
+
 def mutate_kernel(name: str | None, kernel: Any) -> Any:
     """Applied once, to the backend's kernel (a moe_call.MoeKernel): the kernel the server calls."""
     base = name.partition(":")[0] if name else None
+    if base == "last_bit_race":
+        return _with_last_bit_race(kernel)
     if base == "extra_weight_copy":
         return _with_weight_copies(kernel)
     if base in TILE_MUTATIONS:

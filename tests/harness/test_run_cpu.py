@@ -482,6 +482,34 @@ def test_a_kernel_mutation_fails_the_canary_gate_with_exit_1(tmp_path, repo_root
     _assert_nothing_left(tmp_path)
 
 
+@pytest.mark.slow
+def test_a_kernel_whose_bits_race_fails_the_repeat_gate_alone(tmp_path, repo_root):
+    """`--mutate last_bit_race` (1 % of the output one ulp off, other elements at every call) with
+    `repeat_gate: true`: the answers stay right, the texts scored twice on one server differ, exit 1."""
+    shipped = (repo_root / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml").read_text()
+    config = tmp_path / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml"
+    config.parent.mkdir(parents=True)
+    # No incumbent, layer check or timing: one server, and the repeat gate the only one that can see it.
+    config.write_text(
+        "\n".join(line for line in shipped.splitlines() if not line.startswith("baseline_config"))
+        + "\nlayer_check: false\nmoe_timing: false\nlogprob_texts: 8\ndecode_texts: 0\nrepeat_gate: true\n"
+    )
+    argv = ["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out"), "--limit", "30", str(config)]
+    result = run_cli([*argv[:-1], "--mutate", "last_bit_race", argv[-1]])
+    assert result.returncode == 1, result.stderr[-3000:]
+    record = next(iter(_results(tmp_path).values()))
+    checks = {c["name"]: c for c in record["checks"]}
+    assert checks["accuracy_gate"]["status"] == "passed", checks["accuracy_gate"]
+    assert checks["repeat_bit_identical"]["status"] == "failed" and record["status"] == "failed"
+    repeat = record["repeat"]
+    assert repeat["gated"] and not repeat["identical"] and repeat["texts"] == 8
+    # Last bits, yet a tiny model carries them to log p differences of 0.24 at its most sensitive position
+    # (measured on this CPU): no bound but > 0 is asserted.
+    assert repeat["differing_positions"] > 0 and repeat["max_abs_difference"] > 0
+    assert "FAIL" in result.stdout and "|no: " in result.stdout
+    _assert_nothing_left(tmp_path)
+
+
 @pytest.mark.extended  # extended tier: beyond what CI's 90 minutes hold on 2 cores (tests/conftest.py)
 def test_golden_command_makes_the_runs_golden_bit_for_bit_then_reuses_it(
     embedded_default_run, tmp_path, gsm8k_dir

@@ -36,7 +36,7 @@ from moe_eval.kernels.mutations import (
 )
 from moe_eval.kernels.oracle import Hardware, MoeBackend, MoeWeights, make_moe_kernel
 from moe_eval.kernels.plugin import BundledExperts
-from moe_eval.kernels.testing import rel_err
+from moe_eval.kernels.testing import make_case, rel_err
 from moe_eval.kernels.torch_moe import torch_moe
 
 CPU_HARDWARE = Hardware("cpu", "cpu", None, triton_available=True, flashinfer_available=False)
@@ -206,8 +206,25 @@ def test_other_mutations_leave_the_kernel_alone():
     assert all(
         mutate_kernel(name, kernel) is kernel
         for name in [None, *MUTATIONS]
-        if name not in ("bf16_down_accumulation", "silu_slope", *PERF_MUTATIONS)
+        if name not in ("bf16_down_accumulation", "silu_slope", "last_bit_race", *PERF_MUTATIONS)
     )
+
+
+def test_last_bit_race_moves_a_few_elements_one_ulp_and_others_at_the_next_call():
+    """The same call twice: each output within one bf16 ulp (toward zero) of the correct kernel's, about 1 %
+    of the elements moved, and not the same ones: the bits differ from call to call."""
+    case = make_case(64, 8, 2, 64, 32, dtype=torch.bfloat16, device="cpu", seed=31)
+    call = case.call()
+    plain = make_moe_kernel(MoeBackend.TORCH).apply(call)
+    raced = mutate_kernel("last_bit_race", make_moe_kernel(MoeBackend.TORCH))
+    torch.manual_seed(0)
+    first, again = raced.apply(call), raced.apply(call)
+    for out in (first, again):
+        moved = out != plain
+        assert 0.002 < moved.float().mean().item() < 0.03
+        toward_zero = torch.nextafter(plain, torch.zeros_like(plain))
+        assert torch.equal(out[moved], toward_zero[moved])
+    assert not torch.equal(first, again)
 
 
 def test_silu_slope_computes_gate_times_a_steeper_sigmoid_and_nothing_else():
