@@ -22,6 +22,7 @@ from moe_eval.core.errors import ConfigError, MoeEvalError
 from moe_eval.core.logprob_texts import TextLogprobs, read_logprobs
 from moe_eval.core.plugin_protocol import STATS_INTERVAL_SECONDS
 from moe_eval.core.record import RunRecord
+from moe_eval.core.repeated_scoring import RepeatSection, compare_scorings
 from moe_eval.evaluate.gsm8k import Gsm8kData, Gsm8kOutcome, run_gsm8k
 from moe_eval.evaluate.layer_sweep import SweepTarget, reach_every_range, sweep_target
 from moe_eval.evaluate.moe_speed import end_to_end, timed_sweep
@@ -30,7 +31,7 @@ from moe_eval.gates.answers import answer_stats, correctness, first_response, pe
 from moe_eval.gates.layer_gate import layer_check_limits
 from moe_eval.gates.layer_summary import MIN_ROWS, LayerSummary, reachable_ranges, summarize
 from moe_eval.gates.measurements import Answers, IncumbentRow, Measurements
-from moe_eval.gates.repeat import RepeatKeys, RepeatSection, compare_scorings
+from moe_eval.gates.repeat import RepeatKeys
 from moe_eval.gates.speed import machine_of, workload_identity
 from moe_eval.serve import cancel
 from moe_eval.serve.server_log import kernel_call_counts

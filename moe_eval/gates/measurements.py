@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 from moe_eval.core.check import Check
 from moe_eval.core.logprob_texts import TextLogprobs
 from moe_eval.core.moe_timing import TimingSummary
+from moe_eval.core.repeated_scoring import RepeatSection
 
 if TYPE_CHECKING:
     from moe_eval.gates.layer_summary import LayerSummary
-    from moe_eval.gates.repeat import RepeatSection
 
 
 @dataclass(frozen=True)

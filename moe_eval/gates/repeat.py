@@ -4,23 +4,21 @@ top-k slots added by atomics, vLLM #54945) gives a server whose identical reques
 this property across backends. Reported for every row that scores texts; a verdict only where the config
 asks (`repeat_gate: true`).
 
-The comparison is made in memory by the step that scores again (moe_eval.steps.RepeatScores): the files
-keep log p to 6 decimals, too coarse for "bit for bit". The second pass recomputes every prompt: vLLM reads
-no prefix cache for a request that asks for prompt log-probabilities.
+The comparison (moe_eval.core.repeated_scoring) is made in memory by the step that scores again
+(moe_eval.steps.RepeatScores): the files keep log p to 6 decimals, too coarse for "bit for bit". The second
+pass recomputes every prompt: vLLM reads no prefix cache for a request that asks for prompt
+log-probabilities.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
-from typing_extensions import NotRequired, TypedDict
 
 from moe_eval.core.check import Check
 from moe_eval.core.evidence import Evidence
-from moe_eval.core.logprob_texts import TextLogprobs
+from moe_eval.core.repeated_scoring import RepeatSection
 from moe_eval.gates.gate import Column, Gate, GateConfig, RowView, Show, Skipped, gate_keys
 
 if TYPE_CHECKING:
@@ -41,96 +39,6 @@ class RepeatKeys:
     repeat_gate: bool = Field(
         False, description="fail the row when the second scoring's log-probabilities differ in any bit"
     )
-
-
-class FirstDifference(TypedDict):
-    """The first position, in text order, whose numbers differ."""
-
-    text: int
-    """the text's index"""
-    position: int
-    """the token position in it"""
-    first: float | None
-    """log p of the text's own token, first scoring"""
-    again: float | None
-    """the same, second scoring"""
-
-
-class RepeatSection(TypedDict):
-    """results.json `repeat`: the scored texts against their second scoring on the same server."""
-
-    texts: int
-    """texts scored twice"""
-    positions: int
-    """positions compared (each text's tokens after its first)"""
-    identical: bool
-    """every position's log p and top-k ids and log p the same bits"""
-    differing_positions: int
-    """positions where any of those differ"""
-    differing_texts: int
-    """texts with at least one such position"""
-    max_abs_difference: float
-    """the largest |log p first - log p again| of a text's own token (0 where identical)"""
-    first_difference: NotRequired[FirstDifference]
-    """where they first differ"""
-    gated: bool
-    """false: reported only (repeat_gate is not set)"""
-
-
-def _same(a: float | None, b: float | None) -> bool:
-    # A NaN in both is the same bits for this purpose: the divergence gate names NaNs, not this check.
-    return a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))
-
-
-def _position_differs(first: TextLogprobs, again: TextLogprobs, position: int) -> bool:
-    a_top, b_top = first.top_logprobs[position], again.top_logprobs[position]
-    return (
-        not _same(first.logprobs[position], again.logprobs[position])
-        or first.top_ids[position] != again.top_ids[position]
-        or (a_top is None) != (b_top is None)
-        or (a_top is not None and b_top is not None and not all(map(_same, a_top, b_top)))
-    )
-
-
-def compare_scorings(first: Sequence[TextLogprobs], again: Sequence[TextLogprobs]) -> RepeatSection:
-    """The two scorings of the same texts, position by position (a text tokenized otherwise the second time
-    differs at every position)."""
-    if len(first) != len(again):
-        raise ValueError(f"{len(first)} texts scored first, {len(again)} the second time")
-    positions = differing = differing_texts = 0
-    largest = 0.0
-    where: FirstDifference | None = None
-    for a, b in zip(first, again):
-        count = len(a) - 1  # position 0 has no log p
-        positions += count
-        if a.token_ids != b.token_ids:
-            differing += count
-            differing_texts += 1
-            where = where or FirstDifference(text=a.index, position=1, first=None, again=None)
-            continue
-        in_text = 0
-        for position in range(1, len(a)):
-            if not _position_differs(a, b, position):
-                continue
-            in_text += 1
-            x, y = a.logprobs[position], b.logprobs[position]
-            if x is not None and y is not None and not (math.isnan(x) or math.isnan(y)):
-                largest = max(largest, abs(x - y))
-            where = where or FirstDifference(text=a.index, position=position, first=x, again=y)
-        differing += in_text
-        differing_texts += in_text > 0
-    section = RepeatSection(
-        texts=len(first),
-        positions=positions,
-        identical=differing == 0,
-        differing_positions=differing,
-        differing_texts=differing_texts,
-        max_abs_difference=largest,
-        gated=False,
-    )
-    if where is not None:
-        section["first_difference"] = where
-    return section
 
 
 def describe(section: RepeatSection) -> str:

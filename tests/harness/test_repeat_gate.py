@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from moe_eval.core.logprob_texts import TextLogprobs
+from moe_eval.core.repeated_scoring import compare_scorings
 from moe_eval.gates.judge import judge
 from moe_eval.gates.registry import describe_plan, gate_by_name
-from moe_eval.gates.repeat import compare_scorings, repeat_cell, repeat_junit
+from moe_eval.gates.repeat import repeat_cell, repeat_junit
 from tests.harness.test_judge import config as config  # noqa: F401  the fixture
 from tests.harness.test_judge import measured
 
