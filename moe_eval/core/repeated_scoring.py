@@ -33,13 +33,15 @@ class RepeatSection(TypedDict):
     positions: int
     """positions compared (each text's tokens after its first)"""
     identical: bool
-    """every position's log p and top-k ids and log p the same bits"""
+    """every text tokenized alike and every position's log p, top-k ids and their log p equal as numbers
+    (0.0 and -0.0 alike, a NaN in both alike)"""
     differing_positions: int
     """positions where any of those differ"""
     differing_texts: int
     """texts with at least one such position"""
     max_abs_difference: float
-    """the largest |log p first - log p again| of a text's own token (0 where identical)"""
+    """the largest finite |log p first - log p again| of a text's own token (0 where identical, and where
+    only the top-k, a NaN or an infinite log p moved)"""
     first_difference: NotRequired[FirstDifference]
     """where they first differ"""
     gated: bool
@@ -47,8 +49,14 @@ class RepeatSection(TypedDict):
 
 
 def _same(a: float | None, b: float | None) -> bool:
-    # A NaN in both is the same bits for this purpose: the divergence gate names NaNs, not this check.
+    # Equal as numbers: what a reader of the log-probabilities sees. A NaN in both is alike for this purpose
+    # (the divergence gate names NaNs, not this check).
     return a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))
+
+
+def _first_apart(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """The first position whose token differs (the shorter length where one is the other's start)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _position_differs(first: TextLogprobs, again: TextLogprobs, position: int) -> bool:
@@ -63,19 +71,20 @@ def _position_differs(first: TextLogprobs, again: TextLogprobs, position: int) -
 
 def compare_scorings(first: Sequence[TextLogprobs], again: Sequence[TextLogprobs]) -> RepeatSection:
     """The two scorings of the same texts, position by position (a text tokenized otherwise the second time
-    differs at every position)."""
+    differs from its first token apart on)."""
     if len(first) != len(again):
         raise ValueError(f"{len(first)} texts scored first, {len(again)} the second time")
     positions = differing = differing_texts = 0
     largest = 0.0
     where: FirstDifference | None = None
     for a, b in zip(first, again):
-        count = len(a) - 1  # position 0 has no log p
+        count = max(len(a), len(b)) - 1  # position 0 has no log p
         positions += count
-        if a.token_ids != b.token_ids:
-            differing += count
+        if a.token_ids != b.token_ids:  # tokenized otherwise: every position after the first apart differs
+            apart = _first_apart(a.token_ids, b.token_ids)
+            differing += count - max(apart - 1, 0)
             differing_texts += 1
-            where = where or FirstDifference(text=a.index, position=1, first=None, again=None)
+            where = where or FirstDifference(text=a.index, position=max(apart, 1), first=None, again=None)
             continue
         in_text = 0
         for position in range(1, len(a)):
@@ -83,7 +92,7 @@ def compare_scorings(first: Sequence[TextLogprobs], again: Sequence[TextLogprobs
                 continue
             in_text += 1
             x, y = a.logprobs[position], b.logprobs[position]
-            if x is not None and y is not None and not (math.isnan(x) or math.isnan(y)):
+            if x is not None and y is not None and math.isfinite(x) and math.isfinite(y):
                 largest = max(largest, abs(x - y))
             where = where or FirstDifference(text=a.index, position=position, first=x, again=y)
         differing += in_text
@@ -91,7 +100,7 @@ def compare_scorings(first: Sequence[TextLogprobs], again: Sequence[TextLogprobs
     section = RepeatSection(
         texts=len(first),
         positions=positions,
-        identical=differing == 0,
+        identical=differing_texts == 0,
         differing_positions=differing,
         differing_texts=differing_texts,
         max_abs_difference=largest,

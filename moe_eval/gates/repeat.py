@@ -52,11 +52,16 @@ def describe(section: RepeatSection) -> str:
     return f"{scored}: {differ}, max |Δ log p| {section['max_abs_difference']:.3g}{at}"
 
 
+def _not_scored_again(m: Measurements) -> str:
+    why = m.not_measured.get("repeat") or m.logprobs_skipped
+    return "the texts were not scored a second time" + (f": {why}" if why else "")
+
+
 def judge_repeat(config: GateConfig, m: Measurements, out: Judgement) -> str | None:
     if m.repeat is None:
-        return "the texts were not scored a second time" + (
-            f" ({m.logprobs_skipped})" if m.logprobs_skipped else ""
-        )
+        why = _not_scored_again(m)
+        out.sections[SECTION] = {"skipped": why}
+        return why
     section = m.repeat | {"gated": True}
     out.sections[SECTION] = section
     evidence = Evidence("position", section["positions"], section["positions"])
@@ -65,9 +70,11 @@ def judge_repeat(config: GateConfig, m: Measurements, out: Judgement) -> str | N
 
 
 def report_repeat(config: GateConfig, m: Measurements, out: Judgement) -> None:
-    """Every row that scored its texts twice: the comparison, reported only."""
+    """Every row that scores its texts twice: the comparison, reported only (or why there is none)."""
     if m.repeat is not None:
         out.sections[SECTION] = m.repeat | {"gated": False}
+    elif config.keys(RepeatKeys).repeat_texts and config.logprob_texts > 0:
+        out.sections[SECTION] = {"skipped": _not_scored_again(m)}
 
 
 def _blocked(config: GateConfig) -> tuple[str, str] | None:
@@ -79,14 +86,18 @@ def _blocked(config: GateConfig) -> tuple[str, str] | None:
 
 
 def repeat_cell(section: Any, row: RowView) -> str:
-    """'yes, 6,312 positions' / 'no: 12 of 6,312 positions differ (max |Δ log p| 3e-07)' / '-'."""
-    if not section or "identical" not in section:
+    """'yes, 6,312 positions' / 'report only: no: 12 of 6,312 positions differ (max |Δ log p| 3e-07)' (no
+    verdict rests on it unless repeat_gate) / 'not measured: why' / '-'."""
+    if not section:
         return "-"
+    if "identical" not in section:
+        return f"not measured: {section['skipped']}" if "skipped" in section else "-"
     if section["identical"]:
         return f"yes, {section['positions']:,} positions"
-    return (
-        f"no: {section['differing_positions']:,} of {section['positions']:,} positions differ "
-        f"(max |Δ log p| {section['max_abs_difference']:.2g})"
+    largest = section.get("max_abs_difference")
+    prefix = "report only: " if section.get("gated") is False else ""
+    return f"{prefix}no: {section['differing_positions']:,} of {section['positions']:,} positions differ" + (
+        f" (max |Δ log p| {largest:.2g})" if largest is not None else ""
     )
 
 
@@ -96,6 +107,7 @@ def repeat_junit(section: Any) -> dict[str, object]:
         "repeat.identical": section.get("identical"),
         "repeat.differing_positions": section.get("differing_positions"),
         "repeat.positions": section.get("positions"),
+        "repeat.gated": section.get("gated"),
     }
 
 

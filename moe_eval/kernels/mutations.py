@@ -71,9 +71,10 @@ MUTATIONS = {
     "expert 0, every layer, every call, 0.99)",
     "silu_slope": "every expert's SiLU as gate * sigmoid(S * gate): silu_slope:slope=S (default 1.005; "
     "Triton and torch kernels)",
-    "last_bit_race": "1 % of the output's elements, drawn anew at every call, one bf16 ulp toward zero: the "
-    "last-bit disagreement of a kernel whose top-k sum meets through atomics (vLLM #54945); the same MoE to "
-    "its last bit, other bits from call to call (what the repeat check sees); every backend",
+    "last_bit_race": "1 % of the output's elements, drawn anew at every call, one ulp of its dtype (bf16 for "
+    "the shipped models) toward zero: the last-bit disagreement of a kernel whose top-k sum meets through "
+    "atomics (vLLM #54945); the same MoE to its last bit, other bits from call to call (what the repeat gate "
+    "sees: needs repeat_gate: true); every backend",
     # Perf mutations: the same MoE, computed slower (what only the speed gate sees).
     "extra_weight_copy": "every call computes from fresh copies of both weight tensors (a per-call repack, "
     "as vLLM PR #46381's .contiguous()): the same bits, more memory traffic; every backend",
@@ -271,6 +272,13 @@ def check_mutation(name: str, config: Any) -> None:
             f"--mutate {name}: {config.path} has moe_timing false; the delay is made by the MoE timer's end "
             "stamp (a slowdown nothing times would prove nothing): set moe_timing: true"
         )
+    gated = str(bool(config.key("repeat_gate"))).lower()
+    if name == "last_bit_race" and not (gated == "true" and config.logprob_texts > 0):
+        raise ConfigError(
+            f"--mutate {name}: {config.path} does not gate the repeat check (repeat_gate: {gated}, "
+            f"logprob_texts: {config.logprob_texts}); a race in the last bits is what only it sees: set "
+            "repeat_gate: true with logprob_texts > 0"
+        )
     if name == "ignore_expert_map" and not config.layout.expert_parallel:
         raise ConfigError(
             f"--mutate {name}: {config.path} has layout {config.layout.describe()}, which has no "
@@ -427,6 +435,8 @@ def _with_last_bit_race(kernel: Any) -> Any:
 
     def raced(inner: Any, call: Any) -> Any:
         out_TD = inner.apply(call)
+        # torch's default generator: the server samples greedily here (moe-eval's requests are temperature 0),
+        # so the draws take nothing from the model's own randomness that a run depends on.
         hit_TD = torch.rand(out_TD.shape, device=out_TD.device) < RACE_SHARE
         return torch.where(hit_TD, torch.nextafter(out_TD, torch.zeros_like(out_TD)), out_TD)
 

@@ -81,9 +81,31 @@ def test_scorings_of_other_texts_do_not_compare():
     with pytest.raises(ValueError, match="4 texts scored first, 3 the second time"):
         compare_scorings(_scoring(), _scoring()[:3])
     retokenized = _scoring()
-    retokenized[1] = dataclasses.replace(retokenized[1], token_ids=(9,) * 30)
+    tokens = list(retokenized[1].token_ids)
+    tokens[10] = 99  # tokenized otherwise from position 10 on
+    retokenized[1] = dataclasses.replace(retokenized[1], token_ids=tuple(tokens))
     got = compare_scorings(_scoring(), retokenized)
-    assert got["differing_positions"] == 29 and got["first_difference"]["text"] == 1
+    assert not got["identical"] and got["differing_texts"] == 1 and got["differing_positions"] == 20
+    assert got["first_difference"] == {"text": 1, "position": 10, "first": None, "again": None}
+    # One token: no position to compare, yet tokenized otherwise is not identical.
+    one = [TextLogprobs(0, (5,), (None,), (None,), (None,))]
+    other = [TextLogprobs(0, (6,), (None,), (None,), (None,))]
+    assert compare_scorings(one, one)["identical"] and not compare_scorings(one, other)["identical"]
+
+
+def test_infinite_and_nan_log_p_are_differences_without_an_infinite_size():
+    """-inf against a number, NaN against a number, a value against None: each differs; the largest
+    difference stays finite (results.json writes no infinity) and the table shows it."""
+    first = _scoring()
+    for changed in (float("-inf"), float("nan"), None):
+        again = _changed(first, 0, 5, logprobs=changed)
+        got = compare_scorings(first, again)
+        assert not got["identical"] and got["differing_positions"] == 1
+        assert got["max_abs_difference"] == 0.0 and math.isfinite(got["max_abs_difference"])
+    nan_both = _changed(first, 0, 5, logprobs=float("nan"))
+    assert compare_scorings(nan_both, nan_both)["identical"]  # alike: the divergence gate names NaNs
+    no_size = got | {"max_abs_difference": None, "gated": True}  # a record's null read back
+    assert repeat_cell(no_size, None) == "no: 1 of 116 positions differ"
 
 
 def test_by_default_the_repeat_is_reported_never_a_verdict(config):
@@ -91,7 +113,18 @@ def test_by_default_the_repeat_is_reported_never_a_verdict(config):
     got = judge(config, measured(config, repeat=differing))
     assert got.verdict == "passed" and not any(c.name.startswith("repeat") for c in got.checks)
     assert got.sections["repeat"]["gated"] is False and not got.sections["repeat"]["identical"]
+    assert repeat_cell(got.sections["repeat"], None).startswith("report only: no: 1 of 116 positions differ")
     assert "repeat" not in describe_plan(config, True)
+
+
+def test_a_second_scoring_that_failed_is_said_where_the_repeat_is_reported(config):
+    why = "the texts' second scoring failed: ConnectionError: refused"
+    got = judge(config, measured(config, not_measured={"repeat": why}))
+    assert got.verdict == "passed"
+    assert got.sections["repeat"] == {"skipped": f"the texts were not scored a second time: {why}"}
+    assert repeat_cell(got.sections["repeat"], None).startswith("not measured: the texts were not scored")
+    silent = config.with_keys(repeat_texts=False)  # not asked for: nothing to report
+    assert "repeat" not in judge(silent, measured(silent)).sections
 
 
 def test_repeat_gate_fails_a_row_whose_scores_differ_and_passes_one_whose_do_not(config):
@@ -124,10 +157,13 @@ def test_the_table_and_junit_say_whether_it_repeated():
     same = compare_scorings(_scoring(), _scoring())
     differing = compare_scorings(_scoring(), _changed(_scoring(), 0, 1, logprobs=-50.0))
     assert repeat_cell(same, None) == "yes, 116 positions"
-    assert repeat_cell(differing, None).startswith("no: 1 of 116 positions differ (max |Δ log p| ")
-    assert repeat_cell(None, None) == "-" and repeat_cell({"skipped": "why"}, None) == "-"
+    assert repeat_cell(differing | {"gated": True}, None).startswith(
+        "no: 1 of 116 positions differ (max |Δ log p| "
+    )
+    assert repeat_cell(None, None) == "-" and repeat_cell({"skipped": "why"}, None) == "not measured: why"
     assert repeat_junit(differing) == {
         "repeat.identical": False,
         "repeat.differing_positions": 1,
         "repeat.positions": 116,
+        "repeat.gated": False,
     }

@@ -605,3 +605,19 @@ def test_the_tile_perf_mutations_compute_the_same_moe_with_other_tiles(mutation,
     ref = fused_moe_ref(x, layer.w13_weight.data, layer.w2_weight.data, topk_weights, topk_ids)
     assert rel_err(out, ref) < 1e-5
     assert torch.allclose(out, kernel.apply(call), rtol=1e-5, atol=1e-6)
+
+
+def test_last_bit_race_is_refused_where_no_gate_can_see_it(tmp_path):
+    """Only the repeat gate sees a race in the last bits: without it the mutated run could pass, proving
+    nothing (exit 4, the file, the keys and their values named)."""
+    from moe_eval.configs.config import parse_config
+    from moe_eval.core.errors import ConfigError
+
+    base = "model_name: m\naccuracy_threshold: 0.5\nnum_questions: 4\nnum_fewshot: 5\nmoe_backend: torch\n"
+    with pytest.raises(ConfigError, match=r"a\.yaml does not gate the repeat check \(repeat_gate: false"):
+        check_mutation("last_bit_race", parse_config(tmp_path / "a.yaml", base))
+    with pytest.raises(ConfigError, match="repeat_gate: true, logprob_texts: 0"):
+        check_mutation(
+            "last_bit_race", parse_config(tmp_path / "b.yaml", base + "repeat_gate: true\nlogprob_texts: 0\n")
+        )
+    check_mutation("last_bit_race", parse_config(tmp_path / "c.yaml", base + "repeat_gate: true\n"))
