@@ -196,7 +196,8 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
     assert "Δ log p vs incumbent" in result.stdout and "Catches a drop of" in result.stdout
     assert "Error vs golden (incumbent)" in result.stdout and "Layer check vs exact" in result.stdout
     assert "MoE time (x reference)" in result.stdout and "ranges timed, not gated" in result.stdout
-    assert "report only: x" in result.stdout  # the TP row's reported comparison, never a verdict
+    # The TP row's reported comparison, never a verdict, with the ranges it judged of those timed.
+    assert re.search(r"report only: x[0-9.]+ worst \(M[^)]*\), [0-9]+/[0-9]+ ranges judged", result.stdout)
     assert "Repeats bit for bit" in result.stdout and result.stdout.count("|yes, ") == 3
     assert not processes_with_env("MOE_EVAL_RUN_DIR", str(out)), "processes of the run survived it"
 
