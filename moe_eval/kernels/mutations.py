@@ -272,8 +272,8 @@ def check_mutation(name: str, config: Any) -> None:
             f"--mutate {name}: {config.path} has moe_timing false; the delay is made by the MoE timer's end "
             "stamp (a slowdown nothing times would prove nothing): set moe_timing: true"
         )
-    gated = str(bool(config.key("repeat_gate"))).lower()
-    if name == "last_bit_race" and not (gated == "true" and config.logprob_texts > 0):
+    if name == "last_bit_race" and not (config.key("repeat_gate") and config.logprob_texts > 0):
+        gated = str(bool(config.key("repeat_gate"))).lower()
         raise ConfigError(
             f"--mutate {name}: {config.path} does not gate the repeat check (repeat_gate: {gated}, "
             f"logprob_texts: {config.logprob_texts}); a race in the last bits is what only it sees: set "
