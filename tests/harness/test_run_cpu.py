@@ -447,32 +447,28 @@ def test_misbehaving_server_is_exit_3(tmp_path, gsm8k_dir, mode, message):
 # The slow tier (CI runs it): the default tier keeps a mutated run ending exit 1 through the subtle mutation's
 # tests, and the accuracy gate's failing rule in test_judge.py; this one server took 67 s of a default tier
 # that measured 9.9 minutes on a fresh clone with it (2026-12-04).
-@pytest.mark.slow
-def test_a_kernel_mutation_fails_the_canary_gate_with_exit_1(tmp_path, repo_root):
-    """The gate means something: the bundled kernel with gate/up swapped must fail it (not crash: exit 1)."""
-    # A copy without its baseline_config: the accuracy gate alone must catch this one, with one server.
+def _mutated_tp1_alone(tmp_path: Path, repo_root: Path, mutation: str, keys: str):
+    """The embedded default's bundled TP1 config, copied without its baseline_config, the layer check and the
+    timing (one server; `keys` are added), run on 30 questions with `mutation`."""
     shipped = (repo_root / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml").read_text()
     config = tmp_path / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml"
     config.parent.mkdir(parents=True)
-    # Without the layer check, the timing and the scoring texts (no part of what this test asks): its time.
     config.write_text(
         "\n".join(line for line in shipped.splitlines() if not line.startswith("baseline_config"))
-        + "\nlayer_check: false\nmoe_timing: false\nlogprob_texts: 0\n"
+        + "\nlayer_check: false\nmoe_timing: false\n"
+        + keys
     )
-    result = run_cli(
-        [
-            "run",
-            "--hw",
-            "cpu",
-            "--output-dir",
-            str(tmp_path / "out"),
-            "--mutate",
-            "swap_gate_up",
-            "--limit",
-            "30",
-            str(config),
-        ]
+    out = str(tmp_path / "out")
+    return run_cli(
+        ["run", "--hw", "cpu", "--output-dir", out, "--mutate", mutation, "--limit", "30", str(config)]
     )
+
+
+@pytest.mark.slow
+def test_a_kernel_mutation_fails_the_canary_gate_with_exit_1(tmp_path, repo_root):
+    """The gate means something: the bundled kernel with gate/up swapped must fail it (not crash: exit 1)."""
+    # No incumbent, no scoring texts: the accuracy gate alone must catch this one.
+    result = _mutated_tp1_alone(tmp_path, repo_root, "swap_gate_up", "logprob_texts: 0\n")
     assert result.returncode == 1, result.stderr[-3000:]
     record = next(iter(_results(tmp_path).values()))
     assert record["mutation"] == "swap_gate_up" and record["moe_backend_used"] == "bundled:torch"
@@ -487,16 +483,9 @@ def test_a_kernel_mutation_fails_the_canary_gate_with_exit_1(tmp_path, repo_root
 def test_a_kernel_whose_bits_race_fails_the_repeat_gate_alone(tmp_path, repo_root):
     """`--mutate last_bit_race` (1 % of the output one ulp off, other elements at every call) with
     `repeat_gate: true`: the answers stay right, the texts scored twice on one server differ, exit 1."""
-    shipped = (repo_root / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml").read_text()
-    config = tmp_path / "configs" / "canary-tp" / "Canary-Qwen3-MoE-BF16-torch.yaml"
-    config.parent.mkdir(parents=True)
-    # No incumbent, layer check or timing: one server, and the repeat gate the only one that can see it.
-    config.write_text(
-        "\n".join(line for line in shipped.splitlines() if not line.startswith("baseline_config"))
-        + "\nlayer_check: false\nmoe_timing: false\nlogprob_texts: 8\ndecode_texts: 0\nrepeat_gate: true\n"
-    )
-    argv = ["run", "--hw", "cpu", "--output-dir", str(tmp_path / "out"), "--limit", "30", str(config)]
-    result = run_cli([*argv[:-1], "--mutate", "last_bit_race", argv[-1]])
+    # No incumbent: the repeat gate is the only one that can see it.
+    keys = "logprob_texts: 8\ndecode_texts: 0\nrepeat_gate: true\n"
+    result = _mutated_tp1_alone(tmp_path, repo_root, "last_bit_race", keys)
     assert result.returncode == 1, result.stderr[-3000:]
     record = next(iter(_results(tmp_path).values()))
     failed = [c["name"] for c in record["checks"] if c["status"] == "failed"]
