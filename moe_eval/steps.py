@@ -26,7 +26,7 @@ from moe_eval.core.repeated_scoring import RepeatSection, compare_scorings
 from moe_eval.evaluate.gsm8k import Gsm8kData, Gsm8kOutcome, run_gsm8k
 from moe_eval.evaluate.layer_sweep import SweepTarget, reach_every_range, sweep_target
 from moe_eval.evaluate.moe_speed import end_to_end, timed_sweep
-from moe_eval.evaluate.serving import Scoring, score_again, score_texts
+from moe_eval.evaluate.serving import Scoring, capture_prefill, score_texts
 from moe_eval.gates.answers import answer_stats, correctness, first_response, per_question
 from moe_eval.gates.layer_gate import layer_check_limits
 from moe_eval.gates.layer_summary import MIN_ROWS, LayerSummary, reachable_ranges, summarize
@@ -176,13 +176,16 @@ class RepeatScores:
 
     def run(self, row: Row) -> None:
         assert row.server is not None
-        first = row.scoring.prefill if row.scoring else None
-        if first is None:
+        scoring = row.scoring
+        if scoring is None or scoring.prefill is None:
             return  # nothing was scored (no test questions): results.json's logprobs says why
+        first = scoring.prefill
         started = time.monotonic()
         server, config = row.server, row.config
         row.repeat, why = measured_or_why(
-            lambda: compare_scorings(first, score_again(config, row.data, server.base_url, row.model)),
+            lambda: compare_scorings(
+                first, capture_prefill(config, server.base_url, row.model, scoring.texts)
+            ),
             "the texts' second scoring failed",
         )
         if why is not None:

@@ -149,13 +149,6 @@ def capture_prefill(
     )
 
 
-def score_again(config: EvalConfig, data: Gsm8kData, base_url: str, model: str) -> list[TextLogprobs]:
-    """The scoring texts of `score_texts` once more, the same way (the repeat check compares the two)."""
-    inputs = scoring_inputs(config, data)
-    assert inputs is not None, "score_again follows a scoring that found its texts"
-    return capture_prefill(config, base_url, model, inputs.texts)
-
-
 def capture_continuations(
     config: EvalConfig, base_url: str, model: str, prompts: Sequence[str]
 ) -> list[TextLogprobs]:
@@ -177,6 +170,7 @@ def capture_continuations(
 class Scoring:
     """A config's captures on its own server, kept beside its results.json; what results.json says of them."""
 
+    texts: list[str] = field(default_factory=list)  # what `prefill` scored (the repeat check: again)
     prefill: list[TextLogprobs] | None = None
     decode: list[TextLogprobs] | None = None
     logprobs: dict | None = None  # results.json "logprobs": the file and counts, or {skipped: why}
@@ -198,6 +192,7 @@ def score_texts(
         return out
     started()
     clock = time.monotonic()
+    out.texts = inputs.texts
     out.prefill = capture_prefill(config, base_url, model, inputs.texts)
     write_logprobs(run_dir / LOGPROBS_FILE, out.prefill)
     out.seconds["logprob_seconds"] = time.monotonic() - clock
