@@ -64,7 +64,9 @@ def judge_repeat(config: GateConfig, m: Measurements, out: Judgement) -> str | N
         return why
     section = m.repeat | {"gated": True}
     out.sections[SECTION] = section
-    evidence = Evidence("position", section["positions"], section["positions"])
+    # Exact, not statistical: what it catches is any difference at all, in the positions it compared.
+    positions = section["positions"]
+    evidence = Evidence("position", positions, positions, would_catch="one differing bit in any position")
     out.checks.append(Check.judged("repeat_bit_identical", section["identical"], describe(section), evidence))
     return None
 
