@@ -254,7 +254,7 @@ class BundledExperts:
         self.check: Any = None
         self.check_layer = -1  # this layer's index in the process's check
         self.layer_index: int | None = None  # the model's index of this MoE layer (a mutation's target)
-        self.check_weights: tuple[Any, Any] | None = None  # (w13, w2) as vLLM loaded them
+        self.check_weights: MoeWeights | None = None  # (w13, w2) as vLLM loaded them: the checkpoint layout
 
     def process_weights(self, layer: Any, global_experts: int, top_k: int) -> None:
         from moe_eval.kernels.mutations import mutate_weights
@@ -283,7 +283,7 @@ class BundledExperts:
         if self.check_enabled:
             # The loaded tensors, not the converted ones: when conversion or a mutation made new tensors the
             # originals stay alive for the check (FlashInfer's layout: one more copy of w13).
-            self.check_weights = loaded
+            self.check_weights = MoeWeights(MoeBackend.REFERENCE, *loaded)  # made once, read every call
             self.check = _layer_check(self.choice.backend.value, global_experts, self.rank, self.max_tokens)
             on_cuda = self.weights.w13_eFD.device.type == "cuda"
             if on_cuda and self.check.device is None:
@@ -436,8 +436,8 @@ class BundledExperts:
             self.timer.stop(started, x, topk_ids, slow)
         if self.check is not None:
             # What vLLM handed apply() and what apply() returns: a bug anywhere in between counts.
-            loaded = MoeWeights(MoeBackend.REFERENCE, *self.check_weights)  # the checkpoint's layout
-            asked = MoeCall(x, loaded, Routing(topk_weights, topk_ids), loaded_map, MoeOptions(on_input))
+            routing = Routing(topk_weights, topk_ids)
+            asked = MoeCall(x, self.check_weights, routing, loaded_map, MoeOptions(on_input))
             self.check.observe(self.check_layer, asked, out)
         return out
 
