@@ -15,9 +15,12 @@
 #   STAGE=power      issue 54: the speed gate's evidence and power, per call size. MODEL=canary (the GPU canary
 #                    TP1) or twin (Qwen3-30B-A3B, CUDA graphs; needs .gsm8k/), speed-only copies of its pair
 #                    (no golden, texts or layer check; LIMIT questions): vLLM's row and the bundled row, then
-#                    REPEATS more bundled rows and each of MUTATIONS ("slow_range:range=R,pct=P ...") with
-#                    --baseline the pair's run, so each is judged against its own earlier run (and, by the
-#                    tests, against vLLM's row). SPIN=1 first checks the slowdown's spin on this GPU.
+#                    REPEATS more bundled rows and each of MUTATIONS (default "slow_range:range=all,pct=5,
+#                    eager_pct=10": every range slowed at once, each judged on its own calls) with --baseline
+#                    the pair's run, so each is judged against its own earlier run (and, by the tests,
+#                    against vLLM's row). SPIN=1 first checks the slowdown's spin and the eager calls' gate
+#                    on this GPU; GPU_TESTS=1 then the kernels' determinism tests. $OUT/power-<MODEL>.json:
+#                    every row slimmed (benchmarks/speed_table.py), for docs/data.
 #   STAGE=concurrency  benchmarks/eval_concurrency.py on CONCURRENCY_ROWS (default "canary-vllm canary-bundled
 #                    twin"): the canary's rows at CANARY_C, 200 questions; the twin's bundled row at TWIN_C,
 #                    TWIN_Q GSM8K questions: seconds, tokens/s, answers changed, the paired gate per concurrency
@@ -135,6 +138,10 @@ PY
     if [ "${SPIN:-0}" = 1 ]; then
       bash .vgpu/device_env.sh python3 benchmarks/device/slowdown_probe.py 2>&1 | tee "$out/spin.txt"
     fi
+    if [ "${GPU_TESTS:-0}" = 1 ]; then
+      timeout 240 bash .vgpu/device_env.sh python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
+        -k "another_order or bitwise_repeatable" 2>&1 | tail -15 | tee "$out/gpu-tests.txt"
+    fi
     case "${MODEL:-canary}" in
       canary) src=$tp; v=Canary-Qwen3-MoE-BF16-vllm-triton; b=Canary-Qwen3-MoE-BF16-triton; data=() ;;
       twin) src=configs/twins-cuda-graph; v=Qwen3-30B-A3B-BF16-vllm; b=Qwen3-30B-A3B-BF16-triton
@@ -156,7 +163,7 @@ PY
     base=$(ls -d "$pairdir"/*/ | tail -1)
     runs=()
     for i in $(seq 1 "${REPEATS:-1}"); do runs+=("repeat$i:"); done
-    for m in ${MUTATIONS:-}; do runs+=("mut:$m"); done
+    for m in ${MUTATIONS-slow_range:range=all,pct=5,eager_pct=10}; do runs+=("mut:$m"); done
     for entry in "${runs[@]}"; do
       name=${entry%%:*}; m=${entry#*:}; t=$(date +%s)
       [ "$name" = mut ] && name="mut-$(echo "$m" | tr -c 'A-Za-z0-9.-' '_')"
@@ -165,6 +172,11 @@ PY
       echo "$name ${m:-}: exit $? in $(( $(date +%s) - t )) s" | tee -a "$out/$stage.txt"
       grep -E "speed_gate" "$work/${MODEL:-canary}-$name.log" | cut -c1-600 >> "$out/$stage.txt"
       pack
+      # every finished row so far, slimmed: what a kill at the next row leaves is still whole
+      mapfile -t done_runs < <(ls -d "$pairdir"/*/ "$work/${MODEL:-canary}"-repeat*/*/ "$work/${MODEL:-canary}"-mut*/*/ \
+        2> /dev/null)
+      bash .vgpu/device_env.sh python3 benchmarks/speed_table.py "${done_runs[@]}" \
+        --slim "$out/power-${MODEL:-canary}.json" > "$out/power-${MODEL:-canary}-table.md" 2>&1
     done
     ;;
   concurrency)

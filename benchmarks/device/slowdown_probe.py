@@ -2,9 +2,17 @@
 SPIN=1): a 20 us and a 1 ms sleep as the MoE call, timed by kernels/moe_timer.MoeTimer as a server times it,
 eager and replayed from a CUDA graph, plain and slowed by 5 % and 10 % (the end stamp's spin), routed to 3
 experts. Prints each case's mean call and its ratio to the plain one; exit 1 where a ratio is off by more
-than 0.5 % or the experts were miscounted."""
+than 0.5 % or the experts were miscounted.
+
+Then the eager calls' gate: an eager call of KERNELS short kernels with the host busy HOST_GAP_US between its
+launches (a launch-bound call, as the eager prefill calls are in a server), timed with the start stamp gated
+(it waits for the host's last launch) and host-paced (as before the gate). Exit 1 where the gated bracket
+reads more than 1.25 x the same call launched with no host gaps, where no give-up was expected and one
+happened, or where the host-paced one does not show the host's gaps (the case would prove nothing)."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -13,6 +21,8 @@ from moe_eval.kernels.moe_timer import MoeTimer
 
 CALLS = 50
 TOKENS = 3
+KERNELS = 10
+HOST_GAP_US = 100.0
 
 
 def timed(cycles: int, slow: float, graph: bool) -> tuple[float, float]:
@@ -48,8 +58,49 @@ def timed(cycles: int, slow: float, graph: bool) -> tuple[float, float]:
     return cell["ns"] / CALLS / 1e3, cell["experts"] / CALLS
 
 
+def launch_bound(gated: bool, host_gap_us: float) -> tuple[float, int]:
+    """(mean us, give-ups) of CALLS eager calls of KERNELS ~10 us kernels, the host busy between launches."""
+    timer = MoeTimer("probe", None, "probe")
+    timer.attach_device(torch.device("cuda"))
+    assert timer.device_problem is None, timer.device_problem
+    timer.gate_eager = gated
+    x = torch.zeros(TOKENS, 8, device="cuda")
+
+    def call() -> None:
+        started = timer.start(x)
+        for _ in range(KERNELS):
+            torch.cuda._sleep(15_000)
+            until = time.perf_counter() + host_gap_us / 1e6
+            while time.perf_counter() < until:
+                pass
+        timer.stop(started, x)
+
+    call()
+    torch.cuda.synchronize()
+    timer.table.zero_()
+    for _ in range(CALLS):
+        call()
+    torch.cuda.synchronize()
+    cell = dict(zip(FIELDS, timer.table[TOKENS].tolist(), strict=True))
+    return cell["ns"] / cell["calls"] / 1e3, int(timer._timeouts[0])
+
+
+def gate_cases() -> int:
+    tight, tight_giveups = launch_bound(gated=True, host_gap_us=0.0)
+    gated, giveups = launch_bound(gated=True, host_gap_us=HOST_GAP_US)
+    paced, _ = launch_bound(gated=False, host_gap_us=HOST_GAP_US)
+    ok_gated = gated < 1.25 * tight and giveups == tight_giveups == 0
+    ok_paced = paced > KERNELS * HOST_GAP_US * 0.9
+    print(
+        f"eager gate: {KERNELS} kernels, host busy {HOST_GAP_US:g} us between launches: gated {gated:.1f} us "
+        f"(the same with no host gaps {tight:.1f} us, x{gated / tight:.3f}; give-ups {giveups}) "
+        f"{'OK' if ok_gated else 'WRONG'}; host-paced {paced:.1f} us {'OK' if ok_paced else 'WRONG'}"
+    )
+    return int(not ok_gated) + int(not ok_paced)
+
+
 def main() -> None:
-    failures = 0
+    failures = gate_cases()
     for cycles in (20_000, 1_000_000):
         for graph in (False, True):
             plain, experts = timed(cycles, 0.0, graph)

@@ -39,6 +39,7 @@ class ProcessTiming:
     sizes: dict[int, Cell]  # call size M -> FIELDS
     device_problem: str | None = None
     max_tokens: int = 0  # the most tokens one call of the process can carry
+    eager_bracket: str | None = None  # how its eager calls were bracketed (kernels/moe_timer); None: before
 
     def range_cells(self) -> dict[str, Cell]:
         """FIELDS per dispatch range: the sum of its sizes."""
@@ -116,6 +117,12 @@ class TimingSummary:
     backends: tuple[str, ...] = described("the MoE kernels timed")
     ranges: tuple[RangeTiming, ...] = described("the ranges the workload reached")
     problems: tuple[str, ...] = described("why a process could not time on the device", ())
+    eager_brackets: tuple[str, ...] = described(
+        "how the eager calls' bracket began, per process: gated (after the host's last launch of the "
+        "call) or host-paced (the host's launch gaps inside)",
+        (),
+        newer=True,
+    )
 
     def by_range(self) -> dict[str, RangeTiming]:
         return {r.range: r for r in self.ranges}
@@ -132,6 +139,7 @@ class TimingSummary:
             backends=tuple(data.get("backends", ())),
             ranges=tuple(_range_from_dict(r) for r in data.get("ranges", ())),
             problems=tuple(data.get("problems", ())),
+            eager_brackets=tuple(data.get("eager_brackets", ())),
         )
 
 
@@ -160,6 +168,7 @@ def read_folder(run_dir: Path) -> list[ProcessTiming]:
                     sizes={int(row[0]): _cell(row[1:]) for row in data["sizes"]},
                     device_problem=data.get("device_problem"),
                     max_tokens=int(data.get("max_tokens") or 0),
+                    eager_bracket=data.get("eager_bracket"),
                 )
             )
         except (OSError, ValueError, KeyError, TypeError, IndexError):
@@ -273,4 +282,5 @@ def summarize(processes: list[ProcessTiming]) -> TimingSummary:
         backends=tuple(sorted({p.backend for p in processes})),
         ranges=tuple(ranges),
         problems=tuple(p.device_problem for p in processes if p.device_problem),
+        eager_brackets=tuple(sorted({p.eager_bracket for p in processes if p.eager_bracket})),
     )

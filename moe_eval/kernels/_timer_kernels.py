@@ -1,6 +1,16 @@
-"""The MoE timer's two stamp kernels (kernels/moe_timer.py): one thread block each, on the call's stream.
+"""The MoE timer's stamp kernels (kernels/moe_timer.py): one thread block each, on the call's stream.
 
-`stamp_start_kernel` stores the clock before the MoE kernels; `stamp_end_kernel` reads it after them and adds
+`stamp_start_kernel` stores the clock before the MoE kernels of a call captured into a CUDA graph (its
+replays run back to back with no host in between). `stamp_gated_start_kernel` does the same for an eager
+call, once the host has launched the whole call: it waits until the host's release (pinned host memory)
+reaches the call's ticket, which the host writes after launching the end stamp. Without the wait an eager
+call's bracket held the host's launch pace, not the GPU's: at the Qwen3 twin's shape a 600-token call read
+626-779 us between servers of one kernel for ~350 us of GPU work (H100, 2026-12-06), and the speed gate could
+judge eager ranges only within x2-x270. The wait gives up after `timeout_ns` (a host that blocks on the GPU
+inside the bracket would otherwise never release it) and counts the call in `timeouts_ptr`: the timer turns
+the wait off after a few (kernels/moe_timer.py) and the record says so.
+
+`stamp_end_kernel` reads the clock `stamp_end_kernel` reads it after them and adds
 the call to its size's cell in pinned host memory: the call, its nanoseconds and their square, its tokens,
 whether it was a CUDA-graph replay, and the number of distinct experts its routing hit with their products
 (the speed gate's covariate: at real shapes a decode call's time follows how many experts' weights it reads,
@@ -36,6 +46,27 @@ def _clock(clock_ptr, DEVICE_CLOCK: tl.constexpr):
 
 @triton.jit
 def stamp_start_kernel(start_ptr, clock_ptr, DEVICE_CLOCK: tl.constexpr):
+    tl.store(start_ptr, _clock(clock_ptr, DEVICE_CLOCK))
+
+
+@triton.jit(do_not_specialize=["ticket", "timeout_ns"])
+def stamp_gated_start_kernel(
+    start_ptr,  # (1,) int64: the start stamp, ns
+    clock_ptr,
+    release_ptr,  # (1,) int64, pinned host memory: the newest ticket whose call the host has launched whole
+    ticket,  # this call's ticket
+    timeout_ns,
+    timeouts_ptr,  # (1,) int64, pinned host memory: the calls whose wait gave up
+    DEVICE_CLOCK: tl.constexpr,
+):
+    began = _clock(clock_ptr, DEVICE_CLOCK)
+    now = began
+    released = tl.load(release_ptr, volatile=True) >= ticket
+    while (not released) and (now - began < timeout_ns):
+        now = _clock(clock_ptr, DEVICE_CLOCK)
+        released = tl.load(release_ptr, volatile=True) >= ticket
+    if not released:
+        tl.store(timeouts_ptr, tl.load(timeouts_ptr, volatile=True) + 1)
     tl.store(start_ptr, _clock(clock_ptr, DEVICE_CLOCK))
 
 

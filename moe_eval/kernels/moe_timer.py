@@ -13,9 +13,12 @@ is capturing bakes replayed = 1 into its end stamp, so each replay counts as a r
 replayed time; an eager call adds 0): device-side timestamps, not a profiler, because vLLM's torch profiler
 (0.26) and its profiler config (0.32) trace a window of steps into a trace file per rank that would need
 parsing and does not exist on the CPU build, while this needs only the sums, on both releases and under
-graphs. What it adds to the measured time: the gap between two graph nodes and the stamp kernel's own launch,
-the same for every row (not measured apart; docs/perf.md, "Served speed"). On the CPU (eager) the bracket is
-time.perf_counter_ns() around the call, which returns when the work is done.
+graphs. An eager call's start stamp waits until the host has launched the whole call (the end stamp
+included), so that its bracket holds the GPU's work back to back and none of the host's launch gaps
+(kernels/_timer_kernels.py says why); a captured call's replays need no wait. What it adds to the measured
+time: the gap between two graph nodes and the stamp kernel's own launch, the same for every row (not measured
+apart; docs/perf.md, "Served speed"). On the CPU (eager) the bracket is time.perf_counter_ns() around the
+call, which returns when the work is done.
 
 One cell per size (TIMER_MAX_SIZE; larger calls share the last): the speed gate compares two rows size for
 size, since within a dispatch range a call's time grows with its size and the mix of sizes differs between
@@ -48,6 +51,11 @@ from moe_eval.kernels.stats_file import StatsFile
 
 NUM_CELLS = TIMER_MAX_SIZE + 1  # the pinned table: row M holds the calls of M tokens (row 0 unused)
 NUM_FIELDS = len(FIELDS)
+# An eager call's start stamp gives up waiting for the host after this long (10 ms outlasts a GIL switch of
+# 5 ms), and the timer stops waiting after this many give-ups in a row (a host that blocks on the GPU inside
+# the bracket); a lone one, such as a kernel compiled inside a call, resets with the next call that waited.
+GATE_TIMEOUT_NS = 10_000_000
+GATE_MAX_TIMEOUTS = 8
 
 
 def size_cell(tokens: int) -> int:
@@ -73,6 +81,18 @@ class MoeTimer:
         self._flags: torch.Tensor | None = None  # one per global expert id, zero between calls
         self._device_clock = True
         self._on_device = False
+        # The eager calls' gate (stamp_gated_start_kernel): the host's release and the waits that gave up,
+        # both in pinned host memory, and the ticket of the call in flight.
+        self._release: torch.Tensor | None = None
+        self._timeouts: torch.Tensor | None = None
+        self._ticket = 0
+        self.gate_eager = (
+            False  # on where attach_device found a CUDA device (tests turn it on in the interpreter)
+        )
+        self.gate_timeout_ns = GATE_TIMEOUT_NS
+        self.gate_off: str | None = None  # why the gate was turned off while serving
+        self._timeouts_seen = 0
+        self._timeout_streak = 0
         self.rank: dict[str, Any] = {}
         self.max_tokens = 0  # the most tokens one call can carry (the sweep sizes its batched prefill by it)
         self.file = StatsFile(path, self.snapshot, "moe-eval-moe-timer")
@@ -89,6 +109,8 @@ class MoeTimer:
             self._start = torch.zeros(1, dtype=torch.int64, device=device)
             self._flags = torch.zeros(k.EXPERT_FLAGS, dtype=torch.int32, device=device)
             self._device_clock = device_clock
+            self._release = self._host_word(device)
+            self._timeouts = self._host_word(device)
             probe = torch.zeros(4, NUM_FIELDS, dtype=torch.float64)
             probe = probe.pin_memory() if device.type == "cuda" else probe
             routing = torch.tensor([[0, 3], [3, 5]], dtype=torch.int32, device=device)
@@ -102,6 +124,10 @@ class MoeTimer:
                 if device.type == "cuda":
                     torch.cuda._sleep(100_000)  # a few tens of microseconds: the stamp must see time pass
                 self._launch_end(probe, cell_index, 7, replayed, ids, 0.0)
+            # The gate's kernel, compiled now: a call the host released before it ran waits for nothing.
+            self._ticket = 1
+            self._release[0] = 1
+            self._launch_gated_start(1)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             eager, replay = dict(zip(FIELDS, probe[2].tolist())), dict(zip(FIELDS, probe[3].tolist()))
@@ -115,6 +141,7 @@ class MoeTimer:
                 or eager["experts_ns"] != 3.0 * eager["ns"]
                 or (wide["calls"], wide["experts"]) != (1.0, 3.0)
                 or self._flags.any()
+                or int(self._timeouts[0]) != 0
             ):
                 raise RuntimeError(
                     f"stamp kernels wrote {probe[2:4].tolist()}, expected 1 eager call of 7 tokens routed to "
@@ -123,8 +150,23 @@ class MoeTimer:
             self.table = torch.zeros(NUM_CELLS, NUM_FIELDS, dtype=torch.float64)
             self.table = self.table.pin_memory() if device.type == "cuda" else self.table
             self._on_device = True
+            self.gate_eager = device.type == "cuda"
         except Exception as exc:  # noqa: BLE001  timed on the host instead, and the record says why
             self.device_problem = f"{type(exc).__name__}: {exc}"
+
+    @staticmethod
+    def _host_word(device: torch.device) -> torch.Tensor:
+        """One int64 the host writes and the device reads (or the reverse) while kernels run: pinned."""
+        word = torch.zeros(1, dtype=torch.int64)
+        return word.pin_memory() if device.type == "cuda" else word
+
+    def _launch_gated_start(self, ticket: int) -> None:
+        from moe_eval.kernels._timer_kernels import stamp_gated_start_kernel
+
+        stamp_gated_start_kernel[(1,)](
+            self._start, self._clock, self._release, ticket, self.gate_timeout_ns, self._timeouts,
+            DEVICE_CLOCK=self._device_clock, num_warps=1,
+        )  # fmt: skip
 
     def _launch_start(self) -> None:
         from moe_eval.kernels._timer_kernels import stamp_start_kernel
@@ -154,20 +196,47 @@ class MoeTimer:
             self.attach_device(hidden_TD.device)
         if self._on_device and hidden_TD.device.type == self._start.device.type:
             replayed = int(hidden_TD.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-            self._launch_start()
+            if replayed or not self._gate_on():
+                self._launch_start()
+            else:
+                self._ticket += 1
+                self._launch_gated_start(self._ticket)
             return replayed
         return time.perf_counter_ns()
+
+    def _gate_on(self) -> bool:
+        if not self.gate_eager:
+            return False
+        timeouts = int(self._timeouts[0])
+        self._timeout_streak = (
+            self._timeout_streak + timeouts - self._timeouts_seen if timeouts > self._timeouts_seen else 0
+        )
+        self._timeouts_seen = timeouts
+        if self._timeout_streak >= GATE_MAX_TIMEOUTS:
+            self.gate_eager = False
+            self.gate_off = (
+                f"{GATE_MAX_TIMEOUTS} eager calls in a row gave up waiting for the host "
+                f"({self.gate_timeout_ns / 1e6:g} ms each): later eager calls are timed at the host's pace"
+            )
+        return self.gate_eager
+
+    def _release_call(self) -> None:
+        """The host has launched the whole call: its start stamp may read the clock."""
+        if self._release is not None and self._ticket > int(self._release[0]):
+            self._release[0] = self._ticket
 
     def stop(self, started: int, hidden_TD: torch.Tensor, topk_ids: Any = None, slow: float = 0.0) -> None:
         """topk_ids: the call's routing (its distinct experts are counted, outside the bracket); slow:
         `--mutate slow_range` for this call, the fraction of its own time to add (0: none)."""
         tokens = hidden_TD.shape[0]
         if tokens == 0:
+            self._release_call()
             return
         cell = size_cell(tokens)
         if self._on_device and hidden_TD.device.type == self._start.device.type:
             # started: whether the call is being captured (start())
             self._launch_end(self.table, cell, tokens, started, topk_ids, slow)
+            self._release_call()  # after the end stamp's launch: the bracket holds no launch of the host's
         else:
             if hidden_TD.device.type == "cuda":
                 if torch.cuda.is_current_stream_capturing():
@@ -198,6 +267,7 @@ class MoeTimer:
             "scope": self.scope,
             "max_tokens": self.max_tokens,
             "timed_on": "device" if self._on_device else "host",
+            "eager_bracket": self._eager_bracket(),
             "fields": list(FIELDS),
             # Only the sizes called: [M, *FIELDS] each (the table has a row for every size up to the limit).
             "sizes": [
@@ -207,6 +277,17 @@ class MoeTimer:
         if self.device_problem is not None:
             record["device_problem"] = self.device_problem
         return record
+
+    def _eager_bracket(self) -> str:
+        if not self._on_device:
+            return "host clock"
+        if not self.gate_eager and self.gate_off is None:
+            return "host-paced: the start stamp runs as soon as the GPU reaches it"
+        text = "gated: the start stamp waits for the host's last launch of the call"
+        timeouts = int(self._timeouts[0]) if self._timeouts is not None else 0
+        if timeouts:
+            text += f"; {timeouts} waits gave up"
+        return text + (f"; then turned off: {self.gate_off}" if self.gate_off else "")
 
     def flush(self) -> None:
         self.file.flush()

@@ -83,7 +83,8 @@ MUTATIONS = {
     "poor_tiles": "one range's calls run deliberately poor tiles (BLOCK 16x16x16, one warp, one stage): "
     "poor_tiles:range=R (default M=17-64); Triton",
     "slow_range": "one range's calls take P % longer, the output untouched (a delay sized from the call's "
-    "own time, CUDA-graph safe): slow_range:range=R,pct=P (default M=1, 5 %); every backend",
+    "own time, CUDA-graph safe): slow_range:range=R,pct=P (default M=1, 5 %), eager_pct=Q for the calls "
+    "that run eagerly (default P); every backend",
 }
 # Bugs confined to one dispatch range or one rank, 1% in one expert: the layer check's target
 # (docs/logprob-gate.md, "Coverage"). name -> (lowest, highest) token count of the calls it hits (None: no
@@ -101,7 +102,7 @@ PARAMETERS = {
     "scale_expert": ("expert", "layer", "range", "scale"),
     "silu_slope": ("slope",),
     "poor_tiles": ("range",),
-    "slow_range": ("range", "pct"),
+    "slow_range": ("range", "pct", "eager_pct"),
 }
 # The same MoE computed slower: the speed gate's targets; accuracy, golden and layer check must pass them.
 PERF_MUTATIONS = ("extra_weight_copy", "small_batch_bypassed", "poor_tiles", "slow_range")
@@ -149,6 +150,9 @@ class Mutation:
     last_rank_only: bool = False
     slope: float = DEFAULT_SILU_SLOPE
     pct: float = SLOW_PCT  # slow_range: the slowdown, %
+    # slow_range: the slowdown of the calls that run eagerly (not from a CUDA graph), %; None: pct. One row
+    # then shows the gate's power in every range at once (each range is judged on its own calls).
+    eager_pct: float | None = None
 
     @property
     def scales_an_expert(self) -> bool:
@@ -188,7 +192,7 @@ def parse_mutation(text: str) -> Mutation:
                     raise ValueError
             elif key == "range":
                 values["low"], values["high"] = _parse_range(value)
-            elif key == "pct":
+            elif key in ("pct", "eager_pct"):
                 values[key] = float(value)
                 if not 0 < values[key] <= 1000:
                     raise ValueError
@@ -218,13 +222,16 @@ def _parse_range(value: str) -> tuple[int, int | None]:
     return int(low), int(high)
 
 
-def slowdown(spec: Mutation | None, tokens: int) -> float:
-    """slow_range: the share of its own time a call of `tokens` tokens is delayed by (0: none). The timer's
-    end stamp makes the delay (kernels/_timer_kernels.py): in the stream, with no kernel of its own."""
+def slowdown(spec: Mutation | None, tokens: int, captured: bool = False) -> float:
+    """slow_range: the share of its own time a call of `tokens` tokens is delayed by (0: none); captured:
+    the call is being captured into a CUDA graph (its replays are slowed by pct, an eager call by eager_pct).
+    The timer's end stamp makes the delay (kernels/_timer_kernels.py): in the stream, with no kernel of its
+    own."""
     if spec is None or spec.name != "slow_range":
         return 0.0
     inside = spec.low <= tokens and (spec.high is None or tokens <= spec.high)
-    return spec.pct / 100.0 if inside else 0.0
+    pct = spec.pct if captured or spec.eager_pct is None else spec.eager_pct
+    return pct / 100.0 if inside else 0.0
 
 
 def check_target(name: str, layers: int, experts: int, model: str) -> None:

@@ -429,9 +429,12 @@ class BundledExperts:
         if self.timer is not None:
             slow = 0.0
             if self.slow_range is not None:
+                import torch
+
                 from moe_eval.kernels.mutations import slowdown
 
-                slow = slowdown(self.slow_range, x.shape[0])
+                captured = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+                slow = slowdown(self.slow_range, x.shape[0], captured)
             # vLLM's routing (what the incumbent's timer counts too), not a mutation's
             self.timer.stop(started, x, topk_ids, slow)
         if self.check is not None:

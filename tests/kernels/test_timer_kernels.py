@@ -51,3 +51,44 @@ def test_a_slowed_call_spins_until_it_took_its_own_time_again_times_the_share(tm
     timer.stop(timer.start(hidden), hidden, slow=1.5)
     plain_and_slowed = _cell(timer, 1)["ns"]
     assert plain_and_slowed == 1000 + 3000
+
+
+def test_an_eager_calls_start_stamp_waits_for_the_hosts_release_or_gives_up_and_counts_it(tmp_path):
+    """The interpreter runs each kernel as it is launched, before the host could release it: the gated start
+    stamp waits its timeout out (5 reads of the test clock) and counts the give-up. A call released before
+    its stamp ran waits for nothing. stop() releases the call after launching its end stamp."""
+    timer = _timer(tmp_path)
+    assert not timer.gate_eager and timer.snapshot()["eager_bracket"].startswith("host-paced")  # no CUDA
+    timer.gate_eager, timer.gate_timeout_ns = True, 5000
+    hidden = torch.zeros(2, 8)
+    clock_before = int(timer._clock[0])
+    started = timer.start(hidden)
+    assert int(timer._timeouts[0]) == 1 and int(timer._clock[0]) - clock_before >= 6000  # it waited 5 us
+    timer.stop(started, hidden)
+    assert int(timer._release[0]) == timer._ticket  # released after the end stamp's launch
+    assert _cell(timer, 2)["ns"] == 1000  # the wait is outside the bracket: one read after the start's
+    timer._release[0] = timer._ticket + 1  # released before its stamp runs
+    timer.stop(timer.start(hidden), hidden)
+    assert int(timer._timeouts[0]) == 1
+    assert (
+        "gated" in timer.snapshot()["eager_bracket"]
+        and "1 waits gave up" in timer.snapshot()["eager_bracket"]
+    )
+
+
+def test_after_repeated_give_ups_the_timer_stops_waiting_and_the_record_says_so(tmp_path):
+    from moe_eval.kernels.moe_timer import GATE_MAX_TIMEOUTS
+
+    timer = _timer(tmp_path)
+    timer.gate_eager, timer.gate_timeout_ns = True, 3000
+    hidden = torch.zeros(1, 8)
+    for _ in range(GATE_MAX_TIMEOUTS - 1):  # give-ups, then a call released in time: the streak starts over
+        timer.stop(timer.start(hidden), hidden)
+    timer._release[0] = timer._ticket + 1
+    timer.stop(timer.start(hidden), hidden)
+    assert timer.gate_eager and int(timer._timeouts[0]) == GATE_MAX_TIMEOUTS - 1
+    for _ in range(GATE_MAX_TIMEOUTS + 2):  # then GATE_MAX_TIMEOUTS in a row turn the wait off
+        timer.stop(timer.start(hidden), hidden)
+    assert int(timer._timeouts[0]) == 2 * GATE_MAX_TIMEOUTS - 1 and not timer.gate_eager
+    assert _cell(timer, 1)["calls"] == 2 * GATE_MAX_TIMEOUTS + 2  # every call still timed
+    assert "turned off" in timer.snapshot()["eager_bracket"]

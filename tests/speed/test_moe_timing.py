@@ -371,3 +371,16 @@ def test_slow_range_refuses_a_slowdown_it_cannot_make():
     for bad in ("slow_range:pct=0", "slow_range:pct=-5", "slow_range:pct=x", "slow_range:scale=2"):
         with pytest.raises(ConfigError, match="slow_range"):
             parse_mutation(bad)
+
+
+def test_slow_range_slows_eager_calls_by_eager_pct_and_captured_ones_by_pct():
+    """One row shows the gate's power in every range at once: 5 % where graphs replay, 10 % where calls run
+    eagerly (each range is judged on its own calls)."""
+    from moe_eval.kernels.mutations import parse_mutation, slowdown
+
+    spec = parse_mutation("slow_range:range=all,pct=5,eager_pct=10")
+    assert (slowdown(spec, 8, captured=True), slowdown(spec, 8), slowdown(spec, 5000)) == (0.05, 0.1, 0.1)
+    plain = parse_mutation("slow_range:range=all,pct=5")
+    assert slowdown(plain, 8, captured=True) == slowdown(plain, 8) == 0.05  # eager_pct defaults to pct
+    with pytest.raises(Exception, match="eager_pct"):
+        parse_mutation("slow_range:eager_pct=0")
