@@ -315,3 +315,29 @@ def test_the_routing_line_takes_the_experts_spread_out_of_a_sizes_error(tmp_path
              for s in (size,)]  # fmt: skip
     blind = dataclasses.replace(reference.by_range()["M=2-16"], sizes=tuple(plain))
     assert judge_range(blind, blind, MARGINS).fails_above > 1.05
+
+
+def test_gated_eager_calls_are_judged_on_the_constant_floor_not_a_multiple_of_their_spread():
+    """With the host's launch gaps out of the bracket (every process "gated"), a 10 % slowdown of a
+    prefill call spreading 4 % fails; timed at the host's pace (an older record, or a gate turned off) its
+    floor is 1.7 x that spread, and the same 10 % passes."""
+    from moe_eval.gates.speed import between_servers, gated_eager
+
+    gated = "gated: the start stamp waits for the host's last launch of the call"
+    plain = {1500: (20, 500.0, 20.0, False)}
+    slowed = {1500: (20, 550.0, 22.0, False)}
+
+    def summary(sizes, brackets):
+        return dataclasses.replace(_timing(_range("M=1024-4095", sizes)), eager_brackets=brackets)
+
+    size = _range("M=1024-4095", plain).sizes[0]
+    assert between_servers(size, size, gated=True) == 0.01
+    assert between_servers(size, size) == pytest.approx(1.7 * 0.04)
+    for brackets, fails in (((gated,), True), ((), False), ((gated + "; then turned off: ...",), False)):
+        row, reference = summary(slowed, brackets), summary(plain, brackets)
+        assert gated_eager(row, reference) is fails
+        check, section = speed_check(row, reference, MARGINS, "ref")
+        assert check is not None and check.passed is not fails, brackets
+        assert section["eager_gated"] is fails
+    # one row gated, the other not: the wider floor
+    assert not gated_eager(summary(slowed, (gated,)), summary(plain, ()))
