@@ -13,8 +13,9 @@ identical code), so a range is judged size for size:
 - the range's ratio: the geometric mean of the sizes' ratios weighted by the reference's time at each size
   (what the reference's own calls of the range would take at this row's pace);
 - its error: the sizes' within-run errors, and what a mean moves between two servers of one kernel
-  (`between_servers`: a log standard deviation per server, by how each size ran: CUDA-graph replays or eager
-  launches, whose pace follows the host's);
+  (`between_servers`: a log standard deviation per server, by how each size ran: CUDA-graph replays, or
+  eager calls, whose pace followed the host's unless their start stamp waited for the host's last launch:
+  `gated_eager`);
 - it fails where the ratio is above (1 + margin) beyond SPEED_Z standard errors: the margin is the config's
   `speed_margin` where graphs replay (a decode slowdown of 5 % must fail) and `speed_margin_eager` for eager
   ranges (10 % at real shapes). Each judged range says what it fails above, and what it would catch with 80 %
