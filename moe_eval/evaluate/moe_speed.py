@@ -12,8 +12,9 @@ stays is fixed: an eager call launches nothing for the check, but a captured cal
 later prompts (evaluate/layer_sweep.reach_every_range). The MoE bracket never held the check's work: its end
 stamp comes before the check's kernels.
 
-A prefill range the sweep called fewer than the gate's MIN_CALLS times (a model of few MoE layers: the
-two-layer twins made 2-12 calls there on the H200) gets more units of its workload before the second reading
+A prefill range whose most-called size the sweep called fewer than the gate's MIN_CALLS times (a model of
+few MoE layers: the two-layer twins made 2-12 calls there on the H200, spread over several chunk sizes)
+gets more units of its workload before the second reading
 (`top_up_units`; `timing.workload.top_up` in results.json), so the gate can judge it; the decode ranges get
 far more calls than that from the sweep alone. Units follow each row's own first reading, so a row and its
 reference can differ by a unit where chunked prefill packed their batched prompts otherwise: the gate
@@ -138,16 +139,20 @@ def _timed(target: SweepTarget, run_dir: Path) -> tuple[dict[str, Any], moe_timi
 
 
 def top_up_units(first: moe_timing.TimingSummary, min_calls: int = MIN_CALLS) -> dict[str, int]:
-    """Per prefill-only range (above the sweep's decode batches) the sweep called 0 < c < min_calls times:
-    more units of its workload (RANGE_UNITS), enough if a unit adds two thirds of what the sweep did there
-    (two single prompts where the sweep sent three; a batched prefill adds about as many as the sweep's)."""
+    """Per prefill-only range (above the sweep's decode batches) whose most-called size the sweep called
+    0 < c < min_calls times on a rank: more units of its workload (RANGE_UNITS), enough if a unit adds two
+    thirds of what the sweep did there (two single prompts where the sweep sent three; a batched prefill adds
+    about as many as the sweep's). The gate matches calls size for size, so a range's calls spread over many
+    sizes count as its most-called size's: on one H100 the Qwen3 twin's M>=4096 made 16 calls over 2-5 chunk
+    sizes, and 2 of 3 runs could not judge it (docs/perf.md)."""
     names = layer_range_names()
     prefill_only = {names[i] for i, low in enumerate(LAYER_RANGE_EDGES) if low > max(DECODE_BATCHES)}
-    return {
-        r.range: min(MAX_TOP_UP_UNITS, math.ceil(1.5 * (min_calls - r.calls) / r.calls))
-        for r in first.ranges
-        if r.range in prefill_only and 0 < r.calls < min_calls
-    }
+    units = {}
+    for r in first.ranges:
+        calls = max(s.calls for s in r.sizes) if r.sizes else r.calls
+        if r.range in prefill_only and 0 < calls < min_calls:
+            units[r.range] = min(MAX_TOP_UP_UNITS, math.ceil(1.5 * (min_calls - calls) / calls))
+    return units
 
 
 def end_to_end(sent: dict[str, Any]) -> dict[str, Any]:

@@ -216,6 +216,21 @@ def test_top_up_asks_for_enough_units_of_the_prefill_ranges_called_too_few_times
     assert top_up_units(called({"M=257-1023": MIN_CALLS, "M>=4096": 0})) == {}  # enough, or never reached
 
 
+def test_top_up_counts_a_range_by_its_most_called_size():
+    """16 calls over five chunk sizes (the twin's M>=4096 on the H100) are 6 calls the gate can match: more
+    units; 12 of one size are enough."""
+    from moe_eval.evaluate.moe_speed import top_up_units
+
+    def spread_over(sizes: dict[int, int]) -> moe_timing.TimingSummary:
+        cells = tuple(moe_timing.SizeTiming(m, n, 1000.0, 10.0, 0) for m, n in sizes.items())
+        total = sum(sizes.values())
+        ranges = (moe_timing.RangeTiming("M>=4096", total, total, 1000.0, 0.0, 1.0, sizes=cells),)
+        return moe_timing.TimingSummary(1, ("device",), ("s",), ("triton",), ranges)
+
+    assert top_up_units(spread_over({4500: 2, 6000: 2, 6808: 2, 7500: 4, 8192: 6})) == {"M>=4096": 2}
+    assert top_up_units(spread_over({6000: 4, 8192: MIN_CALLS})) == {}
+
+
 @pytest.mark.server
 @pytest.mark.slow
 def test_a_timed_two_layer_row_tops_up_its_prefill_ranges_to_be_judged(tmp_path, gsm8k_dir):
