@@ -4,11 +4,12 @@ eager calls gated"), re-judged by the rule as it is now.
     python benchmarks/power_table.py docs/data/speed_h100/power-gated-twin.json [...]
 
 Each file holds the slimmed rows (benchmarks/speed_table.py --slim) of benchmarks/device/served_speed.sh
-STAGE=power runs: pairs (vLLM's row and the bundled row of one run id), then bundled rows judged against that
-pair (repeats: no mutation; `slow_range` mutations). Every later row is judged against the pair's bundled row
-(its own earlier run, as `--baseline`) and against the pair's vLLM row (the incumbent); correct bundled rows
-also against every earlier correct bundled row. Prints per range: the ratio, and "fails above" (the gate's
-threshold at that range's errors), with FAIL where the range failed.
+STAGE=power runs: pairs (vLLM's row and the bundled row of one run id), then bundled rows run with
+`--baseline` a pair's run (repeats: no mutation; `slow_range` mutations). Each pair's bundled row is judged
+against its vLLM row; each correct bundled row against every earlier one (its own earlier runs); each
+mutated row against the bundled row of its --baseline (read from its speed_gate detail) and against that
+pair's vLLM row. Prints per range: the ratio, and "fails above" (the gate's threshold at that range's
+errors), with FAIL where the range failed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -66,10 +68,20 @@ def comparisons(rows: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], d
     for earlier, later in itertools.combinations(correct, 2):
         out.append(("correct vs own earlier", later, earlier))
     for row in sorted((r for r in rows if r["mutation"]), key=lambda r: r["run"]):
-        pair = max(p for p in pair_ids if p < row["run"])
+        pair = baseline_run(row)
+        if pair not in pair_ids:
+            print(f"{label(row)}: its --baseline {pair} is not a pair in this file: left out")
+            continue
         out.append(("mutated vs own earlier", row, pairs[pair]["bundled"]))
         out.append(("mutated vs vLLM", row, pairs[pair]["vllm"]))
     return out
+
+
+def baseline_run(row: dict[str, Any]) -> str | None:
+    """The run id of the row's --baseline, as its speed_gate check named the reference's results.json."""
+    detail = next((c["detail"] for c in row["checks"] if c["name"] == "speed_gate"), "")
+    found = re.search(r"/(\d{8}-\d{6})/", detail or "")
+    return found.group(1) if found else None
 
 
 def main() -> None:

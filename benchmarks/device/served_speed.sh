@@ -141,6 +141,7 @@ PY
     if [ "${GPU_TESTS:-0}" = 1 ]; then
       timeout 240 bash .vgpu/device_env.sh python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
         -k "another_order or bitwise_repeatable" 2>&1 | tail -15 | tee "$out/gpu-tests.txt"
+      echo "gpu tests: exit ${PIPESTATUS[0]}" | tee -a "$out/gpu-tests.txt"
     fi
     case "${MODEL:-canary}" in
       canary) src=$tp; v=Canary-Qwen3-MoE-BF16-vllm-triton; b=Canary-Qwen3-MoE-BF16-triton; data=() ;;

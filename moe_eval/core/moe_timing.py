@@ -40,6 +40,7 @@ class ProcessTiming:
     device_problem: str | None = None
     max_tokens: int = 0  # the most tokens one call of the process can carry
     eager_bracket: str | None = None  # how its eager calls were bracketed (kernels/moe_timer); None: before
+    gate_timeouts: int | None = None  # eager calls whose gated start gave up waiting; None: not counted
 
     def range_cells(self) -> dict[str, Cell]:
         """FIELDS per dispatch range: the sum of its sizes."""
@@ -123,6 +124,12 @@ class TimingSummary:
         (),
         newer=True,
     )
+    gate_timeouts: int | None = described(
+        "eager calls of the timed workload whose gated start stamp gave up waiting for the host (their "
+        "bracket holds host gaps), summed over processes; null: not counted",
+        None,
+        newer=True,
+    )
 
     def by_range(self) -> dict[str, RangeTiming]:
         return {r.range: r for r in self.ranges}
@@ -140,6 +147,7 @@ class TimingSummary:
             ranges=tuple(_range_from_dict(r) for r in data.get("ranges", ())),
             problems=tuple(data.get("problems", ())),
             eager_brackets=tuple(data.get("eager_brackets", ())),
+            gate_timeouts=data.get("gate_timeouts"),
         )
 
 
@@ -169,6 +177,7 @@ def read_folder(run_dir: Path) -> list[ProcessTiming]:
                     device_problem=data.get("device_problem"),
                     max_tokens=int(data.get("max_tokens") or 0),
                     eager_bracket=data.get("eager_bracket"),
+                    gate_timeouts=data.get("gate_timeouts"),
                 )
             )
         except (OSError, ValueError, KeyError, TypeError, IndexError):
@@ -196,7 +205,10 @@ def since(after: list[ProcessTiming], before: list[ProcessTiming]) -> list[Proce
                 added = tuple(a - b for a, b in zip(cell, prior.sizes.get(size, blank), strict=True))
                 if added[CALLS] > 0:
                     sizes[size] = added
-            process = replace(process, sizes=sizes)
+            timeouts = process.gate_timeouts
+            if timeouts is not None and prior.gate_timeouts is not None:
+                timeouts -= prior.gate_timeouts
+            process = replace(process, sizes=sizes, gate_timeouts=timeouts)
         out.append(process)
     return out
 
@@ -282,5 +294,11 @@ def summarize(processes: list[ProcessTiming]) -> TimingSummary:
         backends=tuple(sorted({p.backend for p in processes})),
         ranges=tuple(ranges),
         problems=tuple(p.device_problem for p in processes if p.device_problem),
-        eager_brackets=tuple(sorted({p.eager_bracket for p in processes if p.eager_bracket})),
+        # A process whose timer did not say (a file from before the gate) is never counted as gated.
+        eager_brackets=tuple(sorted({p.eager_bracket or "not recorded" for p in processes})),
+        gate_timeouts=(
+            sum(p.gate_timeouts or 0 for p in processes)
+            if all(p.gate_timeouts is not None for p in processes)
+            else None
+        ),
     )

@@ -238,10 +238,13 @@ def _judged(value: float | None) -> float:
 
 def gated_eager(*summaries: TimingSummary) -> bool:
     """Every process of every row timed its eager calls from the host's last launch, and kept doing so (a
-    timer whose waits gave up in a row turned the gate off, and says so)."""
+    timer whose waits gave up in a row turned the gate off, and says so), and no wait of the timed workload
+    gave up (such a call's bracket holds the host's gaps). The first gated records (2026-12-06, H100) did not
+    count the give-ups per window (null): their eager sizes' residuals of ~1 % show none inside it."""
     return all(
         bool(s.eager_brackets)
         and all(b.startswith(GATED_PREFIX) and "turned off" not in b for b in s.eager_brackets)
+        and not s.gate_timeouts
         for s in summaries
     )
 

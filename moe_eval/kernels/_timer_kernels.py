@@ -10,7 +10,7 @@ judge eager ranges only within x2-x270. The wait gives up after `timeout_ns` (a 
 inside the bracket would otherwise never release it) and counts the call in `timeouts_ptr`: the timer turns
 the wait off after a few (kernels/moe_timer.py) and the record says so.
 
-`stamp_end_kernel` reads the clock `stamp_end_kernel` reads it after them and adds
+`stamp_end_kernel` reads the clock after the MoE kernels and adds
 the call to its size's cell in pinned host memory: the call, its nanoseconds and their square, its tokens,
 whether it was a CUDA-graph replay, and the number of distinct experts its routing hit with their products
 (the speed gate's covariate: at real shapes a decode call's time follows how many experts' weights it reads,

@@ -213,15 +213,23 @@ class MoeTimer:
         )
         self._timeouts_seen = timeouts
         if self._timeout_streak >= GATE_MAX_TIMEOUTS:
-            self.gate_eager = False
+            # gate_off first: the flusher thread's snapshot never sees the gate off without its reason
             self.gate_off = (
                 f"{GATE_MAX_TIMEOUTS} eager calls in a row gave up waiting for the host "
                 f"({self.gate_timeout_ns / 1e6:g} ms each): later eager calls are timed at the host's pace"
             )
+            self.gate_eager = False
         return self.gate_eager
 
+    def abandon(self) -> None:
+        """The call between start() and stop() raised: release its start stamp now (it would wait its timeout
+        out and count a give-up that was no fault of the host's pace)."""
+        self._release_call()
+
     def _release_call(self) -> None:
-        """The host has launched the whole call: its start stamp may read the clock."""
+        """The host has launched the whole call: its start stamp may read the clock. One ticket counter and
+        one start stamp per timer: brackets on one timer never overlap (one thread runs a process's MoE
+        layers in order; two overlapping would release each other early and share the start stamp)."""
         if self._release is not None and self._ticket > int(self._release[0]):
             self._release[0] = self._ticket
 
@@ -268,6 +276,8 @@ class MoeTimer:
             "max_tokens": self.max_tokens,
             "timed_on": "device" if self._on_device else "host",
             "eager_bracket": self._eager_bracket(),
+            # counted since the process started: the harness takes the timed window's (core/moe_timing.since)
+            "gate_timeouts": int(self._timeouts[0]) if self._timeouts is not None else 0,
             "fields": list(FIELDS),
             # Only the sizes called: [M, *FIELDS] each (the table has a row for every size up to the limit).
             "sizes": [

@@ -425,7 +425,7 @@ class BundledExperts:
         on_input = bool(layer.apply_router_weight_on_input)
         call = MoeCall(x, self.weights, Routing(served_weights, served_ids), expert_map, MoeOptions(on_input))
         started = self.timer.start(x) if self.timer is not None else 0
-        out = self.kernel.apply(call)
+        out = _timed_call(self.timer, lambda: self.kernel.apply(call))
         if self.timer is not None:
             slow = 0.0
             if self.slow_range is not None:
@@ -443,6 +443,18 @@ class BundledExperts:
             asked = MoeCall(x, self.check_weights, routing, loaded_map, MoeOptions(on_input))
             self.check.observe(self.check_layer, asked, out)
         return out
+
+
+def _timed_call(timer: Any, call: Any) -> Any:
+    """call() inside a timer's bracket: where it raises, the timer's start stamp is released now (an eager
+    call's would wait its timeout out on the GPU)."""
+    if timer is None:
+        return call()
+    try:
+        return call()
+    except BaseException:
+        timer.abandon()
+        raise
 
 
 def switch_golden_probe(on: bool) -> dict[str, Any]:
@@ -503,7 +515,8 @@ def _timed_method_class() -> type:
         def apply(self, layer: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
             timer = self.moe_eval_timer
             started = timer.start(x) if timer is not None else 0
-            out = super().apply(layer, x, *args, **kwargs)
+            vllm_apply = super().apply
+            out = _timed_call(timer, lambda: vllm_apply(layer, x, *args, **kwargs))
             if timer is not None:
                 # apply(layer, x, topk_weights, topk_ids, ...) in vLLM 0.26 and 0.32: the routing it counts
                 timer.stop(started, x, kwargs.get("topk_ids", args[1] if len(args) > 1 else None))
@@ -512,7 +525,8 @@ def _timed_method_class() -> type:
         def apply_monolithic(self, layer: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
             timer = self.moe_eval_timer
             started = timer.start(x) if timer is not None else 0
-            out = super().apply_monolithic(layer, x, *args, **kwargs)
+            vllm_apply = super().apply_monolithic
+            out = _timed_call(timer, lambda: vllm_apply(layer, x, *args, **kwargs))
             if timer is not None:
                 timer.stop(started, x)
             return out

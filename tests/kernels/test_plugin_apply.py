@@ -197,3 +197,21 @@ def test_golden_probe_switch_is_scale_one_expert_in_place_and_goes_back_bit_for_
     assert torch.equal(experts.apply(layer, x, topk_weights, topk_ids), before)
     with pytest.raises(ValueError, match="'sideways' must be 'on' or 'off'"):
         switch.moe_eval_golden_probe("sideways")
+
+
+def test_a_call_that_raises_inside_the_timers_bracket_releases_its_start_stamp():
+    """An eager call's gated start stamp waits for the host's release: a kernel that raises must release it
+    at once (else the GPU waits 10 ms and counts a give-up the host's pace did not cause)."""
+    from moe_eval.kernels.plugin import _timed_call
+
+    abandoned = []
+    timer = SimpleNamespace(abandon=lambda: abandoned.append(True))
+
+    def broken():
+        raise RuntimeError("kernel failed")
+
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        _timed_call(timer, broken)
+    assert abandoned == [True]
+    assert _timed_call(timer, lambda: 7) == 7 and abandoned == [True]  # a call that returns is not abandoned
+    assert _timed_call(None, lambda: 8) == 8  # no timer

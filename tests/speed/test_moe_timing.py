@@ -397,5 +397,24 @@ def test_slow_range_slows_eager_calls_by_eager_pct_and_captured_ones_by_pct():
     assert (slowdown(spec, 8, captured=True), slowdown(spec, 8), slowdown(spec, 5000)) == (0.05, 0.1, 0.1)
     plain = parse_mutation("slow_range:range=all,pct=5")
     assert slowdown(plain, 8, captured=True) == slowdown(plain, 8) == 0.05  # eager_pct defaults to pct
-    with pytest.raises(Exception, match="eager_pct"):
+    from moe_eval.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"parameter eager_pct='0' is not valid"):
         parse_mutation("slow_range:eager_pct=0")
+
+
+def test_the_gates_give_ups_count_per_timed_window_and_an_unsaid_bracket_is_never_gated():
+    """A process's give-ups are counted since it started: the harness keeps the timed window's (since), the
+    summary sums them, and a timer file from before the gate says nothing, which the summary names."""
+    gated = "gated: the start stamp waits for the host's last launch of the call; 3 waits gave up"
+    cell = (4.0, 4000.0, 4e6, 4.0 * 600, 0.0, 0.0, 0.0, 0.0, 0.0)
+    before = moe_timing.ProcessTiming(1, "triton", "s", "device", {}, {600: cell}, eager_bracket=gated,
+                                      gate_timeouts=3)  # fmt: skip
+    after = dataclasses.replace(before, sizes={600: tuple(2 * v for v in cell)}, gate_timeouts=5)
+    window = moe_timing.since([after], [before])
+    assert window[0].gate_timeouts == 2
+    assert moe_timing.summarize(window).gate_timeouts == 2
+    assert moe_timing.summarize(moe_timing.since([before], [before])).gate_timeouts == 0
+    old = dataclasses.replace(before, pid=2, eager_bracket=None, gate_timeouts=None)
+    summary = moe_timing.summarize([before, old])
+    assert summary.gate_timeouts is None and "not recorded" in summary.eager_brackets

@@ -341,3 +341,7 @@ def test_gated_eager_calls_are_judged_on_the_constant_floor_not_a_multiple_of_th
         assert section["eager_gated"] is fails
     # one row gated, the other not: the wider floor
     assert not gated_eager(summary(slowed, (gated,)), summary(plain, ()))
+    # a wait of the timed workload gave up (that call's bracket holds host gaps): the wider floor too
+    gave_up = dataclasses.replace(summary(slowed, (gated,)), gate_timeouts=1)
+    assert not gated_eager(gave_up, summary(plain, (gated,)))
+    assert gated_eager(dataclasses.replace(gave_up, gate_timeouts=0), summary(plain, (gated,)))
