@@ -353,6 +353,16 @@ class BundledExperts:
             reports.append(_WARMED_UP[key])
         return reports[0]
 
+    def _tile_source(self, layer: Any) -> dict[str, str | None] | None:
+        """The Triton kernel's tiles: a tuned file, or the default heuristic on a GPU that has none."""
+        if self.choice.backend is not MoeBackend.TRITON or layer.w13_weight.device.type != "cuda":
+            return None
+        from moe_eval.kernels.fused_moe import _device_name
+        from moe_eval.kernels.tile_configs import tile_source
+
+        e, f2, d = layer.w13_weight.shape
+        return tile_source(e, f2 // 2, d, _device_name(layer.w13_weight.device))
+
     def _log_choice(self, layer: Any, global_experts: int, top_k: int, warmup: Any) -> None:
         e, f2, d = layer.w13_weight.shape
         shapes = (e, f2 // 2, d, global_experts, top_k)
@@ -377,6 +387,7 @@ class BundledExperts:
             },
             "warmup": warmup.as_dict() if warmup is not None else None,
             "counted_on": self.counter.snapshot()["counted_on"],
+            "tiles": self._tile_source(layer),
         }
         # print, not logging: vLLM's logging config may drop a foreign logger's INFO lines. The newline
         # goes in the same write: print's separate write of "\n" let two ranks sharing the log put

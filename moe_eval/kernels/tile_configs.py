@@ -275,6 +275,16 @@ def tuned_file_path(num_experts: int, F: int, D: int, device_name: str) -> Path:
     return TUNED_DIR / name
 
 
+def tile_source(num_experts: int, F: int, D: int, device_name: str) -> dict[str, str | None]:
+    """Where a shape's tiles come from on this GPU, for the record: the tuned file it reads, or the default
+    heuristic when this GPU has none (the shipped files are the H200's: on an H100 the bundled kernel runs
+    the heuristic, 2026-12-06, docs/perf.md)."""
+    path = tuned_file_path(num_experts, F, D, device_name)
+    if path.is_file():
+        return {"source": "tuned file", "file": str(path)}
+    return {"source": f"default heuristic: no tuned file for {device_name}", "file": None}
+
+
 @functools.cache
 def _tuned(num_experts: int, F: int, D: int, device_name: str) -> dict[int, MoeTileConfig] | None:
     path = tuned_file_path(num_experts, F, D, device_name)

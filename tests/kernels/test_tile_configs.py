@@ -251,3 +251,24 @@ def test_tuner_precompile_survives_a_hanging_variant():
         assert not tune.runnable(16, 1, narrow, naive=True)
     finally:
         tune.UNFINISHED.clear()
+
+
+def test_the_record_says_where_the_tiles_come_from_a_tuned_file_or_the_default_heuristic(
+    tmp_path, monkeypatch
+):
+    """The shipped files are the H200's: on an H100 the bundled kernel runs the default heuristic, and the
+    server's log line (results.json bundled_kernel_logged[].tiles) must say so."""
+    from moe_eval.kernels.tile_configs import TUNED_DIR_ENV, tile_source
+
+    monkeypatch.delenv(TUNED_DIR_ENV, raising=False)
+    h200 = tile_source(128, 768, 2048, "NVIDIA H200")
+    assert h200["source"] == "tuned file" and h200["file"].endswith(
+        "E=128,F=768,D=2048,device=NVIDIA_H200.json"
+    )
+    h100 = tile_source(128, 768, 2048, "NVIDIA H100 80GB HBM3")
+    assert h100 == {"source": "default heuristic: no tuned file for NVIDIA H100 80GB HBM3", "file": None}
+    (tmp_path / "E=128,F=768,D=2048,device=NVIDIA_H100_80GB_HBM3.json").write_text("{}")
+    monkeypatch.setenv(TUNED_DIR_ENV, str(tmp_path))
+    assert tile_source(128, 768, 2048, "NVIDIA H100 80GB HBM3")["file"] == str(
+        tmp_path / "E=128,F=768,D=2048,device=NVIDIA_H100_80GB_HBM3.json"
+    )
