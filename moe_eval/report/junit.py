@@ -23,7 +23,16 @@ from moe_eval.runner import ConfigOutcome
 def _properties(parent: ET.Element, values: dict[str, object]) -> None:
     props = ET.SubElement(parent, "properties")
     for name, value in values.items():
-        ET.SubElement(props, "property", name=name, value="" if value is None else str(value))
+        ET.SubElement(props, "property", name=name, value=_property_text(value))
+
+
+def _property_text(value: object) -> str:
+    """A property's value as CI systems read one: booleans as JSON spells them (true, false), not Python."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def junit_xml(outcomes: list[ConfigOutcome], hw: str, gpus: list[str]) -> str:

@@ -468,3 +468,14 @@ def test_the_evidence_cell_shows_each_gates_weakest_check_and_names_one_short_of
         "layer_check 50/56 (range, expert) cells (layer_check_experts: 54 needed), catches a 1% error; "
         "speed 2/6 dispatch ranges (speed_gate: 6 needed), catches x1.04"
     )
+
+
+def test_junit_properties_spell_booleans_as_ci_systems_read_them():
+    import xml.etree.ElementTree as ET
+
+    from moe_eval.report.junit import _properties
+
+    root = ET.Element("testsuite")
+    _properties(root, {"gated": True, "passed": False, "ratio": 1.05, "reason": None})
+    values = {p.get("name"): p.get("value") for p in root.iter("property")}
+    assert values == {"gated": "true", "passed": "false", "ratio": "1.05", "reason": ""}
