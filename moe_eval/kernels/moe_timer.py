@@ -86,6 +86,7 @@ class MoeTimer:
         self._release: torch.Tensor | None = None
         self._timeouts: torch.Tensor | None = None
         self._ticket = 0
+        self._released = 0  # the newest ticket written to _release (the host's own copy: no read of it)
         self.gate_eager = (
             False  # on where attach_device found a CUDA device (tests turn it on in the interpreter)
         )
@@ -125,7 +126,7 @@ class MoeTimer:
                     torch.cuda._sleep(100_000)  # a few tens of microseconds: the stamp must see time pass
                 self._launch_end(probe, cell_index, 7, replayed, ids, 0.0)
             # The gate's kernel, compiled now: a call the host released before it ran waits for nothing.
-            self._ticket = 1
+            self._ticket = self._released = 1
             self._release[0] = 1
             self._launch_gated_start(1)
             if device.type == "cuda":
@@ -207,7 +208,7 @@ class MoeTimer:
     def _gate_on(self) -> bool:
         if not self.gate_eager:
             return False
-        timeouts = int(self._timeouts[0])
+        timeouts = int(self._timeouts.numpy()[0])  # numpy's view: no torch indexing on the hot path
         self._timeout_streak = (
             self._timeout_streak + timeouts - self._timeouts_seen if timeouts > self._timeouts_seen else 0
         )
@@ -230,8 +231,8 @@ class MoeTimer:
         """The host has launched the whole call: its start stamp may read the clock. One ticket counter and
         one start stamp per timer: brackets on one timer never overlap (one thread runs a process's MoE
         layers in order; two overlapping would release each other early and share the start stamp)."""
-        if self._release is not None and self._ticket > int(self._release[0]):
-            self._release[0] = self._ticket
+        if self._release is not None and self._ticket > self._released:
+            self._release.numpy()[0] = self._released = self._ticket
 
     def stop(self, started: int, hidden_TD: torch.Tensor, topk_ids: Any = None, slow: float = 0.0) -> None:
         """topk_ids: the call's routing (its distinct experts are counted, outside the bracket); slow:
