@@ -1,7 +1,7 @@
 """The speed gate's power and false alarms from stored served runs (docs/perf.md, "The speed gate with the
 eager calls gated"), re-judged by the rule as it is now.
 
-    python benchmarks/power_table.py docs/data/speed_h100/power-gated-twin.json [...]
+    python benchmarks/power_table.py docs/data/speed_h100/power-gated-twin.json [...] [--floors]
 
 Each file holds the slimmed rows (benchmarks/speed_table.py --slim) of benchmarks/device/served_speed.sh
 STAGE=power runs: pairs (vLLM's row and the bundled row of one run id), then bundled rows run with
@@ -10,6 +10,10 @@ against its vLLM row; each correct bundled row against every earlier one (its ow
 mutated row against the bundled row of its --baseline (read from its speed_gate detail) and against that
 pair's vLLM row. Prints per range: the ratio, and "fails above" (the gate's threshold at that range's
 errors), with FAIL where the range failed.
+
+--floors prints instead what servers of one kernel differ by per call size (every pair of its correct rows,
+replayed and eager sizes apart): the rms of z (log ratio over its within-run error) and the per-server
+floor beyond those errors; the figures gates/speed.py cites for the gated eager floor.
 """
 
 from __future__ import annotations
@@ -17,13 +21,22 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
 
 from moe_eval.core.moe_timing import TimingSummary
 from moe_eval.core.plugin_protocol import layer_range_names
-from moe_eval.gates.speed import Margins, compare, speed_check
+from moe_eval.gates.speed import (
+    MAX_RELATIVE_ERROR,
+    MIN_SIZE_CALLS,
+    Margins,
+    _relative_error,
+    compare,
+    compare_size,
+    speed_check,
+)
 
 MARGINS = Margins(replayed=0.01, eager=0.03)  # the config defaults
 
@@ -84,13 +97,51 @@ def baseline_run(row: dict[str, Any]) -> str | None:
     return found.group(1) if found else None
 
 
+def floors(rows: list[dict[str, Any]]) -> None:
+    """Same-kernel servers, size for size: rms z and the per-server floor beyond the within-run errors."""
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["mutation"] is None:
+            kinds.setdefault("vLLM" if "vllm" in row["config"] else "bundled", []).append(row)
+    for kind, same in sorted(kinds.items()):
+        pairs: dict[str, list[tuple[float, float]]] = {"replayed": [], "eager": []}
+        for a, b in itertools.combinations(same, 2):
+            theirs = timing(b).by_range()
+            for name, mine in timing(a).by_range().items():
+                other = theirs.get(name)
+                if other is None or mine.sizes is None or other.sizes is None:
+                    continue
+                by_size = {s.tokens: s for s in other.sizes}
+                for size in mine.sizes:
+                    ref = by_size.get(size.tokens)
+                    if ref is None or min(size.calls, ref.calls) < MIN_SIZE_CALLS:
+                        continue
+                    if max(_relative_error(size), _relative_error(ref)) > MAX_RELATIVE_ERROR:
+                        continue
+                    log_ratio, variance = compare_size(size, ref)
+                    pairs["eager" if size.replayed < size.calls else "replayed"].append((log_ratio, variance))
+        for how, found in pairs.items():
+            if found:
+                rms_z = math.sqrt(sum(lr * lr / v for lr, v in found) / len(found))
+                excess = sum(lr * lr - v for lr, v in found) / len(found)
+                print(
+                    f"{kind} {how}: {len(found)} size pairs over {len(same)} servers, rms z {rms_z:.2f}, "
+                    f"per-server floor {math.sqrt(max(excess, 0.0) / 2):.4f}"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--floors", action="store_true", help="same-kernel spread per size, not the tables")
     args = parser.parse_args()
     names = list(layer_range_names())
     for path in args.files:
         rows = json.loads(path.read_text())
+        if args.floors:
+            print(f"\n### {path.name}")
+            floors(rows)
+            continue
         machines = sorted({m for r in rows for m in r["machine"]})
         print(f"\n### {path.name} ({', '.join(machines)})\n")
         print("| comparison | row | reference | verdict | " + " | ".join(names) + " |")
