@@ -8,7 +8,12 @@ Then the eager calls' gate: an eager call of KERNELS short kernels with the host
 launches (a launch-bound call, as the eager prefill calls are in a server), timed with the start stamp gated
 (it waits for the host's last launch) and host-paced (as before the gate). Exit 1 where the gated bracket
 reads more than 1.25 x the same call launched with no host gaps, where no give-up was expected and one
-happened, or where the host-paced one does not show the host's gaps (the case would prove nothing)."""
+happened, or where the host-paced one does not show the host's gaps (the case would prove nothing).
+
+Last, the canary's eager calls as a server makes them (issue 54: a 10 % eager slowdown read x1.067-1.074
+there, x1.10 on the twin): SHORT_KERNELS ~3 us kernels with the host busy between launches and between
+calls, so the GPU idles before each call, plain and slowed 5 % / 10 %, each ratio printed beside the same
+calls made with the GPU kept busy (no host gaps). Report only: does the spin read short on an idle GPU?"""
 
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ CALLS = 50
 TOKENS = 3
 KERNELS = 10
 HOST_GAP_US = 100.0
+SHORT_KERNELS = 6
+SHORT_CYCLES = 6_000  # ~3 us at the H100's ~1.98 GHz
 
 
 def timed(cycles: int, slow: float, graph: bool) -> tuple[float, float]:
@@ -99,7 +106,50 @@ def gate_cases() -> int:
     return int(not ok_gated) + int(not ok_paced)
 
 
+def short_eager(slow: float, launch_gap_us: float, call_gap_us: float) -> float:
+    """Mean us of CALLS gated eager calls of SHORT_KERNELS short kernels; the host busy launch_gap_us between
+    launches and call_gap_us between calls (the GPU idles before each call where that exceeds its work)."""
+    timer = MoeTimer("probe", None, "probe")
+    timer.attach_device(torch.device("cuda"))
+    assert timer.device_problem is None, timer.device_problem
+    x = torch.zeros(TOKENS, 8, device="cuda")
+
+    def busy(us: float) -> None:
+        until = time.perf_counter() + us / 1e6
+        while time.perf_counter() < until:
+            pass
+
+    def call() -> None:
+        started = timer.start(x)
+        for _ in range(SHORT_KERNELS):
+            torch.cuda._sleep(SHORT_CYCLES)
+            busy(launch_gap_us)
+        timer.stop(started, x, None, slow)
+        busy(call_gap_us)
+
+    call()
+    torch.cuda.synchronize()
+    timer.table.zero_()
+    for _ in range(CALLS * 4):
+        call()
+    torch.cuda.synchronize()
+    cell = dict(zip(FIELDS, timer.table[TOKENS].tolist(), strict=True))
+    return cell["ns"] / cell["calls"] / 1e3
+
+
+def idle_gpu_cases() -> None:
+    cases = (("GPU kept busy", 0.0, 0.0), ("GPU idle before each call", 5.0, 300.0))
+    for name, launch_gap, call_gap in cases:
+        plain = short_eager(0.0, launch_gap, call_gap)
+        reads = []
+        for pct in (5.0, 10.0):
+            slowed = short_eager(pct / 100, launch_gap, call_gap)
+            reads.append(f"{pct:g} % x{slowed / plain:.4f}")
+        print(f"short eager calls, {name}: plain {plain:.2f} us; " + ", ".join(reads))
+
+
 def main() -> None:
+    idle_gpu_cases()
     failures = gate_cases()
     for cycles in (20_000, 1_000_000):
         for graph in (False, True):
