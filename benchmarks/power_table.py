@@ -11,6 +11,10 @@ mutated row against the bundled row of its --baseline (read from its speed_gate 
 pair's vLLM row. Prints per range: the ratio, and "fails above" (the gate's threshold at that range's
 errors), with FAIL where the range failed.
 
+--together judges the rows of all the files as one set, so a correct row of one session is judged against
+the earlier runs of another (each session's files come from one machine, handed back after it: a pair from
+two files is a pair from two machines, marked "another machine").
+
 --floors prints instead what servers of one kernel differ by per call size (every pair of its correct rows,
 replayed and eager sizes apart): the rms of z (log ratio over its within-run error) and the per-server
 floor beyond those errors; the figures gates/speed.py cites for the gated eager floor.
@@ -79,7 +83,8 @@ def comparisons(rows: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], d
         (r for r in rows if r["mutation"] is None and "vllm" not in r["config"]), key=lambda r: r["run"]
     )
     for earlier, later in itertools.combinations(correct, 2):
-        out.append(("correct vs own earlier", later, earlier))
+        where = ", another machine" if earlier.get("_file") != later.get("_file") else ""
+        out.append((f"correct vs own earlier{where}", later, earlier))
     for row in sorted((r for r in rows if r["mutation"]), key=lambda r: r["run"]):
         pair = baseline_run(row)
         if pair not in pair_ids:
@@ -134,16 +139,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--floors", action="store_true", help="same-kernel spread per size, not the tables")
+    parser.add_argument("--together", action="store_true", help="all files' rows as one set")
     args = parser.parse_args()
     names = list(layer_range_names())
-    for path in args.files:
-        rows = json.loads(path.read_text())
+    sets = [(p.name, [dict(r, _file=p.name) for r in json.loads(p.read_text())]) for p in args.files]
+    if args.together:
+        sets = [(" + ".join(name for name, _ in sets), [r for _, rows in sets for r in rows])]
+    for name, rows in sets:
         if args.floors:
-            print(f"\n### {path.name}")
+            print(f"\n### {name}")
             floors(rows)
             continue
         machines = sorted({m for r in rows for m in r["machine"]})
-        print(f"\n### {path.name} ({', '.join(machines)})\n")
+        print(f"\n### {name} ({', '.join(machines)})\n")
         print("| comparison | row | reference | verdict | " + " | ".join(names) + " |")
         print("|---|---|---|---|" + "---:|" * len(names))
         for kind, row, reference in comparisons(rows):
