@@ -11,42 +11,16 @@ per range."""
 from __future__ import annotations
 
 import itertools
-import json
 
 import pytest
 
-from moe_eval.core.moe_timing import TimingSummary
-from moe_eval.gates.speed import Margins, compare, gated_eager, speed_check
-
-MARGINS = Margins(replayed=0.01, eager=0.03)  # the config defaults
-DECODE = ("M=1", "M=2-16", "M=17-64", "M=65-256")
-EAGER = ("M=257-1023", "M=1024-4095", "M>=4096")
-SLOWED = "slow_range:range=all,pct=5,eager_pct=10"
+from moe_eval.gates.speed import gated_eager, speed_check
+from tests.speed import stored_power as stored
+from tests.speed.stored_power import DECODE, EAGER, MARGINS, SLOWED, timing
 
 
 def _rows(repo_root, model: str) -> list[dict]:
-    return json.loads((repo_root / "docs/data/speed_h100" / f"power-gated-{model}.json").read_text())
-
-
-def _timing(row: dict) -> TimingSummary:
-    return TimingSummary.from_dict(row["timing"]["moe"])
-
-
-def _judged(row: dict, reference: dict) -> dict:
-    return {r.range: r for r in compare(_timing(row), _timing(reference), MARGINS)}
-
-
-def _correct(rows: list[dict], vllm: bool = False) -> list[dict]:
-    chosen = [r for r in rows if r["mutation"] is None and ("vllm" in r["config"]) == vllm]
-    return sorted(chosen, key=lambda r: r["run"])
-
-
-def _baseline(rows: list[dict], row: dict) -> dict:
-    """The bundled row of the pair run (vLLM's row and the bundled one) just before `row`: its --baseline."""
-    pairs = {r["run"] for r in _correct(rows, vllm=True)}
-    return max(
-        (r for r in _correct(rows) if r["run"] in pairs and r["run"] < row["run"]), key=lambda r: r["run"]
-    )
+    return stored.stored_rows(repo_root, f"power-gated-{model}")
 
 
 @pytest.fixture(scope="module", params=["twin", "canary"])
@@ -57,9 +31,9 @@ def model_rows(request, repo_root):
 def test_every_stored_process_timed_its_eager_calls_gated_and_the_gate_sees_it(model_rows):
     _, rows = model_rows
     for row in rows:
-        brackets = _timing(row).eager_brackets
+        brackets = timing(row).eager_brackets
         assert brackets and all(b.startswith("gated") and "turned off" not in b for b in brackets), brackets
-    assert gated_eager(*(_timing(r) for r in rows))
+    assert gated_eager(*(timing(r) for r in rows))
 
 
 def test_a_correct_row_passes_against_each_earlier_run_of_its_own_kernel(model_rows):
@@ -67,10 +41,10 @@ def test_a_correct_row_passes_against_each_earlier_run_of_its_own_kernel(model_r
     within x1.042, eager ones within x1.08 on the twin (x1.11 at the canary's 8 calls of 8192 tokens)."""
     model, rows = model_rows
     eager_reach = {"twin": 1.08, "canary": 1.11}[model]
-    for earlier, later in itertools.combinations(_correct(rows), 2):
-        check, _ = speed_check(_timing(later), _timing(earlier), MARGINS, earlier["run"])
+    for earlier, later in itertools.combinations(stored.correct(rows), 2):
+        check, _ = speed_check(timing(later), timing(earlier), MARGINS, earlier["run"])
         assert check is not None and check.passed, (later["run"], earlier["run"], check)
-        judged = _judged(later, earlier)
+        judged = stored.ranges_judged(later, earlier)
         assert all(judged[r].passed for r in DECODE)
         assert all(judged[r].fails_above <= 1.042 for r in DECODE)
         assert all(
@@ -83,12 +57,12 @@ def test_the_twins_5_percent_decode_and_10_percent_eager_slowdowns_fail_every_ju
     slowed = [r for r in rows if r["mutation"] == SLOWED]
     assert len(slowed) == 3
     for row in slowed:
-        judged = _judged(row, _baseline(rows, row))
+        judged = stored.ranges_judged(row, stored.baseline(rows, row))
         assert all(judged[r].passed is False for r in DECODE), row["run"]
         eager = [j for r, j in judged.items() if r in EAGER and j.passed is not None]
         assert len(eager) >= 2 and all(j.passed is False for j in eager), row["run"]
         assert all(1.09 <= j.ratio <= 1.11 for j in eager)  # the end stamp's spin: 10 % read as 10 %
-        check, _ = speed_check(_timing(row), _timing(_baseline(rows, row)), MARGINS, "own")
+        check, _ = speed_check(timing(row), timing(stored.baseline(rows, row)), MARGINS, "own")
         assert check is not None and not check.passed
 
 
@@ -98,7 +72,7 @@ def test_3_percent_passes_where_graphs_replay_it_is_below_the_gates_reach(repo_r
     for model in ("twin", "canary"):
         rows = _rows(repo_root, model)
         row = next(r for r in rows if r["mutation"] == "slow_range:range=all,pct=3,eager_pct=5")
-        judged = _judged(row, _baseline(rows, row))
+        judged = stored.ranges_judged(row, stored.baseline(rows, row))
         assert all(judged[r].passed and 1.028 <= judged[r].ratio <= 1.037 for r in DECODE), model
 
 
@@ -110,7 +84,7 @@ def test_the_canarys_decode_slowdowns_are_caught_but_its_short_eager_calls_read_
     slowed = [r for r in rows if r["mutation"] == SLOWED]
     caught = 0
     for row in slowed:
-        judged = _judged(row, _baseline(rows, row))
+        judged = stored.ranges_judged(row, stored.baseline(rows, row))
         caught += sum(judged[r].passed is False for r in DECODE)
         eager = [j for r, j in judged.items() if r in EAGER and j.passed is not None]
         assert eager and all(j.passed and 1.06 <= j.ratio <= 1.08 for j in eager)
@@ -122,11 +96,11 @@ def test_the_twins_bundled_prefill_calls_of_1500_tokens_are_slower_than_vllms_an
     461 us in each of 3 (gated brackets: the GPU's work alone). Before the gate waited for the host, the
     eager ranges' floor (x2-x270) hid it. Issue 56's prefill item."""
     rows = _rows(repo_root, "twin")
-    bundled, vllm = _correct(rows), _correct(rows, vllm=True)
+    bundled, vllm = stored.correct(rows), stored.correct(rows, vllm=True)
     failed = 0
     for reference in vllm:
         row = next(r for r in bundled if r["run"] == reference["run"])
-        judged = _judged(row, reference)
+        judged = stored.ranges_judged(row, reference)
         assert all(judged[r].passed for r in DECODE)  # decode: the bundled kernel 2-8 % faster
         failed += judged["M=1024-4095"].passed is False
     assert failed == 2  # the third pair's M=1024-4095 was not judged (its matched sizes held too little time)
