@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_eval.configs.config import EvalConfig
+from moe_eval.configs.hardware import gpu_uuids
 from moe_eval.core.check import VERDICTS, Check
 from moe_eval.core.errors import ConfigError, InfraError, MoeEvalError
 from moe_eval.core.layout import LayoutKind
@@ -221,7 +222,9 @@ def _new_record(config: EvalConfig, options: RunOptions, data: Gsm8kData, path: 
             mutation=options.mutation,
         ),
         environment=Environment(
-            hardware=Hardware(options.hw, list(options.gpus), cpu_model()),
+            hardware=Hardware(
+                options.hw, list(options.gpus), cpu_model(), gpu_uuids() if options.gpus else []
+            ),
             versions=versions(),
             rules=rules_digest(),
             gsm8k=data.describe(),

@@ -32,7 +32,7 @@ from moe_eval.gates.layer_gate import layer_check_limits
 from moe_eval.gates.layer_summary import MIN_ROWS, LayerSummary, reachable_ranges, summarize
 from moe_eval.gates.measurements import Answers, IncumbentRow, Measurements
 from moe_eval.gates.repeat import RepeatKeys
-from moe_eval.gates.speed import machine_of, workload_identity
+from moe_eval.gates.speed import cards_of, machine_of, workload_identity
 from moe_eval.serve import cancel
 from moe_eval.serve.server_log import kernel_call_counts
 
@@ -101,6 +101,7 @@ class Row:
             speed=self.speed,
             repeat=self.repeat,
             machine=machine_of(self.record.environment.hardware),
+            cards=cards_of(self.record.environment.hardware),
             workload=workload_identity(self.swept),
             not_measured=dict(self.not_measured),
         )

@@ -8,11 +8,21 @@ import subprocess
 
 def gpu_names() -> list[str]:
     """Names of the NVIDIA GPUs present, from nvidia-smi (no torch import: it is slow and may lack CUDA)."""
+    return _query_gpus("name")
+
+
+def gpu_uuids() -> list[str]:
+    """The UUIDs of the NVIDIA GPUs present: which physical cards (two H100s of one model differ in speed by
+    a few %, docs/perf.md "The speed gate on a second H100")."""
+    return _query_gpus("uuid")
+
+
+def _query_gpus(field: str) -> list[str]:
     if shutil.which("nvidia-smi") is None:
         return []
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
             capture_output=True,
             text=True,
             timeout=30,

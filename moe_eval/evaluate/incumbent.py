@@ -14,7 +14,7 @@ from moe_eval.core.moe_timing import TimingSummary
 from moe_eval.core.record import RunRecord, UnreadableRecord, result_files
 from moe_eval.gates.answers import correctness
 from moe_eval.gates.measurements import IncumbentRow
-from moe_eval.gates.speed import timed_where
+from moe_eval.gates.speed import cards_of, timed_where
 
 
 def find_incumbent(baseline_root: Path, config: EvalConfig) -> IncumbentRow:
@@ -82,4 +82,5 @@ def load_incumbent(results_path: Path, what: str, record: RunRecord | None = Non
         *timed_where(record),
         tuple(record.serving.speed_warnings_logged or ()),
         record.identity.layout.world_size,
+        cards_of(record.environment.hardware),
     )

@@ -33,6 +33,7 @@ class IncumbentRow:
     workload: str | None = None  # what its timed sweep computed (speed.workload_identity): must match
     speed_warnings: tuple[str, ...] = ()  # its server's (serving.speed_warnings_logged)
     world_size: int = 1  # the ranks of its layout: the processes its timing must come from
+    cards: str | None = None  # its GPUs' UUIDs (speed.cards_of): other cards of one model differ by a few %
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class Measurements:
     speed: TimingSummary | None = None  # the timed workload's MoE calls per range (evaluate/moe_speed.py)
     machine: str | None = None  # where they ran (checks.machine_of): a speed reference must match it
     workload: str | None = None  # what the timed sweep computed (checks.workload_identity)
+    cards: str | None = None  # the GPUs' UUIDs (speed.cards_of): is the speed reference from these cards?
     repeat: RepeatSection | None = None  # the scored texts against their second scoring (gates/repeat.py)
     speed_warnings: list[str] = field(default_factory=list)  # server_log.speed_warnings: named with its speed
     not_measured: dict[str, str] = field(default_factory=dict)  # gate name -> why nothing was measured

@@ -100,6 +100,14 @@ MAX_RELATIVE_ERROR = 0.25
 # the factor to the stored runs; a GPU-bound one at real shapes spreads a few %).
 BETWEEN_SERVERS_REPLAYED = 0.006
 BETWEEN_SERVERS_EAGER = 0.01
+# Where the reference ran on other cards of the same model (its results.json names other GPU UUIDs, as a
+# --baseline from an earlier CI job on another machine does): what two cards' times differ by, a log standard
+# deviation of the difference, added to every range. Measured once (2026-12-06, docs/perf.md "The speed gate
+# on a second H100"): two H100 80GB HBM3 machines differed by a common shift of +1.3 to +3.3 % at every range
+# of the Qwen3 twin and -4.6 to +2.0 % on the canary, where servers of one machine repeat within ~1 %. At
+# 0.02 the largest seen is 2.3 of these, under SPEED_Z: a correct row passes; the gate's reach shrinks to
+# about x1.08 where graphs replay, and the section says why.
+BETWEEN_CARDS = 0.02
 EAGER_SPREAD_FACTOR = 1.7
 # Since the eager calls' start stamp waits for the host's last launch (kernels/moe_timer.py, "gated"), the
 # bracket holds the GPU's work alone, and the host's pace no longer moves it: BETWEEN_SERVERS_EAGER alone,
@@ -250,7 +258,11 @@ def gated_eager(*summaries: TimingSummary) -> bool:
 
 
 def judge_range(
-    mine: RangeTiming | None, other: RangeTiming | None, margins: Margins, gated: bool = False
+    mine: RangeTiming | None,
+    other: RangeTiming | None,
+    margins: Margins,
+    gated: bool = False,
+    between_cards: float = 0.0,
 ) -> RangeSpeed:
     either = mine or other
     assert either is not None  # compare() asks for the ranges either row called
@@ -325,7 +337,8 @@ def judge_range(
     within = sum(w * w * var for w, (_, var) in zip(weights, sized, strict=True))
     # A server's drift moves every size of a row alike: weighted sum, then the two rows' drifts apart.
     floor = sum(w * between_servers(s, r, gated) for w, (s, r) in zip(weights, pairs, strict=True))
-    sd = math.sqrt(within + 2 * floor * floor)
+    # Other cards shift every size alike: once, not per server.
+    sd = math.sqrt(within + 2 * floor * floor + between_cards * between_cards)
     excess = log_ratio - math.log1p(margin)
     z = excess / sd if sd > 0 else (math.inf if excess > 0 else -math.inf)
     return RangeSpeed(
@@ -343,14 +356,19 @@ def judge_range(
     )
 
 
-def compare(row: TimingSummary, reference: TimingSummary, margins: Margins) -> list[RangeSpeed]:
-    """Every range either row called, in the ranges' order."""
+def compare(
+    row: TimingSummary, reference: TimingSummary, margins: Margins, other_cards: bool = False
+) -> list[RangeSpeed]:
+    """Every range either row called, in the ranges' order. other_cards: the reference ran on other GPUs of
+    the same model (BETWEEN_CARDS is added to every range's error)."""
     mine, theirs = row.by_range(), reference.by_range()
     names = [r.range for r in row.ranges] + [r.range for r in reference.ranges if r.range not in mine]
     order = {name: i for i, name in enumerate(_range_order(row, reference))}
     gated = gated_eager(row, reference)
+    cards = BETWEEN_CARDS if other_cards else 0.0
     return [
-        judge_range(mine.get(n), theirs.get(n), margins, gated) for n in sorted(names, key=order.__getitem__)
+        judge_range(mine.get(n), theirs.get(n), margins, gated, cards)
+        for n in sorted(names, key=order.__getitem__)
     ]
 
 
@@ -362,10 +380,17 @@ def _range_order(*summaries: TimingSummary) -> list[str]:
 
 
 def speed_check(
-    row: TimingSummary, reference: TimingSummary, margins: Margins, reference_name: str
+    row: TimingSummary,
+    reference: TimingSummary,
+    margins: Margins,
+    reference_name: str,
+    reference_cards: str = "not recorded",
 ) -> tuple[Check | None, dict[str, Any]]:
-    """The check (None when no range could be judged) and results.json's `speed` section."""
-    ranges = compare(row, reference, margins)
+    """The check (None when no range could be judged) and results.json's `speed` section. reference_cards:
+    "same", "other" (the reference ran on other GPUs of this model: BETWEEN_CARDS widens every range) or "not
+    recorded" (either record lacks its GPUs' UUIDs, as every record before 2026-12-06 does)."""
+    other_cards = reference_cards == "other"
+    ranges = compare(row, reference, margins, other_cards)
     judged = [r for r in ranges if r.passed is not None]
     unjudged = [r for r in ranges if r.passed is None]
     # Graph-replayed ranges either row reached that were not judged: a pass cannot stand on the others.
@@ -394,6 +419,8 @@ def speed_check(
         "max_relative_error": MAX_RELATIVE_ERROR,
         "between_servers": {"replayed": BETWEEN_SERVERS_REPLAYED, "eager": BETWEEN_SERVERS_EAGER},
         "eager_gated": gated_eager(row, reference),
+        "reference_cards": reference_cards,
+        "between_cards": BETWEEN_CARDS if other_cards else None,
         "timed_on": list(row.timed_on),
         "ranges": [asdict(r) for r in ranges],
         "judged": len(judged),
@@ -408,6 +435,11 @@ def speed_check(
     section["worst_ratio"] = worst.ratio
     section["worst_range"] = worst.range
     counted = f"judged {len(judged)}/{len(ranges)} ranges"
+    if other_cards:
+        counted += (
+            f"; the reference ran on other GPUs of this model: what two cards differ by ({BETWEEN_CARDS:g} a "
+            "range) widens every range; rerun the reference on these cards for the gate's full reach"
+        )
     if unjudged:
         counted += " (not judged: " + "; ".join(f"{r.range}: {r.why_not}" for r in unjudged) + ")"
     if slow:
@@ -444,6 +476,11 @@ def _named(r: RangeSpeed) -> str:
 def machine_of(hardware: Any) -> str:
     """What a timing depends on: the GPUs' names, or the CPU's model where no GPU served."""
     return ", ".join(hardware.gpus) if hardware.gpus else f"cpu: {hardware.cpu}"
+
+
+def cards_of(hardware: Any) -> str | None:
+    """Which physical GPUs a row ran on (their UUIDs); None where not recorded (the CPU, older records)."""
+    return ",".join(sorted(getattr(hardware, "gpu_uuids", None) or [])) or None
 
 
 def workload_identity(workload: Mapping[str, Any] | None) -> str | None:
@@ -533,7 +570,9 @@ def judge_speed(config: GateConfig, m: Measurements, out: Judgement) -> str | No
     if why is not None:
         return why
     assert m.speed is not None and m.incumbent is not None and m.incumbent.speed is not None  # _comparable
-    check, section = speed_check(m.speed, m.incumbent.speed, _margins(config), str(m.incumbent.results_path))
+    check, section = speed_check(
+        m.speed, m.incumbent.speed, _margins(config), str(m.incumbent.results_path), _cards(m)
+    )
     out.sections[SECTION] = section
     if check is None:
         return "no dispatch range could be judged: " + "; ".join(
@@ -557,8 +596,18 @@ def report_speed(config: GateConfig, m: Measurements, out: Judgement) -> None:
         out.sections[SECTION] = {"skipped": f"not compared: {why}"}
         return
     assert m.speed is not None and m.incumbent is not None and m.incumbent.speed is not None  # _comparable
-    _, section = speed_check(m.speed, m.incumbent.speed, _margins(config), str(m.incumbent.results_path))
+    _, section = speed_check(
+        m.speed, m.incumbent.speed, _margins(config), str(m.incumbent.results_path), _cards(m)
+    )
     out.sections[SECTION] = section | {"gated": False}
+
+
+def _cards(m: Measurements) -> str:
+    """Whether the reference ran on this row's GPUs: "same", "other" or "not recorded"."""
+    assert m.incumbent is not None
+    if not m.cards or not m.incumbent.cards:
+        return "not recorded"
+    return "same" if m.cards == m.incumbent.cards else "other"
 
 
 class SpeedSection(TypedDict):
@@ -588,6 +637,10 @@ class SpeedSection(TypedDict):
     eager_gated: NotRequired[bool]
     """both rows timed their eager calls from the host's last launch: the eager floor is the constant alone,
     not also a multiple of the call's own spread"""
+    reference_cards: NotRequired[str]
+    """same, other (the reference ran on other GPUs of this model) or not recorded (a record without UUIDs)"""
+    between_cards: NotRequired[float | None]
+    """where other: the log standard deviation added to every range for the cards' difference"""
     timed_on: list[str]
     """device (every call, CUDA-graph replays included) or host"""
     ranges: list[RangeSpeed]
@@ -612,15 +665,18 @@ SECTION = "speed"
 def speed_cell(gate: Any, row: RowView) -> str:
     """'x1.01 worst (M=2-16), 7/7 ranges judged, would catch x1.04': the speed gate's worst judged range
     against its reference (a failed gate's worst failing range), the ranges it judged of those either row
-    called, and the slowdown its least sensitive judged range would catch with 80 % probability; 'report
-    only: ...' where the row was compared but not gated (the CPU); a row timed with nothing to compare shows
-    its slowest range's call ('412.4 us at M>=1024, 6 ranges timed, not gated')."""
+    called (and where the reference ran on other GPUs of this model, that), and the slowdown its least
+    sensitive judged range would catch with 80 % probability; 'report only: ...' where the row was compared
+    but not gated (the CPU); a row timed with nothing to compare shows its slowest range's call ('412.4 us at
+    M>=1024, 6 ranges timed, not gated')."""
     if gate and gate.get("ranges") and "evidence" in gate:
         judged = [r for r in gate["ranges"] if r.get("passed") is not None]
         evidence = gate["evidence"]
         counted = f"{evidence['judged']}/{evidence['total']} ranges judged"
         if gate.get("required_not_judged"):
             counted += f" ({', '.join(gate['required_not_judged'])} not: required)"
+        if gate.get("reference_cards") == "other":
+            counted += ", reference on other GPUs"
         prefix = "report only: " if gate.get("gated") is False else ""
         if not judged:
             return f"{prefix}no range judged, {counted}"
@@ -650,6 +706,7 @@ def speed_junit(gate: Any) -> dict[str, object]:
         "speed.judged": judged,
         "speed.reference": gate.get("reference"),
         "speed.would_catch": (gate.get("evidence") or {}).get("would_catch"),
+        "speed.reference_cards": gate.get("reference_cards"),
     }
 
 

@@ -94,7 +94,7 @@ def test_junit_carries_the_speed_gates_worst_range_and_how_many_ranges_it_judged
 
     outcome = _outcome(tmp_path, "Slow-BF16-torch", "failed")
     check, outcome.judged["speed"] = speed_check(
-        timing(10.0, 30.0, 0), timing(10.0, 20.0, 0), Margins(0.01, 0.03), "vllm"
+        timing(10.0, 30.0, 0), timing(10.0, 20.0, 0), Margins(0.01, 0.03), "vllm", "other"
     )
     outcome.checks.append(check)
     path = tmp_path / "junit.xml"
@@ -103,6 +103,7 @@ def test_junit_carries_the_speed_gates_worst_range_and_how_many_ranges_it_judged
     props = {p.name: p.value for p in suite.properties()}
     assert props["speed.worst_ratio"] == "1.5" and props["speed.worst_range"] == "M=2-16"
     assert props["speed.judged"] == "2/3" and props["speed.reference"] == "vllm"
+    assert props["speed.reference_cards"] == "other"  # a --baseline from another machine's GPUs says so
     assert props["evidence.speed_gate"] == "2/3 dispatch ranges" and props["speed.would_catch"].startswith(
         "x1.0"
     )

@@ -12,6 +12,7 @@ import pytest
 
 from moe_eval.core.moe_timing import RangeTiming, SizeTiming, TimingSummary
 from moe_eval.gates.speed import (
+    BETWEEN_CARDS,
     BETWEEN_SERVERS_EAGER,
     BETWEEN_SERVERS_REPLAYED,
     EAGER_SPREAD_FACTOR,
@@ -265,7 +266,7 @@ def test_the_cpu_reports_the_comparison_without_a_check():
     incumbent = SimpleNamespace(
         speed=_twin(), machine="cpu: x", workload="w", results_path="ref", speed_warnings=[],
         moe_backend_used="vllm:cpu", layout="TP (TP1)", correctness={}, logprobs_path=None, decode_path=None,
-        world_size=1,
+        world_size=1, cards=None,
     )  # fmt: skip
     got = judge(
         cpu, Measurements(speed=_twin({"M=1": 1.5}), incumbent=incumbent, machine="cpu: x", workload="w")
@@ -345,3 +346,64 @@ def test_gated_eager_calls_are_judged_on_the_constant_floor_not_a_multiple_of_th
     gave_up = dataclasses.replace(summary(slowed, (gated,)), gate_timeouts=1)
     assert not gated_eager(gave_up, summary(plain, (gated,)))
     assert gated_eager(dataclasses.replace(gave_up, gate_timeouts=0), summary(plain, (gated,)))
+
+
+def test_a_reference_from_other_cards_of_the_same_model_widens_every_range_and_says_so():
+    """Two H100s differed by a common 1-3 % (2026-12-06): a --baseline from another machine's cards is judged
+    with BETWEEN_CARDS added once to every range, so a correct row 4.5 % slower there passes; the section and
+    the detail say the reference ran on other cards. Same cards, or cards not recorded: unchanged."""
+    plain, plain_section = speed_check(_twin(), _twin(), MARGINS, "ref")
+    same, same_section = speed_check(_twin(), _twin(), MARGINS, "ref", "same")
+    assert same_section["ranges"] == plain_section["ranges"]
+    assert plain_section["reference_cards"] == "not recorded"
+    assert same_section["between_cards"] is None and "other GPUs" not in same.detail
+    shifted = {name: 1.045 for name in ("M=1", "M=2-16", "M=17-64", "M=65-256", "M=257-1023")}
+    on_one_machine, _ = speed_check(_twin(shifted), _twin(), MARGINS, "ref", "same")
+    assert not on_one_machine.passed  # a 4.5 % shift is within one machine's reach where graphs replay
+    other, section = speed_check(_twin(shifted), _twin(), MARGINS, "ref", "other")
+    assert other.passed and section["reference_cards"] == "other"
+    assert section["between_cards"] == BETWEEN_CARDS
+    assert "the reference ran on other GPUs of this model" in other.detail
+    from moe_eval.gates.speed import speed_cell
+
+    assert "5/5 ranges judged, reference on other GPUs, would catch x" in speed_cell(section, None)
+    assert "other GPUs" not in speed_cell(same_section, SimpleNamespace(timing=None))
+    for wide, narrow in zip(section["ranges"], same_section["ranges"], strict=True):
+        assert wide["fails_above"] > narrow["fails_above"]
+    one = _range("M=1", {1: (400, 40.0, 0.0, True)})
+    judged = compare(_timing(one), _timing(one), MARGINS, other_cards=True)[0]
+    expected = math.sqrt(2 * BETWEEN_SERVERS_REPLAYED**2 + BETWEEN_CARDS**2)
+    assert judged.fails_above == pytest.approx(1.01 * math.exp(SPEED_Z * expected), abs=1e-4)
+    # a 10 % slowdown is still caught across cards
+    slow, _ = speed_check(_twin({"M=1": 1.10}), _twin(), MARGINS, "ref", "other")
+    assert not slow.passed
+
+
+def test_the_gate_reads_the_cards_from_both_records():
+    """The row's GPUs' UUIDs (results.json environment.hardware.gpu_uuids, speed.cards_of) against the
+    reference's: other cards widen the ranges, a record without UUIDs (any before 2026-12-06) does not."""
+    from dataclasses import replace
+
+    from moe_eval.core.record import Hardware
+    from moe_eval.gates.judge import judge
+    from moe_eval.gates.measurements import Measurements
+    from moe_eval.gates.speed import cards_of
+
+    assert cards_of(Hardware("h100", ["NVIDIA H100"], "x", ["GPU-b", "GPU-a"])) == "GPU-a,GPU-b"
+    assert cards_of(Hardware("cpu", [], "x")) is None
+    gpu = replace(_speed_config(), on_gpu=True)
+    for mine, theirs, expected in (
+        ("GPU-a", "GPU-a", "same"),
+        ("GPU-a", "GPU-b", "other"),
+        ("GPU-a", None, "not recorded"),
+    ):
+        incumbent = SimpleNamespace(
+            speed=_twin(), machine="NVIDIA H100", workload="w", results_path="ref", speed_warnings=[],
+            moe_backend_used="vllm:TRITON", layout="TP (TP1)", correctness={}, logprobs_path=None,
+            decode_path=None, world_size=1, cards=theirs,
+        )  # fmt: skip
+        got = judge(
+            gpu,
+            Measurements(speed=_twin(), incumbent=incumbent, machine="NVIDIA H100", workload="w", cards=mine),
+        )
+        assert got.sections["speed"]["reference_cards"] == expected, (mine, theirs)
