@@ -214,3 +214,9 @@ PY
 esac
 pack
 echo "total $(( $(date +%s) - t0 )) s"
+# The device tool returns at most 8 files from $OUT (its README, Limits): past that, which come back is not
+# ours to choose (2026-12-06: a twin run's slim JSON stayed behind). Say so while the machine is still warm.
+files=$(find "$out" -type f | wc -l)
+if [ "$files" -gt 8 ]; then
+  echo "served_speed: $files files under $out; the device tool returns 8: copy what you need elsewhere" >&2
+fi
