@@ -222,9 +222,7 @@ def _new_record(config: EvalConfig, options: RunOptions, data: Gsm8kData, path: 
             mutation=options.mutation,
         ),
         environment=Environment(
-            hardware=Hardware(
-                options.hw, list(options.gpus), cpu_model(), gpu_uuids() if options.gpus else []
-            ),
+            hardware=Hardware(options.hw, list(options.gpus), cpu_model(), _cards(options)),
             versions=versions(),
             rules=rules_digest(),
             gsm8k=data.describe(),
@@ -235,6 +233,14 @@ def _new_record(config: EvalConfig, options: RunOptions, data: Gsm8kData, path: 
     record.bookkeeping.started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     record.bookkeeping.attempt = options.attempt
     return record
+
+
+def _cards(options: RunOptions) -> list[str] | None:
+    """The UUIDs of the GPUs this row's server may use (its devices), for the speed gate's question "was the
+    reference timed on these cards?"; None on the CPU (--hw cpu, also on a GPU host)."""
+    if options.hw == "cpu" or not options.gpus:
+        return None
+    return gpu_uuids(options.devices)
 
 
 def _read_server_log(record: RunRecord, run_dir: Path, log_path: Path) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+from collections.abc import Iterable
 
 
 def gpu_names() -> list[str]:
@@ -11,10 +13,22 @@ def gpu_names() -> list[str]:
     return _query_gpus("name")
 
 
-def gpu_uuids() -> list[str]:
-    """The UUIDs of the NVIDIA GPUs present: which physical cards (two H100s of one model differ in speed by
-    a few %, docs/perf.md "The speed gate on a second H100")."""
-    return _query_gpus("uuid")
+def gpu_uuids(devices: Iterable[int] | None = None) -> list[str]:
+    """The UUIDs of the GPUs a server may use: `devices` (nvidia-smi indices, as `run --jobs` hands them
+    out), else those CUDA_VISIBLE_DEVICES names (indices or UUIDs), else every GPU present. Which physical
+    cards: two H100s of one model differed in speed by a few % (docs/perf.md "The speed gate on a second
+    H100")."""
+    if devices is not None:
+        wanted: set[str] | None = {str(d) for d in devices}
+    else:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        wanted = None if visible is None else {v.strip() for v in visible.split(",") if v.strip()}
+    cards = []
+    for line in _query_gpus("index,uuid"):
+        index, _, uuid = (part.strip() for part in line.partition(","))
+        if wanted is None or index in wanted or uuid in wanted:
+            cards.append(uuid)
+    return cards
 
 
 def _query_gpus(field: str) -> list[str]:

@@ -85,10 +85,11 @@ class Hardware:
     selected: str = key("run --hw", default="")
     gpus: list[str] = key("the GPUs nvidia-smi named", factory=list)
     cpu: str = key("the CPU model", default="")
-    gpu_uuids: list[str] = key(
-        "the GPUs' UUIDs (nvidia-smi): which physical cards, so a speed reference from other cards of the "
-        "same model is known as such (empty: none, or a record from before 2026-12-06)",
-        factory=list,
+    gpu_uuids: list[str] | None = key(
+        "the UUIDs (nvidia-smi) of the GPUs its server could use: which physical cards, so a speed reference "
+        "from other cards of the same model is known as such (absent: the CPU, or a record from before "
+        "2026-12-06)",
+        optional=True,
     )
 
 

@@ -102,11 +102,11 @@ BETWEEN_SERVERS_REPLAYED = 0.006
 BETWEEN_SERVERS_EAGER = 0.01
 # Where the reference ran on other cards of the same model (its results.json names other GPU UUIDs, as a
 # --baseline from an earlier CI job on another machine does): what two cards' times differ by, a log standard
-# deviation of the difference, added to every range. Measured once (2026-12-06, docs/perf.md "The speed gate
-# on a second H100"): two H100 80GB HBM3 machines differed by a common shift of +1.3 to +3.3 % at every range
-# of the Qwen3 twin and -4.6 to +2.0 % on the canary, where servers of one machine repeat within ~1 %. At
-# 0.02 the largest seen is 2.3 of these, under SPEED_Z: a correct row passes; the gate's reach shrinks to
-# about x1.08 where graphs replay, and the section says why.
+# deviation of the difference, added to every range. Measured on one pair of machines only (2026-12-06,
+# docs/perf.md "The speed gate on a second H100"): two H100 80GB HBM3 machines differed per range by -0.3 to
+# +3.3 % on the Qwen3 twin (decode +1.3 to +2.8 %) and -4.6 to +2.0 % on the canary, where servers of one
+# machine repeat within ~1 %. At 0.02 the largest seen is 2.3 of these, under SPEED_Z: a correct row passes;
+# decode ranges then fail above about x1.08 (would catch about x1.10), and the section says why.
 BETWEEN_CARDS = 0.02
 EAGER_SPREAD_FACTOR = 1.7
 # Since the eager calls' start stamp waits for the host's last launch (kernels/moe_timer.py, "gated"), the
@@ -440,6 +440,11 @@ def speed_check(
             f"; the reference ran on other GPUs of this model: what two cards differ by ({BETWEEN_CARDS:g} a "
             "range) widens every range; rerun the reference on these cards for the gate's full reach"
         )
+    elif reference_cards == "not recorded" and "device" in row.timed_on:
+        counted += (
+            "; which GPUs the reference ran on is not recorded (a record from before 2026-12-06): judged as "
+            "if on these; a reference from other cards of this model can differ by a few % at every range"
+        )
     if unjudged:
         counted += " (not judged: " + "; ".join(f"{r.range}: {r.why_not}" for r in unjudged) + ")"
     if slow:
@@ -479,7 +484,8 @@ def machine_of(hardware: Any) -> str:
 
 
 def cards_of(hardware: Any) -> str | None:
-    """Which physical GPUs a row ran on (their UUIDs); None where not recorded (the CPU, older records)."""
+    """Which physical GPUs a row's server could use (their UUIDs); None where not recorded (the CPU, older
+    records)."""
     return ",".join(sorted(getattr(hardware, "gpu_uuids", None) or [])) or None
 
 

@@ -390,7 +390,7 @@ def test_the_gate_reads_the_cards_from_both_records():
     from moe_eval.gates.speed import cards_of
 
     assert cards_of(Hardware("h100", ["NVIDIA H100"], "x", ["GPU-b", "GPU-a"])) == "GPU-a,GPU-b"
-    assert cards_of(Hardware("cpu", [], "x")) is None
+    assert cards_of(Hardware("cpu", [], "x")) is None and cards_of(Hardware("h100", ["H"], "x", [])) is None
     gpu = replace(_speed_config(), on_gpu=True)
     for mine, theirs, expected in (
         ("GPU-a", "GPU-a", "same"),
@@ -407,3 +407,6 @@ def test_the_gate_reads_the_cards_from_both_records():
             Measurements(speed=_twin(), incumbent=incumbent, machine="NVIDIA H100", workload="w", cards=mine),
         )
         assert got.sections["speed"]["reference_cards"] == expected, (mine, theirs)
+        (check,) = [c for c in got.checks if c.name == "speed_gate"]
+        assert ("is not recorded" in check.detail) == (expected == "not recorded"), check.detail
+        assert ("other GPUs of this model" in check.detail) == (expected == "other"), check.detail
