@@ -10,6 +10,7 @@ loses only its gate (`measured_or_why`): the row's other verdicts stand.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,6 +24,7 @@ from moe_eval.core.logprob_texts import TextLogprobs, read_logprobs
 from moe_eval.core.plugin_protocol import STATS_INTERVAL_SECONDS
 from moe_eval.core.record import RunRecord
 from moe_eval.core.repeated_scoring import RepeatSection, compare_scorings
+from moe_eval.evaluate.gpu_clocks import ClockSampler
 from moe_eval.evaluate.gsm8k import Gsm8kData, Gsm8kOutcome, run_gsm8k
 from moe_eval.evaluate.layer_sweep import SweepTarget, reach_every_range, sweep_target
 from moe_eval.evaluate.moe_speed import end_to_end, timed_sweep
@@ -216,7 +218,10 @@ class TimeMoeCalls:
     def run(self, row: Row) -> None:
         started = time.monotonic()
         paused = row.config.layer_checked
-        row.swept, row.speed = timed_sweep(_target(row), row.run_dir, pause_layer_check=paused)
+        # the SM clock beside the timed requests, on GPUs only (report only; see evaluate/gpu_clocks.py)
+        clocks = ClockSampler(row.options.devices) if row.options.hw != "cpu" else None
+        with clocks or nullcontext():
+            row.swept, row.speed = timed_sweep(_target(row), row.run_dir, pause_layer_check=paused)
         row.timings["speed_seconds"] = time.monotonic() - started
         row.record.captures.timing = {
             "moe": row.speed.as_dict(),
@@ -225,6 +230,7 @@ class TimeMoeCalls:
                 row.token_counts, row.timings.get("eval_seconds", 0.0)
             ),
             "workload": row.swept,
+            "gpu_clocks": clocks.summary() if clocks is not None else None,
         }
 
 

@@ -111,6 +111,25 @@ class Workload(TypedDict):
     the speed gate compares rows whose counts match"""
 
 
+class GpuClocks(TypedDict):
+    """The SM clock while the timed requests ran, sampled by nvidia-smi (evaluate/gpu_clocks.py)."""
+
+    sm_mhz_min: NotRequired[float]
+    """the lowest sample, MHz"""
+    sm_mhz_median: NotRequired[float]
+    """the median sample, MHz"""
+    sm_mhz_max: NotRequired[float]
+    """the highest sample, MHz"""
+    samples: NotRequired[int]
+    """samples taken (one per GPU per interval)"""
+    interval_ms: NotRequired[int]
+    """nvidia-smi's sampling interval"""
+    devices: NotRequired[list[int] | None]
+    """the GPUs sampled (nvidia-smi indices; null: every GPU)"""
+    error: NotRequired[str]
+    """why no sample was taken (the other fields are then absent)"""
+
+
 class TimingCapture(TypedDict):
     """The timed workload (runner.py): the MoE calls' time per range, the client's view, the requests."""
 
@@ -122,3 +141,5 @@ class TimingCapture(TypedDict):
     """the GSM8K eval's generated tokens per wall second (null: not counted)"""
     workload: Workload
     """the requests timed"""
+    gpu_clocks: NotRequired[GpuClocks | None]
+    """the SM clock while they ran (null: no nvidia-smi, the CPU; absent: a record before 2026-12-06)"""

@@ -57,3 +57,51 @@ def test_no_nvidia_smi_or_a_failing_one_is_no_gpu(tmp_path, monkeypatch):
     assert gpu_uuids() == [] and gpu_names() == []
     _fake_nvidia_smi(tmp_path, monkeypatch, "exit 9\n")
     assert gpu_uuids() == [] and gpu_names() == []
+
+
+def test_the_clock_sampler_summarises_the_sm_clock_and_leaves_no_process(tmp_path, monkeypatch):
+    """evaluate/gpu_clocks.py beside a row's timed requests: nvidia-smi's loop of samples, stopped on the way
+    out (here a stand-in that prints two GPUs' clocks every 20 ms and records its arguments and pid)."""
+    import os
+    import time
+
+    from moe_eval.evaluate.gpu_clocks import ClockSampler
+
+    _fake_nvidia_smi(
+        tmp_path,
+        monkeypatch,
+        f'echo "$@" > {tmp_path}/argv; echo $$ > {tmp_path}/pid\n'
+        'i=0; while true; do i=$((i+1)); printf "1, %d\\n" $((1400 + i % 3 * 100)); sleep 0.02; done\n',
+    )
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")  # the loop needs sleep
+    with ClockSampler((1,), interval_ms=20) as clocks:
+        time.sleep(0.5)
+    summary = clocks.summary()
+    assert summary is not None and summary["samples"] >= 5, summary
+    assert (summary["sm_mhz_min"], summary["sm_mhz_max"]) == (1400.0, 1600.0)
+    assert summary["devices"] == [1] and summary["interval_ms"] == 20
+    assert "--id=1" in (tmp_path / "argv").read_text() and "--loop-ms=20" in (tmp_path / "argv").read_text()
+    pid = int((tmp_path / "pid").read_text())
+    try:
+        os.kill(pid, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    assert not alive, "the sampler outlived its row"
+
+
+def test_no_nvidia_smi_samples_nothing_and_a_failing_one_says_why(tmp_path, monkeypatch):
+    import time
+
+    from moe_eval.evaluate.gpu_clocks import ClockSampler
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with ClockSampler(None) as clocks:
+        pass
+    assert clocks.summary() is None
+    _fake_nvidia_smi(tmp_path, monkeypatch, 'echo "Field clocks.sm is not valid."; exit 2\n')
+    with ClockSampler(None) as clocks:
+        time.sleep(0.3)  # the timed requests: nvidia-smi has said its piece and exited
+    assert clocks.summary() == {
+        "error": "nvidia-smi gave no SM clock sample (it said: Field clocks.sm is not valid.)"
+    }

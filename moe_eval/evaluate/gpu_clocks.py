@@ -1,0 +1,84 @@
+"""The GPUs' SM clock while a row's timed requests run (results.json `timing.gpu_clocks`, report only).
+
+Why: the canary's short eager MoE calls (24-55 us) moved 2-5 % between servers and between two H100s while
+its graph-replayed calls repeated within 1 % (docs/perf.md, "The speed gate on a second H100"). A GPU that
+idles between bursts of prefill may run them at a lower clock; this records what the clock did, so the next
+GPU run can tell. nvidia-smi samples every INTERVAL_MS in a process of its own beside the requests (nothing
+runs in the server); the row's devices only, where the run handed it some.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+from types import TracebackType
+
+from moe_eval.core.captures import GpuClocks
+
+INTERVAL_MS = 100
+STOP_TIMEOUT_SECONDS = 5.0
+
+
+class ClockSampler:
+    """`with ClockSampler(devices) as clocks: ...`, then `clocks.summary()`: None where nothing was asked to
+    sample (no nvidia-smi: the CPU), else the SM clock's min / median / max over the samples, or why none."""
+
+    def __init__(self, devices: tuple[int, ...] | None, interval_ms: int = INTERVAL_MS) -> None:
+        self.devices = devices
+        self.interval_ms = interval_ms
+        self._proc: subprocess.Popen[str] | None = None
+        self._output = ""
+        self._error: str | None = None
+        self._sampled = False  # a sampler ran and was stopped
+
+    def __enter__(self) -> ClockSampler:
+        if shutil.which("nvidia-smi") is None:
+            return self
+        argv = ["nvidia-smi", "--query-gpu=index,clocks.sm", "--format=csv,noheader,nounits"]
+        if self.devices is not None:
+            argv.append("--id=" + ",".join(str(d) for d in self.devices))
+        argv.append(f"--loop-ms={self.interval_ms}")
+        try:
+            self._proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        except OSError as exc:
+            self._error = f"nvidia-smi did not start: {exc}"
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        proc.terminate()  # stopped on every way out: no sampler outlives its row
+        try:
+            self._output, _ = proc.communicate(timeout=STOP_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            self._output, _ = proc.communicate()
+        self._sampled = True
+
+    def summary(self) -> GpuClocks | None:
+        if self._error is not None:
+            return {"error": self._error}
+        if not self._sampled:
+            return None
+        mhz, other = [], []
+        for line in self._output.splitlines():
+            index, _, clock = (part.strip() for part in line.partition(","))
+            if index.isdigit() and clock.replace(".", "", 1).isdigit():
+                mhz.append(float(clock))
+            elif line.strip():
+                other.append(line.strip())
+        if not mhz:
+            said = "; ".join(other[:3]) or "nothing"
+            return {"error": f"nvidia-smi gave no SM clock sample (it said: {said})"}
+        return {
+            "sm_mhz_min": min(mhz),
+            "sm_mhz_median": statistics.median(mhz),
+            "sm_mhz_max": max(mhz),
+            "samples": len(mhz),
+            "interval_ms": self.interval_ms,
+            "devices": list(self.devices) if self.devices is not None else None,
+        }
