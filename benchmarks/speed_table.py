@@ -25,6 +25,8 @@ def slim(path: Path) -> dict:
         "mutation": record.identity.mutation,
         "status": record.status,
         "machine": record.environment.hardware.gpus or [record.environment.hardware.cpu],
+        "gpu_uuids": record.environment.hardware.gpu_uuids,  # which cards (null before 2026-12-06)
+        "tiles": [k.get("tiles") for k in record.serving.bundled_kernel_logged if k.get("tiles")],
         "checks": [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in record.verdict.checks],
         "timing": record.captures.timing,
         "speed": record.judged.get("speed"),
