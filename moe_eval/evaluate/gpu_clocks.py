@@ -4,7 +4,8 @@ Why: the canary's short eager MoE calls (24-55 us) moved 2-5 % between servers a
 its graph-replayed calls repeated within 1 % (docs/perf.md, "The speed gate on a second H100"). A GPU that
 idles between bursts of prefill may run them at a lower clock; this records what the clock did, so the next
 GPU run can tell. nvidia-smi samples every INTERVAL_MS in a process of its own beside the requests (nothing
-runs in the server); the row's devices only, where the run handed it some.
+runs in the server); the row's devices only, where the run handed it some. It runs in the row's process
+group, so whatever stops the row's processes stops it too.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import shutil
 import statistics
 import subprocess
+import tempfile
 from types import TracebackType
+from typing import IO
 
 from moe_eval.core.captures import GpuClocks
 
@@ -31,6 +34,7 @@ class ClockSampler:
         self._output = ""
         self._error: str | None = None
         self._sampled = False  # a sampler ran and was stopped
+        self._file: IO[str] | None = None
 
     def __enter__(self) -> ClockSampler:
         if shutil.which("nvidia-smi") is None:
@@ -39,10 +43,14 @@ class ClockSampler:
         if self.devices is not None:
             argv.append("--id=" + ",".join(str(d) for d in self.devices))
         argv.append(f"--loop-ms={self.interval_ms}")
+        # A file, not a pipe: minutes of samples outgrow a pipe's buffer, and a full pipe would stop the loop.
+        self._file = tempfile.TemporaryFile(mode="w+")
         try:
-            self._proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            self._proc = subprocess.Popen(argv, stdout=self._file, stderr=subprocess.STDOUT, text=True)
         except OSError as exc:
             self._error = f"nvidia-smi did not start: {exc}"
+            self._file.close()
+            self._file = None
         return self
 
     def __exit__(
@@ -53,10 +61,14 @@ class ClockSampler:
             return
         proc.terminate()  # stopped on every way out: no sampler outlives its row
         try:
-            self._output, _ = proc.communicate(timeout=STOP_TIMEOUT_SECONDS)
+            proc.wait(timeout=STOP_TIMEOUT_SECONDS)
         except subprocess.TimeoutExpired:
             proc.kill()
-            self._output, _ = proc.communicate()
+            proc.wait()
+        if self._file is not None:
+            self._file.seek(0)
+            self._output = self._file.read()
+            self._file.close()
         self._sampled = True
 
     def summary(self) -> GpuClocks | None:
