@@ -4,13 +4,17 @@ Why: the canary's short eager MoE calls (24-55 us) moved 2-5 % between servers a
 its graph-replayed calls repeated within 1 % (docs/perf.md, "The speed gate on a second H100"). A GPU that
 idles between bursts of prefill may run them at a lower clock; this records what the clock did, so the next
 GPU run can tell. nvidia-smi samples every INTERVAL_MS in a process of its own beside the requests (nothing
-runs in the server); the row's devices only, where the run handed it some. It runs in the row's process
-group, so whatever stops the row's processes stops it too.
+runs in the server): the row's devices, else CUDA_VISIBLE_DEVICES's, else every GPU, pooled into one
+summary. It is stopped on every way out of the block, and asks the kernel for SIGTERM should the process
+that started it die first (a worker killed outright). It never fails the row: what goes wrong is recorded.
+Not yet measured: whether nvidia-smi's polling itself moves the timed calls.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -18,6 +22,7 @@ from types import TracebackType
 from typing import IO
 
 from moe_eval.core.captures import GpuClocks
+from moe_eval.serve.process_tree import ask_for_parent_death_signal
 
 INTERVAL_MS = 100
 STOP_TIMEOUT_SECONDS = 5.0
@@ -40,18 +45,35 @@ class ClockSampler:
         if shutil.which("nvidia-smi") is None:
             return self
         argv = ["nvidia-smi", "--query-gpu=index,clocks.sm", "--format=csv,noheader,nounits"]
-        if self.devices is not None:
-            argv.append("--id=" + ",".join(str(d) for d in self.devices))
+        ids = self._ids()
+        if ids:
+            argv.append("--id=" + ",".join(ids))
         argv.append(f"--loop-ms={self.interval_ms}")
-        # A file, not a pipe: minutes of samples outgrow a pipe's buffer, and a full pipe would stop the loop.
-        self._file = tempfile.TemporaryFile(mode="w+")
         try:
-            self._proc = subprocess.Popen(argv, stdout=self._file, stderr=subprocess.STDOUT, text=True)
-        except OSError as exc:
+            # A file, not a pipe: minutes of samples outgrow a pipe's buffer, and a full pipe stops the loop.
+            self._file = tempfile.TemporaryFile(mode="w+")
+            self._proc = subprocess.Popen(
+                argv,
+                stdout=self._file,
+                stderr=subprocess.STDOUT,
+                text=True,
+                preexec_fn=lambda: ask_for_parent_death_signal(signal.SIGTERM),
+            )
+        except Exception as exc:  # noqa: BLE001  report only: the row goes on without clocks
             self._error = f"nvidia-smi did not start: {exc}"
+            self._close_file()
+        return self
+
+    def _ids(self) -> list[str]:
+        if self.devices is not None:
+            return [str(d) for d in self.devices]
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return [v.strip() for v in visible.split(",") if v.strip()] if visible else []
+
+    def _close_file(self) -> None:
+        if self._file is not None:
             self._file.close()
             self._file = None
-        return self
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
@@ -59,17 +81,21 @@ class ClockSampler:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        proc.terminate()  # stopped on every way out: no sampler outlives its row
         try:
-            proc.wait(timeout=STOP_TIMEOUT_SECONDS)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if self._file is not None:
-            self._file.seek(0)
-            self._output = self._file.read()
-            self._file.close()
-        self._sampled = True
+            proc.terminate()  # stopped on every way out: no sampler outlives its row
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_SECONDS)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=STOP_TIMEOUT_SECONDS)  # a wedged GPU's nvidia-smi: give up, say so
+            if self._file is not None:
+                self._file.seek(0)
+                self._output = self._file.read()
+            self._sampled = True
+        except Exception as exc:  # noqa: BLE001  report only
+            self._error = f"nvidia-smi did not stop: {exc}"
+        finally:
+            self._close_file()
 
     def summary(self) -> GpuClocks | None:
         if self._error is not None:

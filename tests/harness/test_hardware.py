@@ -59,18 +59,39 @@ def test_no_nvidia_smi_or_a_failing_one_is_no_gpu(tmp_path, monkeypatch):
     assert gpu_uuids() == [] and gpu_names() == []
 
 
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_for(path, seconds: float = 5.0) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert path.exists(), f"the stand-in nvidia-smi never wrote {path}"
+
+
 def test_the_clock_sampler_summarises_the_sm_clock_and_leaves_no_process(tmp_path, monkeypatch):
     """evaluate/gpu_clocks.py beside a row's timed requests: nvidia-smi's loop of samples, stopped on the way
-    out (here a stand-in that prints two GPUs' clocks every 20 ms and records its arguments and pid)."""
-    import os
+    out, also when the block raises (here a stand-in that prints a GPU's clock every 20 ms and records its
+    arguments and pid)."""
     import time
+
+    import pytest
 
     from moe_eval.evaluate.gpu_clocks import ClockSampler
 
     _fake_nvidia_smi(
         tmp_path,
         monkeypatch,
-        f'echo "$@" > {tmp_path}/argv; echo $$ > {tmp_path}/pid\n'
+        f'echo "$@" > {tmp_path}/argv; echo $$ > {tmp_path}/pid.part; mv {tmp_path}/pid.part {tmp_path}/pid\n'
         'i=0; while true; do i=$((i+1)); printf "1, %d\\n" $((1400 + i % 3 * 100)); sleep 0.02; done\n',
     )
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")  # the loop needs sleep
@@ -81,27 +102,29 @@ def test_the_clock_sampler_summarises_the_sm_clock_and_leaves_no_process(tmp_pat
     assert (summary["sm_mhz_min"], summary["sm_mhz_max"]) == (1400.0, 1600.0)
     assert summary["devices"] == [1] and summary["interval_ms"] == 20
     assert "--id=1" in (tmp_path / "argv").read_text() and "--loop-ms=20" in (tmp_path / "argv").read_text()
-    pid = int((tmp_path / "pid").read_text())
-    try:
-        os.kill(pid, 0)
-        alive = True
-    except ProcessLookupError:
-        alive = False
-    assert not alive, "the sampler outlived its row"
+    assert not _alive(int((tmp_path / "pid").read_text())), "the sampler outlived its row"
+
+    # The timed requests raise (a server died mid-sweep): the sampler stops all the same.
+    (tmp_path / "pid").unlink()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-2222")
+    with pytest.raises(RuntimeError), ClockSampler(None, interval_ms=20):
+        _wait_for(tmp_path / "pid")
+        raise RuntimeError("the server died")
+    assert not _alive(int((tmp_path / "pid").read_text()))
+    assert "--id=GPU-2222" in (tmp_path / "argv").read_text()  # CUDA_VISIBLE_DEVICES's cards only
 
 
 def test_no_nvidia_smi_samples_nothing_and_a_failing_one_says_why(tmp_path, monkeypatch):
-    import time
-
     from moe_eval.evaluate.gpu_clocks import ClockSampler
 
     monkeypatch.setenv("PATH", str(tmp_path))
     with ClockSampler(None) as clocks:
         pass
     assert clocks.summary() is None
-    _fake_nvidia_smi(tmp_path, monkeypatch, 'echo "Field clocks.sm is not valid."; exit 2\n')
+    said = tmp_path / "said"
+    _fake_nvidia_smi(tmp_path, monkeypatch, f'echo "Field clocks.sm is not valid."; : > {said}; exit 2\n')
     with ClockSampler(None) as clocks:
-        time.sleep(0.3)  # the timed requests: nvidia-smi has said its piece and exited
+        _wait_for(said)  # the timed requests: nvidia-smi has said its piece meanwhile
     assert clocks.summary() == {
         "error": "nvidia-smi gave no SM clock sample (it said: Field clocks.sm is not valid.)"
     }

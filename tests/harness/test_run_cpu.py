@@ -93,6 +93,7 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         )
         assert seen["engine_prefill_tokens_per_s"].keys() == seen["prefill_tokens_per_s"].keys()
         assert record["timing"]["eval_output_tokens_per_s"] > 0
+        assert record["timing"]["gpu_clocks"] is None  # sampled on GPUs only (--hw cpu)
         # Every timed call as sent: no prompt of the workload was shortened by the server's prefix cache (its
         # /metrics counter read before and after; None would mean the counter was not found).
         assert record["timing"]["workload"]["prefix_cache_hit_tokens"] == 0
