@@ -32,15 +32,7 @@ from typing import Any
 
 from moe_eval.core.moe_timing import TimingSummary
 from moe_eval.core.plugin_protocol import layer_range_names
-from moe_eval.gates.speed import (
-    MAX_RELATIVE_ERROR,
-    MIN_SIZE_CALLS,
-    Margins,
-    _relative_error,
-    compare,
-    compare_size,
-    speed_check,
-)
+from moe_eval.gates.speed import Margins, compare, compare_size, matched_sizes, speed_check
 
 MARGINS = Margins(replayed=0.01, eager=0.03)  # the config defaults
 
@@ -116,13 +108,7 @@ def floors(rows: list[dict[str, Any]]) -> None:
                 other = theirs.get(name)
                 if other is None or mine.sizes is None or other.sizes is None:
                     continue
-                by_size = {s.tokens: s for s in other.sizes}
-                for size in mine.sizes:
-                    ref = by_size.get(size.tokens)
-                    if ref is None or min(size.calls, ref.calls) < MIN_SIZE_CALLS:
-                        continue
-                    if max(_relative_error(size), _relative_error(ref)) > MAX_RELATIVE_ERROR:
-                        continue
+                for size, ref in matched_sizes(mine.sizes, other.sizes)[0]:  # the gate's matched sizes
                     log_ratio, variance = compare_size(size, ref)
                     pairs["eager" if size.replayed < size.calls else "replayed"].append((log_ratio, variance))
         for how, found in pairs.items():

@@ -26,7 +26,14 @@ def slim(path: Path) -> dict:
         "status": record.status,
         "machine": record.environment.hardware.gpus or [record.environment.hardware.cpu],
         "gpu_uuids": record.environment.hardware.gpu_uuids,  # which cards (null before 2026-12-06)
-        "tiles": [k.get("tiles") for k in record.serving.bundled_kernel_logged if k.get("tiles")],
+        # one log line per process and layer kind: each distinct source once
+        "tiles": list(
+            {
+                json.dumps(k["tiles"]): k["tiles"]
+                for k in record.serving.bundled_kernel_logged
+                if k.get("tiles")
+            }.values()
+        ),  # fmt: skip
         "checks": [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in record.verdict.checks],
         "timing": record.captures.timing,
         "speed": record.judged.get("speed"),

@@ -220,7 +220,7 @@ class TimeMoeCalls:
         paused = row.config.layer_checked
         # the SM clock beside the timed requests, on GPUs only (report only; see evaluate/gpu_clocks.py)
         clocks = ClockSampler(row.options.devices) if row.options.hw != "cpu" else None
-        with clocks or nullcontext():
+        with clocks if clocks is not None else nullcontext():
             row.swept, row.speed = timed_sweep(_target(row), row.run_dir, pause_layer_check=paused)
         row.timings["speed_seconds"] = time.monotonic() - started
         row.record.captures.timing = {

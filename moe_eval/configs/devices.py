@@ -9,9 +9,9 @@ or an equal share of this process's CPU cores.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from dataclasses import dataclass
+
+from moe_eval.configs.hardware import nvidia_smi, visible_devices
 
 BUSY_MEMORY_MIB = 1024  # a GPU with more memory in use than this belongs to someone else
 
@@ -32,10 +32,9 @@ class DevicePool:
 
 def gpu_pool() -> DevicePool:
     """GPUs nobody is using (no compute process on them, little memory in use), among CUDA_VISIBLE_DEVICES."""
-    rows = _nvidia_smi(["--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits"])
-    apps = {line.strip() for line in _nvidia_smi(["--query-compute-apps=gpu_uuid", "--format=csv,noheader"])}
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    allowed = None if visible is None else {v.strip() for v in visible.split(",") if v.strip()}
+    rows = nvidia_smi(["--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits"])
+    apps = set(nvidia_smi(["--query-compute-apps=gpu_uuid", "--format=csv,noheader"]))
+    allowed = visible_devices()
     free: list[int] = []
     busy: list[int] = []
     for row in rows:
@@ -49,15 +48,3 @@ def gpu_pool() -> DevicePool:
 
 def cpu_pool() -> DevicePool:
     return DevicePool("cpu", tuple(sorted(os.sched_getaffinity(0))))
-
-
-def _nvidia_smi(args: list[str]) -> list[str]:
-    if shutil.which("nvidia-smi") is None:
-        return []
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", *args], capture_output=True, text=True, timeout=30, check=True
-        ).stdout
-    except (subprocess.SubprocessError, OSError):
-        return []
-    return [line for line in out.splitlines() if line.strip()]

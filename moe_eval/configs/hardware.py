@@ -10,7 +10,13 @@ from collections.abc import Iterable
 
 def gpu_names() -> list[str]:
     """Names of the NVIDIA GPUs present, from nvidia-smi (no torch import: it is slow and may lack CUDA)."""
-    return _query_gpus("name")
+    return nvidia_smi(["--query-gpu=name", "--format=csv,noheader"])
+
+
+def visible_devices() -> set[str] | None:
+    """CUDA_VISIBLE_DEVICES's names (nvidia-smi indices or UUIDs); None where it is not set (every GPU)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if visible is None else {v.strip() for v in visible.split(",") if v.strip()}
 
 
 def gpu_uuids(devices: Iterable[int] | None = None) -> list[str]:
@@ -18,25 +24,23 @@ def gpu_uuids(devices: Iterable[int] | None = None) -> list[str]:
     out), else those CUDA_VISIBLE_DEVICES names (indices or UUIDs), else every GPU present. Which physical
     cards: two H100s of one model differed in speed by a few % (docs/perf.md "The speed gate on a second
     H100")."""
-    if devices is not None:
-        wanted: set[str] | None = {str(d) for d in devices}
-    else:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        wanted = None if visible is None else {v.strip() for v in visible.split(",") if v.strip()}
+    wanted = {str(d) for d in devices} if devices is not None else visible_devices()
     cards = []
-    for line in _query_gpus("index,uuid"):
+    for line in nvidia_smi(["--query-gpu=index,uuid", "--format=csv,noheader"]):
         index, _, uuid = (part.strip() for part in line.partition(","))
         if wanted is None or index in wanted or uuid in wanted:
             cards.append(uuid)
     return cards
 
 
-def _query_gpus(field: str) -> list[str]:
+def nvidia_smi(args: list[str]) -> list[str]:
+    """nvidia-smi's output lines for `args`, stripped, blank ones left out; none where it is missing or
+    fails (a machine without GPUs)."""
     if shutil.which("nvidia-smi") is None:
         return []
     try:
         out = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
+            ["nvidia-smi", *args],
             capture_output=True,
             text=True,
             timeout=30,

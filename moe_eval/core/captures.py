@@ -125,7 +125,8 @@ class GpuClocks(TypedDict):
     interval_ms: NotRequired[int]
     """nvidia-smi's sampling interval"""
     devices: NotRequired[list[int] | None]
-    """the GPUs sampled (nvidia-smi indices; null: every GPU)"""
+    """the row's GPUs sampled (nvidia-smi indices); null: the run handed it none, so CUDA_VISIBLE_DEVICES's
+    or every GPU"""
     error: NotRequired[str]
     """why no sample was taken (the other fields are then absent)"""
 

@@ -12,7 +12,6 @@ Not yet measured: whether nvidia-smi's polling itself moves the timed calls.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import statistics
@@ -21,6 +20,7 @@ import tempfile
 from types import TracebackType
 from typing import IO
 
+from moe_eval.configs.hardware import visible_devices
 from moe_eval.core.captures import GpuClocks
 from moe_eval.serve.process_tree import ask_for_parent_death_signal
 
@@ -67,8 +67,7 @@ class ClockSampler:
     def _ids(self) -> list[str]:
         if self.devices is not None:
             return [str(d) for d in self.devices]
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return [v.strip() for v in visible.split(",") if v.strip()] if visible else []
+        return sorted(visible_devices() or ())
 
     def _close_file(self) -> None:
         if self._file is not None:

@@ -100,14 +100,6 @@ MAX_RELATIVE_ERROR = 0.25
 # the factor to the stored runs; a GPU-bound one at real shapes spreads a few %).
 BETWEEN_SERVERS_REPLAYED = 0.006
 BETWEEN_SERVERS_EAGER = 0.01
-# Where the reference ran on other cards of the same model (its results.json names other GPU UUIDs, as a
-# --baseline from an earlier CI job on another machine does): what two cards' times differ by, a log standard
-# deviation of the difference, added to every range. Measured on one pair of machines only (2026-12-06,
-# docs/perf.md "The speed gate on a second H100"): two H100 80GB HBM3 machines differed per range by -0.3 to
-# +3.3 % on the Qwen3 twin (decode +1.3 to +2.8 %) and -4.6 to +2.0 % on the canary, where servers of one
-# machine repeat within ~1 %. At 0.02 the largest seen is 2.3 of these, under SPEED_Z: a correct row passes;
-# decode ranges then fail above about x1.08 (would catch about x1.10), and the section says why.
-BETWEEN_CARDS = 0.02
 EAGER_SPREAD_FACTOR = 1.7
 # Since the eager calls' start stamp waits for the host's last launch (kernels/moe_timer.py, "gated"), the
 # bracket holds the GPU's work alone, and the host's pace no longer moves it: BETWEEN_SERVERS_EAGER alone,
@@ -117,6 +109,14 @@ EAGER_SPREAD_FACTOR = 1.7
 # bundled eager sizes alike (1.24); two servers of vLLM's kernel on the canary moved 5-6 % at 600 and 1500
 # tokens (not explained: named in docs/perf.md).
 GATED_PREFIX = "gated"
+# Where the reference ran on other cards of the same model (its results.json names other GPU UUIDs, as a
+# --baseline from an earlier CI job on another machine does): what two cards' times differ by, a log standard
+# deviation of the difference, added to every range. Measured on one pair of machines only (2026-12-06,
+# docs/perf.md "The speed gate on a second H100"): two H100 80GB HBM3 machines differed per range by -0.3 to
+# +3.3 % on the Qwen3 twin (decode +1.3 to +2.8 %) and -4.6 to +2.0 % on the canary, where servers of one
+# machine repeat within ~1 %. At 0.02 the largest seen is 2.3 of these, under SPEED_Z: a correct row passes;
+# decode ranges then fail above about x1.08 (would catch about x1.10), and the section says why.
+BETWEEN_CARDS = 0.02
 # A range whose time is mostly in calls replayed from CUDA graphs is a graph-replayed range: every one either
 # row reached must be judged for a pass.
 REPLAYED_RANGE = 0.5
@@ -202,6 +202,24 @@ def compare_size(mine: SizeTiming, other: SizeTiming) -> tuple[float, float]:
         return math.inf, math.inf
     variance = (_spread(mine) ** 2 / mine.calls + extra) / mean**2 + _relative_error(other) ** 2
     return math.log(mean / other.mean_us), variance
+
+
+def matched_sizes(
+    mine: tuple[SizeTiming, ...], other: tuple[SizeTiming, ...]
+) -> tuple[list[tuple[SizeTiming, SizeTiming]], list[int]]:
+    """(the call sizes both rows made at least MIN_SIZE_CALLS times with a steady mean, as (this row's, the
+    reference's) pairs; the sizes left out as unsteady: a mean's standard error over MAX_RELATIVE_ERROR)."""
+    theirs = {s.tokens: s for s in other}
+    pairs, unsteady = [], []
+    for size in mine:
+        ref = theirs.get(size.tokens)
+        if ref is None or min(size.calls, ref.calls) < MIN_SIZE_CALLS or min(size.mean_us, ref.mean_us) <= 0:
+            continue
+        if max(_relative_error(size), _relative_error(ref)) > MAX_RELATIVE_ERROR:
+            unsteady.append(size.tokens)
+            continue
+        pairs.append((size, ref))
+    return pairs, unsteady
 
 
 def between_servers(mine: SizeTiming, other: SizeTiming, gated: bool = False) -> float:
@@ -290,22 +308,8 @@ def judge_range(
         return not_judged("timed per range only (a record from before moe-eval timed each call size)")
     if mine.rank_calls == 0:
         return not_judged("a rank of this row made no call there")
-    theirs = {s.tokens: s for s in other.sizes}
-    sizes = {s.tokens for s in mine.sizes} | set(theirs)
-    pairs, unsteady = [], []
-    for size in mine.sizes:
-        ref = theirs.get(size.tokens)
-        if (
-            ref is None
-            or min(size.calls, ref.calls) < MIN_SIZE_CALLS
-            or size.mean_us <= 0
-            or ref.mean_us <= 0
-        ):
-            continue
-        if max(_relative_error(size), _relative_error(ref)) > MAX_RELATIVE_ERROR:
-            unsteady.append(size.tokens)
-            continue
-        pairs.append((size, ref))
+    sizes = {s.tokens for s in mine.sizes} | {s.tokens for s in other.sizes}
+    pairs, unsteady = matched_sizes(mine.sizes, other.sizes)
     counts: _Counts = {"sizes": len(sizes), "sizes_matched": len(pairs), "unsteady": tuple(unsteady)}
     time_mine = sum(s.calls * s.mean_us for s in mine.sizes)
     time_ref = sum(s.calls * s.mean_us for s in other.sizes)
