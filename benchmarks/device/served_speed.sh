@@ -19,7 +19,8 @@
 #                    eager_pct=10": every range slowed at once, each judged on its own calls) with --baseline
 #                    the pair's run, so each is judged against its own earlier run (and, by the tests,
 #                    against vLLM's row). SPIN=1 first checks the slowdown's spin and the eager calls' gate
-#                    on this GPU; GPU_TESTS=1 then the kernels' determinism tests. $OUT/power-<MODEL>.json:
+#                    on this GPU; GPU_TESTS=1 then the kernels' determinism tests; ALTERNATE_CLOCKS=1 runs
+#                    every second repeat without the SM clock's sampling. $OUT/power-<MODEL>.json:
 #                    every row slimmed (benchmarks/speed_table.py), for docs/data.
 #   STAGE=concurrency  benchmarks/eval_concurrency.py on CONCURRENCY_ROWS (default "canary-vllm canary-bundled
 #                    twin"): the canary's rows at CANARY_C, 200 questions; the twin's bundled row at TWIN_C,
@@ -163,12 +164,20 @@ PY
     pack
     base=$(ls -d "$pairdir"/*/ | tail -1)
     runs=()
-    for i in $(seq 1 "${REPEATS:-1}"); do runs+=("repeat$i:"); done
+    # ALTERNATE_CLOCKS=1: every second repeat without the SM clock's sampling (an nvidia-smi that refuses
+    # --loop-ms first on its PATH; its other queries pass through), to see whether the polling moves the calls
+    noclock_bin="$work/noclock-bin"; mkdir -p "$noclock_bin"; real_smi=$(command -v nvidia-smi || echo nvidia-smi)
+    printf '#!/bin/sh\ncase " $* " in *--loop-ms*) echo "clock sampling off for this row" >&2; exit 3;; esac\nexec %s "$@"\n' \
+      "$real_smi" > "$noclock_bin/nvidia-smi"; chmod +x "$noclock_bin/nvidia-smi"
+    for i in $(seq 1 "${REPEATS:-1}"); do
+      if [ "${ALTERNATE_CLOCKS:-0}" = 1 ] && [ $((i % 2)) = 0 ]; then runs+=("repeat${i}noclock:"); else runs+=("repeat$i:"); fi
+    done
     for m in ${MUTATIONS-slow_range:range=all,pct=5,eager_pct=10}; do runs+=("mut:$m"); done
     for entry in "${runs[@]}"; do
       name=${entry%%:*}; m=${entry#*:}; t=$(date +%s)
       [ "$name" = mut ] && name="mut-$(echo "$m" | tr -c 'A-Za-z0-9.-' '_')"
-      moe_eval run --hw h200 --limit "${LIMIT:-20}" "${data[@]}" --baseline "$base" ${m:+--mutate "$m"} \
+      path="$PATH"; [[ "$name" == *noclock ]] && path="$noclock_bin:$PATH"
+      PATH="$path" moe_eval run --hw h200 --limit "${LIMIT:-20}" "${data[@]}" --baseline "$base" ${m:+--mutate "$m"} \
         --output-dir "$work/${MODEL:-canary}-$name" "$lite/$b.yaml" > "$work/${MODEL:-canary}-$name.log" 2>&1
       echo "$name ${m:-}: exit $? in $(( $(date +%s) - t )) s" | tee -a "$out/$stage.txt"
       grep -E "speed_gate" "$work/${MODEL:-canary}-$name.log" | cut -c1-600 >> "$out/$stage.txt"
