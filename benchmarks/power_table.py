@@ -18,6 +18,10 @@ two files is a pair from two machines, marked "another machine").
 --floors prints instead what servers of one kernel differ by per call size (every pair of its correct rows,
 replayed and eager sizes apart): the rms of z (log ratio over its within-run error) and the per-server
 floor beyond those errors; the figures gates/speed.py cites for the gated eager floor.
+
+--rows prints instead each row's mean call per range beside its GPU's SM clock over the timed requests
+(`timing.gpu_clocks`: min / median / max MHz, or why there is none), in the order the rows ran: does a
+server whose calls ran slower also clock lower?
 """
 
 from __future__ import annotations
@@ -121,11 +125,31 @@ def floors(rows: list[dict[str, Any]]) -> None:
                 )
 
 
+def clocks(row: dict[str, Any]) -> str:
+    found = (row.get("timing") or {}).get("gpu_clocks")
+    if not found:
+        return "not recorded"
+    if "error" in found:
+        return f"none ({found['error'][:60]})"
+    return f"{found['sm_mhz_min']:.0f} / {found['sm_mhz_median']:.0f} / {found['sm_mhz_max']:.0f} ({found['samples']})"
+
+
+def row_means(rows: list[dict[str, Any]], names: list[str]) -> None:
+    """Each row's mean call per range (us) and its SM clock, in the order the rows ran."""
+    print("| row | SM MHz min / median / max (samples) | " + " | ".join(names) + " |")
+    print("|---|---|" + "---:|" * len(names))
+    for row in sorted(rows, key=lambda r: r["run"]):
+        found = {r.range: r for r in timing(row).ranges}
+        cells = [f"{found[n].mean_us:.1f}" if n in found and found[n].calls else "-" for n in names]
+        print(f"| {label(row)} | {clocks(row)} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--floors", action="store_true", help="same-kernel spread per size, not the tables")
     parser.add_argument("--together", action="store_true", help="all files' rows as one set")
+    parser.add_argument("--rows", action="store_true", help="each row's mean call per range and SM clock")
     args = parser.parse_args()
     names = list(layer_range_names())
     sets = [(p.name, [dict(r, _file=p.name) for r in json.loads(p.read_text())]) for p in args.files]
@@ -135,6 +159,10 @@ def main() -> None:
         if args.floors:
             print(f"\n### {name}")
             floors(rows)
+            continue
+        if args.rows:
+            print(f"\n### {name}\n")
+            row_means(rows, names)
             continue
         machines = sorted({m for r in rows for m in r["machine"]})
         print(f"\n### {name} ({', '.join(machines)})\n")
