@@ -131,7 +131,8 @@ def clocks(row: dict[str, Any]) -> str:
         return "not recorded"
     if "error" in found:
         return f"none ({found['error'][:60]})"
-    return f"{found['sm_mhz_min']:.0f} / {found['sm_mhz_median']:.0f} / {found['sm_mhz_max']:.0f} ({found['samples']})"
+    low, middle, high = found["sm_mhz_min"], found["sm_mhz_median"], found["sm_mhz_max"]
+    return f"{low:.0f} / {middle:.0f} / {high:.0f} ({found['samples']})"
 
 
 def row_means(rows: list[dict[str, Any]], names: list[str]) -> None:
