@@ -2,9 +2,11 @@
 (docs/perf.md "The SM clock, the H100 tiles served, FlashInfer gated"):
 - two more STAGE=power runs of the canary with the SM clock recorded (power-gated-canary-3.json: 5 correct
   bundled rows, 2 of vLLM's, the 5 % / 10 % mutation twice; the third repeat without the clock's polling);
-- the Qwen3-30B-A3B twin pair with every gate, the bundled row on the H100 tile file (twin-h100-tiles.json),
-  against the morning's H100 rows on the default heuristic;
-- FlashInfer CUTLASS beside vLLM's Triton on the canary, every gate (canary-fi-gated.json)."""
+- the Qwen3-30B-A3B twin pair with every gate, the bundled row on the H100 tile file
+  (served-gated-twin-h100-tiles.json), against the morning's H100 rows on the default heuristic;
+- FlashInfer CUTLASS beside vLLM's Triton on the canary, every gate (served-gated-canary-fi.json).
+(Named served-gated-*, not canary-* / twin-*: test_h200_records.py's eager-spread test reads those, rows of
+the time before the eager calls were gated.)"""
 
 from __future__ import annotations
 
@@ -86,7 +88,7 @@ def test_the_twin_on_the_h100_tile_file_passes_every_gate_and_is_faster_where_th
     speed gate's matched sizes read M=1 x0.905-0.923, M=1024-4095 x0.84-0.87 and M>=4096 x0.80 (the benchmark:
     1.16 / 1.06-1.17 / 1.37 of vLLM against 1.05 / 0.95-1.03 / 1.07). vLLM's kernel, untouched, read
     x1.006-1.016 at M=1 against its own rows there: the gain is the tiles', not this machine's."""
-    rows = stored.stored_rows(repo_root, "twin-h100-tiles")
+    rows = stored.stored_rows(repo_root, "served-gated-twin-h100-tiles")
     (bundled,), (vllm,) = stored.correct(rows), stored.correct(rows, vllm=True)
     (tiles,) = bundled["tiles"]
     assert tiles["source"] == "tuned file" and tiles["file"].endswith("device=NVIDIA_H100_80GB_HBM3.json")
@@ -109,7 +111,7 @@ def test_flashinfer_cutlass_passes_every_gate_beside_vllms_triton(repo_root):
     """The false-alarm row the issue names: FlashInfer CUTLASS (the CPU-built module, autotuned while vLLM
     warmed up) against vLLM's Triton on the canary, every gate on. Speed: 6 of 7 ranges judged, x0.78-0.98;
     M>=4096 not judged (8 matched calls of the 12 needed), which an eager range may be for a pass."""
-    rows = stored.stored_rows(repo_root, "canary-fi-gated")
+    rows = stored.stored_rows(repo_root, "served-gated-canary-fi")
     fi = next(r for r in rows if "fi-cutlass" in r["config"])
     vllm = next(r for r in rows if "vllm" in r["config"])
     assert fi["status"] == "passed" and all(c["passed"] for c in fi["checks"])
