@@ -7,7 +7,9 @@ GPU run can tell. nvidia-smi samples every INTERVAL_MS in a process of its own b
 runs in the server): the row's devices, else CUDA_VISIBLE_DEVICES's, else every GPU, pooled into one
 summary. It is stopped on every way out of the block, and asks the kernel for SIGTERM should the process
 that started it die first (a worker killed outright). It never fails the row: what goes wrong is recorded.
-Not yet measured: whether nvidia-smi's polling itself moves the timed calls.
+What it found (one H100, 2026-12-06, docs/perf.md): the clock at its 1980 MHz maximum in every sample of 8
+canary rows, while their eager calls still moved between servers; a row without the polling ran within
+what servers differ by (tests/speed/test_h100_clocks_tiles_fi.py).
 """
 
 from __future__ import annotations
