@@ -1,0 +1,135 @@
+"""Does a fresh process, or fresh buffers, move the canary's eager MoE call, and does it move another kernel
+the same way? (issue 54; docs/perf.md, "The SM clock, the H100 tiles served, FlashInfer gated")
+
+The canary's eager calls (24-55 us: ~6 kernels of ~3 us) moved 1.4 % a server between servers of one machine,
+the SM clock pinned at its maximum, while its graph-replayed calls repeated within 1 %. A reference timed
+inside the same server would cancel that drift only if it is common to kernels: this measures it outside
+vLLM. PROCESSES fresh processes (a new CUDA context each, as a server is), each allocating the canary's layer
+ALLOCS times at shifted addresses; at each, M = 600, 1500 and 5000 tokens, the bundled kernel and a control
+(six bf16 matmuls of the canary's sizes, ~3 us each: another short-kernel chain) interleaved, each call queued
+behind a sleep kernel so the GPU runs it back to back whatever the host's pace (as the server's gated bracket
+does), timed by CUDA events; the median of REPS.
+
+Prints per (process, allocation, M) both medians, then per M: the spread of the bundled medians between
+processes and within one, and the share of the bundled kernel's log-variance that the control's explains
+(common mode). Rows in $OUT/eager-drift.jsonl (or --out).
+
+    bash .vgpu/device_env.sh python3 benchmarks/device/eager_drift_probe.py [--processes 4] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+E, K, D, F = 8, 2, 256, 128  # the canary's MoE layer (moe_eval/canary/checkpoint/config.json)
+SIZES = (600, 1500, 5000)
+ALLOCS = 3
+REPS = 60
+GATE_CYCLES = 400_000  # ~200 us at ~2 GHz: longer than the host takes to launch either call
+
+
+def child(index: int) -> list[dict]:
+    import torch
+
+    from moe_eval.kernels.fused_moe import fused_moe
+    from moe_eval.kernels.testing import make_case
+
+    torch.manual_seed(index)
+    rows = []
+    keep = []  # every allocation stays alive, so the next lands elsewhere
+    for alloc in range(ALLOCS):
+        keep.append(torch.empty(int(torch.randint(1, 64, ()).item()) << 20, dtype=torch.uint8, device="cuda"))
+        for M in SIZES:
+            case = make_case(M, E, K, D, F, dtype=torch.bfloat16, device="cuda", seed=7 * M + alloc)
+            keep.append(case)
+            a = torch.randn(M, D, dtype=torch.bfloat16, device="cuda")
+            shapes = [(D, F), (F, D)] * 3  # up then down, three times
+            w = [torch.randn(*s, dtype=torch.bfloat16, device="cuda") for s in shapes]
+
+            def bundled(case=case):
+                fused_moe(*case.args(), **case.kwargs())
+
+            def control(a=a, w=w):
+                x = a
+                for i in range(0, 6, 2):
+                    x = (x @ w[i]) @ w[i + 1]
+
+            times: dict[str, list[float]] = {"bundled": [], "control": []}
+            for fn in (bundled, control):  # compiled and warm before any timing
+                for _ in range(3):
+                    fn()
+            torch.cuda.synchronize()
+            for _ in range(REPS):
+                for name, fn in (("bundled", bundled), ("control", control)):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    torch.cuda._sleep(GATE_CYCLES)
+                    start.record()
+                    fn()
+                    end.record()
+                    end.synchronize()
+                    times[name].append(start.elapsed_time(end) * 1000.0)
+            row = {"process": index, "alloc": alloc, "M": M}
+            row.update({f"{k}_us": statistics.median(v) for k, v in times.items()})
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def summarize(rows: list[dict]) -> None:
+    for M in SIZES:
+        at = [r for r in rows if r["M"] == M]
+        if not at:
+            continue
+        b = [math.log(r["bundled_us"]) for r in at]
+        c = [math.log(r["control_us"]) for r in at]
+        mb, mc = statistics.mean(b), statistics.mean(c)
+        per_process = {}
+        for r in at:
+            per_process.setdefault(r["process"], []).append(math.log(r["bundled_us"]))
+        between = [statistics.mean(v) for v in per_process.values()]
+        within = [x - statistics.mean(v) for v in per_process.values() for x in v]
+        var_b = statistics.pvariance(b)
+        cov = sum((x - mb) * (y - mc) for x, y in zip(b, c)) / len(b)
+        var_c = statistics.pvariance(c)
+        common = cov * cov / (var_b * var_c) if var_b > 0 and var_c > 0 else float("nan")
+        print(
+            f"M={M}: bundled {math.exp(mb):.1f} us, control {math.exp(mc):.1f} us; bundled log sd between "
+            f"processes {statistics.pstdev(between):.4f}, within one {statistics.pstdev(within):.4f}, all "
+            f"{math.sqrt(var_b):.4f}; control all {math.sqrt(var_c):.4f}; r^2 {common:.2f}; "
+            f"bundled / control log sd {statistics.pstdev([x - y for x, y in zip(b, c)]):.4f}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--processes", type=int, default=4)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "eager-drift.jsonl"))
+    parser.add_argument("--child", type=int, default=None)
+    args = parser.parse_args()
+    if args.child is not None:
+        child(args.child)
+        return
+    rows = []
+    with open(args.out, "w") as out:
+        for index in range(args.processes):  # one after another: a fresh CUDA context each, as servers are
+            done = subprocess.run(
+                [sys.executable, __file__, "--child", str(index)], capture_output=True, text=True, check=False
+            )
+            for line in done.stdout.splitlines():
+                if line.startswith("{"):
+                    rows.append(json.loads(line))
+                    out.write(line + "\n")
+            out.flush()
+            if done.returncode != 0:
+                print(f"process {index}: exit {done.returncode}: {done.stderr.strip()[-600:]}")
+    summarize(rows)
+
+
+if __name__ == "__main__":
+    main()
