@@ -20,8 +20,8 @@ replayed and eager sizes apart): the rms of z (log ratio over its within-run err
 floor beyond those errors; the figures gates/speed.py cites for the gated eager floor.
 
 --rows prints instead each row's mean call per range beside its GPU's SM clock over the timed requests
-(`timing.gpu_clocks`: min / median / max MHz, or why there is none), in the order the rows ran: does a
-server whose calls ran slower also clock lower?
+(`timing.gpu_clocks`: min / median / max MHz, or why there is none), in the order of their run ids (a
+pair's two rows share one): does a server whose calls ran slower also clock lower?
 """
 
 from __future__ import annotations
@@ -130,13 +130,14 @@ def clocks(row: dict[str, Any]) -> str:
     if not found:
         return "not recorded"
     if "error" in found:
-        return f"none ({found['error'][:60]})"
+        said = found["error"].partition("it said: ")[2].rstrip(")") or found["error"]
+        return f"none ({said[:100]})"
     low, middle, high = found["sm_mhz_min"], found["sm_mhz_median"], found["sm_mhz_max"]
     return f"{low:.0f} / {middle:.0f} / {high:.0f} ({found['samples']})"
 
 
 def row_means(rows: list[dict[str, Any]], names: list[str]) -> None:
-    """Each row's mean call per range (us) and its SM clock, in the order the rows ran."""
+    """Each row's mean call per range (us) and its SM clock, by run id."""
     print("| row | SM MHz min / median / max (samples) | " + " | ".join(names) + " |")
     print("|---|---|" + "---:|" * len(names))
     for row in sorted(rows, key=lambda r: r["run"]):

@@ -5,10 +5,11 @@ The canary's eager calls (24-55 us: ~6 kernels of ~3 us) moved 1.4 % a server be
 the SM clock pinned at its maximum, while its graph-replayed calls repeated within 1 %. A reference timed
 inside the same server would cancel that drift only if it is common to kernels: this measures it outside
 vLLM. PROCESSES fresh processes (a new CUDA context each, as a server is), each allocating the canary's layer
-ALLOCS times at shifted addresses; at each, M = 600, 1500 and 5000 tokens, the bundled kernel and a control
-(six bf16 matmuls of the canary's sizes, ~3 us each: another short-kernel chain) interleaved, each call queued
-behind a sleep kernel so the GPU runs it back to back whatever the host's pace (as the server's gated bracket
-does), timed by CUDA events; the median of REPS.
+ALLOCS times (the earlier allocations kept alive, so each lands at other addresses; the same data every time);
+at each, M = 600, 1500 and 8192 tokens (8192: most of the served M>=4096 calls), the bundled kernel and a
+control (six bf16 matmuls, 256x128 and back, ~3 us each: another short-kernel chain) interleaved, each call
+queued behind a sleep kernel so the GPU runs it back to back whatever the host's pace (as the server's gated
+bracket does), timed by CUDA events; the median of REPS. A host launch slower than the sleep is reported.
 
 Prints per (process, allocation, M) both medians, then per M: the spread of the bundled medians between
 processes and within one, and the share of the bundled kernel's log-variance that the control's explains
@@ -28,13 +29,16 @@ import subprocess
 import sys
 
 E, K, D, F = 8, 2, 256, 128  # the canary's MoE layer (moe_eval/canary/checkpoint/config.json)
-SIZES = (600, 1500, 5000)
+SIZES = (600, 1500, 8192)
 ALLOCS = 3
 REPS = 60
-GATE_CYCLES = 400_000  # ~200 us at ~2 GHz: longer than the host takes to launch either call
+GATE_CYCLES = 2_000_000  # ~1 ms at ~2 GHz: far longer than the host takes to launch either call
+GATE_US = 1000.0
 
 
 def child(index: int) -> list[dict]:
+    import time
+
     import torch
 
     from moe_eval.kernels.fused_moe import fused_moe
@@ -46,11 +50,12 @@ def child(index: int) -> list[dict]:
     for alloc in range(ALLOCS):
         keep.append(torch.empty(int(torch.randint(1, 64, ()).item()) << 20, dtype=torch.uint8, device="cuda"))
         for M in SIZES:
-            case = make_case(M, E, K, D, F, dtype=torch.bfloat16, device="cuda", seed=7 * M + alloc)
-            keep.append(case)
+            # the same tokens and routing in every allocation and process: only the addresses change
+            case = make_case(M, E, K, D, F, dtype=torch.bfloat16, device="cuda", seed=7 * M)
             a = torch.randn(M, D, dtype=torch.bfloat16, device="cuda")
             shapes = [(D, F), (F, D)] * 3  # up then down, three times
             w = [torch.randn(*s, dtype=torch.bfloat16, device="cuda") for s in shapes]
+            keep.append((case, a, w))  # the control's buffers fresh too, as the kernel's are
 
             def bundled(case=case):
                 fused_moe(*case.args(), **case.kwargs())
@@ -61,6 +66,7 @@ def child(index: int) -> list[dict]:
                     x = (x @ w[i]) @ w[i + 1]
 
             times: dict[str, list[float]] = {"bundled": [], "control": []}
+            slowest_launch_us = 0.0
             for fn in (bundled, control):  # compiled and warm before any timing
                 for _ in range(3):
                     fn()
@@ -70,11 +76,15 @@ def child(index: int) -> list[dict]:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     torch.cuda._sleep(GATE_CYCLES)
                     start.record()
+                    launched = time.perf_counter()
                     fn()
+                    slowest_launch_us = max(slowest_launch_us, (time.perf_counter() - launched) * 1e6)
                     end.record()
                     end.synchronize()
                     times[name].append(start.elapsed_time(end) * 1000.0)
-            row = {"process": index, "alloc": alloc, "M": M}
+            row = {"process": index, "alloc": alloc, "M": M, "slowest_launch_us": slowest_launch_us}
+            if slowest_launch_us > 0.8 * GATE_US:
+                row["warning"] = "a launch took most of the sleep: the GPU may have waited on the host"
             row.update({f"{k}_us": statistics.median(v) for k, v in times.items()})
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -165,20 +165,31 @@ PY
     base=$(ls -d "$pairdir"/*/ | tail -1)
     runs=()
     # ALTERNATE_CLOCKS=1: every second repeat without the SM clock's sampling (an nvidia-smi that refuses
-    # --loop-ms first on its PATH; its other queries pass through), to see whether the polling moves the calls
-    noclock_bin="$work/noclock-bin"; mkdir -p "$noclock_bin"; real_smi=$(command -v nvidia-smi || echo nvidia-smi)
-    printf '#!/bin/sh\ncase " $* " in *--loop-ms*) echo "clock sampling off for this row" >&2; exit 3;; esac\nexec %s "$@"\n' \
-      "$real_smi" > "$noclock_bin/nvidia-smi"; chmod +x "$noclock_bin/nvidia-smi"
+    # --loop-ms first on its PATH; its other queries pass through), to see whether the polling moves the calls.
+    # Only where a real nvidia-smi exists: a wrapper calling itself by name would never return.
+    noclock_bin="$work/noclock-bin"; real_smi=$(command -v nvidia-smi || true)
+    if [ "${ALTERNATE_CLOCKS:-0}" = 1 ]; then
+      [ -n "$real_smi" ] || { echo "ALTERNATE_CLOCKS=1: no nvidia-smi on PATH"; exit 2; }
+      mkdir -p "$noclock_bin"
+      { echo '#!/bin/sh'
+        echo 'case " $* " in *--loop-ms*) echo "clock sampling off for this row" >&2; exit 3;; esac'
+        printf 'exec %q "$@"\n' "$real_smi"; } > "$noclock_bin/nvidia-smi"
+      chmod +x "$noclock_bin/nvidia-smi"
+    fi
     for i in $(seq 1 "${REPEATS:-1}"); do
-      if [ "${ALTERNATE_CLOCKS:-0}" = 1 ] && [ $((i % 2)) = 0 ]; then runs+=("repeat${i}noclock:"); else runs+=("repeat$i:"); fi
+      if [ "${ALTERNATE_CLOCKS:-0}" = 1 ] && [ $((i % 2)) = 0 ]; then
+        runs+=("repeat${i}noclock:")
+      else
+        runs+=("repeat$i:")
+      fi
     done
     for m in ${MUTATIONS-slow_range:range=all,pct=5,eager_pct=10}; do runs+=("mut:$m"); done
     for entry in "${runs[@]}"; do
       name=${entry%%:*}; m=${entry#*:}; t=$(date +%s)
       [ "$name" = mut ] && name="mut-$(echo "$m" | tr -c 'A-Za-z0-9.-' '_')"
       path="$PATH"; [[ "$name" == *noclock ]] && path="$noclock_bin:$PATH"
-      PATH="$path" moe_eval run --hw h200 --limit "${LIMIT:-20}" "${data[@]}" --baseline "$base" ${m:+--mutate "$m"} \
-        --output-dir "$work/${MODEL:-canary}-$name" "$lite/$b.yaml" > "$work/${MODEL:-canary}-$name.log" 2>&1
+      PATH="$path" moe_eval run --hw h200 --limit "${LIMIT:-20}" "${data[@]}" --baseline "$base" \
+        ${m:+--mutate "$m"} --output-dir "$work/${MODEL:-canary}-$name" "$lite/$b.yaml" > "$work/${MODEL:-canary}-$name.log" 2>&1
       echo "$name ${m:-}: exit $? in $(( $(date +%s) - t )) s" | tee -a "$out/$stage.txt"
       grep -E "speed_gate" "$work/${MODEL:-canary}-$name.log" | cut -c1-600 >> "$out/$stage.txt"
       pack

@@ -109,9 +109,10 @@ EAGER_SPREAD_FACTOR = 1.7
 # bundled eager sizes alike (1.24); two servers of vLLM's kernel on the canary moved 5-6 % at 600 and 1500
 # tokens (not explained: named in docs/perf.md). A later H100 (2026-12-06, evening) read the canary's 5
 # bundled servers at 0.014 a server (rms z 3.4 over 48 size pairs), the SM clock pinned at its maximum: above
-# this floor, yet no correct pair came within 3.5 % of its threshold. Kept at 0.01: at 0.014 the canary's
-# and the twin's eager ranges would fail only above x1.094-1.105, past the x1.10 a 10 % slowdown must clear
-# (power_table.py --floors; the cause, and a reference timed in the same server: docs/perf.md's open items).
+# this floor, yet no correct pair's eager range came within 3.5 % of its threshold. Kept at 0.01: at 0.014
+# the mutated runs' eager ranges would fail only above x1.094-1.108 (3 of 18 above x1.10), so a 10 % slowdown
+# would be caught about half the time (power_table.py --floors; the cause, and a reference timed in the same
+# server: docs/perf.md's open items).
 GATED_PREFIX = "gated"
 # Where the reference ran on other cards of the same model (its results.json names other GPU UUIDs, as a
 # --baseline from an earlier CI job on another machine does): what two cards' times differ by, a log standard

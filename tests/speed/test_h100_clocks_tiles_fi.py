@@ -1,9 +1,9 @@
 """One H100 (GPU-ca890f50, 2026-12-06 16:01-16:23 UTC, code at 9bf115e), re-judged by the rule as it is now
 (docs/perf.md "The SM clock, the H100 tiles served, FlashInfer gated"):
 - two more STAGE=power runs of the canary with the SM clock recorded (power-gated-canary-3.json: 5 correct
-  bundled rows, 2 of vLLM's, the 5 % / 10 % mutation twice; the third repeat without the clock's polling);
+  bundled rows, 2 of vLLM's, the 5 % / 10 % mutation twice; the second repeat without the clock's polling);
 - the Qwen3-30B-A3B twin pair with every gate, the bundled row on the H100 tile file
-  (served-gated-twin-h100-tiles.json), against the morning's H100 rows on the default heuristic;
+  (served-gated-twin-h100-tiles.json), against the earlier H100 rows on the default heuristic;
 - FlashInfer CUTLASS beside vLLM's Triton on the canary, every gate (served-gated-canary-fi.json).
 (Named served-gated-*, not canary-* / twin-*: test_h200_records.py's eager-spread test reads those, rows of
 the time before the eager calls were gated.)"""
@@ -57,7 +57,6 @@ def test_the_polling_does_not_move_the_calls_beyond_what_servers_differ_by(repo_
 
     polled = [x for other in sampled for x in decode_logs(unsampled, other)]  # unpolled / polled
     between = [x for a, b in itertools.combinations(sampled, 2) for x in decode_logs(b, a)]
-    between += [-x for x in between]  # either way round
     assert len(polled) == 4 * len(DECODE)
     assert max(abs(x) for x in polled) <= max(abs(x) for x in between) < 0.02
     assert abs(sum(polled) / len(polled)) < 0.005
@@ -69,22 +68,23 @@ def test_over_five_canary_runs_decode_is_caught_in_19_of_20_ranges_and_eager_in_
     between servers of one machine: a per-server floor of 0.014 over 5 servers (power_table.py --floors),
     against the 0.01 the gate assumes. A 10 % slowdown read against a threshold of x1.076-1.094 is caught
     only where the two servers happen to agree within ~2 %."""
-    decode_caught, eager_caught, eager_judged, whole_runs = 0, 0, 0, 0
+    decode_caught, decode_judged, eager_caught, eager_judged, whole_runs = 0, 0, 0, 0, 0
     for stem in CANARY_RUNS:
         rows = stored.stored_rows(repo_root, stem)
         for row in (r for r in rows if r["mutation"] == SLOWED):
             judged = stored.ranges_judged(row, stored.baseline(rows, row))
             decode_caught += sum(judged[r].passed is False for r in DECODE)
+            decode_judged += sum(judged[r].passed is not None for r in DECODE)
             eager = [judged[r] for r in EAGER if judged[r].passed is not None]
             eager_judged += len(eager)
             eager_caught += sum(j.passed is False for j in eager)
             whole_runs += all(j.passed is False for j in eager)
-    assert (decode_caught, eager_caught, eager_judged, whole_runs) == (19, 8, 13, 2)
+    assert (decode_caught, decode_judged, eager_caught, eager_judged, whole_runs) == (19, 20, 8, 13, 2)
 
 
 def test_the_twin_on_the_h100_tile_file_passes_every_gate_and_is_faster_where_the_benchmark_said(repo_root):
     """The served twin with tuned_configs/...device=NVIDIA_H100_80GB_HBM3.json (the H200's tiles): every gate
-    passes, and against the morning's bundled rows on the default heuristic (two other H100 sessions) the
+    passes, and against the bundled rows on the default heuristic (the morning's and the afternoon's H100) the
     speed gate's matched sizes read M=1 x0.905-0.923, M=1024-4095 x0.84-0.87 and M>=4096 x0.80 (the benchmark:
     1.16 / 1.06-1.17 / 1.37 of vLLM against 1.05 / 0.95-1.03 / 1.07). vLLM's kernel, untouched, read
     x1.006-1.016 at M=1 against its own rows there: the gain is the tiles', not this machine's."""
@@ -95,7 +95,8 @@ def test_the_twin_on_the_h100_tile_file_passes_every_gate_and_is_faster_where_th
     assert all(c["passed"] for c in bundled["checks"]) and bundled["status"] == "passed"
     check, _ = speed_check(timing(bundled), timing(vllm), MARGINS, vllm["run"])
     assert check is not None and check.passed
-    assert all(j.passed for j in stored.ranges_judged(bundled, vllm).values())  # 7 of 7 judged
+    judged = stored.ranges_judged(bundled, vllm)
+    assert len(judged) == 7 and all(j.passed for j in judged.values())  # 7 of 7 judged, each passing
     for stem in ("power-gated-twin", "power-gated-twin-2"):
         earlier = stored.stored_rows(repo_root, stem)
         for heuristic in stored.correct(earlier):
