@@ -56,6 +56,8 @@ class TopUp(TypedDict):
     """per range, the units sent"""
     requests: int
     """requests they took"""
+    rounds: NotRequired[int]
+    """rounds sent, each after reading the calls so far anew (absent before 2026-12-06: one)"""
 
 
 class WarmUp(TypedDict):

@@ -14,11 +14,11 @@ stamp comes before the check's kernels.
 
 A prefill range whose most-called size the sweep called fewer than the gate's MIN_CALLS times (a model of
 few MoE layers: the two-layer twins made 2-12 calls there on the H200, spread over several chunk sizes)
-gets more units of its workload before the second reading
-(`top_up_units`; `timing.workload.top_up` in results.json), so the gate can judge it; the decode ranges get
-far more calls than that from the sweep alone. Units follow each row's own first reading, so a row and its
-reference can differ by a unit where chunked prefill packed their batched prompts otherwise: the gate
-compares the mean call of a range, not the workload's total.
+gets more units of its workload before the second reading, in rounds read anew until it has enough or
+TOP_UP_ROUNDS are spent (`top_up`; `timing.workload.top_up` in results.json), so the gate can judge it; the
+decode ranges get far more calls than that from the sweep alone. Units follow each row's own readings, so a
+row and its reference can differ by a unit where chunked prefill packed their batched prompts otherwise: the
+gate compares calls of the same size, not the workload's total.
 
 End to end, from the client: each single prefill's tokens per second (median of its three) and each decode
 batch's wall time per generated token (which includes its 16-token prompts' prefill).
@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,9 @@ from moe_eval.gates.speed import MIN_CALLS
 # At most this many more units of one range (a range the sweep called once asks for 17): each is at most
 # two batched-token limits of prompts, a fraction of a second on the H200.
 MAX_TOP_UP_UNITS = 2 * MIN_CALLS
+# Rounds of top-up, each read anew (top_up): the second is for a range whose units the scheduler packed into
+# other sizes than the most-called one; a third seldom sends anything.
+TOP_UP_ROUNDS = 3
 
 
 # How long the processes get to say they paused (each looks every STATS_INTERVAL_SECONDS; a loaded 2-core
@@ -120,12 +124,7 @@ def _timed(target: SweepTarget, run_dir: Path) -> tuple[dict[str, Any], moe_timi
     sent["requests"] += warm_up["requests"]  # prompts used, so the later senders continue after them
     # Every timed row (the runner times only config.moe_timing rows), not only gated ones: a row and its
     # reference must send the same kinds of top-up.
-    time.sleep(2 * STATS_INTERVAL_SECONDS)
-    first = moe_timing.summarize(moe_timing.since(moe_timing.read_folder(run_dir), before))
-    units = top_up_units(first)
-    if units:
-        sent["top_up"] = send_units(target, units, first_index=sent["requests"])
-        sent["requests"] += sent["top_up"]["requests"]  # the layer check's prompts continue after these
+    top_up(target, lambda: _read_since(run_dir, before), sent)
     hits_after = target.prefix_cache_hits()
     # Calls as sent: a prompt the prefix cache shortened made a smaller call than its range's (layer_sweep's
     # TokenPool keeps this 0); the speed gate compares rows only where their counts match
@@ -136,6 +135,34 @@ def _timed(target: SweepTarget, run_dir: Path) -> tuple[dict[str, Any], moe_timi
     time.sleep(2 * STATS_INTERVAL_SECONDS)
     after = moe_timing.read_folder(run_dir)
     return sent, moe_timing.summarize(moe_timing.since(after, before))
+
+
+def _read_since(run_dir: Path, before: Any) -> moe_timing.TimingSummary:
+    time.sleep(2 * STATS_INTERVAL_SECONDS)  # every process's flusher wrote what came before
+    return moe_timing.summarize(moe_timing.since(moe_timing.read_folder(run_dir), before))
+
+
+def top_up(target: SweepTarget, read: Callable[[], moe_timing.TimingSummary], sent: dict[str, Any]) -> None:
+    """Round after round, units of the prefill ranges still called too few times (`top_up_units` of what
+    `read` returns: every timed call so far), at most TOP_UP_ROUNDS; `sent["top_up"]` says what went (units
+    summed per range, requests, rounds) and `sent["requests"]` counts them, so later prompts continue after.
+    A unit's calls land at sizes the engine's scheduler picks (how many prompts one step packs), so one round
+    can leave a range's most-called size short: on one H100 (2026-12-06) vLLM's canary row sent the one unit
+    of M>=4096 asked for and ended with 8 calls at 8192 tokens, FlashInfer's row beside it with 28, and the
+    gate could not judge the range between them."""
+    for _ in range(TOP_UP_ROUNDS):
+        units = top_up_units(read())
+        if not units:
+            return
+        now = send_units(target, units, first_index=sent["requests"])
+        if not now["units"]:  # none of them reachable on this server: another round would send nothing too
+            return
+        total = sent.setdefault("top_up", {"units": {}, "requests": 0, "rounds": 0})
+        for name, count in now["units"].items():
+            total["units"][name] = total["units"].get(name, 0) + count
+        total["requests"] += now["requests"]
+        total["rounds"] += 1
+        sent["requests"] += now["requests"]  # the layer check's prompts continue after these
 
 
 def top_up_units(first: moe_timing.TimingSummary, min_calls: int = MIN_CALLS) -> dict[str, int]:

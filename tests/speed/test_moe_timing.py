@@ -231,6 +231,64 @@ def test_top_up_counts_a_range_by_its_most_called_size():
     assert top_up_units(spread_over({6000: 4, 8192: MIN_CALLS})) == {}
 
 
+def _at_8192(calls: int) -> moe_timing.TimingSummary:
+    """M>=4096 with `calls` at 8192 tokens and 2 at 7500."""
+    cells = (
+        moe_timing.SizeTiming(7500, 2, 1000.0, 10.0, 0),
+        moe_timing.SizeTiming(8192, calls, 1000.0, 10.0, 0),
+    )
+    ranges = (moe_timing.RangeTiming("M>=4096", calls + 2, calls + 2, 1000.0, 0.0, 1.0, sizes=cells),)
+    return moe_timing.TimingSummary(1, ("device",), ("s",), ("triton",), ranges)
+
+
+def test_top_up_reads_again_and_sends_another_round_while_the_most_called_size_is_short(monkeypatch):
+    """vLLM's canary row on an H100 (2026-12-06): the one unit asked for left 8 calls at 8192 tokens (the
+    scheduler packed its prompts into 7500-token steps too), and M>=4096 went unjudged beside FlashInfer's
+    row. Now each round reads the calls anew: here a second round brings 8192 to MIN_CALLS, and what was sent
+    is summed, its prompts after the sweep's and the first round's."""
+    from moe_eval.evaluate import moe_speed
+
+    readings = iter([_at_8192(4), _at_8192(8), _at_8192(MIN_CALLS)])
+    firsts: list[int] = []
+
+    def send(target, units, *, first_index):
+        firsts.append(first_index)
+        return {"units": dict(units), "requests": 5 * sum(units.values())}
+
+    monkeypatch.setattr(moe_speed, "send_units", send)
+    sent = {"requests": 100}
+    moe_speed.top_up(None, lambda: next(readings), sent)
+    assert sent["top_up"] == {"units": {"M>=4096": 3 + 1}, "requests": 20, "rounds": 2}
+    assert sent["requests"] == 120 and firsts == [100, 115]
+
+
+def test_top_up_stops_after_its_rounds_or_when_nothing_can_be_sent(monkeypatch):
+    from moe_eval.evaluate import moe_speed
+
+    reads: list[int] = []
+
+    def read():
+        reads.append(1)
+        return _at_8192(1)  # never enough
+
+    monkeypatch.setattr(
+        moe_speed, "send_units", lambda t, units, *, first_index: {"units": units, "requests": 1}
+    )
+    sent = {"requests": 0}
+    moe_speed.top_up(None, read, sent)
+    assert sent["top_up"]["rounds"] == moe_speed.TOP_UP_ROUNDS == len(reads)
+    # a server that cannot make such calls: one reading, nothing sent, nothing recorded
+    monkeypatch.setattr(
+        moe_speed, "send_units", lambda t, units, *, first_index: {"units": {}, "requests": 0}
+    )
+    sent = {"requests": 7}
+    moe_speed.top_up(None, lambda: _at_8192(1), sent)
+    assert sent == {"requests": 7}
+    # enough already: no round
+    moe_speed.top_up(None, lambda: _at_8192(MIN_CALLS), sent)
+    assert sent == {"requests": 7}
+
+
 @pytest.mark.server
 @pytest.mark.slow
 def test_a_timed_two_layer_row_tops_up_its_prefill_ranges_to_be_judged(tmp_path, gsm8k_dir):
