@@ -311,6 +311,7 @@ def test_a_timed_two_layer_row_tops_up_its_prefill_ranges_to_be_judged(tmp_path,
     assert all(calls[name] >= MIN_CALLS for name in reached), (calls, workload.get("top_up"))
     top_up = workload.get("top_up", {"units": {}, "requests": 0})
     assert set(top_up["units"]) <= set(reached) and (top_up["requests"] > 0) == bool(top_up["units"])
+    assert (1 <= top_up.get("rounds", 0) <= 3) == bool(top_up["units"])  # each round read anew
 
 
 def test_top_up_prompts_continue_after_the_sweeps_and_never_repeat_one(monkeypatch):
