@@ -16,7 +16,7 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -56,6 +56,25 @@ def vllm_cpu_kernel(case: MoeCase) -> Kernel | None:
     return call
 
 
+def rotated_cases(E: int, K: int, D: int, F: int, T: int) -> list[MoeCase]:
+    """ROTATE bf16 cases of T tokens with their own tokens and routing, sharing the first's weights."""
+    first = make_case(T, E, K, D, F, dtype=torch.bfloat16, device="cpu", seed=T)
+    rest = [
+        make_case(T, E, K, D, F, dtype=torch.bfloat16, device="cpu", seed=T + i, weights_from=first)
+        for i in range(1, ROTATE)
+    ]
+    return [first, *rest]
+
+
+def table_cells(threads: list[int], tokens: list[int]) -> Iterator[tuple[int, tuple, int, list[MoeCase]]]:
+    """(threads, (E, K, D, F), T, rotated cases) of every table row, torch's thread count set for each."""
+    for count in threads:
+        torch.set_num_threads(count)
+        for shape in SHAPES:
+            for T in tokens:
+                yield count, shape, T, rotated_cases(*shape, T)
+
+
 def medians_us(kernels: dict[str, Kernel], cases: list[MoeCase], repeats: int) -> dict[str, float]:
     for kernel in kernels.values():  # warm-up: first-call allocations and prepacks out of the timings
         kernel(cases[0])
@@ -80,34 +99,25 @@ def main(argv: list[str] | None = None) -> int:
         "| reference us |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for threads in args.threads:
-        torch.set_num_threads(threads)
-        for E, K, D, F in SHAPES:
-            for T in args.tokens:
-                first = make_case(T, E, K, D, F, dtype=torch.bfloat16, device="cpu", seed=T)
-                cases = [first] + [
-                    make_case(
-                        T, E, K, D, F, dtype=torch.bfloat16, device="cpu", seed=T + i, weights_from=first
-                    )
-                    for i in range(1, ROTATE)
-                ]
-                kernels: dict[str, Kernel] = {"torch_moe": lambda c: torch_moe(*c.args(), **c.kwargs())}
-                vllm = vllm_cpu_kernel(first)
-                if vllm is not None:
-                    kernels["vllm"] = vllm
-                kernels["grouped_mm"] = lambda c: grouped_mm_moe(*c.args(), **c.kwargs())
-                kernels["reference"] = lambda c: fused_moe_ref(*c.args(), **c.kwargs())
-                us = medians_us(kernels, cases, args.repeats)
-                peer = us.get("vllm")
-                ratio = f"x{us['torch_moe'] / peer:.1f}" if peer else "-"
-                cells = [
-                    f"{us['torch_moe']:.0f}",
-                    f"{peer:.0f}" if peer else "-",
-                    ratio,
-                    f"{us['grouped_mm']:.0f}",
-                    f"{us['reference']:.0f}",
-                ]
-                print(f"| {E} | {K} | {D} | {F} | {T} | {threads} | " + " | ".join(cells) + " |", flush=True)
+    for threads, (E, K, D, F), T, cases in table_cells(args.threads, args.tokens):
+        first = cases[0]
+        kernels: dict[str, Kernel] = {"torch_moe": lambda c: torch_moe(*c.args(), **c.kwargs())}
+        vllm = vllm_cpu_kernel(first)
+        if vllm is not None:
+            kernels["vllm"] = vllm
+        kernels["grouped_mm"] = lambda c: grouped_mm_moe(*c.args(), **c.kwargs())
+        kernels["reference"] = lambda c: fused_moe_ref(*c.args(), **c.kwargs())
+        us = medians_us(kernels, cases, args.repeats)
+        peer = us.get("vllm")
+        ratio = f"x{us['torch_moe'] / peer:.1f}" if peer else "-"
+        cells = [
+            f"{us['torch_moe']:.0f}",
+            f"{peer:.0f}" if peer else "-",
+            ratio,
+            f"{us['grouped_mm']:.0f}",
+            f"{us['reference']:.0f}",
+        ]
+        print(f"| {E} | {K} | {D} | {F} | {T} | {threads} | " + " | ".join(cells) + " |", flush=True)
     return 0
 
 

@@ -22,10 +22,10 @@ import sys
 import time
 
 import torch
-from bench_torch_moe import ROTATE, SHAPES, medians_us, vllm_cpu_kernel
+from bench_torch_moe import medians_us, table_cells, vllm_cpu_kernel
 
 from moe_eval.kernels.fused_moe import fused_moe_ref
-from moe_eval.kernels.testing import MoeCase, make_case
+from moe_eval.kernels.testing import MoeCase
 from moe_eval.kernels.torch_moe import torch_moe
 
 SOURCE = r"""
@@ -169,42 +169,33 @@ def main(argv: list[str] | None = None) -> int:
     print("| E | K | D | F | T | threads | err torch_moe | err probe | torch_moe us | probe us | vLLM CPU us "
           "| probe / vLLM |")  # fmt: skip
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for threads in args.threads:
-        torch.set_num_threads(threads)
-        for E, K, D, F in SHAPES:
-            for T in args.tokens:
-                first = make_case(T, E, K, D, F, dtype=torch.bfloat16, device="cpu", seed=T)
-                cases = [first] + [
-                    make_case(
-                        T, E, K, D, F, dtype=torch.bfloat16, device="cpu", seed=T + i, weights_from=first
-                    )
-                    for i in range(1, ROTATE)
-                ]
-                w13p, w2p = module.pack_weights(first.w13_eFD), module.pack_weights(first.w2_eDF)
+    for threads, (E, K, D, F), T, cases in table_cells(args.threads, args.tokens):
+        first = cases[0]
+        w13p, w2p = module.pack_weights(first.w13_eFD), module.pack_weights(first.w2_eDF)
 
-                def probe(c: MoeCase) -> torch.Tensor:
-                    return module.moe(c.hidden_TD, w13p, w2p, c.topk_weights_TK, c.topk_ids_TK)
+        def probe(c: MoeCase) -> torch.Tensor:
+            return module.moe(c.hidden_TD, w13p, w2p, c.topk_weights_TK, c.topk_ids_TK)
 
-                ref = fused_moe_ref(*first.args(), **first.kwargs())
-                errors = (
-                    rel_err(torch_moe(*first.args(), **first.kwargs()), ref),
-                    rel_err(probe(first), ref),
-                )
-                kernels = {"torch_moe": lambda c: torch_moe(*c.args(), **c.kwargs()), "probe": probe}
-                vllm = vllm_cpu_kernel(first)
-                if vllm is not None:
-                    kernels["vllm"] = vllm
-                us = medians_us(kernels, cases, args.repeats)
-                peer = us.get("vllm")
-                cells = [
-                    f"{errors[0]:.2e}",
-                    f"{errors[1]:.2e}",
-                    f"{us['torch_moe']:.0f}",
-                    f"{us['probe']:.0f}",
-                    f"{peer:.0f}" if peer else "-",
-                    f"x{us['probe'] / peer:.2f}" if peer else "-",
-                ]
-                print(f"| {E} | {K} | {D} | {F} | {T} | {threads} | " + " | ".join(cells) + " |", flush=True)
+        ref = fused_moe_ref(*first.args(), **first.kwargs())
+        errors = (
+            rel_err(torch_moe(*first.args(), **first.kwargs()), ref),
+            rel_err(probe(first), ref),
+        )
+        kernels = {"torch_moe": lambda c: torch_moe(*c.args(), **c.kwargs()), "probe": probe}
+        vllm = vllm_cpu_kernel(first)
+        if vllm is not None:
+            kernels["vllm"] = vllm
+        us = medians_us(kernels, cases, args.repeats)
+        peer = us.get("vllm")
+        cells = [
+            f"{errors[0]:.2e}",
+            f"{errors[1]:.2e}",
+            f"{us['torch_moe']:.0f}",
+            f"{us['probe']:.0f}",
+            f"{peer:.0f}" if peer else "-",
+            f"x{us['probe'] / peer:.2f}" if peer else "-",
+        ]
+        print(f"| {E} | {K} | {D} | {F} | {T} | {threads} | " + " | ".join(cells) + " |", flush=True)
     return 0
 
 
