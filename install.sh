@@ -22,6 +22,13 @@ if [ "$flavour" = cpu ]; then
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 fi
 
+if [ "$flavour" = cpu ]; then
+  # The bundled CPU MoE kernel (moe_eval/kernels/csrc/cpu_moe.cpp), compiled now (about 25 s on 2 cores) so
+  # that no server compiles it while it loads. Where it cannot build or run, torch_moe serves, and the line
+  # says why (a server's record says it too).
+  .venv/bin/python -m moe_eval.kernels.cpu_moe
+fi
+
 # Fail here, not in the middle of a run, if the stack does not import together.
 .venv/bin/python - <<'PY'
 import importlib.metadata as md

@@ -95,14 +95,15 @@ class TorchKernel(_CheckpointLayout):
     backend = MoeBackend.TORCH
 
     def usable(self, hardware: Hardware) -> tuple[bool, str]:
-        # Plain torch ops: runs wherever torch does, expert map and all.
+        # Plain torch ops: runs wherever torch does, expert map and all. On a CPU with AMX the compiled kernel
+        # of cpu_moe runs instead, with the same numerics; the plugin logs which (`implementation`).
         return True, f"torch_moe runs on any {hardware.platform} device"
 
     @functools.cache  # noqa: B019  one instance per process (BACKENDS)
     def _impl(self) -> Callable[..., torch.Tensor]:
-        from moe_eval.kernels.torch_moe import torch_moe
+        from moe_eval.kernels.cpu_moe import cpu_moe
 
-        return torch_moe
+        return cpu_moe
 
     def _extra(self, call: MoeCall) -> dict[str, Any]:
         return _slope(call)

@@ -363,6 +363,19 @@ class BundledExperts:
         e, f2, d = layer.w13_weight.shape
         return tile_source(e, f2 // 2, d, _device_name(layer.w13_weight.device))
 
+    def _implementation(self, layer: Any, top_k: int) -> str | None:
+        """What runs the torch backend's calls on the CPU: the compiled kernel (built now if install.sh did
+        not), or torch_moe and why."""
+        w13 = layer.w13_weight
+        if self.choice.backend is not MoeBackend.TORCH or w13.device.type != "cpu":
+            return None
+        from moe_eval.kernels.cpu_moe import fits, implementation
+
+        e, f2, d = w13.shape
+        if not fits("cpu", w13.dtype, d, f2, top_k):
+            return f"torch_moe: D {d} and 2F {f2} (multiples of 64) or {w13.dtype} not the compiled kernel's"
+        return implementation()[1]
+
     def _log_choice(self, layer: Any, global_experts: int, top_k: int, warmup: Any) -> None:
         e, f2, d = layer.w13_weight.shape
         shapes = (e, f2 // 2, d, global_experts, top_k)
@@ -388,6 +401,7 @@ class BundledExperts:
             "warmup": warmup.as_dict() if warmup is not None else None,
             "counted_on": self.counter.snapshot()["counted_on"],
             "tiles": self._tile_source(layer),
+            "implementation": self._implementation(layer, top_k),
         }
         # print, not logging: vLLM's logging config may drop a foreign logger's INFO lines. The newline
         # goes in the same write: print's separate write of "\n" let two ranks sharing the log put

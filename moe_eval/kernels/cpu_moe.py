@@ -1,0 +1,157 @@
+"""The bundled MoE on the CPU: torch_moe's contract and numerics on torch's AMX micro-kernel
+(csrc/cpu_moe.cpp).
+
+torch_moe runs each expert as eager torch ops: x4-8 of vLLM's own CPU kernel on the embedded default's
+shapes. This compiled kernel does the same arithmetic (bf16 operands, fp32 sums, the GEMM2 input rounded to
+bf16, the top-k sum in fp32 in expert order, the output rounded once) in one pass over (expert, 32-row)
+blocks on torch's thread pool: x0.5-1.1 of vLLM's kernel (benchmarks/bench_cpu_moe.py, docs/kernels.md).
+Its outputs equal torch_moe's in 99.6-100 % of the elements; the rest differ in the last bit (the GEMMs'
+internal order).
+
+Built with torch's C++ extension tools (a C++17 compiler and ninja): by install.sh, else at the first layer's
+weight loading (about 25 s, before the server serves). Where it cannot run, `torch_moe` does, and
+`implementation()` says why: the plugin logs it into the row's record.
+
+    out_TD = cpu_moe(hidden_TD, w13_eFD, w2_eDF, topk_weights_TK, topk_ids_TK)
+
+T tokens, D hidden, F intermediate per rank, E experts (global), e local experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_eval.kernels.torch_moe import torch_moe
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_moe.cpp"
+BUILD_DIR_ENV = "MOE_EVAL_CPU_MOE_BUILD_DIR"
+DISABLE_ENV = "MOE_EVAL_CPU_MOE"  # "0": torch_moe everywhere (to compare the two, or to rule this one out)
+# The AVX-512 subsets ATen builds its AVX512 kernels with (any AMX CPU has them), not -march=native: the build
+# must not depend on the machine that compiles it. The kernel is only called where AMX is (`implementation`).
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp",
+          "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]  # fmt: skip
+# -fopenmp: at::parallel_for is inlined here, and without it its `omp parallel` compiles to one thread.
+LDFLAGS = ["-fopenmp"]
+
+
+def build_dir() -> Path:
+    """Inside the environment that runs it (install.sh builds there); MOE_EVAL_CPU_MOE_BUILD_DIR overrides."""
+    chosen = os.environ.get(BUILD_DIR_ENV)
+    return Path(chosen) if chosen else Path(sys.prefix) / "moe-eval-build" / "cpu_moe"
+
+
+@functools.cache
+def _module() -> Any:
+    """The compiled module: built the first time (torch rebuilds when the source or flags change)."""
+    from torch.utils.cpp_extension import load
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    if shutil.which("ninja") is None:  # pip's ninja (the cpu extra) sits beside this Python, maybe off PATH
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    t0 = time.perf_counter()
+    module = load(
+        "moe_eval_cpu_moe", [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        build_directory=str(directory), verbose=False,
+    )  # fmt: skip
+    seconds = time.perf_counter() - t0
+    if seconds > 2:  # a build, not a load: say so, it delays the server's start
+        print(f"moe-eval: built the CPU MoE kernel in {seconds:.0f} s into {directory}", file=sys.stderr)
+    return module
+
+
+@functools.cache
+def implementation() -> tuple[bool, str]:
+    """(whether cpu_moe runs the compiled kernel on this machine, why or why not). Builds it if needed."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return False, f"torch_moe: {DISABLE_ENV}=0"
+    if not torch.cpu._is_amx_tile_supported():
+        return False, "torch_moe: this CPU has no AMX tiles (the compiled kernel runs on oneDNN's AMX brgemm)"
+    try:
+        module = _module()
+    except Exception as exc:  # noqa: BLE001  a missing compiler or ninja: any build failure means torch_moe
+        return False, f"torch_moe: the compiled kernel did not build ({type(exc).__name__}: {str(exc)[:300]})"
+    if not module.could_pack():
+        return False, "torch_moe: torch's brgemm cannot pack bf16 on this CPU"
+    return True, "compiled AMX brgemm kernel (moe_eval/kernels/csrc/cpu_moe.cpp)"
+
+
+def fits(device_type: str, dtype: torch.dtype, D: int, F2: int, K: int) -> bool:
+    """The calls the compiled kernel takes: bf16 on the CPU, D and 2F in blocks of 64, K <= 64."""
+    return device_type == "cpu" and dtype == torch.bfloat16 and D % 64 == 0 and F2 % 64 == 0 and K <= 64
+
+
+class _PackedWeights:
+    """Each weight tensor's packed copy, made at its first call and again only if the tensor changed in place
+    (its version counter) or was replaced (held weakly: a per-call copy, as a mutation makes, is freed)."""
+
+    def __init__(self) -> None:
+        # by id(): a tensor's == is elementwise, so it cannot key a WeakKeyDictionary
+        self._packed: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+
+    def __call__(self, w_eND: torch.Tensor) -> torch.Tensor:
+        key = id(w_eND)
+        held = self._packed.get(key)
+        if held is None or held[0]() is not w_eND or held[1] != w_eND._version:
+            if held is None or held[0]() is not w_eND:
+                weakref.finalize(w_eND, self._packed.pop, key, None)
+            held = (weakref.ref(w_eND), w_eND._version, _module().pack_weights(w_eND.contiguous()))
+            self._packed[key] = held
+        return held[2]
+
+
+_packed = _PackedWeights()
+
+
+def cpu_moe(
+    hidden_TD: torch.Tensor,
+    w13_eFD: torch.Tensor,
+    w2_eDF: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    *,
+    expert_map_E: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
+    silu_slope: float = 1.0,
+) -> torch.Tensor:
+    """torch_moe's contract; the compiled kernel where `implementation()` and `fits` allow, else torch_moe."""
+    e, F2, D = w13_eFD.shape
+    dtype = hidden_TD.dtype if hidden_TD.dtype == w13_eFD.dtype else None
+    if not (fits(hidden_TD.device.type, dtype, D, F2, topk_ids_TK.shape[1]) and implementation()[0]):
+        return torch_moe(
+            hidden_TD, w13_eFD, w2_eDF, topk_weights_TK, topk_ids_TK, expert_map_E=expert_map_E,
+            apply_router_weight_on_input=apply_router_weight_on_input, silu_slope=silu_slope,
+        )  # fmt: skip
+    T = hidden_TD.shape[0]
+    K = topk_ids_TK.shape[1]
+    assert hidden_TD.shape == (T, D), "hidden (T, D)"
+    assert w2_eDF.shape == (e, D, F2 // 2), "w13 (e, 2F, D), w2 (e, D, F)"
+    assert topk_ids_TK.shape == (T, K) and topk_weights_TK.shape == (T, K), "topk shapes must be (T, K)"
+    local_TK = topk_ids_TK.long()
+    if expert_map_E is not None:  # global -> local ids; -1: a slot of another rank, dropped
+        local_TK = expert_map_E.long()[local_TK]
+    return _module().moe(
+        hidden_TD.contiguous(), _packed(w13_eFD), _packed(w2_eDF), topk_weights_TK, local_TK.contiguous(),
+        float(silu_slope), bool(apply_router_weight_on_input),
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m moe_eval.kernels.cpu_moe`: build (or load) the kernel now and say whether it will run."""
+    t0 = time.perf_counter()
+    runs, why = implementation()
+    print(f"moe-eval CPU MoE kernel: {why} ({time.perf_counter() - t0:.0f} s; build dir {build_dir()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

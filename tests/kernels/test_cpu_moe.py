@@ -1,0 +1,161 @@
+"""cpu_moe, the bundled CPU MoE (the compiled AMX kernel of moe_eval/kernels/csrc/cpu_moe.cpp): against the
+fp32 oracle and torch_moe (whose numerics it keeps), repeatable bit for bit, batch-invariant, and torch_moe
+where it cannot run.
+
+T tokens, D hidden, F intermediate per rank, E experts (global), e local experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moe_eval.kernels import cpu_moe as cpu_moe_module
+from moe_eval.kernels.cpu_moe import cpu_moe, fits, implementation
+from moe_eval.kernels.testing import make_case, rel_err
+from moe_eval.kernels.torch_moe import torch_moe
+
+HAS_AMX = torch.cpu._is_amx_tile_supported()
+needs_kernel = pytest.mark.skipif(not HAS_AMX, reason="the compiled kernel runs on AMX CPUs only")
+
+# (T, E, K, D, F): the embedded default's canary (E 8, D 256, F 128) and at TP2 (F 64), the tiny random
+# Qwen3-MoE (D 128, F 64) and at TP2 (F 32), a wider one, K = 4, and the block edges (32 rows a task).
+SHAPES = [
+    (1, 8, 2, 256, 128),
+    (33, 8, 2, 256, 64),
+    (100, 8, 2, 128, 64),
+    (64, 8, 2, 128, 32),
+    (300, 16, 2, 256, 256),
+    (77, 16, 4, 128, 32),
+    (512, 8, 2, 256, 128),
+]
+
+
+def _case(T, E, K, D, F, seed=0):
+    return make_case(T, E, K, D, F, dtype=torch.bfloat16, device="cpu", seed=seed + T)
+
+
+def _same_share(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.view(torch.int16) == b.view(torch.int16)).float().mean().item()
+
+
+@needs_kernel
+def test_the_compiled_kernel_builds_and_runs_here():
+    # The development machine and CI have AMX, g++ and ninja: a torch_moe fallback there would hide a broken
+    # build behind passing tests, so it fails here instead.
+    runs, why = implementation()
+    assert runs, why
+
+
+@needs_kernel
+@pytest.mark.parametrize(("T", "E", "K", "D", "F"), SHAPES)
+def test_matches_torch_moe_and_the_oracle(T, E, K, D, F):
+    case = _case(T, E, K, D, F)
+    out = cpu_moe(*case.args(), **case.kwargs())
+    expected = torch_moe(*case.args(), **case.kwargs())
+    ref = case.reference_fp32()
+    # torch_moe's roundings: the same error against the oracle (measured equal to 3 digits), and the same
+    # bits almost everywhere (the rest: the GEMMs' internal summation order, one bf16 step).
+    assert rel_err(out, ref) <= rel_err(expected, ref) * 1.02 + 1e-6
+    assert _same_share(out, expected) >= 0.99
+    assert (out.float() - expected.float()).abs().max() <= expected.float().abs().max() * 2**-7
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "options", [{"silu_slope": 1.5}, {"apply_router_weight_on_input": True}], ids=["silu_slope", "on_input"]
+)
+def test_options_as_torch_moe(options):
+    T, E, K, D, F = 70, 8, 1 if options.get("apply_router_weight_on_input") else 2, 256, 128
+    case = _case(T, E, K, D, F, seed=3)
+    out = cpu_moe(*case.args(), **options)
+    expected = torch_moe(*case.args(), **options)
+    assert _same_share(out, expected) >= 0.99
+    if "silu_slope" in options:  # the bug changed the result (on_input at K = 1 scales by a weight of 1)
+        assert _same_share(out, cpu_moe(*case.args())) < 0.5
+
+
+@needs_kernel
+def test_an_expert_map_drops_other_ranks_slots():
+    T, E, K, D, F = 50, 8, 2, 256, 64
+    case = _case(T, E, K, D, F, seed=4)
+    expert_map_E = torch.full((E,), -1, dtype=torch.int32)
+    expert_map_E[4:] = torch.arange(4, dtype=torch.int32)  # this rank holds experts 4..7
+    w13, w2 = case.w13_eFD[4:].contiguous(), case.w2_eDF[4:].contiguous()
+    args = (case.hidden_TD, w13, w2, case.topk_weights_TK, case.topk_ids_TK)
+    out = cpu_moe(*args, expert_map_E=expert_map_E)
+    expected = torch_moe(*args, expert_map_E=expert_map_E)
+    assert _same_share(out, expected) >= 0.99
+    held_nowhere = ~(case.topk_ids_TK >= 4).any(dim=1)  # tokens none of whose experts is here
+    assert held_nowhere.any() and (out[held_nowhere] == 0).all()
+
+
+@needs_kernel
+def test_bitwise_repeatable():
+    # No atomics: each token's rows are summed in one fixed (expert) order by one thread.
+    for T in (1, 70, 600):
+        case = _case(T, 8, 2, 256, 128, seed=5)
+        assert torch.equal(cpu_moe(*case.args()), cpu_moe(*case.args()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_same_tokens_in_other_batches_give_the_same_bits(threads):
+    """A token's output is its own rows' arithmetic (each GEMM row alone, the sum in expert order), wherever
+    it sits in the batch, whatever the batch size and the thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        case = _case(90, 8, 2, 256, 128, seed=6)
+        order = torch.randperm(90, generator=torch.Generator().manual_seed(5))
+        shuffled = dataclasses.replace(
+            case,
+            hidden_TD=case.hidden_TD[order].contiguous(),
+            topk_weights_TK=case.topk_weights_TK[order].contiguous(),
+            topk_ids_TK=case.topk_ids_TK[order].contiguous(),
+        )
+        out = cpu_moe(*case.args())
+        assert torch.equal(out[order], cpu_moe(*shuffled.args()))
+        first_ten = dataclasses.replace(
+            case,
+            hidden_TD=case.hidden_TD[:10].contiguous(),
+            topk_weights_TK=case.topk_weights_TK[:10].contiguous(),
+            topk_ids_TK=case.topk_ids_TK[:10].contiguous(),
+        )
+        assert torch.equal(out[:10], cpu_moe(*first_ten.args()))
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_weights_changed_in_place_are_packed_again():
+    # The golden's probe and the mutations change weights in place: a stale packed copy would serve the old.
+    case = _case(20, 8, 2, 256, 128, seed=7)
+    before = cpu_moe(*case.args())
+    case.w13_eFD[:, 128:].mul_(1.5)  # every expert's up rows
+    after = cpu_moe(*case.args())
+    assert _same_share(after, torch_moe(*case.args())) >= 0.99
+    assert not torch.equal(before, after)
+
+
+def test_falls_back_to_torch_moe_where_the_kernel_does_not_fit(monkeypatch):
+    assert not fits("cpu", torch.float32, 256, 256, 2)  # fp32: the kernel is bf16 only
+    assert not fits("cpu", torch.bfloat16, 96, 256, 2)  # D not a multiple of 64
+    assert not fits("cuda", torch.bfloat16, 256, 256, 2)
+    case = make_case(9, 8, 2, 96, 32, dtype=torch.bfloat16, device="cpu", seed=8)  # D = 96
+    calls = []
+    monkeypatch.setattr(cpu_moe_module, "torch_moe", lambda *a, **k: calls.append(1) or torch_moe(*a, **k))
+    assert torch.equal(cpu_moe(*case.args()), torch_moe(*case.args()))
+    assert calls == [1]
+
+
+def test_disabled_by_the_environment_says_so(monkeypatch):
+    monkeypatch.setenv(cpu_moe_module.DISABLE_ENV, "0")
+    implementation.cache_clear()
+    try:
+        runs, why = implementation()
+        assert not runs and why == f"torch_moe: {cpu_moe_module.DISABLE_ENV}=0"
+    finally:
+        implementation.cache_clear()
