@@ -37,7 +37,7 @@ BUILD_DIR_ENV = "MOE_EVAL_CPU_MOE_BUILD_DIR"
 DISABLE_ENV = "MOE_EVAL_CPU_MOE"  # "0": torch_moe everywhere (to compare the two, or to rule this one out)
 # The AVX-512 subsets ATen builds its AVX512 kernels with (any AMX CPU has them), not -march=native: the build
 # must not depend on the machine that compiles it. The kernel is only called where AMX is (`implementation`).
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp",
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp",
           "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]  # fmt: skip
 # -fopenmp: at::parallel_for is inlined here, and without it its `omp parallel` compiles to one thread.
 LDFLAGS = ["-fopenmp"]

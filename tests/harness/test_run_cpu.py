@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 
 from tests.conftest import (
     SUBTLE_MUTATION,
@@ -137,6 +138,12 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         ranks = 2 if kind == "TEP" else 1
         assert len({line["pid"] for line in record["bundled_kernel_logged"]}) == ranks
         assert all(line["layer"]["expert_map"] is (kind == "TEP") for line in record["bundled_kernel_logged"])
+        # The compiled CPU kernel served where AMX is (install.sh built it), else torch_moe with its reason.
+        served_by = {line["implementation"] for line in record["bundled_kernel_logged"]}
+        if torch.cpu._is_amx_tile_supported():
+            assert served_by == {"compiled AMX brgemm kernel (moe_eval/kernels/csrc/cpu_moe.cpp)"}
+        else:
+            assert all(text.startswith("torch_moe: ") for text in served_by), served_by
         calls = record["bundled_kernel_calls"]
         assert calls["processes"] == ranks and calls["calls"] > 200 and calls["counted_on"] == ["host"]
         assert {c["name"]: c["passed"] for c in record["checks"]}["bundled_kernel_calls"]
