@@ -18,6 +18,7 @@ kernel could not be launched, with the reason in `device_problem`).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,9 @@ class CallCounter:
         }
         if self.device_problem is not None:
             record["device_problem"] = self.device_problem
+        cpu_moe = sys.modules.get("moe_eval.kernels.cpu_moe")  # loaded by the torch backend's first call only
+        if cpu_moe is not None and cpu_moe.CALLS:
+            record["implementations"] = dict(cpu_moe.CALLS)  # what served: the compiled kernel or torch_moe
         return record
 
     def flush(self) -> None:

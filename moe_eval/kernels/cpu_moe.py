@@ -19,6 +19,7 @@ T tokens, D hidden, F intermediate per rank, E experts (global), e local experts
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import shutil
@@ -38,9 +39,13 @@ DISABLE_ENV = "MOE_EVAL_CPU_MOE"  # "0": torch_moe everywhere (to compare the tw
 # The AVX-512 subsets ATen builds its AVX512 kernels with (any AMX CPU has them), not -march=native: the build
 # must not depend on the machine that compiles it. The kernel is only called where AMX is (`implementation`).
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp",
-          "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]  # fmt: skip
+          "-ffp-contract=off", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]  # fmt: skip
 # -fopenmp: at::parallel_for is inlined here, and without it its `omp parallel` compiles to one thread.
+# -ffp-contract=off: g++ would fuse the top-k sum's `a + y * w` into an FMA, a rounding fewer than torch_moe.
 LDFLAGS = ["-fopenmp"]
+# The calls each implementation served in this process: the call counter's stats file carries them into the
+# row's record (`bundled_kernel_calls.implementations`), so a record says what ran, not what was expected to.
+CALLS: collections.Counter[str] = collections.Counter()
 
 
 def build_dir() -> Path:
@@ -99,6 +104,10 @@ class _PackedWeights:
         self._packed: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
 
     def __call__(self, w_eND: torch.Tensor) -> torch.Tensor:
+        if w_eND.is_inference():
+            # Made under inference_mode (vLLM's forward: the per-call copies of extra_weight_copy and
+            # bf16_down_accumulation): no version counter to tell an in-place change, and used once.
+            return _module().pack_weights(w_eND.contiguous())
         key = id(w_eND)
         held = self._packed.get(key)
         if held is None or held[0]() is not w_eND or held[1] != w_eND._version:
@@ -127,6 +136,7 @@ def cpu_moe(
     e, F2, D = w13_eFD.shape
     dtype = hidden_TD.dtype if hidden_TD.dtype == w13_eFD.dtype else None
     if not (fits(hidden_TD.device.type, dtype, D, F2, topk_ids_TK.shape[1]) and implementation()[0]):
+        CALLS["torch_moe"] += 1
         return torch_moe(
             hidden_TD, w13_eFD, w2_eDF, topk_weights_TK, topk_ids_TK, expert_map_E=expert_map_E,
             apply_router_weight_on_input=apply_router_weight_on_input, silu_slope=silu_slope,
@@ -139,8 +149,10 @@ def cpu_moe(
     local_TK = topk_ids_TK.long()
     if expert_map_E is not None:  # global -> local ids; -1: a slot of another rank, dropped
         local_TK = expert_map_E.long()[local_TK]
+    CALLS["compiled"] += 1
     return _module().moe(
-        hidden_TD.contiguous(), _packed(w13_eFD), _packed(w2_eDF), topk_weights_TK, local_TK.contiguous(),
+        hidden_TD.contiguous(), _packed(w13_eFD), _packed(w2_eDF), topk_weights_TK.float().contiguous(),
+        local_TK.contiguous(),
         float(silu_slope), bool(apply_router_weight_on_input),
     )  # fmt: skip
 

@@ -85,10 +85,12 @@ def kernel_call_counts(run_dir: Path) -> dict:
 
     calls / tokens: the MoE calls that ran (CUDA-graph replays included where `counted_on` holds
     only "device"); python_calls: the apply() calls that reached Python. Where a process counted on
-    the host on a GPU, `device_problems` says why.
+    the host on a GPU, `device_problems` says why; `implementations`: the calls the compiled CPU kernel and
+    torch_moe each served (the torch backend on a CPU).
     """
     totals: dict = {"processes": 0, "calls": 0, "tokens": 0, "python_calls": 0, "counted_on": []}
     problems = []
+    implementations: dict[str, int] = {}
     for path in sorted((run_dir / STATS_DIR).glob("*.json")):
         try:
             data = json.loads(path.read_text())
@@ -101,6 +103,10 @@ def kernel_call_counts(run_dir: Path) -> dict:
             totals["counted_on"].append(data.get("counted_on"))
         if data.get("device_problem"):
             problems.append(data["device_problem"])
+        for name, calls in data.get("implementations", {}).items():  # the torch backend's, on the CPU
+            implementations[name] = implementations.get(name, 0) + int(calls)
+    if implementations:
+        totals["implementations"] = implementations
     if problems:
         totals["device_problems"] = problems
     return totals

@@ -58,29 +58,27 @@ static T* scratch(std::vector<T>& v, size_t n) {  // grown, never shrunk: no all
 // scales x (rounded to bf16) instead of y.
 torch::Tensor moe(torch::Tensor x, torch::Tensor w13p, torch::Tensor w2p, torch::Tensor topk_w,
                   torch::Tensor local_ids, double silu_slope, bool on_input) {
-  static std::vector<float> Y_buf;  // GEMM2's output, BLOCK_M rows a task (its padded rows are its own)
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "moe: x bf16 contiguous");
-  TORCH_CHECK(local_ids.scalar_type() == at::kLong && local_ids.is_contiguous(), "moe: local ids int64");
-  const int64_t T = x.size(0), D = x.size(1), K = local_ids.size(1);
+  // GEMM2's output, BLOCK_M rows a task (its padded rows are its own). Per calling thread: pybind holds the
+  // GIL through the call, but a buffer shared by two callers would be one released GIL away from a race.
+  thread_local std::vector<float> Y_buf;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "moe: x [T, D] bf16 contiguous");
+  const int64_t T = x.size(0), D = x.size(1);
+  TORCH_CHECK(local_ids.dim() == 2 && local_ids.size(0) == T && local_ids.scalar_type() == at::kLong &&
+              local_ids.is_contiguous(), "moe: local ids [T, K] int64 contiguous");
+  const int64_t K = local_ids.size(1), S = T * K;
+  TORCH_CHECK(topk_w.scalar_type() == at::kFloat && topk_w.is_contiguous() && topk_w.numel() == S,
+              "moe: topk weights [T, K] fp32 contiguous");
+  TORCH_CHECK(w13p.dim() == 4 && w2p.dim() == 4 && w13p.scalar_type() == at::kBFloat16 &&
+              w2p.scalar_type() == at::kBFloat16 && w13p.size(0) == w2p.size(0), "moe: packed bf16 weights");
   const int64_t e = w13p.size(0), F2 = w13p.size(1) * w13p.size(3), F = F2 / 2;
   TORCH_CHECK(w13p.size(2) == D && w2p.size(1) * w2p.size(3) == D && w2p.size(2) == F, "moe: weight shapes");
   TORCH_CHECK(K <= MAX_K && F % fVec::size() == 0, "moe: K <= 64 and F a multiple of 16");
-  const int64_t S = T * K;
   const int64_t* id = local_ids.data_ptr<int64_t>();
-  std::vector<float> wt(S);
-  {
-    auto ws = topk_w.contiguous();
-    if (ws.scalar_type() == at::kFloat) std::memcpy(wt.data(), ws.data_ptr<float>(), S * sizeof(float));
-    else {
-      TORCH_CHECK(ws.scalar_type() == at::kBFloat16, "moe: topk weights fp32 or bf16");
-      const BFloat16* p = ws.data_ptr<BFloat16>();
-      for (int64_t s = 0; s < S; ++s) wt[s] = float(p[s]);
-    }
-  }
+  const float* wt = topk_w.data_ptr<float>();
   // counting sort by expert; within an expert, slot order (token, k)
   std::vector<int64_t> start(e + 1, 0), order(S);
   for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(id[s] < e, "moe: expert id ", id[s], " >= local experts ", e);
+    TORCH_CHECK(id[s] >= -1 && id[s] < e, "moe: local expert id ", id[s], " not in -1..", e - 1);
     if (id[s] >= 0) start[id[s] + 1]++;
   }
   for (int64_t i = 0; i < e; ++i) start[i + 1] += start[i];
