@@ -4,7 +4,7 @@
 torch_moe runs each expert as eager torch ops: x4-8 of vLLM's own CPU kernel on the embedded default's
 shapes. This compiled kernel does the same arithmetic (bf16 operands, fp32 sums, the GEMM2 input rounded to
 bf16, the top-k sum in fp32 in expert order, the output rounded once) in one pass over (expert, 32-row)
-blocks on torch's thread pool: x0.5-1.1 of vLLM's kernel (benchmarks/bench_cpu_moe.py, docs/kernels.md).
+blocks on torch's thread pool: x0.9-1.6 of vLLM's kernel (benchmarks/bench_cpu_moe.py, docs/kernels.md).
 Its outputs equal torch_moe's in 99.6-100 % of the elements; the rest differ in the last bit (the GEMMs'
 internal order).
 
