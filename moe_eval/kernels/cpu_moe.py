@@ -134,15 +134,15 @@ def cpu_moe(
 ) -> torch.Tensor:
     """torch_moe's contract; the compiled kernel where `implementation()` and `fits` allow, else torch_moe."""
     e, F2, D = w13_eFD.shape
-    dtype = hidden_TD.dtype if hidden_TD.dtype == w13_eFD.dtype else None
-    if not (fits(hidden_TD.device.type, dtype, D, F2, topk_ids_TK.shape[1]) and implementation()[0]):
+    K = topk_ids_TK.shape[1]
+    fitting = hidden_TD.dtype == w13_eFD.dtype and fits(hidden_TD.device.type, hidden_TD.dtype, D, F2, K)
+    if not (fitting and implementation()[0]):
         CALLS["torch_moe"] += 1
         return torch_moe(
             hidden_TD, w13_eFD, w2_eDF, topk_weights_TK, topk_ids_TK, expert_map_E=expert_map_E,
             apply_router_weight_on_input=apply_router_weight_on_input, silu_slope=silu_slope,
         )  # fmt: skip
     T = hidden_TD.shape[0]
-    K = topk_ids_TK.shape[1]
     assert hidden_TD.shape == (T, D), "hidden (T, D)"
     assert w2_eDF.shape == (e, D, F2 // 2), "w13 (e, 2F, D), w2 (e, D, F)"
     assert topk_ids_TK.shape == (T, K) and topk_weights_TK.shape == (T, K), "topk shapes must be (T, K)"
@@ -160,7 +160,7 @@ def cpu_moe(
 def main(argv: list[str] | None = None) -> int:
     """`python -m moe_eval.kernels.cpu_moe`: build (or load) the kernel now and say whether it will run."""
     t0 = time.perf_counter()
-    runs, why = implementation()
+    _, why = implementation()
     print(f"moe-eval CPU MoE kernel: {why} ({time.perf_counter() - t0:.0f} s; build dir {build_dir()})")
     return 0
 

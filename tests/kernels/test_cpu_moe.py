@@ -18,19 +18,22 @@ from moe_eval.kernels.testing import make_case, rel_err
 from moe_eval.kernels.torch_moe import torch_moe
 
 HAS_AMX = torch.cpu._is_amx_tile_supported()
-needs_kernel = pytest.mark.skipif(not HAS_AMX, reason="the compiled kernel runs on AMX CPUs only")
 
 
-@pytest.fixture(autouse=True)
-def compiled_only(request, monkeypatch):
-    """In the kernel's tests a torch_moe fallback inside cpu_moe fails the test: it would pass them all."""
-    if request.node.get_closest_marker("skipif") is None:  # the fallback tests below: no needs_kernel mark
-        return
+@pytest.fixture
+def compiled_only(monkeypatch):
+    """A torch_moe fallback inside cpu_moe fails the test: the kernel's tests would all pass on it."""
 
     def refused(*args, **kwargs):
         raise AssertionError("cpu_moe fell back to torch_moe")
 
     monkeypatch.setattr(cpu_moe_module, "torch_moe", refused)
+
+
+def needs_kernel(test):
+    """The compiled kernel's own tests: AMX CPUs only, and no fallback allowed."""
+    skip = pytest.mark.skipif(not HAS_AMX, reason="the compiled kernel runs on AMX CPUs only")
+    return skip(pytest.mark.usefixtures("compiled_only")(test))
 
 
 # (T, E, K, D, F): the embedded default's canary (E 8, D 256, F 128) and at TP2 (F 64), the tiny random

@@ -53,7 +53,7 @@ static T* scratch(std::vector<T>& v, size_t n) {  // grown, never shrunk: no all
   return v.data();
 }
 
-// x [T, D] bf16; w13p, w2p from pack_weights; topk_w [T, K] (fp32 or bf16); local_ids [T, K] int64, -1: a slot
+// x [T, D] bf16; w13p, w2p from pack_weights; topk_w [T, K] fp32; local_ids [T, K] int64, -1: a slot
 // of another rank. silu_slope != 1: the deliberate bug of `--mutate silu_slope`. on_input: the router weight
 // scales x (rounded to bf16) instead of y.
 torch::Tensor moe(torch::Tensor x, torch::Tensor w13p, torch::Tensor w2p, torch::Tensor topk_w,
