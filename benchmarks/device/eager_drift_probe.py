@@ -6,14 +6,16 @@ the SM clock pinned at its maximum, while its graph-replayed calls repeated with
 inside the same server would cancel that drift only if it is common to kernels: this measures it outside
 vLLM. PROCESSES fresh processes (a new CUDA context each, as a server is), each allocating the canary's layer
 ALLOCS times (the earlier allocations kept alive, so each lands at other addresses; the same data every time);
-at each, M = 600, 1500 and 8192 tokens (8192: most of the served M>=4096 calls), the bundled kernel and a
-control (six bf16 matmuls, 256x128 and back, ~3 us each: another short-kernel chain) interleaved, each call
+at each, M = 600, 1500 and 8192 tokens (8192: most of the served M>=4096 calls), the bundled kernel and two
+controls interleaved: six bf16 matmuls (256x128 and back, ~3 us each: another short-kernel chain) and vLLM's
+own fused_experts on the same call (the incumbent a paired in-server reference would time; where the
+installed vLLM imports), each call
 queued behind a sleep kernel so the GPU runs it back to back whatever the host's pace (as the server's gated
 bracket does), timed by CUDA events; the median of REPS. A host launch slower than the sleep is reported.
 
 Prints per (process, allocation, M) both medians, then per M: the spread of the bundled medians between
 processes and within one, and the share of the bundled kernel's log-variance that the control's explains
-(common mode). Rows in $OUT/eager-drift.jsonl (or --out).
+(common mode), for each control. Rows in $OUT/eager-drift.jsonl (or --out).
 
     bash .vgpu/device_env.sh python3 benchmarks/device/eager_drift_probe.py [--processes 4] [--out FILE]
 """
@@ -45,6 +47,14 @@ def child(index: int) -> list[dict]:
     from moe_eval.kernels.testing import make_case
 
     torch.manual_seed(index)
+    vllm_peer = None
+    try:  # vLLM's own kernel as it serves (benchmarks/vllm_moe_peer.py drives it as fused_experts does)
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+        import vllm_moe_peer
+
+        vllm_peer = vllm_moe_peer.load_installed()
+    except Exception as exc:  # noqa: BLE001 - whatever vLLM raises where it does not import
+        print(f"process {index}: no vLLM control ({type(exc).__name__}: {str(exc)[:200]})", file=sys.stderr)
     rows = []
     keep = []  # every allocation stays alive, so the next lands elsewhere
     for alloc in range(ALLOCS):
@@ -65,14 +75,17 @@ def child(index: int) -> list[dict]:
                 for i in range(0, 6, 2):
                     x = (x @ w[i]) @ w[i + 1]
 
-            times: dict[str, list[float]] = {"bundled": [], "control": []}
+            calls = [("bundled", bundled), ("control", control)]
+            if vllm_peer is not None:
+                calls.append(("vllm", vllm_peer.whole_call(case, E)))
+            times: dict[str, list[float]] = {name: [] for name, _ in calls}
             slowest_launch_us = 0.0
-            for fn in (bundled, control):  # compiled and warm before any timing
+            for _, fn in calls:  # compiled and warm before any timing
                 for _ in range(3):
                     fn()
             torch.cuda.synchronize()
             for _ in range(REPS):
-                for name, fn in (("bundled", bundled), ("control", control)):
+                for name, fn in calls:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     torch.cuda._sleep(GATE_CYCLES)
                     start.record()
@@ -97,23 +110,29 @@ def summarize(rows: list[dict]) -> None:
         if not at:
             continue
         b = [math.log(r["bundled_us"]) for r in at]
-        c = [math.log(r["control_us"]) for r in at]
-        mb, mc = statistics.mean(b), statistics.mean(c)
-        per_process = {}
+        mb = statistics.mean(b)
+        per_process: dict[int, list[float]] = {}
         for r in at:
             per_process.setdefault(r["process"], []).append(math.log(r["bundled_us"]))
         between = [statistics.mean(v) for v in per_process.values()]
         within = [x - statistics.mean(v) for v in per_process.values() for x in v]
         var_b = statistics.pvariance(b)
-        cov = sum((x - mb) * (y - mc) for x, y in zip(b, c)) / len(b)
-        var_c = statistics.pvariance(c)
-        common = cov * cov / (var_b * var_c) if var_b > 0 and var_c > 0 else float("nan")
         print(
-            f"M={M}: bundled {math.exp(mb):.1f} us, control {math.exp(mc):.1f} us; bundled log sd between "
-            f"processes {statistics.pstdev(between):.4f}, within one {statistics.pstdev(within):.4f}, all "
-            f"{math.sqrt(var_b):.4f}; control all {math.sqrt(var_c):.4f}; r^2 {common:.2f}; "
-            f"bundled / control log sd {statistics.pstdev([x - y for x, y in zip(b, c)]):.4f}"
+            f"M={M}: bundled {math.exp(mb):.1f} us; bundled log sd between processes "
+            f"{statistics.pstdev(between):.4f}, within one {statistics.pstdev(within):.4f}, "
+            f"all {math.sqrt(var_b):.4f}"
         )
+        for name in ("control", "vllm"):
+            if not all(f"{name}_us" in r for r in at):
+                continue
+            c = [math.log(r[f"{name}_us"]) for r in at]
+            mc, var_c = statistics.mean(c), statistics.pvariance(c)
+            cov = sum((x - mb) * (y - mc) for x, y in zip(b, c)) / len(b)
+            common = cov * cov / (var_b * var_c) if var_b > 0 and var_c > 0 else float("nan")
+            print(
+                f"  {name}: {math.exp(mc):.1f} us, log sd {math.sqrt(var_c):.4f}; r^2 {common:.2f}; "
+                f"bundled / {name} log sd {statistics.pstdev([x - y for x, y in zip(b, c)]):.4f}"
+            )
 
 
 def main() -> None:
