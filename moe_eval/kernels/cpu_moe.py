@@ -85,9 +85,9 @@ def implementation() -> tuple[bool, str]:
         module = _module()
     except Exception as exc:  # noqa: BLE001  a missing compiler or ninja: any build failure means torch_moe
         return False, f"torch_moe: the compiled kernel did not build ({type(exc).__name__}: {str(exc)[:300]})"
-    if not module.could_pack():
-        return False, "torch_moe: torch's brgemm cannot pack bf16 on this CPU"
-    return True, "compiled AMX brgemm kernel (moe_eval/kernels/csrc/cpu_moe.cpp)"
+    if not module.amx_ready():
+        return False, "torch_moe: the OS refused this process AMX tile data (arch_prctl XCOMP_PERM)"
+    return True, "compiled AMX tile kernel (moe_eval/kernels/csrc/cpu_moe.cpp)"
 
 
 def fits(device_type: str, dtype: torch.dtype, D: int, F2: int, K: int) -> bool:

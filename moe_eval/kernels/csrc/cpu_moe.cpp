@@ -1,15 +1,22 @@
-// The bundled CPU MoE (moe_eval/kernels/cpu_moe.py builds and loads it): torch_moe's numerics on torch's own
-// AMX micro-kernel (at::native::cpublas::brgemm, oneDNN: bf16 x bf16 -> fp32).
+// The bundled CPU MoE (moe_eval/kernels/cpu_moe.py builds and loads it): torch_moe's numerics on AMX tiles.
 //
 // Slots are counting-sorted by local expert (slots of other ranks, id -1, dropped). Per (expert, block of
 // BLOCK_M rows), one task on torch's thread pool: gather the tokens' rows, GEMM1, SiLU-and-mul in fp32
 // rounded to bf16, GEMM2 into that task's rows of Y (fp32). Then per token its rows of Y, weighted by the
 // router, summed in expert order (torch_moe's index_add_ order) and rounded once: no atomics, so the same
 // call gives the same bits, and a token's result depends on its own routing only, not on its batch.
+//
+// The GEMMs are AMX tile instructions written here, one tile configuration for the whole call: torch's
+// brgemm (oneDNN) served 64 output columns a call, and its per-call kernel lookup and tile reconfiguration
+// cost as much as the arithmetic at these sizes. Each output element sums its products in ascending steps of
+// 32 in one fp32 tile, as oneDNN's brgemm does: the same bits (tested against torch_moe).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
-#include <ATen/native/CPUBlas.h>
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -17,34 +24,96 @@
 
 using at::BFloat16;
 using fVec = at::vec::Vectorized<float>;
-namespace cpublas = at::native::cpublas;
 
-constexpr int64_t BLOCK_M = 32;  // rows a task (two AMX tiles of 16)
-constexpr int64_t BLOCK_N = 64;  // output features a brgemm call: oneDNN's packed B takes a leading dimension of 16-64
+constexpr int64_t BLOCK_M = 32;  // rows a task: two tiles of 16
+constexpr int64_t TILE_N = 16;   // output columns a C tile (16 fp32 = 64 bytes a row)
+constexpr int64_t TILE_K = 32;   // products a tile step sums (16 bf16 pairs = 64 bytes a row)
 constexpr int64_t MAX_K = 64;
 
-bool could_pack() { return cpublas::could_pack(at::kBFloat16); }
+// Linux hands AMX tile data to a process only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA); a
+// tile instruction without it is SIGILL. Asked once; false where the kernel refuses (then torch_moe serves).
+bool amx_ready() {
+  static const bool ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ready;
+}
 
-// w [e, N, Kd] (out features x in) -> per expert and block of BLOCK_N outputs, W^T's [Kd, BLOCK_N] in brgemm's
-// VNNI layout: [e][N / BLOCK_N][Kd][BLOCK_N].
+// w [e, N, Kd] (out features x in) -> per expert, per block of 16 outputs, W^T's [Kd, 16] as pairs along Kd
+// (the B operand's layout: a tile step is 16 rows of 64 contiguous bytes): [e][N / 16][Kd / 2][16][2].
 torch::Tensor pack_weights(torch::Tensor w) {
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 3, "pack_weights: bf16 [e, N, Kd]");
   const int64_t e = w.size(0), N = w.size(1), Kd = w.size(2);
-  TORCH_CHECK(N % BLOCK_N == 0 && Kd % 2 == 0, "pack_weights: N a multiple of 64 and Kd even, got ", N, ", ", Kd);
-  auto out = torch::empty({e, N / BLOCK_N, Kd, BLOCK_N}, w.options());
-  for (int64_t i = 0; i < e; ++i) {
-    auto wt = w[i].t().contiguous();  // [Kd, N]
-    for (int64_t nb = 0; nb < N / BLOCK_N; ++nb)
-      cpublas::pack(Kd, BLOCK_N, N, BLOCK_N, at::kBFloat16, at::kBFloat16, wt.data_ptr<BFloat16>() + nb * BLOCK_N,
-                    out[i][nb].data_ptr());
-  }
+  TORCH_CHECK(N % (2 * TILE_N) == 0 && Kd % TILE_K == 0, "pack_weights: N and Kd multiples of 32, got ", N, ", ",
+              Kd);
+  auto src = w.contiguous();
+  auto out = torch::empty({e, N / TILE_N, Kd / 2, TILE_N, 2}, w.options());
+  const BFloat16* W = src.data_ptr<BFloat16>();
+  BFloat16* P = out.data_ptr<BFloat16>();
+  at::parallel_for(0, e, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t k = 0; k < Kd; ++k)
+          P[(((i * (N / TILE_N) + n / TILE_N) * (Kd / 2) + k / 2) * TILE_N + n % TILE_N) * 2 + k % 2] =
+              W[(i * N + n) * Kd + k];
+  });
   return out;
 }
 
-// C [m, N] (leading dimension ldc) = A [m, Kd] x the packed expert's W^T, block by block of outputs.
-static void gemm(int64_t m, int64_t N, int64_t Kd, const BFloat16* A, const BFloat16* Wp, float* C, int64_t ldc) {
-  for (int64_t nb = 0; nb < N / BLOCK_N; ++nb)
-    cpublas::brgemm(m, BLOCK_N, Kd, Kd, BLOCK_N, ldc, false, A, Wp + nb * Kd * BLOCK_N, C + nb * BLOCK_N);
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3: C (2 x 2 blocks of 16 x 16 fp32); 4, 5: A (16 rows x 32 bf16); 6, 7: B (16 pairs x 16 columns).
+// Every tile is 16 rows of 64 bytes, so one configuration serves both GEMMs and every block size. A static:
+// g++ drops stores to a local that only ldtilecfg reads.
+static const TileConfig TILES = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+__attribute__((target("amx-tile"))) static void tiles_on() { _tile_loadconfig(&TILES); }
+
+__attribute__((target("amx-tile"))) static void tiles_off() { _tile_release(); }
+
+// C [16 * BLOCKS, N] (leading dimension ldc) = A [16 * BLOCKS, Kd] x the packed expert's W^T; A's rows past the
+// caller's m are padding, their results never read.
+template <int BLOCKS>
+__attribute__((target("amx-tile,amx-bf16"))) static void gemm(int64_t N, int64_t Kd, const BFloat16* A,
+                                                               const BFloat16* Wp, float* C, int64_t ldc) {
+  const int64_t block = (Kd / 2) * TILE_N * 2;  // one packed block of 16 outputs
+  for (int64_t n = 0; n < N; n += 2 * TILE_N) {
+    const BFloat16* B0 = Wp + (n / TILE_N) * block;
+    const BFloat16* B1 = B0 + block;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (BLOCKS == 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t k = 0; k < Kd; k += TILE_K) {
+      _tile_loadd(4, A + k, Kd * sizeof(BFloat16));
+      _tile_loadd(6, B0 + k * TILE_N, 64);
+      _tile_loadd(7, B1 + k * TILE_N, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (BLOCKS == 2) {
+        _tile_loadd(5, A + 16 * Kd + k, Kd * sizeof(BFloat16));
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, C + n, ldc * sizeof(float));
+    _tile_stored(1, C + n + TILE_N, ldc * sizeof(float));
+    if (BLOCKS == 2) {
+      _tile_stored(2, C + 16 * ldc + n, ldc * sizeof(float));
+      _tile_stored(3, C + 16 * ldc + n + TILE_N, ldc * sizeof(float));
+    }
+  }
+}
+
+static void gemm(int64_t mp, int64_t N, int64_t Kd, const BFloat16* A, const BFloat16* Wp, float* C, int64_t ldc) {
+  if (mp > 16)
+    gemm<2>(N, Kd, A, Wp, C, ldc);
+  else
+    gemm<1>(N, Kd, A, Wp, C, ldc);
 }
 
 template <typename T>
@@ -68,10 +137,11 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor w13p, torch::Tensor w2p, torch:
   const int64_t K = local_ids.size(1), S = T * K;
   TORCH_CHECK(topk_w.scalar_type() == at::kFloat && topk_w.is_contiguous() && topk_w.numel() == S,
               "moe: topk weights [T, K] fp32 contiguous");
-  TORCH_CHECK(w13p.dim() == 4 && w2p.dim() == 4 && w13p.scalar_type() == at::kBFloat16 &&
+  TORCH_CHECK(w13p.dim() == 5 && w2p.dim() == 5 && w13p.scalar_type() == at::kBFloat16 &&
               w2p.scalar_type() == at::kBFloat16 && w13p.size(0) == w2p.size(0), "moe: packed bf16 weights");
-  const int64_t e = w13p.size(0), F2 = w13p.size(1) * w13p.size(3), F = F2 / 2;
-  TORCH_CHECK(w13p.size(2) == D && w2p.size(1) * w2p.size(3) == D && w2p.size(2) == F, "moe: weight shapes");
+  const int64_t e = w13p.size(0), F2 = w13p.size(1) * TILE_N, F = F2 / 2;
+  TORCH_CHECK(w13p.size(2) * 2 == D && w2p.size(1) * TILE_N == D && w2p.size(2) * 2 == F, "moe: weight shapes");
+  TORCH_CHECK(amx_ready(), "moe: this process may not use AMX tiles");
   TORCH_CHECK(K <= MAX_K && F % fVec::size() == 0, "moe: K <= 64 and F a multiple of 16");
   const int64_t* id = local_ids.data_ptr<int64_t>();
   const float* wt = topk_w.data_ptr<float>();
@@ -108,11 +178,11 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor w13p, torch::Tensor w2p, torch:
     BFloat16* h = scratch(h_buf, BLOCK_M * F);
     float* c1 = scratch(c1_buf, BLOCK_M * F2);
     float* xf = scratch(xf_buf, D);
+    tiles_on();
     for (int64_t t = begin; t < end; ++t) {
       const int64_t ex = tasks[t].first, r0 = tasks[t].second;
       const int64_t m = std::min(BLOCK_M, start[ex + 1] - r0);
-      // AMX tiles hold 16 rows: a short block is padded to 16 or 32 rows (their results never read), so
-      // every call of a GEMM uses one of two kernels and the tile configuration is not reloaded per size.
+      // A tile holds 16 rows: a short block is padded to 16 or 32 (the padding's results never read).
       const int64_t mp = std::min(BLOCK_M, (m + 15) / 16 * 16);
       for (int64_t r = 0; r < m; ++r) {
         const int64_t s = order[r0 + r];
@@ -137,7 +207,7 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor w13p, torch::Tensor w2p, torch:
       }
       gemm(mp, D, F, h, W2 + ex * F * D, Y + t * BLOCK_M * D, D);
     }
-    cpublas::brgemm_release();
+    tiles_off();
   });
   auto out = torch::empty({T, D}, x.options());
   BFloat16* O = out.data_ptr<BFloat16>();
@@ -165,7 +235,7 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor w13p, torch::Tensor w2p, torch:
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("could_pack", &could_pack, "whether torch's brgemm packs bf16 on this CPU (AMX)");
-  m.def("pack_weights", &pack_weights, "weights [e, N, Kd] to brgemm's VNNI blocks");
+  m.def("amx_ready", &amx_ready, "whether this process may use AMX tiles (asks the kernel once)");
+  m.def("pack_weights", &pack_weights, "weights [e, N, Kd] to the tile kernel's B layout");
   m.def("moe", &moe, "the MoE call");
 }
