@@ -146,9 +146,11 @@ def cpu_moe(
     assert hidden_TD.shape == (T, D), "hidden (T, D)"
     assert w2_eDF.shape == (e, D, F2 // 2), "w13 (e, 2F, D), w2 (e, D, F)"
     assert topk_ids_TK.shape == (T, K) and topk_weights_TK.shape == (T, K), "topk shapes must be (T, K)"
-    local_TK = topk_ids_TK.long()
+    local_TK = topk_ids_TK  # int32 or int64 taken as it is (one torch op fewer a call)
+    if local_TK.dtype not in (torch.int32, torch.int64):
+        local_TK = local_TK.long()
     if expert_map_E is not None:  # global -> local ids; -1: a slot of another rank, dropped
-        local_TK = expert_map_E.long()[local_TK]
+        local_TK = expert_map_E.long()[local_TK.long()]
     CALLS["compiled"] += 1
     return _module().moe(
         hidden_TD.contiguous(), _packed(w13_eFD), _packed(w2_eDF), topk_weights_TK.float().contiguous(),

@@ -37,7 +37,8 @@ def needs_kernel(test):
 
 
 # (T, E, K, D, F): the embedded default's canary (E 8, D 256, F 128) and at TP2 (F 64), the tiny random
-# Qwen3-MoE (D 128, F 64) and at TP2 (F 32), a wider one, K = 4, and the block edges (32 rows a task).
+# Qwen3-MoE (D 128, F 64) and at TP2 (F 32), a wider one, K = 4, and the block edges (64 rows a task, in
+# tiles of 16: experts of ~50 and ~250 rows end on a 3- or 4-tile block).
 SHAPES = [
     (1, 8, 2, 256, 128),
     (33, 8, 2, 256, 64),
@@ -46,6 +47,8 @@ SHAPES = [
     (300, 16, 2, 256, 256),
     (77, 16, 4, 128, 32),
     (512, 8, 2, 256, 128),
+    (200, 8, 2, 256, 128),
+    (1000, 8, 2, 128, 64),
 ]
 
 
@@ -63,6 +66,17 @@ def test_the_compiled_kernel_builds_and_runs_here():
     # build behind passing tests, so it fails here instead.
     runs, why = implementation()
     assert runs, why
+
+
+@needs_kernel
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int16])
+def test_router_ids_of_other_integer_types_give_the_same_bits(ids_dtype):
+    # The router's int32 ids go to the kernel as they are; int64 is read as it is, others converted.
+    case = _case(40, 8, 2, 256, 128)
+    out = cpu_moe(*case.args())
+    ids = case.topk_ids_TK.to(ids_dtype)
+    again = cpu_moe(case.hidden_TD, case.w13_eFD, case.w2_eDF, case.topk_weights_TK, ids)
+    assert torch.equal(out.view(torch.int16), again.view(torch.int16))
 
 
 @needs_kernel

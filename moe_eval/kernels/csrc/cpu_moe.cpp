@@ -135,7 +135,8 @@ static T* scratch(std::vector<T>& v, size_t n) {
   return reinterpret_cast<T*>((address + 63) & ~uintptr_t(63));
 }
 
-// x [T, D] bf16; w13p, w2p from pack_weights; topk_w [T, K] fp32; local_ids [T, K] int64, -1: a slot
+// x [T, D] bf16; w13p, w2p from pack_weights; topk_w [T, K] fp32; local_ids [T, K] int32 or int64 (the router's
+// int32 taken as it is: no conversion op per call), -1: a slot
 // of another rank. silu_slope != 1: the deliberate bug of `--mutate silu_slope`. on_input: the router weight
 // scales x (rounded to bf16) instead of y.
 torch::Tensor moe(torch::Tensor x, torch::Tensor w13p, torch::Tensor w2p, torch::Tensor topk_w,
@@ -145,8 +146,9 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor w13p, torch::Tensor w2p, torch:
   thread_local std::vector<float> Y_buf;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "moe: x [T, D] bf16 contiguous");
   const int64_t T = x.size(0), D = x.size(1);
-  TORCH_CHECK(local_ids.dim() == 2 && local_ids.size(0) == T && local_ids.scalar_type() == at::kLong &&
-              local_ids.is_contiguous(), "moe: local ids [T, K] int64 contiguous");
+  const bool ids32 = local_ids.scalar_type() == at::kInt;
+  TORCH_CHECK(local_ids.dim() == 2 && local_ids.size(0) == T && (ids32 || local_ids.scalar_type() == at::kLong) &&
+              local_ids.is_contiguous(), "moe: local ids [T, K] int32 or int64 contiguous");
   const int64_t K = local_ids.size(1), S = T * K;
   TORCH_CHECK(topk_w.scalar_type() == at::kFloat && topk_w.is_contiguous() && topk_w.numel() == S,
               "moe: topk weights [T, K] fp32 contiguous");
@@ -155,8 +157,11 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor w13p, torch::Tensor w2p, torch:
   const int64_t e = w13p.size(0), F2 = w13p.size(1) * TILE_N, F = F2 / 2;
   TORCH_CHECK(w13p.size(2) * 2 == D && w2p.size(1) * TILE_N == D && w2p.size(2) * 2 == F, "moe: weight shapes");
   TORCH_CHECK(amx_ready(), "moe: this process may not use AMX tiles");
-  TORCH_CHECK(K <= MAX_K && F % fVec::size() == 0, "moe: K <= 64 and F a multiple of 16");
-  const int64_t* id = local_ids.data_ptr<int64_t>();
+  TORCH_CHECK(K <= MAX_K, "moe: K <= 64");
+  const int32_t* id32 = ids32 ? local_ids.data_ptr<int32_t>() : nullptr;
+  const int64_t* id64 = ids32 ? nullptr : local_ids.data_ptr<int64_t>();
+  std::vector<int64_t> id(S);
+  for (int64_t s = 0; s < S; ++s) id[s] = ids32 ? id32[s] : id64[s];
   const float* wt = topk_w.data_ptr<float>();
   // counting sort by expert; within an expert, slot order (token, k)
   std::vector<int64_t> start(e + 1, 0), order(S);
