@@ -1,10 +1,10 @@
-"""The bundled MoE on the CPU: torch_moe's contract and numerics on torch's AMX micro-kernel
-(csrc/cpu_moe.cpp).
+"""The bundled MoE on the CPU: torch_moe's contract and numerics on AMX tiles (csrc/cpu_moe.cpp).
 
 torch_moe runs each expert as eager torch ops: x4-8 of vLLM's own CPU kernel on the embedded default's
 shapes. This compiled kernel does the same arithmetic (bf16 operands, fp32 sums, the GEMM2 input rounded to
-bf16, the top-k sum in fp32 in expert order, the output rounded once) in one pass over (expert, 32-row)
-blocks on torch's thread pool: x0.9-1.6 of vLLM's kernel (benchmarks/bench_cpu_moe.py, docs/kernels.md).
+bf16, the top-k sum in fp32 in expert order, the output rounded once) in one pass over (expert, 64-row)
+blocks on torch's thread pool, its GEMMs written as AMX tile instructions: x0.7-1.3 of vLLM's kernel per call
+(benchmarks/bench_cpu_moe.py, docs/kernels.md).
 Its outputs equal torch_moe's in 99.6-100 % of the elements; the rest differ in the last bit (the GEMMs'
 internal order).
 
@@ -46,6 +46,8 @@ LDFLAGS = ["-fopenmp"]
 # The calls each implementation served in this process: the call counter's stats file carries them into the
 # row's record (`bundled_kernel_calls.implementations`), so a record says what ran, not what was expected to.
 CALLS: collections.Counter[str] = collections.Counter()
+# What `implementation` says where the compiled kernel runs.
+COMPILED = "compiled AMX tile kernel (moe_eval/kernels/csrc/cpu_moe.cpp)"
 
 
 def build_dir() -> Path:
@@ -80,14 +82,14 @@ def implementation() -> tuple[bool, str]:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return False, f"torch_moe: {DISABLE_ENV}=0"
     if not torch.cpu._is_amx_tile_supported():
-        return False, "torch_moe: this CPU has no AMX tiles (the compiled kernel runs on oneDNN's AMX brgemm)"
+        return False, "torch_moe: this CPU has no AMX tiles (the compiled kernel's GEMMs are tile code)"
     try:
         module = _module()
     except Exception as exc:  # noqa: BLE001  a missing compiler or ninja: any build failure means torch_moe
         return False, f"torch_moe: the compiled kernel did not build ({type(exc).__name__}: {str(exc)[:300]})"
     if not module.amx_ready():
         return False, "torch_moe: the OS refused this process AMX tile data (arch_prctl XCOMP_PERM)"
-    return True, "compiled AMX tile kernel (moe_eval/kernels/csrc/cpu_moe.cpp)"
+    return True, COMPILED
 
 
 def fits(device_type: str, dtype: torch.dtype, D: int, F2: int, K: int) -> bool:

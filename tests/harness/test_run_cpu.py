@@ -18,6 +18,7 @@ import jsonschema
 import pytest
 import torch
 
+from moe_eval.kernels import cpu_moe
 from tests.conftest import (
     SUBTLE_MUTATION,
     processes_with_env,
@@ -144,7 +145,7 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         # its reason: what the log line expected at loading, and what each call counted.
         served_by = {line["implementation"] for line in record["bundled_kernel_logged"]}
         if torch.cpu._is_amx_tile_supported():
-            assert served_by == {"compiled AMX brgemm kernel (moe_eval/kernels/csrc/cpu_moe.cpp)"}
+            assert served_by == {cpu_moe.COMPILED}
             served = calls["implementations"]  # one snapshot: a call may sit between its count and its kernel
             assert served.keys() == {"compiled"} and served["compiled"] >= calls["python_calls"] - 1, served
         else:

@@ -7,9 +7,10 @@
 // call gives the same bits, and a token's result depends on its own routing only, not on its batch.
 //
 // The GEMMs are AMX tile instructions written here, one tile configuration for the whole call: torch's
-// brgemm (oneDNN) served 64 output columns a call, and its per-call kernel lookup and tile reconfiguration
-// cost as much as the arithmetic at these sizes. Each output element sums its products in ascending steps of
-// 32 in one fp32 tile, as oneDNN's brgemm does: the same bits (tested against torch_moe).
+// brgemm (oneDNN) took 64 output columns a call, and its per-call kernel lookup and tile reconfiguration cost
+// as much as the arithmetic at these sizes. Each weight tile (from L2) serves the task's four row tiles
+// before the next is loaded, and the one after is prefetched. Each output element sums its products in
+// ascending steps of 32 in one fp32 tile, as oneDNN's brgemm did: the same bits (tested against torch_moe).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -29,9 +30,7 @@ constexpr int64_t BLOCK_M = 64;  // rows a task: four tiles of 16
 constexpr int64_t TILE_N = 16;   // output columns a C tile (16 fp32 = 64 bytes a row)
 constexpr int64_t TILE_K = 32;   // products a tile step sums (16 bf16 pairs = 64 bytes a row)
 constexpr int64_t MAX_K = 64;
-#ifndef PREFETCH_K
-#define PREFETCH_K 64
-#endif
+constexpr int64_t PREFETCH_K = 64;  // how far ahead along Kd the weights are prefetched (32: slower, 128: same)
 
 // Linux hands AMX tile data to a process only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA); a
 // tile instruction without it is SIGILL. Asked once; false where the kernel refuses (then torch_moe serves).
