@@ -20,12 +20,15 @@ T tokens, D hidden, F intermediate per rank, E experts (global), e local experts
 from __future__ import annotations
 
 import collections
+import contextlib
+import fcntl
 import functools
 import os
 import shutil
 import sys
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +69,34 @@ def _module() -> Any:
     if shutil.which("ninja") is None:  # pip's ninja (the cpu extra) sits beside this Python, maybe off PATH
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     t0 = time.perf_counter()
-    module = load(
-        "moe_eval_cpu_moe", [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-        build_directory=str(directory), verbose=False,
-    )  # fmt: skip
+    with _builder_lock(directory):
+        module = load(
+            "moe_eval_cpu_moe", [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+            build_directory=str(directory), verbose=False,
+        )  # fmt: skip
     seconds = time.perf_counter() - t0
     if seconds > 2:  # a build, not a load: say so, it delays the server's start
         print(f"moe-eval: built the CPU MoE kernel in {seconds:.0f} s into {directory}", file=sys.stderr)
     return module
+
+
+@contextlib.contextmanager
+def _builder_lock(directory: Path) -> Iterator[None]:
+    """One builder at a time (a TEP server's ranks load at once), under a lock the OS drops with its holder.
+
+    torch's own lock is a file (`lock`) that a killed build leaves behind, and torch waits for it to vanish
+    with no end: a cancelled install.sh would hang every later server at weight loading. Holding this lock,
+    no other build of ours runs, so a `lock` file found here is such a leftover and is removed."""
+    with open(directory / "moe-eval-builder.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        leftover = directory / "lock"
+        if leftover.exists():
+            print(f"moe-eval: removed {leftover}, left by a build that did not finish", file=sys.stderr)
+            leftover.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 @functools.cache

@@ -8,6 +8,7 @@ T tokens, D hidden, F intermediate per rank, E experts (global), e local experts
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -218,3 +219,26 @@ def test_bf16_router_weights_as_torch_moe():
     case = _case(40, 8, 2, 256, 128, seed=11)
     bf16 = dataclasses.replace(case, topk_weights_TK=case.topk_weights_TK.bfloat16())
     assert _same_share(cpu_moe(*bf16.args()), torch_moe(*bf16.args())) >= 0.99
+
+
+@needs_kernel
+def test_a_build_killed_midway_does_not_hang_the_next_load(tmp_path):
+    """A killed build leaves torch's `lock` file behind, and torch waits on it without end: the next server
+    would hang at weight loading. The builder's own lock (dropped by the OS with its holder) tells such a
+    leftover from a live build, and it is removed."""
+    import shutil
+    import subprocess
+    import sys
+
+    build = tmp_path / "build"
+    shutil.copytree(cpu_moe_module.build_dir(), build)  # the built kernel, its times kept
+    (build / "lock").write_text("")  # what a build killed midway leaves
+    env = {**os.environ, cpu_moe_module.BUILD_DIR_ENV: str(build)}
+    loaded = subprocess.run(
+        [sys.executable, "-c", "from moe_eval.kernels.cpu_moe import implementation as i; print(i())"],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert "(True, 'compiled AMX tile kernel" in loaded.stdout, loaded.stdout + loaded.stderr[-2000:]
+    assert "left by a build that did not finish" in loaded.stderr
+    assert not (build / "lock").exists()
