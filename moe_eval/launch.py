@@ -216,18 +216,39 @@ def allowlisted_env(env: dict[str, str]) -> dict[str, str]:
 
 
 _ERROR_LINE = re.compile(r"\b\w*(Error|Exception|Unavailable)\b: .+")
+# A log record below ERROR (vLLM's "(APIServer pid=1) WARNING 12-06 23:10:58 [...]"): it may quote an error
+# it merely warns of ("... can cause fd limit errors like `OSError: [Errno 24] Too many open files`").
+_NOT_AN_ERROR = re.compile(r"\b(DEBUG|INFO|WARNING)\b \d\d-\d\d \d\d:\d\d:\d\d ")
+# A process that crashed says so in no exception line: vLLM's segfault handler, Python's fatal error, and the
+# executor's word on a worker killed by a signal.
+_CRASH_LINE = re.compile(r"Segfault encountered|Fatal Python error: .+|Worker proc \S+ died unexpectedly.*")
+# The native frame that crashed: the first frame under the handler's line outside libc's signal code.
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.*)')
 
 
 def log_errors(path: Path, limit: int = 3) -> list[str]:
-    """The first distinct exception lines of a log: the cause, which the tail often buries under
-    the shutdown noise of the other processes."""
+    """The first distinct exception and crash lines of a log: the cause, which the tail often buries under
+    the shutdown noise of the other processes. A segfault is named with the frame it happened in."""
     found: list[str] = []
+    segfault = False
     try:
         with path.open(errors="replace") as fh:
             for line in fh:
-                match = _ERROR_LINE.search(line)
-                if match and match.group(0) not in found:
-                    found.append(match.group(0).strip())
+                if segfault and (frame := _FRAME.search(line)) and "sysdeps" not in frame["file"]:
+                    where = f"{frame['file']} line {frame['line']}"
+                    cause = f"Segfault in {where} ({frame['func'].strip()[:120]})"
+                    segfault = False
+                elif crash := _CRASH_LINE.search(line):
+                    segfault = crash.group(0) == "Segfault encountered"
+                    if segfault:
+                        continue
+                    cause = crash.group(0).strip()
+                elif (match := _ERROR_LINE.search(line)) and not _NOT_AN_ERROR.search(line):
+                    cause = match.group(0).strip()
+                else:
+                    continue
+                if cause not in found:
+                    found.append(cause)
                     if len(found) == limit:
                         break
     except FileNotFoundError:

@@ -149,3 +149,32 @@ def test_log_errors_surface_the_cause_before_the_shutdown_noise(tmp_path):
     text = describe_log(log)
     assert text.index("MoeBackendUnavailable: requested MoE backend 'triton'") < text.index("last lines")
     assert "RuntimeError: Engine core initialization failed." in text.split("last lines")[0]
+
+
+def test_log_errors_name_a_segfault_by_its_frame_and_skip_errors_a_warning_only_quotes(tmp_path):
+    """vLLM 0.32's CPU MoE kernel segfaulting under expert parallelism (seen here, 2026-12-06): the worker
+    dies by SIGSEGV with no exception line, and a start-up WARNING quotes `OSError: ... Too many open files`.
+    The cause named must be the crash and its frame, not the warning."""
+    from moe_eval.launch import describe_log
+
+    log = tmp_path / "server.log"
+    log.write_text(
+        "(APIServer pid=1) WARNING 12-06 23:10:58 [system_utils.py:255] Found ulimit of 20000 and failed to "
+        "automatically increase with error current limit exceeds maximum limit. This can cause fd limit "
+        "errors like `OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n\n"
+        'INFO:     127.0.0.1:34522 - "GET /health HTTP/1.1" 200 OK\n'
+        "!!!!!!! Segfault encountered !!!!!!!\n"
+        '  File "./signal/../sysdeps/unix/sysv/linux/x86_64/libc_sigaction.c", line 0, in 0x7f0a3da5a04f\n'
+        '  File "/tmp/vllm/csrc/cpu/cpu_fused_moe.cpp", line 242, in fused_moe_impl<c10::BFloat16>\n'
+        '  File "/tmp/vllm/csrc/cpu/cpu_fused_moe.cpp", line 709, in operator()\n'
+        "(EngineCore pid=2) ERROR 12-06 23:11:31 [multiproc_executor.py:315] Worker proc VllmWorker-0 died "
+        "unexpectedly (exit code: -11), shutting down executor.\n"
+        + "".join(f"INFO shutdown noise {i}\n" for i in range(100))
+        + "(EngineCore pid=2) ERROR 12-06 23:11:31 [core.py:1512] RuntimeError: cancelled\n"
+    )
+    causes = describe_log(log).split("last lines")[0].splitlines()[1:]
+    assert causes == [
+        "  Segfault in /tmp/vllm/csrc/cpu/cpu_fused_moe.cpp line 242 (fused_moe_impl<c10::BFloat16>)",
+        "  Worker proc VllmWorker-0 died unexpectedly (exit code: -11), shutting down executor.",
+        "  RuntimeError: cancelled",
+    ]
