@@ -192,6 +192,26 @@ def test_disabled_by_the_environment_says_so(monkeypatch):
         implementation.cache_clear()
 
 
+@pytest.mark.parametrize("refused", ["no AMX CPU", "the OS refuses tile data"])
+def test_where_the_tiles_are_not_ours_torch_moe_serves_and_says_why(monkeypatch, refused):
+    # A tile instruction there would be SIGILL: the kernel must never be called.
+    if refused == "no AMX CPU":
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        expected = "torch_moe: this CPU has no AMX tiles"
+    else:
+        refusing = type("Refusing", (), {"amx_ready": staticmethod(lambda: False)})
+        monkeypatch.setattr(cpu_moe_module, "_module", lambda: refusing)
+        expected = "torch_moe: the OS refused this process AMX tile data"
+    implementation.cache_clear()
+    try:
+        runs, why = implementation()
+        assert not runs and why.startswith(expected), why
+        case = _case(9, 8, 2, 256, 128)
+        assert torch.equal(cpu_moe(*case.args()), torch_moe(*case.args()))
+    finally:
+        implementation.cache_clear()
+
+
 @needs_kernel
 def test_per_call_weight_copies_under_inference_mode():
     # vLLM runs the forward under inference_mode: the copies extra_weight_copy and bf16_down_accumulation make
