@@ -221,36 +221,49 @@ _ERROR_LINE = re.compile(r"\b\w*(Error|Exception|Unavailable)\b: .+")
 _NOT_AN_ERROR = re.compile(r"\b(DEBUG|INFO|WARNING)\b \d\d-\d\d \d\d:\d\d:\d\d ")
 # A process that crashed says so in no exception line: vLLM's segfault handler, Python's fatal error, and the
 # executor's word on a worker killed by a signal.
-_CRASH_LINE = re.compile(r"Segfault encountered|Fatal Python error: .+|Worker proc \S+ died unexpectedly.*")
-# The native frame that crashed: the first frame under the handler's line outside libc's signal code.
+_SEGFAULT = "Segfault encountered"
+_CRASH_LINE = re.compile(r"Fatal Python error: .+|Worker proc \S+ died unexpectedly.*")
+# The native frame that crashed: within a few lines under the handler's, the first outside libc's signals.
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.*)')
+_FRAME_WITHIN = 4
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def log_errors(path: Path, limit: int = 3) -> list[str]:
     """The first distinct exception and crash lines of a log: the cause, which the tail often buries under
-    the shutdown noise of the other processes. A segfault is named with the frame it happened in."""
+    the shutdown noise of the other processes. A segfault is named with the frame it happened in, where the
+    handler's next lines give one."""
     found: list[str] = []
-    segfault = False
+    segfault_at = -1  # index in `found` of a segfault still waiting for its frame
+    lines_since_segfault = 0
     try:
         with path.open(errors="replace") as fh:
-            for line in fh:
-                if segfault and (frame := _FRAME.search(line)) and "sysdeps" not in frame["file"]:
-                    where = f"{frame['file']} line {frame['line']}"
-                    cause = f"Segfault in {where} ({frame['func'].strip()[:120]})"
-                    segfault = False
-                elif crash := _CRASH_LINE.search(line):
-                    segfault = crash.group(0) == "Segfault encountered"
-                    if segfault:
+            for raw in fh:
+                line = _COLOUR.sub("", raw)
+                if segfault_at >= 0:
+                    lines_since_segfault += 1
+                    frame = _FRAME.search(line)
+                    if frame and "sysdeps" not in frame["file"]:
+                        where = f"{frame['file']} line {frame['line']} ({frame['func'].strip()[:120]})"
+                        found[segfault_at] = f"Segfault in {where}"
+                        segfault_at = -1
                         continue
+                    if lines_since_segfault >= _FRAME_WITHIN:
+                        segfault_at = -1
+                if _SEGFAULT in line:
+                    cause = "Segfault (no native frame logged)"
+                elif crash := _CRASH_LINE.search(line):
                     cause = crash.group(0).strip()
                 elif (match := _ERROR_LINE.search(line)) and not _NOT_AN_ERROR.search(line):
                     cause = match.group(0).strip()
                 else:
                     continue
-                if cause not in found:
+                if cause not in found and len(found) < limit:
                     found.append(cause)
-                    if len(found) == limit:
-                        break
+                    if _SEGFAULT in line:
+                        segfault_at, lines_since_segfault = len(found) - 1, 0
+                if len(found) == limit and segfault_at < 0:
+                    break
     except FileNotFoundError:
         pass
     return found

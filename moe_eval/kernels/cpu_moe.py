@@ -80,19 +80,29 @@ def _module() -> Any:
     return module
 
 
+# A build takes 20-40 s here. torch's lock file younger than this may belong to a live build outside our lock.
+LIVE_BUILD_SECONDS = 180
+
+
 @contextlib.contextmanager
 def _builder_lock(directory: Path) -> Iterator[None]:
     """One builder at a time (a TEP server's ranks load at once), under a lock the OS drops with its holder.
 
     torch's own lock is a file (`lock`) that a killed build leaves behind, and torch waits for it to vanish
     with no end: a cancelled install.sh would hang every later server at weight loading. Holding this lock,
-    no other build of ours runs, so a `lock` file found here is such a leftover and is removed."""
+    no build of ours runs. A `lock` file is still waited on while it is younger than LIVE_BUILD_SECONDS (a
+    build outside our lock: an older checkout sharing the environment, or a ninja orphaned by a SIGKILL to its
+    Python alone); older, it is a leftover and is removed."""
     with open(directory / "moe-eval-builder.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         leftover = directory / "lock"
-        if leftover.exists():
+        try:
+            while (age := time.time() - leftover.stat().st_mtime) < LIVE_BUILD_SECONDS:
+                time.sleep(min(1.0, LIVE_BUILD_SECONDS - age))
             print(f"moe-eval: removed {leftover}, left by a build that did not finish", file=sys.stderr)
             leftover.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass  # no lock, or the live build ended
         try:
             yield
         finally:

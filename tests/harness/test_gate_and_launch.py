@@ -178,3 +178,30 @@ def test_log_errors_name_a_segfault_by_its_frame_and_skip_errors_a_warning_only_
         "  Worker proc VllmWorker-0 died unexpectedly (exit code: -11), shutting down executor.",
         "  RuntimeError: cancelled",
     ]
+
+
+@pytest.mark.parametrize(
+    ("between", "named"),
+    [
+        # the engine's traceback (Python frames) comes after the handler's few lines: not the crash site
+        (
+            ["(EngineCore pid=2) ERROR 12-06 23:11:31 [core.py:1512] Traceback (most recent call last):"] * 4
+            + ['  File "/venv/vllm/v1/engine/core.py", line 691, in run_engine_core'],
+            "Segfault (no native frame logged)",
+        ),
+        # another process's crash line between the handler and its frame: both named, the frame kept
+        (
+            ["(EngineCore pid=2) ERROR Worker proc VllmWorker-1 died unexpectedly (exit code: -11)"]
+            + ['  File "/tmp/vllm/csrc/cpu/cpu_fused_moe.cpp", line 242, in fused_moe_impl'],
+            "Segfault in /tmp/vllm/csrc/cpu/cpu_fused_moe.cpp line 242 (fused_moe_impl)",
+        ),
+    ],
+)
+def test_a_segfault_takes_its_frame_only_from_the_lines_right_under_it(tmp_path, between, named):
+    from moe_eval.launch import log_errors
+
+    log = tmp_path / "server.log"
+    log.write_text("\x1b[33m!!!!!!! Segfault encountered !!!!!!!\x1b[0m\n" + "\n".join(between) + "\n")
+    causes = log_errors(log)
+    assert causes[0] == named
+    assert not any("core.py" in c for c in causes)

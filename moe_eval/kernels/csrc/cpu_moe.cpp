@@ -9,8 +9,9 @@
 // The GEMMs are AMX tile instructions written here, one tile configuration for the whole call: torch's
 // brgemm (oneDNN) took 64 output columns a call, and its per-call kernel lookup and tile reconfiguration cost
 // as much as the arithmetic at these sizes. Each weight tile (from L2) serves the task's four row tiles
-// before the next is loaded, and the one after is prefetched. Each output element sums its products in
-// ascending steps of 32 in one fp32 tile, as oneDNN's brgemm did: the same bits (tested against torch_moe).
+// before the next is loaded, and the one two steps ahead is prefetched. Each output element sums its
+// products in ascending steps of 32 in one fp32 tile, as oneDNN's brgemm did: the same bits (tested against
+// torch_moe).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -199,7 +200,7 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor w13p, torch::Tensor w2p, torch:
     for (int64_t t = begin; t < end; ++t) {
       const int64_t ex = tasks[t].first, r0 = tasks[t].second;
       const int64_t m = std::min(BLOCK_M, start[ex + 1] - r0);
-      // A tile holds 16 rows: a short block is padded to 16 or 32 (the padding's results never read).
+      // A tile holds 16 rows: a block is padded to 16, 32, 48 or 64 (the padding's results never read).
       const int64_t mp = (m + 15) / 16 * 16;
       for (int64_t r = 0; r < m; ++r) {
         const int64_t s = order[r0 + r];
