@@ -80,7 +80,8 @@ def _module() -> Any:
     return module
 
 
-# A build takes 20-40 s here. torch's lock file younger than this may belong to a live build outside our lock.
+# A build takes 20-40 s here: torch's lock file younger than this, with a process working in the build folder,
+# may be a live build outside our lock.
 LIVE_BUILD_SECONDS = 180
 
 
@@ -88,17 +89,20 @@ LIVE_BUILD_SECONDS = 180
 def _builder_lock(directory: Path) -> Iterator[None]:
     """One builder at a time (a TEP server's ranks load at once), under a lock the OS drops with its holder.
 
-    torch's own lock is a file (`lock`) that a killed build leaves behind, and torch waits for it to vanish
-    with no end: a cancelled install.sh would hang every later server at weight loading. Holding this lock,
-    no build of ours runs. A `lock` file is still waited on while it is younger than LIVE_BUILD_SECONDS (a
-    build outside our lock: an older checkout sharing the environment, or a ninja orphaned by a SIGKILL to its
-    Python alone); older, it is a leftover and is removed."""
+    torch's own lock is a file (`lock`) that a killed build leaves behind (SIGTERM from a cancelled CI job, or
+    SIGKILL), and torch waits for it to vanish with no end: every later server would hang at weight loading.
+    Holding this lock, no build of ours runs; a `lock` file is still waited on while some process works in the
+    build folder (torch runs ninja there; a build outside our lock: an older checkout sharing the environment,
+    or a ninja orphaned by a SIGKILL to its Python alone), for at most LIVE_BUILD_SECONDS of the file's age.
+    Otherwise it is a leftover, and is removed."""
     with open(directory / "moe-eval-builder.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         leftover = directory / "lock"
         try:
-            while (age := time.time() - leftover.stat().st_mtime) < LIVE_BUILD_SECONDS:
-                time.sleep(min(1.0, LIVE_BUILD_SECONDS - age))
+            quiet = 0  # consecutive seconds with no process in the folder (torch's own steps around ninja)
+            while quiet < 2 and time.time() - leftover.stat().st_mtime < LIVE_BUILD_SECONDS:
+                quiet = 0 if _working_in(directory) else quiet + 1
+                time.sleep(1.0)
             print(f"moe-eval: removed {leftover}, left by a build that did not finish", file=sys.stderr)
             leftover.unlink(missing_ok=True)
         except FileNotFoundError:
@@ -107,6 +111,18 @@ def _builder_lock(directory: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(held, fcntl.LOCK_UN)
+
+
+def _working_in(directory: Path) -> bool:
+    """Whether any process (ninja, the compiler) has the folder as its working directory (Linux /proc)."""
+    target = str(directory.resolve())
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        try:
+            if os.readlink(cwd) == target:
+                return True
+        except OSError:  # gone, or not ours to read
+            continue
+    return False
 
 
 @functools.cache

@@ -272,9 +272,11 @@ def test_a_build_killed_midway_does_not_hang_the_next_load(tmp_path):
 
 
 @needs_kernel
-def test_a_young_lock_file_is_waited_on_not_removed(tmp_path):
-    """torch's lock, younger than a build takes, may be a live build outside our lock (an older checkout
-    sharing the environment, or ninja orphaned by a SIGKILL to its Python alone): waited on until it goes."""
+@pytest.mark.parametrize("live", [True, False])
+def test_a_young_lock_file_is_waited_on_while_a_build_works_and_removed_when_none_does(tmp_path, live):
+    """torch's lock with a process working in the build folder (torch runs ninja there) may be a live build
+    outside our lock (an older checkout sharing the environment, or ninja orphaned by a SIGKILL to its Python
+    alone): waited on until it goes. With none, it is a leftover however young, and removed at once."""
     import shutil
     import subprocess
     import sys
@@ -284,15 +286,25 @@ def test_a_young_lock_file_is_waited_on_not_removed(tmp_path):
     shutil.copytree(cpu_moe_module.build_dir(), build)
     lock = build / "lock"
     lock.write_text("")
+    builder = subprocess.Popen(["sleep", "60"], cwd=build) if live else None  # as a live build's ninja
     env = {**os.environ, cpu_moe_module.BUILD_DIR_ENV: str(build)}
     started = time.monotonic()
     loading = subprocess.Popen(
         [sys.executable, "-c", "from moe_eval.kernels.cpu_moe import implementation as i; print(i())"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    time.sleep(4)
-    assert loading.poll() is None  # still waiting on the live build's lock
-    lock.unlink()  # the live build ends
-    out, err = loading.communicate(timeout=300)
+    try:
+        if builder is not None:
+            time.sleep(6)
+            assert loading.poll() is None and lock.exists()  # still waiting on the live build
+            lock.unlink()  # the live build ends
+        out, err = loading.communicate(timeout=300)
+    finally:
+        if builder is not None:
+            builder.kill()
+        loading.kill()
     assert loading.returncode == 0 and "(True, 'compiled AMX tile kernel" in out, out + err[-2000:]
-    assert "did not finish" not in err and time.monotonic() - started >= 4
+    if live:
+        assert "did not finish" not in err and time.monotonic() - started >= 6
+    else:
+        assert "left by a build that did not finish" in err and time.monotonic() - started < 60
