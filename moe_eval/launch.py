@@ -250,7 +250,8 @@ def log_errors(path: Path, limit: int = 3) -> list[str]:
                         continue
                     if lines_since_segfault >= _FRAME_WITHIN:
                         segfault_at = -1
-                if _SEGFAULT in line:
+                segfault = _SEGFAULT in line
+                if segfault:
                     cause = "Segfault (no native frame logged)"
                 elif crash := _CRASH_LINE.search(line):
                     cause = crash.group(0).strip()
@@ -260,7 +261,7 @@ def log_errors(path: Path, limit: int = 3) -> list[str]:
                     continue
                 if cause not in found and len(found) < limit:
                     found.append(cause)
-                    if _SEGFAULT in line:
+                    if segfault:
                         segfault_at, lines_since_segfault = len(found) - 1, 0
                 if len(found) == limit and segfault_at < 0:
                     break

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -244,31 +247,34 @@ def test_bf16_router_weights_as_torch_moe():
     assert _same_share(cpu_moe(*bf16.args()), torch_moe(*bf16.args())) >= 0.99
 
 
+def _copied_build_with_torch_lock(tmp_path):
+    """A copy of the built kernel (its times kept: loaded, not rebuilt) holding torch's `lock` file, and the
+    environment that makes a fresh process load from it."""
+    assert implementation()[0]  # built (install.sh builds it; alone, a test builds it here)
+    build = tmp_path / "build"
+    shutil.copytree(cpu_moe_module.build_dir(), build)
+    lock = build / "lock"
+    lock.write_text("")
+    return lock, {**os.environ, cpu_moe_module.BUILD_DIR_ENV: str(build)}
+
+
+LOAD = [sys.executable, "-c", "from moe_eval.kernels.cpu_moe import implementation as i; print(i())"]
+LOADED = f"(True, {cpu_moe_module.COMPILED!r})"
+
+
 @needs_kernel
 def test_a_build_killed_midway_does_not_hang_the_next_load(tmp_path):
     """A killed build leaves torch's `lock` file behind, and torch waits on it without end: the next server
     would hang at weight loading. The builder's own lock (dropped by the OS with its holder) tells such a
     leftover from a live build, and it is removed."""
-    import shutil
-    import subprocess
-    import sys
-
-    assert implementation()[0]  # built (install.sh builds it; alone, this test builds it here)
-    build = tmp_path / "build"
-    shutil.copytree(cpu_moe_module.build_dir(), build)  # the built kernel, its times kept
-    lock = build / "lock"
-    lock.write_text("")  # what a build killed midway leaves
+    lock, env = _copied_build_with_torch_lock(tmp_path)  # what a build killed midway leaves
     stale = time.time() - cpu_moe_module.LIVE_BUILD_SECONDS - 1
     os.utime(lock, (stale, stale))
-    env = {**os.environ, cpu_moe_module.BUILD_DIR_ENV: str(build)}
-    loaded = subprocess.run(
-        [sys.executable, "-c", "from moe_eval.kernels.cpu_moe import implementation as i; print(i())"],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    loaded = subprocess.run(LOAD, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert loaded.returncode == 0, loaded.stderr[-2000:]
-    assert "(True, 'compiled AMX tile kernel" in loaded.stdout, loaded.stdout + loaded.stderr[-2000:]
+    assert LOADED in loaded.stdout, loaded.stdout + loaded.stderr[-2000:]
     assert "left by a build that did not finish" in loaded.stderr
-    assert not (build / "lock").exists()
+    assert not lock.exists()
 
 
 @needs_kernel
@@ -277,22 +283,10 @@ def test_a_young_lock_file_is_waited_on_while_a_build_works_and_removed_when_non
     """torch's lock with a process working in the build folder (torch runs ninja there) may be a live build
     outside our lock (an older checkout sharing the environment, or ninja orphaned by a SIGKILL to its Python
     alone): waited on until it goes. With none, it is a leftover however young, and removed at once."""
-    import shutil
-    import subprocess
-    import sys
-
-    assert implementation()[0]
-    build = tmp_path / "build"
-    shutil.copytree(cpu_moe_module.build_dir(), build)
-    lock = build / "lock"
-    lock.write_text("")
-    builder = subprocess.Popen(["sleep", "60"], cwd=build) if live else None  # as a live build's ninja
-    env = {**os.environ, cpu_moe_module.BUILD_DIR_ENV: str(build)}
+    lock, env = _copied_build_with_torch_lock(tmp_path)
+    builder = subprocess.Popen(["sleep", "60"], cwd=lock.parent) if live else None  # as a live build's ninja
     started = time.monotonic()
-    loading = subprocess.Popen(
-        [sys.executable, "-c", "from moe_eval.kernels.cpu_moe import implementation as i; print(i())"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    loading = subprocess.Popen(LOAD, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if builder is not None:
             time.sleep(6)
@@ -303,7 +297,7 @@ def test_a_young_lock_file_is_waited_on_while_a_build_works_and_removed_when_non
         if builder is not None:
             builder.kill()
         loading.kill()
-    assert loading.returncode == 0 and "(True, 'compiled AMX tile kernel" in out, out + err[-2000:]
+    assert loading.returncode == 0 and LOADED in out, out + err[-2000:]
     if live:
         assert "did not finish" not in err and time.monotonic() - started >= 6
     else:

@@ -135,10 +135,9 @@ static T* scratch(std::vector<T>& v, size_t n) {
   return reinterpret_cast<T*>((address + 63) & ~uintptr_t(63));
 }
 
-// x [T, D] bf16; w13p, w2p from pack_weights; topk_w [T, K] fp32; local_ids [T, K] int32 or int64 (the router's
-// int32 taken as it is: no conversion op per call), -1: a slot
-// of another rank. silu_slope != 1: the deliberate bug of `--mutate silu_slope`. on_input: the router weight
-// scales x (rounded to bf16) instead of y.
+// x [T, D] bf16; w13p, w2p from pack_weights; topk_w [T, K] fp32; local_ids [T, K] int32 (the router's, taken as
+// it is: no conversion op per call) or int64, -1: a slot of another rank. silu_slope != 1: the deliberate bug of
+// `--mutate silu_slope`. on_input: the router weight scales x (rounded to bf16) instead of y.
 torch::Tensor moe(torch::Tensor x, torch::Tensor w13p, torch::Tensor w2p, torch::Tensor topk_w,
                   torch::Tensor local_ids, double silu_slope, bool on_input) {
   // GEMM2's output, BLOCK_M rows a task (its padded rows are its own). Per calling thread: pybind holds the
@@ -160,20 +159,19 @@ torch::Tensor moe(torch::Tensor x, torch::Tensor w13p, torch::Tensor w2p, torch:
   TORCH_CHECK(K <= MAX_K, "moe: K <= 64");
   const int32_t* id32 = ids32 ? local_ids.data_ptr<int32_t>() : nullptr;
   const int64_t* id64 = ids32 ? nullptr : local_ids.data_ptr<int64_t>();
-  std::vector<int64_t> id(S);
-  for (int64_t s = 0; s < S; ++s) id[s] = ids32 ? id32[s] : id64[s];
+  auto id = [&](int64_t s) -> int64_t { return ids32 ? id32[s] : id64[s]; };
   const float* wt = topk_w.data_ptr<float>();
   // counting sort by expert; within an expert, slot order (token, k)
   std::vector<int64_t> start(e + 1, 0), order(S);
   for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(id[s] >= -1 && id[s] < e, "moe: local expert id ", id[s], " not in -1..", e - 1);
-    if (id[s] >= 0) start[id[s] + 1]++;
+    TORCH_CHECK(id(s) >= -1 && id(s) < e, "moe: local expert id ", id(s), " not in -1..", e - 1);
+    if (id(s) >= 0) start[id(s) + 1]++;
   }
   for (int64_t i = 0; i < e; ++i) start[i + 1] += start[i];
   {
     std::vector<int64_t> fill(start.begin(), start.end() - 1);
     for (int64_t s = 0; s < S; ++s)
-      if (id[s] >= 0) order[fill[id[s]]++] = s;
+      if (id(s) >= 0) order[fill[id(s)]++] = s;
   }
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (expert, first sorted row)
   for (int64_t i = 0; i < e; ++i)
