@@ -129,9 +129,12 @@ def summarize(rows: list[dict]) -> None:
             mc, var_c = statistics.mean(c), statistics.pvariance(c)
             cov = sum((x - mb) * (y - mc) for x, y in zip(b, c)) / len(b)
             common = cov * cov / (var_b * var_c) if var_b > 0 and var_c > 0 else float("nan")
+            # the speed gate's paired reading (gates/speed.YARDSTICK_WEIGHT): less half the control's log
+            half = statistics.pstdev([x - 0.5 * y for x, y in zip(b, c)])
             print(
                 f"  {name}: {math.exp(mc):.1f} us, log sd {math.sqrt(var_c):.4f}; r^2 {common:.2f}; "
-                f"bundled / {name} log sd {statistics.pstdev([x - y for x, y in zip(b, c)]):.4f}"
+                f"bundled / {name} log sd {statistics.pstdev([x - y for x, y in zip(b, c)]):.4f}, "
+                f"less half its log {half:.4f}"
             )
 
 

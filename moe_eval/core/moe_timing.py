@@ -25,8 +25,15 @@ from moe_eval.core.plugin_protocol import MOE_TIMING_DIR, layer_range_index, lay
 # and their products with the call's ns (0 where the timer was not given the routing).
 FIELDS = ("calls", "ns", "ns_sq", "tokens", "replayed", "replayed_ns", "experts", "experts_sq", "experts_ns")
 CALLS, NS, NS_SQ, TOKENS, REPLAYED, REPLAYED_NS, EXPERTS, EXPERTS_SQ, EXPERTS_NS = range(len(FIELDS))
+# The yardstick's calls, nanoseconds and their squares: a fixed chain of matmuls the timer runs in its own
+# bracket right after each eager call of the size (kernels/yardstick.py), so that a server's own pace can be
+# told from the kernel's (the speed gate's paired comparison). Zeros where it did not run (graph replays, the
+# CPU, a file from before it).
+YARD_FIELDS = ("yard_calls", "yard_ns", "yard_ns_sq")
+YARD_CALLS, YARD_NS, YARD_NS_SQ = range(len(FIELDS), len(FIELDS) + len(YARD_FIELDS))
+CELL_FIELDS = FIELDS + YARD_FIELDS  # a size's cell as the timer's file writes it
 
-Cell = tuple[float, ...]  # FIELDS of one size (or of a range: the sum of its sizes)
+Cell = tuple[float, ...]  # CELL_FIELDS of one size (or of a range: the sum of its sizes)
 
 
 @dataclass(frozen=True)
@@ -47,7 +54,7 @@ class ProcessTiming:
         names = layer_range_names()
         out: dict[str, list[float]] = {}
         for size, cell in self.sizes.items():
-            total = out.setdefault(names[layer_range_index(size)], [0.0] * len(FIELDS))
+            total = out.setdefault(names[layer_range_index(size)], [0.0] * len(CELL_FIELDS))
             for i, value in enumerate(cell):
                 total[i] += value
         return {name: tuple(values) for name, values in out.items()}
@@ -76,6 +83,13 @@ class SizeTiming:
         None,
         newer=True,
     )
+    yard_calls: int = described(
+        "the yardstick's calls timed beside them in the same server (0: it did not run)", 0, newer=True
+    )
+    yard_mean_us: float | None = described(
+        "the yardstick's mean, us (null: it did not run)", None, newer=True
+    )
+    yard_spread_us: float | None = described("one yardstick call's standard deviation, us", None, newer=True)
 
 
 @dataclass(frozen=True)
@@ -186,9 +200,10 @@ def read_folder(run_dir: Path) -> list[ProcessTiming]:
 
 
 def _cell(values: list[Any]) -> Cell:
-    """A file's cell as FIELDS (a file from before the routing was counted has fewer: zeros for those)."""
-    cell = [float(v) for v in values][: len(FIELDS)]
-    return tuple(cell + [0.0] * (len(FIELDS) - len(cell)))
+    """A file's cell as CELL_FIELDS (a file from before the routing was counted, or the yardstick, has fewer:
+    zeros for those)."""
+    cell = [float(v) for v in values][: len(CELL_FIELDS)]
+    return tuple(cell + [0.0] * (len(CELL_FIELDS) - len(cell)))
 
 
 def since(after: list[ProcessTiming], before: list[ProcessTiming]) -> list[ProcessTiming]:
@@ -199,10 +214,10 @@ def since(after: list[ProcessTiming], before: list[ProcessTiming]) -> list[Proce
     for process in after:
         prior = earlier.get(process.pid)
         if prior is not None:
-            blank = (0.0,) * len(FIELDS)
             sizes = {}
             for size, cell in process.sizes.items():
-                added = tuple(a - b for a, b in zip(cell, prior.sizes.get(size, blank), strict=True))
+                earlier_cell = prior.sizes.get(size, (0.0,) * len(cell))
+                added = tuple(a - b for a, b in zip(cell, earlier_cell, strict=True))
                 if added[CALLS] > 0:
                     sizes[size] = added
             timeouts = process.gate_timeouts
@@ -213,10 +228,22 @@ def since(after: list[ProcessTiming], before: list[ProcessTiming]) -> list[Proce
     return out
 
 
-def _mean_and_spread(cell: Cell) -> tuple[float, float]:
-    """One call's mean and standard deviation, ns."""
-    mean = cell[NS] / cell[CALLS]
-    return mean, math.sqrt(max(cell[NS_SQ] / cell[CALLS] - mean * mean, 0.0))
+def _mean_and_spread(cell: Cell, calls: int = CALLS, ns: int = NS, ns_sq: int = NS_SQ) -> tuple[float, float]:
+    """One call's mean and standard deviation, ns (of the yardstick's calls with its fields' indices)."""
+    mean = cell[ns] / cell[calls]
+    return mean, math.sqrt(max(cell[ns_sq] / cell[calls] - mean * mean, 0.0))
+
+
+def _yardstick(cell: Cell) -> dict[str, Any]:
+    """The yardstick's calls, mean and spread in a size's cell (us; none where it did not run)."""
+    if len(cell) <= YARD_CALLS or cell[YARD_CALLS] <= 0:  # a cell made before the yardstick has no fields
+        return {}
+    mean, spread = _mean_and_spread(cell, YARD_CALLS, YARD_NS, YARD_NS_SQ)
+    return {
+        "yard_calls": int(cell[YARD_CALLS]),
+        "yard_mean_us": round(mean / 1e3, 3),
+        "yard_spread_us": round(spread / 1e3, 3),
+    }
 
 
 def _routing_line(cell: Cell) -> dict[str, float | None]:
@@ -250,8 +277,8 @@ def _slowest_sizes(processes: list[ProcessTiming], sizes: list[int]) -> tuple[Si
         slowest = max(cells, key=lambda cell: cell[NS] / cell[CALLS])
         mean, spread = _mean_and_spread(slowest)
         calls, replayed = int(slowest[CALLS]), int(slowest[REPLAYED])
-        line = _routing_line(slowest)
-        out.append(SizeTiming(size, calls, round(mean / 1e3, 3), round(spread / 1e3, 3), replayed, **line))
+        more: dict[str, Any] = {**_routing_line(slowest), **_yardstick(slowest)}
+        out.append(SizeTiming(size, calls, round(mean / 1e3, 3), round(spread / 1e3, 3), replayed, **more))
     return tuple(out)
 
 

@@ -114,6 +114,19 @@ EAGER_SPREAD_FACTOR = 1.7
 # would be caught about half the time (power_table.py --floors; the cause, and a reference timed in the same
 # server: docs/perf.md's open items).
 GATED_PREFIX = "gated"
+# The paired comparison: where both rows timed the yardstick (kernels/yardstick.py) right after a size's eager
+# calls in the same server, at least MIN_SIZE_CALLS times each, the size's log ratio is taken less
+# YARDSTICK_WEIGHT x the yardstick's own log ratio between the two servers, and its floor is
+# BETWEEN_SERVERS_PAIRED: what moves a whole server moves the yardstick too and largely cancels. Measured
+# outside vLLM on one H100 (2026-12-07, `benchmarks/device/eager_drift_probe.py --processes 8`,
+# docs/data/speed_h100/eager-drift-probe-2.jsonl; tests/speed/test_h100_eager_drift.py re-reads it): the
+# canary's eager call at 600 / 1500 / 8192 tokens moved 0.0150 / 0.0122 / 0.0135 (log sd over 24 process x
+# buffer sets), the call less half the chain's log 0.0088 / 0.0067 / 0.0088, less all of it 0.0069 / 0.0070 /
+# 0.0147 (at 8192 the chain's own buffers move it: a weight of 1 over-corrects there; half is better at every
+# size). The weight is the probe's, not fitted per run; the floor holds the worst of the three with 12 % to
+# spare.
+YARDSTICK_WEIGHT = 0.5
+BETWEEN_SERVERS_PAIRED = 0.01
 # Where the reference ran on other cards of the same model (its results.json names other GPU UUIDs, as a
 # --baseline from an earlier CI job on another machine does): what two cards' times differ by, a log standard
 # deviation of the difference, added to every range. Measured on one pair of machines only (2026-12-06,
@@ -176,6 +189,9 @@ class RangeSpeed:
     between_servers: float | None = described(
         "the floor: a log standard deviation per server, weighted over the matched sizes", None, newer=True
     )
+    sizes_paired: int = described(
+        "matched sizes read against the yardstick timed beside them in both servers", 0, newer=True
+    )
 
 
 def _eager(size: SizeTiming) -> float:
@@ -193,9 +209,24 @@ def _relative_error(size: SizeTiming) -> float:
     return _spread(size) / math.sqrt(size.calls) / size.mean_us if size.mean_us > 0 else math.inf
 
 
+def paired(mine: SizeTiming, other: SizeTiming) -> bool:
+    """Both rows timed the yardstick beside this size's eager calls, enough to compare."""
+    return all(
+        s.yard_calls >= MIN_SIZE_CALLS and s.yard_mean_us is not None and s.yard_mean_us > 0
+        for s in (mine, other)
+    )
+
+
+def _yard_relative_error(size: SizeTiming) -> float:
+    assert size.yard_mean_us is not None and size.yard_spread_us is not None  # paired()
+    return size.yard_spread_us / math.sqrt(size.yard_calls) / size.yard_mean_us
+
+
 def compare_size(mine: SizeTiming, other: SizeTiming) -> tuple[float, float]:
     """(log ratio, its within-run variance) of one size: this row's mean at the reference's routing (its line
-    moved to the reference's mean experts, where both counted them) over the reference's mean."""
+    moved to the reference's mean experts, where both counted them) over the reference's mean; where the size
+    is paired, less YARDSTICK_WEIGHT x the yardstick's log ratio (its errors added as if independent of the
+    call's: an upper bound, since a server's pace moves both)."""
     mean = mine.mean_us
     extra = 0.0  # the slope's own error, times how far the line is moved
     if mine.slope_us is not None and other.experts is not None and mine.experts is not None:
@@ -206,7 +237,12 @@ def compare_size(mine: SizeTiming, other: SizeTiming) -> tuple[float, float]:
     if mean <= 0:
         return math.inf, math.inf
     variance = (_spread(mine) ** 2 / mine.calls + extra) / mean**2 + _relative_error(other) ** 2
-    return math.log(mean / other.mean_us), variance
+    log_ratio = math.log(mean / other.mean_us)
+    if paired(mine, other):
+        assert mine.yard_mean_us is not None and other.yard_mean_us is not None
+        log_ratio -= YARDSTICK_WEIGHT * math.log(mine.yard_mean_us / other.yard_mean_us)
+        variance += YARDSTICK_WEIGHT**2 * (_yard_relative_error(mine) ** 2 + _yard_relative_error(other) ** 2)
+    return log_ratio, variance
 
 
 def matched_sizes(
@@ -232,7 +268,12 @@ def between_servers(mine: SizeTiming, other: SizeTiming, gated: bool = False) ->
     gated: both rows' eager calls were timed from the host's last launch (gated_eager)."""
     eager = max(_eager(mine), _eager(other))
     spread = max(_spread(s) / s.mean_us for s in (mine, other) if s.mean_us > 0)
-    eager_floor = BETWEEN_SERVERS_EAGER if gated else max(BETWEEN_SERVERS_EAGER, EAGER_SPREAD_FACTOR * spread)
+    if paired(mine, other):  # only gated eager calls are paired: their floor is the paired one
+        eager_floor = BETWEEN_SERVERS_PAIRED
+    elif gated:
+        eager_floor = BETWEEN_SERVERS_EAGER
+    else:
+        eager_floor = max(BETWEEN_SERVERS_EAGER, EAGER_SPREAD_FACTOR * spread)
     return eager * eager_floor + (1 - eager) * BETWEEN_SERVERS_REPLAYED
 
 
@@ -361,6 +402,7 @@ def judge_range(
         would_catch=round((1 + margin) * math.exp((SPEED_Z + POWER_Z) * sd), 4),
         matched_share=round(share, 3),
         between_servers=round(floor, 4),
+        sizes_paired=sum(paired(s, r) for s, r in pairs),
         **counts,
     )
 
@@ -426,7 +468,12 @@ def speed_check(
         "min_matched_share": MIN_MATCHED_SHARE,
         "z": SPEED_Z,
         "max_relative_error": MAX_RELATIVE_ERROR,
-        "between_servers": {"replayed": BETWEEN_SERVERS_REPLAYED, "eager": BETWEEN_SERVERS_EAGER},
+        "between_servers": {
+            "replayed": BETWEEN_SERVERS_REPLAYED,
+            "eager": BETWEEN_SERVERS_EAGER,
+            "paired": BETWEEN_SERVERS_PAIRED,
+        },
+        "yardstick_weight": YARDSTICK_WEIGHT,
         "eager_gated": gated_eager(row, reference),
         "reference_cards": reference_cards,
         "between_cards": BETWEEN_CARDS if other_cards else None,
@@ -648,7 +695,10 @@ class SpeedSection(TypedDict):
     max_relative_error: NotRequired[float]
     """a size whose mean has a standard error above this share of it is left out"""
     between_servers: NotRequired[dict[str, float]]
-    """the floor's constants: replayed and eager log standard deviations per server"""
+    """the floor's constants: replayed, eager and paired (eager sizes read against the yardstick) log standard
+    deviations per server"""
+    yardstick_weight: NotRequired[float]
+    """a paired size's log ratio is taken less this times the yardstick's"""
     eager_gated: NotRequired[bool]
     """both rows timed their eager calls from the host's last launch: the eager floor is the constant alone,
     not also a multiple of the call's own spread"""

@@ -29,6 +29,12 @@ After its clock reading the end stamp also counts the distinct experts the call'
 `--mutate slow_range`, delays the call by a share of its own time (kernels/_timer_kernels.py says how,
 and why there).
 
+On a GPU each eager call is followed by the yardstick (kernels/yardstick.py), a fixed chain of small matmuls
+on the call's input, in a bracket of its own gated the same way, into a table of its own: what the same
+server's pace does to a fixed piece of work, at each call size, for the speed gate's paired comparison. It
+runs outside the call's bracket and after it; graph replays have none (their pace is the GPU's alone).
+MOE_EVAL_YARDSTICK=0 turns it off.
+
 A flusher thread (kernels/stats_file.py) writes <run dir>/moe-timing/<pid>.json (core/moe_timing.py reads it):
 per size that was called, FIELDS (calls, nanoseconds, their squares, tokens, the replayed calls and their
 nanoseconds, the experts hit, their squares and their products with the nanoseconds), since the process
@@ -45,9 +51,10 @@ from typing import Any
 
 import torch
 
-from moe_eval.core.moe_timing import FIELDS
+from moe_eval.core.moe_timing import CALLS, CELL_FIELDS, FIELDS, NS, NS_SQ
 from moe_eval.core.plugin_protocol import TIMER_MAX_SIZE
 from moe_eval.kernels.stats_file import StatsFile
+from moe_eval.kernels.yardstick import STEPS, WIDTH, Yardstick
 
 NUM_CELLS = TIMER_MAX_SIZE + 1  # the pinned table: row M holds the calls of M tokens (row 0 unused)
 NUM_FIELDS = len(FIELDS)
@@ -75,6 +82,9 @@ class MoeTimer:
         self.backend = backend
         self.scope = scope  # what the bracket holds, for the record
         self.table = torch.zeros(NUM_CELLS, NUM_FIELDS, dtype=torch.float64)  # host sums (CPU timing)
+        # The yardstick's own sums per size (device only: its table is made where the timer attaches one).
+        self.yardstick = Yardstick() if os.environ.get("MOE_EVAL_YARDSTICK", "1") != "0" else None
+        self.yard_table: torch.Tensor | None = None
         self.device_problem: str | None = None
         self._start: torch.Tensor | None = None  # the start stamp (device memory)
         self._clock: torch.Tensor | None = None  # a test's clock (see _timer_kernels)
@@ -150,6 +160,9 @@ class MoeTimer:
                 )
             self.table = torch.zeros(NUM_CELLS, NUM_FIELDS, dtype=torch.float64)
             self.table = self.table.pin_memory() if device.type == "cuda" else self.table
+            if self.yardstick is not None:
+                self.yard_table = torch.zeros_like(self.table)
+                self.yard_table = self.yard_table.pin_memory() if device.type == "cuda" else self.yard_table
             self._on_device = True
             self.gate_eager = device.type == "cuda"
         except Exception as exc:  # noqa: BLE001  timed on the host instead, and the record says why
@@ -246,6 +259,8 @@ class MoeTimer:
             # started: whether the call is being captured (start())
             self._launch_end(self.table, cell, tokens, started, topk_ids, slow)
             self._release_call()  # after the end stamp's launch: the bracket holds no launch of the host's
+            if not started and self.gate_eager and self.yard_table is not None:
+                self._time_yardstick(hidden_TD, cell, tokens)
         else:
             if hidden_TD.device.type == "cuda":
                 if torch.cuda.is_current_stream_capturing():
@@ -266,9 +281,24 @@ class MoeTimer:
             )  # fmt: skip
         self.file.start()
 
+    def _time_yardstick(self, hidden_TD: torch.Tensor, cell: int, tokens: int) -> None:
+        """The yardstick on this eager call's input, in a gated bracket of its own after the call's."""
+        assert self.yardstick is not None and self.yard_table is not None
+        self.yardstick.prepare(hidden_TD)  # its weights made outside the bracket
+        self._ticket += 1
+        self._launch_gated_start(self._ticket)
+        self.yardstick.run(hidden_TD)
+        self._launch_end(self.yard_table, cell, tokens, 0, None, 0.0)
+        self._release_call()
+
     # --- reading ---
 
     def snapshot(self) -> dict[str, Any]:
+        yard = (
+            self.yard_table[:, [CALLS, NS, NS_SQ]].tolist()
+            if self.yard_table is not None
+            else [[0.0, 0.0, 0.0]] * NUM_CELLS
+        )
         record = {
             "backend": self.backend,
             "pid": os.getpid(),
@@ -279,15 +309,23 @@ class MoeTimer:
             "eager_bracket": self._eager_bracket(),
             # counted since the process started: the harness takes the timed window's (core/moe_timing.since)
             "gate_timeouts": int(self._timeouts[0]) if self._timeouts is not None else 0,
-            "fields": list(FIELDS),
-            # Only the sizes called: [M, *FIELDS] each (the table has a row for every size up to the limit).
+            "fields": list(CELL_FIELDS),
+            # Only the sizes called: [M, *CELL_FIELDS] each (the table has a row for every size up to the
+            # limit).
             "sizes": [
-                [int(m), *self.table[m].tolist()] for m in self.table[:, 0].nonzero().flatten().tolist()
+                [int(m), *self.table[m].tolist(), *yard[m]]
+                for m in self.table[:, 0].nonzero().flatten().tolist()
             ],
+            "yardstick": self._yardstick_text(),
         }
         if self.device_problem is not None:
             record["device_problem"] = self.device_problem
         return record
+
+    def _yardstick_text(self) -> str:
+        if self.yard_table is None:
+            return "off (MOE_EVAL_YARDSTICK=0)" if self.yardstick is None else "not run: host timing"
+        return f"after each gated eager call: {2 * STEPS} matmuls, M x D through D x {WIDTH} and back"
 
     def _eager_bracket(self) -> str:
         if not self._on_device:

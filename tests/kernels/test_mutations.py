@@ -583,14 +583,15 @@ def test_triton_silu_slope_computes_what_the_torch_kernel_does(tokens):
         ("poor_tiles:range=M=2-16", 20, False),
     ],
 )
-def test_the_tile_perf_mutations_compute_the_same_moe_with_other_tiles(mutation, T, retiled):
+def test_the_tile_perf_mutations_compute_the_same_moe_with_other_tiles(mutation, T, retiled, device):
     """The perf mutations change how the Triton kernel computes, not what: the same MoE (fp32, IEEE dots: the
     tiles move only the summation order), with the tiles chosen per call size as the mutation says."""
     E, K, D, F = 8, 2, 32, 64
     layer = _layer(E, F, D, torch.float32)
-    weights = MoeWeights(MoeBackend.TRITON, layer.w13_weight.data, layer.w2_weight.data)
-    x = torch.randn(T, D, generator=torch.Generator().manual_seed(3))
-    topk_weights, topk_ids = _routing(T, E, K, seed=3)
+    w13, w2 = layer.w13_weight.data.to(device), layer.w2_weight.data.to(device)
+    weights = MoeWeights(MoeBackend.TRITON, w13, w2)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(3)).to(device)
+    topk_weights, topk_ids = (t.to(device) for t in _routing(T, E, K, seed=3))
     kernel = make_moe_kernel(MoeBackend.TRITON)
     seen = []
 
@@ -602,7 +603,7 @@ def test_the_tile_perf_mutations_compute_the_same_moe_with_other_tiles(mutation,
     call = MoeCall(x, weights, Routing(topk_weights, topk_ids))
     out = mutate_kernel(mutation, Recording(kernel, "recording")).apply(call)
     assert (seen[0] is not None) is retiled
-    ref = fused_moe_ref(x, layer.w13_weight.data, layer.w2_weight.data, topk_weights, topk_ids)
+    ref = fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
     assert rel_err(out, ref) < 1e-5
     assert torch.allclose(out, kernel.apply(call), rtol=1e-5, atol=1e-6)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moe_eval.core import moe_timing
+from moe_eval.core.plugin_protocol import MOE_TIMING_DIR
 from moe_eval.kernels.moe_timer import MoeTimer
 from tests.kernels.conftest import HAS_GPU
 
@@ -60,6 +61,7 @@ def test_an_eager_calls_start_stamp_waits_for_the_hosts_release_or_gives_up_and_
     timer = _timer(tmp_path)
     assert not timer.gate_eager and timer.snapshot()["eager_bracket"].startswith("host-paced")  # no CUDA
     timer.gate_eager, timer.gate_timeout_ns = True, 5000
+    timer.yard_table = None  # the call's gate alone (the yardstick's bracket: its own test below)
     hidden = torch.zeros(2, 8)
     clock_before = int(timer._clock[0])
     started = timer.start(hidden)
@@ -81,6 +83,7 @@ def test_after_repeated_give_ups_the_timer_stops_waiting_and_the_record_says_so(
 
     timer = _timer(tmp_path)
     timer.gate_eager, timer.gate_timeout_ns = True, 3000
+    timer.yard_table = None  # the call's gate alone
     hidden = torch.zeros(1, 8)
     for _ in range(GATE_MAX_TIMEOUTS - 1):  # give-ups, then a call released in time: the streak starts over
         timer.stop(timer.start(hidden), hidden)
@@ -92,3 +95,45 @@ def test_after_repeated_give_ups_the_timer_stops_waiting_and_the_record_says_so(
     assert int(timer._timeouts[0]) == 2 * GATE_MAX_TIMEOUTS - 1 and not timer.gate_eager
     assert _cell(timer, 1)["calls"] == 2 * GATE_MAX_TIMEOUTS + 2  # every call still timed
     assert "turned off" in timer.snapshot()["eager_bracket"]
+
+
+def test_the_yardstick_follows_each_gated_eager_call_in_its_own_bracket_and_cell(tmp_path):
+    """After a gated eager call's end stamp the timer runs the yardstick on the call's input between a gated
+    start and an end stamp of its own, into the same size's row of its own table (the test clock: each
+    bracket reads 1 us). A captured call (started = 1) and a host-paced one get none; the call's own cell is
+    as without it; the snapshot carries the yardstick's calls, ns and squares after the call's fields."""
+    import json
+
+    timer = _timer(tmp_path)
+    timer.gate_eager, timer.gate_timeout_ns = True, 3000
+    hidden = torch.randn(5, 8, dtype=torch.bfloat16)
+    for _ in range(3):
+        timer.stop(timer.start(hidden), hidden)
+    timer._launch_start()
+    timer.stop(1, hidden)  # as if captured (start() returns 1 there): replays are not paired
+    timer.gate_eager = False
+    timer.stop(timer.start(hidden), hidden)  # host-paced: no yardstick either
+    assert _cell(timer, 5)["calls"] == 5 and _cell(timer, 5)["ns"] == 5000
+    yard = dict(zip(moe_timing.FIELDS, timer.yard_table[5].tolist(), strict=True))
+    assert (yard["calls"], yard["ns"], yard["tokens"]) == (3, 3000, 15)
+    # both gated starts of each call gave up in the interpreter (above): the yardstick's bracket is gated too
+    assert int(timer._timeouts[0]) == 6
+    timer.flush()
+    snap = json.loads((tmp_path / "t.json").read_text())
+    assert snap["sizes"] == [[5, *timer.table[5].tolist(), 3.0, 3000.0, 3 * 1000.0**2]]
+    assert snap["yardstick"].startswith("after each gated eager call")
+    folder = tmp_path / "run" / MOE_TIMING_DIR
+    folder.mkdir(parents=True)
+    (folder / "1.json").write_text(json.dumps(snap))
+    (size,) = moe_timing.summarize(moe_timing.read_folder(tmp_path / "run")).by_range()["M=2-16"].sizes
+    assert (size.yard_calls, size.yard_mean_us, size.yard_spread_us) == (3, 1.0, 0.0)
+
+
+def test_the_yardstick_is_off_with_moe_eval_yardstick_0(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_EVAL_YARDSTICK", "0")
+    timer = _timer(tmp_path)
+    timer.gate_eager, timer.gate_timeout_ns = True, 3000
+    hidden = torch.zeros(2, 8)
+    timer.stop(timer.start(hidden), hidden)
+    assert timer.yard_table is None and timer.snapshot()["sizes"][0][-3:] == [0.0, 0.0, 0.0]
+    assert timer.snapshot()["yardstick"] == "off (MOE_EVAL_YARDSTICK=0)"

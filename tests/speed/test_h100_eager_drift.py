@@ -68,3 +68,41 @@ def test_the_drift_is_partly_common_so_a_paired_reference_would_narrow_it_not_re
         assert r2_low < r2 < r2_high, (M, r2)
         assert ratio < statistics.pstdev(b), (M, ratio)
         assert ratio > 0.006, (M, ratio)  # narrowed, not removed
+
+
+# The second probe: 8 processes, vLLM's own fused_experts a second control (one H100, GPU-843e9fac,
+# 2026-12-07 01:45 UTC, committed code 6685c4f; docs/perf.md "The yardstick").
+SECOND = "docs/data/speed_h100/eager-drift-probe-2.jsonl"
+
+
+def _second(repo_root) -> list[dict]:
+    return [json.loads(line) for line in (repo_root / SECOND).read_text().splitlines()]
+
+
+def _less(rows: list[dict], M: int, control: str, weight: float) -> float:
+    b, c = _logs(rows, M, "bundled_us"), _logs(rows, M, f"{control}_us")
+    return statistics.pstdev([x - weight * y for x, y in zip(b, c, strict=True)])
+
+
+def test_the_second_probe_ran_8_processes_with_both_controls_behind_the_gate(repo_root):
+    rows = _second(repo_root)
+    assert {(r["process"], r["alloc"], r["M"]) for r in rows} == {
+        (p, a, M) for p in range(8) for a in range(3) for M in (600, 1500, 8192)
+    }
+    assert len(rows) == 72 and all("vllm_us" in r and "control_us" in r for r in rows)
+    assert max(r["slowest_launch_us"] for r in rows) < 800 and not any("warning" in r for r in rows)
+
+
+def test_the_speed_gates_yardstick_weight_and_paired_floor_hold_on_the_second_probe(repo_root):
+    """gates/speed.py's paired reading, the call less YARDSTICK_WEIGHT x the chain's log, spreads 0.0088 /
+    0.0067 / 0.0088 at 600 / 1500 / 8192 tokens where the call alone spreads 0.0150 / 0.0122 / 0.0135: under
+    BETWEEN_SERVERS_PAIRED at every size. Less all of the chain's log over-corrects at 8192 (0.0147, worse
+    than the call alone); vLLM's kernel as the control is no better than the chain at half weight."""
+    from moe_eval.gates.speed import BETWEEN_SERVERS_PAIRED, YARDSTICK_WEIGHT
+
+    rows = _second(repo_root)
+    for M in (600, 1500, 8192):
+        alone, paired = _less(rows, M, "control", 0.0), _less(rows, M, "control", YARDSTICK_WEIGHT)
+        assert paired < 0.7 * alone and paired < 0.9 * BETWEEN_SERVERS_PAIRED, (M, alone, paired)
+        assert paired <= _less(rows, M, "vllm", YARDSTICK_WEIGHT) + 0.001, M
+    assert _less(rows, 8192, "control", 1.0) > _less(rows, 8192, "control", 0.0)

@@ -52,10 +52,14 @@ def test_the_host_timer_sums_each_call_into_its_sizes_cell_and_writes_its_file(t
     timer.flush()
     snap = json.loads(path.read_text())
     assert snap["timed_on"] == "host"
-    assert snap["fields"] == list(moe_timing.FIELDS)
+    assert snap["fields"] == list(moe_timing.CELL_FIELDS)
     cells = {row[0]: row[1:] for row in snap["sizes"]}
     assert sorted(cells) == [1, 5, 7, 300, TIMER_MAX_SIZE]  # only the sizes called
-    assert all(len(cell) == 9 and cell[4] == cell[5] == 0 for cell in cells.values())  # host-timed: no replay
+    assert all(
+        len(cell) == 12 and cell[4] == cell[5] == 0 for cell in cells.values()
+    )  # host-timed: no replay
+    assert all(cell[9:] == [0, 0, 0] for cell in cells.values())  # and no yardstick: it runs on a device
+    assert snap["yardstick"] == "not run: host timing"
     assert (cells[1][0], cells[1][3]) == (2, 2) and (cells[5][0], cells[5][3]) == (1, 5)
     assert (cells[TIMER_MAX_SIZE][0], cells[TIMER_MAX_SIZE][3]) == (1, TIMER_MAX_SIZE + 5)
     assert all(cell[1] > 0 for cell in cells.values())  # time passed in each timed call
@@ -371,9 +375,10 @@ def test_the_device_timer_counts_graph_replays_and_their_time_apart_from_eager_c
     torch.cuda.synchronize()
     (cell,) = timer.snapshot()["sizes"]
     assert cell[0] == 3  # the cell of 3-token calls
-    row = dict(zip(moe_timing.FIELDS, cell[1:], strict=True))
+    row = dict(zip(moe_timing.CELL_FIELDS, cell[1:], strict=True))
     assert (row["calls"], row["replayed"], row["tokens"]) == (102, 100, 306)
     assert 0.95 * row["ns"] < row["replayed_ns"] < row["ns"]
+    assert row["yard_calls"] == 2 and row["yard_ns"] > 0  # the yardstick followed the two eager calls only
 
 
 def test_the_engines_prefill_view_is_the_median_of_single_prefills_so_one_compile_does_not_move_it():

@@ -410,3 +410,60 @@ def test_the_gate_reads_the_cards_from_both_records():
         (check,) = [c for c in got.checks if c.name == "speed_gate"]
         assert ("is not recorded" in check.detail) == (expected == "not recorded"), check.detail
         assert ("other GPUs of this model" in check.detail) == (expected == "other"), check.detail
+
+
+def _with_yardstick(
+    timing: RangeTiming, yard_us: float, calls: int = 20, spread_us: float = 0.2
+) -> RangeTiming:
+    """The range's sizes with the yardstick timed beside each (kernels/yardstick.py)."""
+    sizes = tuple(
+        dataclasses.replace(s, yard_calls=calls, yard_mean_us=yard_us, yard_spread_us=spread_us)
+        for s in timing.sizes or ()
+    )
+    return dataclasses.replace(timing, sizes=sizes)
+
+
+def test_a_paired_eager_size_reads_the_call_against_the_yardstick_timed_beside_it():
+    """The canary's 10 % eager slowdown on a server whose pace ran 3 % fast (as the mutated canary rows' did,
+    docs/perf.md): read alone it is x1.067 and passes under the floor; read against the yardstick, which ran
+    3 % fast beside it, less half of that: x1.083, and it fails. A correct row on a server 3 % slow passes
+    either way; a row without the yardstick is judged alone (sizes_paired 0)."""
+    from moe_eval.gates.speed import BETWEEN_SERVERS_PAIRED, YARDSTICK_WEIGHT, between_servers, compare_size
+
+    def eager(us: float) -> RangeTiming:
+        return _range("M=257-1023", {600: (40, us, 0.3, False)})
+
+    plain = _with_yardstick(eager(24.0), 22.0)
+    fast_server = _with_yardstick(eager(24.0 * 1.10 * 0.97), 22.0 * 0.97)
+    alone = judge_range(
+        dataclasses.replace(fast_server, sizes=eager(24.0 * 1.10 * 0.97).sizes), plain, MARGINS, True
+    )
+    assert alone.passed and alone.sizes_paired == 0 and alone.ratio == pytest.approx(1.067, abs=1e-3)
+    judged = judge_range(fast_server, plain, MARGINS, True)
+    assert not judged.passed and judged.sizes_paired == 1
+    assert judged.ratio == pytest.approx(1.067 / 0.97**YARDSTICK_WEIGHT, abs=1e-3)
+    assert judged.between_servers == BETWEEN_SERVERS_PAIRED
+    # the yardstick's own errors widen the size's (independent: an upper bound)
+    size, ref = fast_server.sizes[0], plain.sizes[0]
+    log_ratio, variance = compare_size(size, ref)
+    bare = compare_size(dataclasses.replace(size, yard_calls=0), dataclasses.replace(ref, yard_calls=0))[1]
+    expected = bare + YARDSTICK_WEIGHT**2 * sum(
+        (0.2 / math.sqrt(20) / s.yard_mean_us) ** 2 for s in (size, ref)
+    )
+    assert variance == pytest.approx(expected)
+    assert between_servers(size, ref, gated=True) == BETWEEN_SERVERS_PAIRED
+    slow_server = _with_yardstick(eager(24.0 * 1.03), 22.0 * 1.03)
+    assert judge_range(slow_server, plain, MARGINS, True).passed
+    # too few yardstick calls in one row: not paired
+    few = _with_yardstick(eager(24.0 * 1.10 * 0.97), 22.0 * 0.97, calls=2)
+    assert judge_range(few, plain, MARGINS, True).sizes_paired == 0
+
+
+def test_the_section_names_the_paired_floor_and_the_yardsticks_weight():
+    from moe_eval.gates.speed import BETWEEN_SERVERS_PAIRED, YARDSTICK_WEIGHT
+
+    row = _timing(_with_yardstick(_range("M=257-1023", {600: (40, 24.0, 0.3, False)}), 22.0))
+    _, section = speed_check(row, row, MARGINS, "ref")
+    assert section["between_servers"]["paired"] == BETWEEN_SERVERS_PAIRED
+    assert section["yardstick_weight"] == YARDSTICK_WEIGHT
+    assert section["ranges"][0]["sizes_paired"] == 1
