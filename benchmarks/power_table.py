@@ -16,8 +16,9 @@ the earlier runs of another (each session's files come from one machine, handed 
 two files is a pair from two machines, marked "another machine").
 
 --floors prints instead what servers of one kernel differ by per call size (every pair of its correct rows,
-replayed and eager sizes apart): the rms of z (log ratio over its within-run error) and the per-server
-floor beyond those errors; the figures gates/speed.py cites for the gated eager floor.
+replayed and eager sizes apart, eager sizes with the yardstick beside them in both rows read with it and
+alone): the rms of z (log ratio over its within-run error) and the per-server floor beyond those errors; the
+figures gates/speed.py cites for the gated eager floor.
 
 --rows prints instead each row's mean call per range beside its GPU's SM clock over the timed requests
 (`timing.gpu_clocks`: min / median / max MHz, or why there is none), in the order of their run ids (a
@@ -27,6 +28,7 @@ pair's two rows share one): does a server whose calls ran slower also clock lowe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -36,7 +38,7 @@ from typing import Any
 
 from moe_eval.core.moe_timing import TimingSummary
 from moe_eval.core.plugin_protocol import layer_range_names
-from moe_eval.gates.speed import Margins, compare, compare_size, matched_sizes, speed_check
+from moe_eval.gates.speed import Margins, compare, compare_size, matched_sizes, paired, speed_check
 
 MARGINS = Margins(replayed=0.01, eager=0.03)  # the config defaults
 
@@ -105,7 +107,12 @@ def floors(rows: list[dict[str, Any]]) -> None:
         if row["mutation"] is None:
             kinds.setdefault("vLLM" if "vllm" in row["config"] else "bundled", []).append(row)
     for kind, same in sorted(kinds.items()):
-        pairs: dict[str, list[tuple[float, float]]] = {"replayed": [], "eager": []}
+        pairs: dict[str, list[tuple[float, float]]] = {
+            "replayed": [],
+            "eager": [],
+            "eager paired": [],
+            "eager paired, read alone": [],
+        }
         for a, b in itertools.combinations(same, 2):
             theirs = timing(b).by_range()
             for name, mine in timing(a).by_range().items():
@@ -113,8 +120,14 @@ def floors(rows: list[dict[str, Any]]) -> None:
                 if other is None or mine.sizes is None or other.sizes is None:
                     continue
                 for size, ref in matched_sizes(mine.sizes, other.sizes)[0]:  # the gate's matched sizes
-                    log_ratio, variance = compare_size(size, ref)
-                    pairs["eager" if size.replayed < size.calls else "replayed"].append((log_ratio, variance))
+                    if size.replayed >= size.calls:
+                        pairs["replayed"].append(compare_size(size, ref))
+                    elif paired(size, ref):  # the yardstick beside both: read with it, and without it
+                        pairs["eager paired"].append(compare_size(size, ref))
+                        alone = (dataclasses.replace(s, yard_calls=0) for s in (size, ref))
+                        pairs["eager paired, read alone"].append(compare_size(*alone))
+                    else:
+                        pairs["eager"].append(compare_size(size, ref))
         for how, found in pairs.items():
             if found:
                 rms_z = math.sqrt(sum(lr * lr / v for lr, v in found) / len(found))

@@ -524,6 +524,8 @@ def speed_check(
 def _named(r: RangeSpeed) -> str:
     """A judged range as a message names it, with the sizes it compared and where it would fail."""
     kind = "graph-replayed" if r.replayed else "eager"
+    if r.sizes_paired:
+        kind += f", {r.sizes_paired} read against the yardstick"
     return (
         f"{r.range} x{r.ratio:.3f} ({kind}, {r.sizes_matched}/{r.sizes} sizes, "
         f"fails above x{r.fails_above:.3f}, "

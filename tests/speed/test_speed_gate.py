@@ -467,3 +467,6 @@ def test_the_section_names_the_paired_floor_and_the_yardsticks_weight():
     assert section["between_servers"]["paired"] == BETWEEN_SERVERS_PAIRED
     assert section["yardstick_weight"] == YARDSTICK_WEIGHT
     assert section["ranges"][0]["sizes_paired"] == 1
+    slowed = _timing(_with_yardstick(_range("M=257-1023", {600: (40, 24.0 * 1.1, 0.3, False)}), 22.0))
+    check, _ = speed_check(slowed, row, MARGINS, "ref")
+    assert not check.passed and "1 read against the yardstick" in check.detail
