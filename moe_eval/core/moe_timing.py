@@ -48,6 +48,8 @@ class ProcessTiming:
     max_tokens: int = 0  # the most tokens one call of the process can carry
     eager_bracket: str | None = None  # how its eager calls were bracketed (kernels/moe_timer); None: before
     gate_timeouts: int | None = None  # eager calls whose gated start gave up waiting; None: not counted
+    yardstick: str | None = None  # how the yardstick ran (kernels/moe_timer); None: a file from before it
+    yardstick_timeouts: int | None = None  # its gated starts that gave up; None: not counted
 
     def range_cells(self) -> dict[str, Cell]:
         """FIELDS per dispatch range: the sum of its sizes."""
@@ -144,6 +146,15 @@ class TimingSummary:
         None,
         newer=True,
     )
+    yardsticks: tuple[str, ...] = described(
+        "how the yardstick ran beside the eager calls, per process (kernels/yardstick.py)", (), newer=True
+    )
+    yardstick_timeouts: int | None = described(
+        "the yardstick's gated starts of the timed workload that gave up waiting for the host, summed over "
+        "processes (a row with any is not read against it); null: not counted",
+        None,
+        newer=True,
+    )
 
     def by_range(self) -> dict[str, RangeTiming]:
         return {r.range: r for r in self.ranges}
@@ -162,6 +173,8 @@ class TimingSummary:
             problems=tuple(data.get("problems", ())),
             eager_brackets=tuple(data.get("eager_brackets", ())),
             gate_timeouts=data.get("gate_timeouts"),
+            yardsticks=tuple(data.get("yardsticks", ())),
+            yardstick_timeouts=data.get("yardstick_timeouts"),
         )
 
 
@@ -192,6 +205,8 @@ def read_folder(run_dir: Path) -> list[ProcessTiming]:
                     max_tokens=int(data.get("max_tokens") or 0),
                     eager_bracket=data.get("eager_bracket"),
                     gate_timeouts=data.get("gate_timeouts"),
+                    yardstick=data.get("yardstick"),
+                    yardstick_timeouts=data.get("yardstick_timeouts"),
                 )
             )
         except (OSError, ValueError, KeyError, TypeError, IndexError):
@@ -223,7 +238,10 @@ def since(after: list[ProcessTiming], before: list[ProcessTiming]) -> list[Proce
             timeouts = process.gate_timeouts
             if timeouts is not None and prior.gate_timeouts is not None:
                 timeouts -= prior.gate_timeouts
-            process = replace(process, sizes=sizes, gate_timeouts=timeouts)
+            yard_timeouts = process.yardstick_timeouts
+            if yard_timeouts is not None and prior.yardstick_timeouts is not None:
+                yard_timeouts -= prior.yardstick_timeouts
+            process = replace(process, sizes=sizes, gate_timeouts=timeouts, yardstick_timeouts=yard_timeouts)
         out.append(process)
     return out
 
@@ -326,6 +344,12 @@ def summarize(processes: list[ProcessTiming]) -> TimingSummary:
         gate_timeouts=(
             sum(p.gate_timeouts or 0 for p in processes)
             if all(p.gate_timeouts is not None for p in processes)
+            else None
+        ),
+        yardsticks=tuple(sorted({p.yardstick for p in processes if p.yardstick})),
+        yardstick_timeouts=(
+            sum(p.yardstick_timeouts or 0 for p in processes)
+            if all(p.yardstick_timeouts is not None for p in processes)
             else None
         ),
     )

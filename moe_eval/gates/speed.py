@@ -210,23 +210,35 @@ def _relative_error(size: SizeTiming) -> float:
 
 
 def paired(mine: SizeTiming, other: SizeTiming) -> bool:
-    """Both rows timed the yardstick beside this size's eager calls, enough to compare."""
+    """Both rows timed the yardstick beside this size's calls, enough to compare, and every call of the size
+    was eager in both (the yardstick follows eager calls only: a mean holding replays is not its pair)."""
     return all(
-        s.yard_calls >= MIN_SIZE_CALLS and s.yard_mean_us is not None and s.yard_mean_us > 0
+        s.replayed == 0
+        and s.yard_calls >= MIN_SIZE_CALLS
+        and s.yard_mean_us is not None
+        and s.yard_mean_us > 0
+        and _yard_relative_error(s) <= MAX_RELATIVE_ERROR
         for s in (mine, other)
     )
 
 
+def yardstick_clean(*summaries: TimingSummary) -> bool:
+    """No yardstick wait of the timed workload gave up in any row (such a bracket holds host gaps)."""
+    return all(s.yardstick_timeouts == 0 for s in summaries)
+
+
 def _yard_relative_error(size: SizeTiming) -> float:
-    assert size.yard_mean_us is not None and size.yard_spread_us is not None  # paired()
+    if not size.yard_calls or not size.yard_mean_us or size.yard_spread_us is None:
+        return math.inf
     return size.yard_spread_us / math.sqrt(size.yard_calls) / size.yard_mean_us
 
 
-def compare_size(mine: SizeTiming, other: SizeTiming) -> tuple[float, float]:
+def compare_size(mine: SizeTiming, other: SizeTiming, pair: bool = False) -> tuple[float, float]:
     """(log ratio, its within-run variance) of one size: this row's mean at the reference's routing (its line
-    moved to the reference's mean experts, where both counted them) over the reference's mean; where the size
-    is paired, less YARDSTICK_WEIGHT x the yardstick's log ratio (its errors added as if independent of the
-    call's: an upper bound, since a server's pace moves both)."""
+    moved to the reference's mean experts, where both counted them) over the reference's mean; with pair
+    (both rows gated, no yardstick wait given up) and the size paired, less YARDSTICK_WEIGHT x the
+    yardstick's log ratio (its errors added as if independent of the call's: an upper bound, since a server's
+    pace moves both)."""
     mean = mine.mean_us
     extra = 0.0  # the slope's own error, times how far the line is moved
     if mine.slope_us is not None and other.experts is not None and mine.experts is not None:
@@ -238,7 +250,7 @@ def compare_size(mine: SizeTiming, other: SizeTiming) -> tuple[float, float]:
         return math.inf, math.inf
     variance = (_spread(mine) ** 2 / mine.calls + extra) / mean**2 + _relative_error(other) ** 2
     log_ratio = math.log(mean / other.mean_us)
-    if paired(mine, other):
+    if pair and paired(mine, other):
         assert mine.yard_mean_us is not None and other.yard_mean_us is not None
         log_ratio -= YARDSTICK_WEIGHT * math.log(mine.yard_mean_us / other.yard_mean_us)
         variance += YARDSTICK_WEIGHT**2 * (_yard_relative_error(mine) ** 2 + _yard_relative_error(other) ** 2)
@@ -263,12 +275,13 @@ def matched_sizes(
     return pairs, unsteady
 
 
-def between_servers(mine: SizeTiming, other: SizeTiming, gated: bool = False) -> float:
+def between_servers(mine: SizeTiming, other: SizeTiming, gated: bool = False, pair: bool = False) -> float:
     """The log standard deviation one server adds to a size's mean: by its replayed and eager shares.
-    gated: both rows' eager calls were timed from the host's last launch (gated_eager)."""
+    gated: both rows' eager calls were timed from the host's last launch (gated_eager); pair: and no
+    yardstick wait gave up (yardstick_clean), so a paired size is read against it."""
     eager = max(_eager(mine), _eager(other))
     spread = max(_spread(s) / s.mean_us for s in (mine, other) if s.mean_us > 0)
-    if paired(mine, other):  # only gated eager calls are paired: their floor is the paired one
+    if gated and pair and paired(mine, other):
         eager_floor = BETWEEN_SERVERS_PAIRED
     elif gated:
         eager_floor = BETWEEN_SERVERS_EAGER
@@ -327,7 +340,10 @@ def judge_range(
     margins: Margins,
     gated: bool = False,
     between_cards: float = 0.0,
+    yardstick: bool = False,
 ) -> RangeSpeed:
+    """yardstick: no yardstick wait of either row gave up (yardstick_clean); with gated, the sizes both rows
+    paired are read against it."""
     either = mine or other
     assert either is not None  # compare() asks for the ranges either row called
     name = either.range
@@ -382,11 +398,12 @@ def judge_range(
     weights = [r.calls * r.mean_us for _, r in pairs]
     total = sum(weights)
     weights = [w / total for w in weights]
-    sized = [compare_size(s, r) for s, r in pairs]
+    pair = gated and yardstick
+    sized = [compare_size(s, r, pair) for s, r in pairs]
     log_ratio = sum(w * lr for w, (lr, _) in zip(weights, sized, strict=True))
     within = sum(w * w * var for w, (_, var) in zip(weights, sized, strict=True))
     # A server's drift moves every size of a row alike: weighted sum, then the two rows' drifts apart.
-    floor = sum(w * between_servers(s, r, gated) for w, (s, r) in zip(weights, pairs, strict=True))
+    floor = sum(w * between_servers(s, r, gated, pair) for w, (s, r) in zip(weights, pairs, strict=True))
     # Other cards shift every size alike: once, not per server.
     sd = math.sqrt(within + 2 * floor * floor + between_cards * between_cards)
     excess = log_ratio - math.log1p(margin)
@@ -402,7 +419,7 @@ def judge_range(
         would_catch=round((1 + margin) * math.exp((SPEED_Z + POWER_Z) * sd), 4),
         matched_share=round(share, 3),
         between_servers=round(floor, 4),
-        sizes_paired=sum(paired(s, r) for s, r in pairs),
+        sizes_paired=sum(pair and paired(s, r) for s, r in pairs),
         **counts,
     )
 
@@ -418,7 +435,7 @@ def compare(
     gated = gated_eager(row, reference)
     cards = BETWEEN_CARDS if other_cards else 0.0
     return [
-        judge_range(mine.get(n), theirs.get(n), margins, gated, cards)
+        judge_range(mine.get(n), theirs.get(n), margins, gated, cards, yardstick_clean(row, reference))
         for n in sorted(names, key=order.__getitem__)
     ]
 
@@ -475,6 +492,7 @@ def speed_check(
         },
         "yardstick_weight": YARDSTICK_WEIGHT,
         "eager_gated": gated_eager(row, reference),
+        "yardstick_clean": yardstick_clean(row, reference),
         "reference_cards": reference_cards,
         "between_cards": BETWEEN_CARDS if other_cards else None,
         "timed_on": list(row.timed_on),
@@ -699,6 +717,9 @@ class SpeedSection(TypedDict):
     between_servers: NotRequired[dict[str, float]]
     """the floor's constants: replayed, eager and paired (eager sizes read against the yardstick) log standard
     deviations per server"""
+    yardstick_clean: NotRequired[bool]
+    """no yardstick wait of the timed workload gave up in either row: with eager_gated, paired sizes are read
+    against it"""
     yardstick_weight: NotRequired[float]
     """a paired size's log ratio is taken less this times the yardstick's"""
     eager_gated: NotRequired[bool]

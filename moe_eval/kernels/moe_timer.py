@@ -85,6 +85,7 @@ class MoeTimer:
         # The yardstick's own sums per size (device only: its table is made where the timer attaches one).
         self.yardstick = Yardstick() if os.environ.get("MOE_EVAL_YARDSTICK", "1") != "0" else None
         self.yard_table: torch.Tensor | None = None
+        self.yardstick_problem: str | None = None  # why it stopped while serving
         self.device_problem: str | None = None
         self._start: torch.Tensor | None = None  # the start stamp (device memory)
         self._clock: torch.Tensor | None = None  # a test's clock (see _timer_kernels)
@@ -95,6 +96,7 @@ class MoeTimer:
         # both in pinned host memory, and the ticket of the call in flight.
         self._release: torch.Tensor | None = None
         self._timeouts: torch.Tensor | None = None
+        self._yard_timeouts: torch.Tensor | None = None  # the yardstick's give-ups: apart from the call's
         self._ticket = 0
         self._released = 0  # the newest ticket written to _release (the host's own copy: no read of it)
         self.gate_eager = (
@@ -122,6 +124,7 @@ class MoeTimer:
             self._device_clock = device_clock
             self._release = self._host_word(device)
             self._timeouts = self._host_word(device)
+            self._yard_timeouts = self._host_word(device)
             probe = torch.zeros(4, NUM_FIELDS, dtype=torch.float64)
             probe = probe.pin_memory() if device.type == "cuda" else probe
             routing = torch.tensor([[0, 3], [3, 5]], dtype=torch.int32, device=device)
@@ -174,11 +177,13 @@ class MoeTimer:
         word = torch.zeros(1, dtype=torch.int64)
         return word.pin_memory() if device.type == "cuda" else word
 
-    def _launch_gated_start(self, ticket: int) -> None:
+    def _launch_gated_start(self, ticket: int, timeouts: torch.Tensor | None = None) -> None:
+        """timeouts: where a give-up is counted (the call's own word unless given)."""
         from moe_eval.kernels._timer_kernels import stamp_gated_start_kernel
 
         stamp_gated_start_kernel[(1,)](
-            self._start, self._clock, self._release, ticket, self.gate_timeout_ns, self._timeouts,
+            self._start, self._clock, self._release, ticket, self.gate_timeout_ns,
+            self._timeouts if timeouts is None else timeouts,
             DEVICE_CLOCK=self._device_clock, num_warps=1,
         )  # fmt: skip
 
@@ -282,23 +287,30 @@ class MoeTimer:
         self.file.start()
 
     def _time_yardstick(self, hidden_TD: torch.Tensor, cell: int, tokens: int) -> None:
-        """The yardstick on this eager call's input, in a gated bracket of its own after the call's."""
+        """The yardstick on this eager call's hidden states, in a gated bracket of its own after the call's.
+        Its give-ups are counted apart (they neither turn the call's gate off nor make the row's eager calls
+        host-paced). Where it raises (out of memory at a large call), the request goes on and the yardstick
+        stops, the record saying why."""
         assert self.yardstick is not None and self.yard_table is not None
-        self.yardstick.prepare(hidden_TD)  # its weights made outside the bracket
-        self._ticket += 1
-        self._launch_gated_start(self._ticket)
-        self.yardstick.run(hidden_TD)
-        self._launch_end(self.yard_table, cell, tokens, 0, None, 0.0)
-        self._release_call()
+        try:
+            self.yardstick.prepare(hidden_TD)  # its weights made outside the bracket
+            self._ticket += 1
+            self._launch_gated_start(self._ticket, self._yard_timeouts)
+            self.yardstick.run(hidden_TD)
+            self._launch_end(self.yard_table, cell, tokens, 0, None, 0.0)
+        except Exception as exc:  # noqa: BLE001  the served request must not fail for the timer's sake
+            self.yardstick_problem = f"{type(exc).__name__}: {str(exc)[:200]}"
+            self.yard_table = None
+        finally:
+            self._release_call()
 
     # --- reading ---
 
     def snapshot(self) -> dict[str, Any]:
-        yard = (
-            self.yard_table[:, [CALLS, NS, NS_SQ]].tolist()
-            if self.yard_table is not None
-            else [[0.0, 0.0, 0.0]] * NUM_CELLS
-        )
+        called = self.table[:, 0].nonzero().flatten().tolist()
+        yard_table = self.yard_table  # the hot path may drop it (a yardstick that raised)
+        # only the called sizes' rows: the flusher holds the GIL while it copies, a bracket may be open
+        yard = yard_table[called][:, [CALLS, NS, NS_SQ]].tolist() if yard_table is not None else None
         record = {
             "backend": self.backend,
             "pid": os.getpid(),
@@ -313,16 +325,19 @@ class MoeTimer:
             # Only the sizes called: [M, *CELL_FIELDS] each (the table has a row for every size up to the
             # limit).
             "sizes": [
-                [int(m), *self.table[m].tolist(), *yard[m]]
-                for m in self.table[:, 0].nonzero().flatten().tolist()
+                [int(m), *self.table[m].tolist(), *(yard[i] if yard is not None else [0.0, 0.0, 0.0])]
+                for i, m in enumerate(called)
             ],
             "yardstick": self._yardstick_text(),
+            "yardstick_timeouts": int(self._yard_timeouts[0]) if self._yard_timeouts is not None else 0,
         }
         if self.device_problem is not None:
             record["device_problem"] = self.device_problem
         return record
 
     def _yardstick_text(self) -> str:
+        if self.yardstick_problem is not None:
+            return f"stopped: {self.yardstick_problem}"
         if self.yard_table is None:
             return "off (MOE_EVAL_YARDSTICK=0)" if self.yardstick is None else "not run: host timing"
         return f"after each gated eager call: {2 * STEPS} matmuls, M x D through D x {WIDTH} and back"

@@ -109,6 +109,7 @@ def test_the_yardstick_follows_each_gated_eager_call_in_its_own_bracket_and_cell
     hidden = torch.randn(5, 8, dtype=torch.bfloat16)
     for _ in range(3):
         timer.stop(timer.start(hidden), hidden)
+        assert int(timer._release[0]) == timer._ticket  # the yardstick's bracket released too
     timer._launch_start()
     timer.stop(1, hidden)  # as if captured (start() returns 1 there): replays are not paired
     timer.gate_eager = False
@@ -116,17 +117,38 @@ def test_the_yardstick_follows_each_gated_eager_call_in_its_own_bracket_and_cell
     assert _cell(timer, 5)["calls"] == 5 and _cell(timer, 5)["ns"] == 5000
     yard = dict(zip(moe_timing.FIELDS, timer.yard_table[5].tolist(), strict=True))
     assert (yard["calls"], yard["ns"], yard["tokens"]) == (3, 3000, 15)
-    # both gated starts of each call gave up in the interpreter (above): the yardstick's bracket is gated too
-    assert int(timer._timeouts[0]) == 6
+    # both gated starts of each call gave up in the interpreter (above), each counted on its own word: the
+    # yardstick's give-ups neither turn the call's gate off nor make its calls host-paced
+    assert int(timer._timeouts[0]) == 3 and int(timer._yard_timeouts[0]) == 3
     timer.flush()
     snap = json.loads((tmp_path / "t.json").read_text())
     assert snap["sizes"] == [[5, *timer.table[5].tolist(), 3.0, 3000.0, 3 * 1000.0**2]]
-    assert snap["yardstick"].startswith("after each gated eager call")
+    assert snap["yardstick"].startswith("after each gated eager call") and snap["yardstick_timeouts"] == 3
     folder = tmp_path / "run" / MOE_TIMING_DIR
     folder.mkdir(parents=True)
     (folder / "1.json").write_text(json.dumps(snap))
-    (size,) = moe_timing.summarize(moe_timing.read_folder(tmp_path / "run")).by_range()["M=2-16"].sizes
+    summary = moe_timing.summarize(moe_timing.read_folder(tmp_path / "run"))
+    (size,) = summary.by_range()["M=2-16"].sizes
     assert (size.yard_calls, size.yard_mean_us, size.yard_spread_us) == (3, 1.0, 0.0)
+    assert summary.yardstick_timeouts == 3 and summary.yardsticks[0].startswith("after each gated")
+
+
+def test_a_yardstick_that_raises_stops_and_says_why_and_the_call_goes_on(tmp_path, monkeypatch):
+    """Out of memory at a large call, say: the yardstick's start stamp is released (it would otherwise wait
+    its timeout out), the request is not failed for the timer's sake, and the record says why it stopped."""
+    timer = _timer(tmp_path)
+    timer.gate_eager, timer.gate_timeout_ns = True, 3000
+    hidden = torch.zeros(2, 8)
+
+    def fails(_hidden):
+        raise torch.OutOfMemoryError("CUDA out of memory (made up)")
+
+    monkeypatch.setattr(timer.yardstick, "run", fails)
+    timer.stop(timer.start(hidden), hidden)
+    assert int(timer._release[0]) == timer._ticket and timer.yard_table is None
+    assert timer.snapshot()["yardstick"].startswith("stopped: OutOfMemoryError: CUDA out of memory")
+    timer.stop(timer.start(hidden), hidden)  # later calls are timed, with no yardstick
+    assert _cell(timer, 2)["calls"] == 2 and timer.snapshot()["sizes"][0][-3:] == [0.0, 0.0, 0.0]
 
 
 def test_the_yardstick_is_off_with_moe_eval_yardstick_0(tmp_path, monkeypatch):

@@ -379,6 +379,7 @@ def test_the_device_timer_counts_graph_replays_and_their_time_apart_from_eager_c
     assert (row["calls"], row["replayed"], row["tokens"]) == (102, 100, 306)
     assert 0.95 * row["ns"] < row["replayed_ns"] < row["ns"]
     assert row["yard_calls"] == 2 and row["yard_ns"] > 0  # the yardstick followed the two eager calls only
+    assert int(timer._timeouts[0]) == int(timer._yard_timeouts[0]) == 0  # every gated start was released
 
 
 def test_the_engines_prefill_view_is_the_median_of_single_prefills_so_one_compile_does_not_move_it():

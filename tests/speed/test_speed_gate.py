@@ -436,37 +436,61 @@ def test_a_paired_eager_size_reads_the_call_against_the_yardstick_timed_beside_i
     plain = _with_yardstick(eager(24.0), 22.0)
     fast_server = _with_yardstick(eager(24.0 * 1.10 * 0.97), 22.0 * 0.97)
     alone = judge_range(
-        dataclasses.replace(fast_server, sizes=eager(24.0 * 1.10 * 0.97).sizes), plain, MARGINS, True
+        dataclasses.replace(fast_server, sizes=eager(24.0 * 1.10 * 0.97).sizes),
+        plain,
+        MARGINS,
+        True,
+        yardstick=True,
     )
     assert alone.passed and alone.sizes_paired == 0 and alone.ratio == pytest.approx(1.067, abs=1e-3)
-    judged = judge_range(fast_server, plain, MARGINS, True)
+    # not gated (a host-paced bracket), or a yardstick wait gave up: the size is read alone
+    for gated, clean in ((False, True), (True, False)):
+        judged = judge_range(fast_server, plain, MARGINS, gated, yardstick=clean)
+        assert judged.sizes_paired == 0 and judged.ratio == pytest.approx(1.067, abs=1e-3), (gated, clean)
+    judged = judge_range(fast_server, plain, MARGINS, True, yardstick=True)
     assert not judged.passed and judged.sizes_paired == 1
     assert judged.ratio == pytest.approx(1.067 / 0.97**YARDSTICK_WEIGHT, abs=1e-3)
     assert judged.between_servers == BETWEEN_SERVERS_PAIRED
     # the yardstick's own errors widen the size's (independent: an upper bound)
     size, ref = fast_server.sizes[0], plain.sizes[0]
-    log_ratio, variance = compare_size(size, ref)
-    bare = compare_size(dataclasses.replace(size, yard_calls=0), dataclasses.replace(ref, yard_calls=0))[1]
+    log_ratio, variance = compare_size(size, ref, pair=True)
+    bare = compare_size(size, ref)[1]
     expected = bare + YARDSTICK_WEIGHT**2 * sum(
         (0.2 / math.sqrt(20) / s.yard_mean_us) ** 2 for s in (size, ref)
     )
     assert variance == pytest.approx(expected)
-    assert between_servers(size, ref, gated=True) == BETWEEN_SERVERS_PAIRED
+    assert between_servers(size, ref, gated=True, pair=True) == BETWEEN_SERVERS_PAIRED
+    # not gated: the floor follows the call's own spread, paired or not
+    assert between_servers(size, ref, pair=True) == between_servers(size, ref) > BETWEEN_SERVERS_PAIRED
     slow_server = _with_yardstick(eager(24.0 * 1.03), 22.0 * 1.03)
-    assert judge_range(slow_server, plain, MARGINS, True).passed
-    # too few yardstick calls in one row: not paired
+    assert judge_range(slow_server, plain, MARGINS, True, yardstick=True).passed
+    # too few yardstick calls in one row, or a size partly replayed (the yardstick follows eager calls only):
+    # not paired
     few = _with_yardstick(eager(24.0 * 1.10 * 0.97), 22.0 * 0.97, calls=2)
-    assert judge_range(few, plain, MARGINS, True).sizes_paired == 0
+    assert judge_range(few, plain, MARGINS, True, yardstick=True).sizes_paired == 0
+    mixed = dataclasses.replace(fast_server, sizes=(dataclasses.replace(size, replayed=5),))
+    assert judge_range(mixed, plain, MARGINS, True, yardstick=True).sizes_paired == 0
 
 
 def test_the_section_names_the_paired_floor_and_the_yardsticks_weight():
     from moe_eval.gates.speed import BETWEEN_SERVERS_PAIRED, YARDSTICK_WEIGHT
 
-    row = _timing(_with_yardstick(_range("M=257-1023", {600: (40, 24.0, 0.3, False)}), 22.0))
+    gated = ("gated: the start stamp waits for the host's last launch of the call",)
+
+    def paired_timing(us: float) -> TimingSummary:
+        timing = _timing(_with_yardstick(_range("M=257-1023", {600: (40, us, 0.3, False)}), 22.0))
+        return dataclasses.replace(timing, eager_brackets=gated, gate_timeouts=0, yardstick_timeouts=0)
+
+    row = paired_timing(24.0)
     _, section = speed_check(row, row, MARGINS, "ref")
+    assert section["yardstick_clean"] and section["eager_gated"]
     assert section["between_servers"]["paired"] == BETWEEN_SERVERS_PAIRED
     assert section["yardstick_weight"] == YARDSTICK_WEIGHT
     assert section["ranges"][0]["sizes_paired"] == 1
-    slowed = _timing(_with_yardstick(_range("M=257-1023", {600: (40, 24.0 * 1.1, 0.3, False)}), 22.0))
-    check, _ = speed_check(slowed, row, MARGINS, "ref")
+    check, _ = speed_check(paired_timing(24.0 * 1.1), row, MARGINS, "ref")
     assert not check.passed and "1 read against the yardstick" in check.detail
+    # one yardstick wait of the timed workload gave up (uncounted: a record from before the count, too)
+    for timeouts in (1, None):
+        gave_up = dataclasses.replace(paired_timing(24.0), yardstick_timeouts=timeouts)
+        _, section = speed_check(gave_up, row, MARGINS, "ref")
+        assert not section["yardstick_clean"] and section["ranges"][0]["sizes_paired"] == 0
