@@ -307,9 +307,12 @@ class MoeTimer:
     # --- reading ---
 
     def snapshot(self) -> dict[str, Any]:
-        called = self.table[:, 0].nonzero().flatten().tolist()
+        # One copy of each table first: the serving thread (or the GPU) adds to them while this runs, and
+        # nonzero() over a table that changes between its two passes fails torch's internal assert (seen once
+        # on the CPU: it killed the flusher, and the row's timed window read no call).
+        table = self.table.clone()
+        called = table[:, 0].nonzero().flatten().tolist()
         yard_table = self.yard_table  # the hot path may drop it (a yardstick that raised)
-        # only the called sizes' rows: the flusher holds the GIL while it copies, a bracket may be open
         yard = yard_table[called][:, [CALLS, NS, NS_SQ]].tolist() if yard_table is not None else None
         record = {
             "backend": self.backend,
@@ -325,7 +328,7 @@ class MoeTimer:
             # Only the sizes called: [M, *CELL_FIELDS] each (the table has a row for every size up to the
             # limit).
             "sizes": [
-                [int(m), *self.table[m].tolist(), *(yard[i] if yard is not None else [0.0, 0.0, 0.0])]
+                [int(m), *table[m].tolist(), *(yard[i] if yard is not None else [0.0, 0.0, 0.0])]
                 for i, m in enumerate(called)
             ],
             "yardstick": self._yardstick_text(),

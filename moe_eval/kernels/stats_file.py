@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -68,8 +69,17 @@ class StatsFile:
         stop = threading.Event()
 
         def loop() -> None:
+            failures: set[str] = set()
             while not stop.wait(STATS_INTERVAL_SECONDS):
-                self.flush()
+                try:
+                    self.flush()
+                except Exception as exc:  # noqa: BLE001  one bad tick must not end the process's record
+                    kind = f"{type(exc).__name__}: {exc}"[:300]
+                    if kind not in failures:  # each kind of failure said once, in the server's log
+                        failures.add(kind)
+                        print(
+                            f"{self.name}: a flush failed, the next tick tries again: {kind}", file=sys.stderr
+                        )
 
         self._flusher = threading.Thread(target=loop, name=self.name, daemon=True)
         self._flusher.start()
