@@ -293,7 +293,7 @@ class MoeTimer:
         stops, the record saying why."""
         assert self.yardstick is not None and self.yard_table is not None
         try:
-            self.yardstick.prepare(hidden_TD)  # its weights made outside the bracket
+            self.yardstick.prepare(hidden_TD)  # weights made, and a new size run once, outside the bracket
             self._ticket += 1
             self._launch_gated_start(self._ticket, self._yard_timeouts)
             self.yardstick.run(hidden_TD)

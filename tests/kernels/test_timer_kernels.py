@@ -133,6 +133,30 @@ def test_the_yardstick_follows_each_gated_eager_call_in_its_own_bracket_and_cell
     assert summary.yardstick_timeouts == 3 and summary.yardsticks[0].startswith("after each gated")
 
 
+def test_the_yardstick_runs_once_outside_its_bracket_at_each_size_it_has_not_run_at(tmp_path, monkeypatch):
+    """A shape's first matmul in a process does host work that outlasted the 10 ms gate on an H100 (every
+    served row's yardstick gave up once at each size first called inside the timed requests): the chain runs
+    once untimed, before the yardstick's ticket is taken, at each new (M, D); later calls of that size run it
+    only inside the bracket."""
+    timer = _timer(tmp_path)
+    timer.gate_eager, timer.gate_timeout_ns = True, 3000
+    runs: list[tuple[int, bool]] = []  # (M, whether a yardstick ticket was open: taken and not released)
+    real_run = timer.yardstick.run
+
+    def counted(hidden):
+        runs.append((hidden.shape[0], timer._ticket > timer._released))
+        return real_run(hidden)
+
+    monkeypatch.setattr(timer.yardstick, "run", counted)
+    for tokens in (5, 5, 5, 6, 5, 6):
+        hidden = torch.randn(tokens, 8, dtype=torch.bfloat16)
+        timer.stop(timer.start(hidden), hidden)
+    assert runs == [(5, False), (5, True), (5, True), (5, True), (6, False), (6, True), (5, True), (6, True)]
+    yard = timer.yard_table
+    assert (int(yard[5][0]), int(yard[6][0])) == (4, 2)  # the untimed runs are in no cell
+    assert timer.yardstick.prepare(torch.zeros(6, 16)) is True  # another D is another shape
+
+
 def test_a_yardstick_that_raises_stops_and_says_why_and_the_call_goes_on(tmp_path, monkeypatch):
     """Out of memory at a large call, say: the yardstick's start stamp is released (it would otherwise wait
     its timeout out), the request is not failed for the timer's sake, and the record says why it stopped."""

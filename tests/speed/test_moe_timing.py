@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ import torch
 from moe_eval.core import moe_timing
 from moe_eval.core.plugin_protocol import MOE_TIMING_DIR, TIMER_MAX_SIZE, layer_range_names
 from moe_eval.gates.speed import MIN_CALLS
-from moe_eval.kernels.moe_timer import MoeTimer
+from moe_eval.kernels.moe_timer import MoeTimer, size_cell
 
 RANGES = layer_range_names()
 
@@ -380,6 +381,31 @@ def test_the_device_timer_counts_graph_replays_and_their_time_apart_from_eager_c
     assert 0.95 * row["ns"] < row["replayed_ns"] < row["ns"]
     assert row["yard_calls"] == 2 and row["yard_ns"] > 0  # the yardstick followed the two eager calls only
     assert int(timer._timeouts[0]) == int(timer._yard_timeouts[0]) == 0  # every gated start was released
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_yardstick_never_gives_up_at_a_size_it_had_not_run_at(tmp_path):
+    """Served on an H100 (2026-12-07), every row's yardstick gave up once at each size first called inside
+    the timed requests (a shape's first matmul: host work past the 10 ms gate), which kept the speed gate from
+    reading any size against it. Eager calls at 24 sizes new to the process, each the first of its size, the
+    canary's D in bf16: no wait gives up, and each size's yardstick reads what a second call of it reads."""
+    timer = MoeTimer("triton", tmp_path / "t.json", "probe")
+    timer.attach_device(torch.device("cuda"))
+    assert timer.snapshot()["timed_on"] == "device", timer.device_problem
+    sizes = [300 + 331 * i for i in range(24)]  # 300..7913 tokens, none of them run before here
+    for tokens in sizes + sizes:
+        x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+        timer.stop(timer.start(x), x)
+    torch.cuda.synchronize()
+    assert int(timer._timeouts[0]) == int(timer._yard_timeouts[0]) == 0
+    for tokens in sizes:
+        calls, ns, ns_sq = timer.yard_table[size_cell(tokens)][
+            [moe_timing.CALLS, moe_timing.NS, moe_timing.NS_SQ]
+        ].tolist()
+        mean = ns / calls
+        spread = math.sqrt(max(ns_sq / calls - mean * mean, 0.0))
+        assert calls == 2 and spread < 0.5 * mean and mean < 500_000, (tokens, mean, spread)
 
 
 def test_the_engines_prefill_view_is_the_median_of_single_prefills_so_one_compile_does_not_move_it():
