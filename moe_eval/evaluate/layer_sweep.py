@@ -8,8 +8,9 @@ server:
    size each (mid and large calls);
 2. when the server's calls can carry more than one prompt fits (its batched-token limit above
    max_model_len), enough long prompts at once to fill steps at that limit (chunked prefill's largest calls);
-3. DECODE_BATCHES concurrent short prompts, each generating DECODE_TOKENS tokens (ignore_eos): decode
-   calls of about that many tokens (with CUDA graphs, the captured size at or above it);
+3. DECODE_BATCHES concurrent short prompts, each generating DECODE_TOKENS tokens (ignore_eos), each batch in
+   one request (together()): decode calls of that many tokens (with CUDA graphs, the captured size at or
+   above it);
 4. then rounds: the layer check's own reading of the processes' tables (the runner's `owed`: per range, the
    (range, expert) cells it cannot judge yet where the config asks for them) says which ranges still lack
    evidence, and each round sends one more unit of each such range's workload (RANGE_UNITS), until none
@@ -135,11 +136,12 @@ class SweepTarget:
     retries: int
 
     def post(self, payloads: list[dict], concurrency: int) -> None:
+        """The payloads, `concurrency` prompts at a time, each such group in one request (together())."""
         post_completions(
             self.base_url,
-            payloads,
+            together(payloads, concurrency),
             lambda reply, i: reply.get("usage", {}),
-            concurrency=concurrency,
+            concurrency=1,
             timeout=self.timeout,
             retries=self.retries,
             backoff=1.0,
@@ -163,6 +165,28 @@ class SweepTarget:
             "temperature": 0.0,
             "ignore_eos": True,
         }
+
+
+def together(payloads: list[dict], concurrency: int) -> list[dict]:
+    """The payloads in groups of `concurrency`, each group one request whose prompt is the list of its
+    prompts (the completions API's batched prompt), sent one group after another. The server queues a
+    request's prompts at once, so a decode group runs at its size from its first step. Sent as separate
+    requests from a pool of threads, 100 prompts reached the server over longer than their 12 tokens took on
+    an H100: the Qwen3 twin's decode batch of 100 peaked at 88 sequences in one row and ramped through 12
+    sizes in another, so the two rows' M=65-256 calls shared too few sizes for the speed gate to judge the
+    range (2026-12-07, docs/perf.md). Payloads that differ in more than their prompt (the sweep sends none)
+    are not merged: they go one by one."""
+    if concurrency <= 1:
+        return payloads
+    groups = [payloads[i : i + concurrency] for i in range(0, len(payloads), concurrency)]
+    merged = []
+    for group in groups:
+        shared = {k: v for k, v in group[0].items() if k != "prompt"}
+        if len(group) > 1 and all({k: v for k, v in p.items() if k != "prompt"} == shared for p in group):
+            merged.append({**shared, "prompt": [p["prompt"] for p in group]})
+        else:
+            merged.extend(group)
+    return merged
 
 
 def sweep_target(

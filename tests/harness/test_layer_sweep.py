@@ -225,3 +225,28 @@ def test_the_checks_own_sweep_and_rounds_continue_after_the_timed_prompts(sent, 
     checked = layer_sweep.reach_every_range(config, target(), owed=lambda: next(answers), first_index=timed)
     assert [r["requests"] for r in checked["rounds"]] == [8]
     assert indices == list(range(1, timed + checked["requests"] + 1))  # contiguous, none twice
+
+
+def test_prompts_sent_at_once_go_in_one_request_so_a_decode_batch_runs_at_its_size(monkeypatch):
+    """A decode batch of 100 as 100 requests from a pool of threads reached an H100's server over longer
+    than its 12 tokens took, and the batch ramped through sizes that differed from row to row: each group of
+    `concurrency` prompts is now one request whose prompt is their list, the groups one after another."""
+    requests: list[tuple[list[dict], int]] = []
+    monkeypatch.setattr(
+        layer_sweep, "post_completions", lambda url, payloads, parse, **kw: requests.append((payloads, kw))
+    )
+    t = target()
+    payloads = [t.payload(16, 12, i) for i in range(1, 81)]
+    t.post(payloads, 40)
+    ((grouped, kw),) = requests
+    assert kw["concurrency"] == 1 and len(grouped) == 2
+    assert [len(g["prompt"]) for g in grouped] == [40, 40]
+    assert grouped[1]["prompt"][0] == payloads[40]["prompt"]
+    assert {k: v for k, v in grouped[0].items() if k != "prompt"} == {
+        "model": "m", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True
+    }  # fmt: skip
+    # one at a time: as they were; a last group smaller than the rest; payloads that differ: not merged
+    assert layer_sweep.together(payloads[:3], 1) == payloads[:3]
+    assert [len(g["prompt"]) for g in layer_sweep.together(payloads[:10], 8)] == [8, 2]
+    mixed = [t.payload(16, 12, 1), t.payload(16, 1, 2)]
+    assert layer_sweep.together(mixed, 2) == mixed
