@@ -44,7 +44,9 @@ class SweepRound(TypedDict):
     sent: list[str]
     """the ranges it sent requests for"""
     requests: NotRequired[int]
-    """requests it sent (absent in the first records of the rounds)"""
+    """prompts it sent (absent in the first records of the rounds)"""
+    posts: NotRequired[int]
+    """HTTP requests they went in: prompts sent at once are one (absent before 2026-12-07: one a prompt)"""
     owed_after: NotRequired[dict[str, int]]
     """per range, the cells still owed after it"""
 
@@ -55,14 +57,18 @@ class TopUp(TypedDict):
     units: dict[str, int]
     """per range, the units sent"""
     requests: int
-    """requests they took"""
+    """prompts they took"""
+    posts: NotRequired[int]
+    """HTTP requests they went in (absent before 2026-12-07: one a prompt)"""
     rounds: NotRequired[int]
     """rounds sent, each after reading the calls so far anew (absent before 2026-12-06: one)"""
 
 
 class WarmUp(TypedDict):
     requests: int
-    """requests it sent"""
+    """prompts it sent"""
+    posts: NotRequired[int]
+    """HTTP requests they went in (absent before 2026-12-07: one a prompt)"""
     seconds: float
     """wall seconds"""
 
@@ -85,7 +91,10 @@ class Workload(TypedDict):
     engine_decode_step_seconds: NotRequired[dict[str, float | None]]
     """per decode batch size, the engine's mean seconds between a sequence's consecutive tokens"""
     requests: int
-    """requests sent"""
+    """prompts sent (each one completion); the prompts of later senders continue after them"""
+    posts: NotRequired[int]
+    """HTTP requests they went in: each group of prompts sent at once is one request with a list of prompts,
+    so that they run together (layer_sweep.together; absent before 2026-12-07, when each prompt was one)"""
     seconds: float
     """wall seconds"""
     ranges_targeted: list[int]

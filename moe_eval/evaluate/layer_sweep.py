@@ -169,8 +169,9 @@ class SweepTarget:
 
 def together(payloads: list[dict], concurrency: int) -> list[dict]:
     """The payloads in groups of `concurrency`, each group one request whose prompt is the list of its
-    prompts (the completions API's batched prompt), sent one group after another. The server queues a
-    request's prompts at once, so a decode group runs at its size from its first step. Sent as separate
+    prompts (the completions API's batched prompt), sent one group after another. The server takes a
+    request's prompts in together, so a decode group runs at or near its size (on the CPU: 8, 40 and 100
+    tokens, a few steps at 98-99). Sent as separate
     requests from a pool of threads, 100 prompts reached the server over longer than their 12 tokens took on
     an H100: the Qwen3 twin's decode batch of 100 peaked at 88 sequences in one row and ramped through 12
     sizes in another, so the two rows' M=65-256 calls shared too few sizes for the speed gate to judge the
@@ -224,6 +225,7 @@ def reach_every_range(
         first_index=first_index + sent["requests"],
     )
     sent["requests"] += sum(r["requests"] for r in sent["rounds"])
+    sent["posts"] += sum(r["posts"] for r in sent["rounds"])
     sent["seconds"] = round(sent["seconds"] + time.monotonic() - started, 2)
     return sent
 
@@ -252,7 +254,14 @@ def fill_cells(
             break
         sent = send_units(target, dict.fromkeys(wanted, 1), first_index=index)
         index += sent["requests"]
-        rounds.append({"owed": wanted, "sent": list(sent["units"]), "requests": sent["requests"]})
+        rounds.append(
+            {
+                "owed": wanted,
+                "sent": list(sent["units"]),
+                "requests": sent["requests"],
+                "posts": sent["posts"],
+            }
+        )
         if not sent["units"]:
             break
     return rounds
@@ -262,7 +271,7 @@ def send_units(target: SweepTarget, units: dict[str, int], *, first_index: int) 
     """`units[name]` more units of each range's workload (RANGE_UNITS), prompts from first_index on: a round
     of fill_cells, and the speed measurement's top-up of ranges the sweep called too few times
     (evaluate/moe_speed.py). Returns the units really sent (none for a range the server cannot reach)."""
-    index, sent = first_index, {}
+    index, sent, posts = first_index, {}, 0
     for name, count in units.items():
         for _ in range(count):
             payloads, concurrency = _unit(target, name, index)
@@ -270,8 +279,9 @@ def send_units(target: SweepTarget, units: dict[str, int], *, first_index: int) 
                 break
             index += len(payloads)
             target.post(payloads, concurrency)
+            posts += len(together(payloads, concurrency))
             sent[name] = sent.get(name, 0) + 1
-    return {"units": sent, "requests": index - first_index}
+    return {"units": sent, "requests": index - first_index, "posts": posts}
 
 
 def _unit(target: SweepTarget, name: str, index: int) -> tuple[list[dict], int]:
@@ -346,11 +356,15 @@ def sweep(target: SweepTarget, first_index: int = 0) -> dict[str, Any]:
 
     requests_sent = hashlib.sha256()
 
+    posts = 0
+
     def post(payloads: list[dict], concurrency: int) -> float:
+        nonlocal posts
         shape = [[p["prompt"], p["max_tokens"]] for p in payloads]
         requests_sent.update(json.dumps([concurrency, shape], separators=(",", ":")).encode())
         clock = time.monotonic()
         target.post(payloads, concurrency)
+        posts += len(together(payloads, concurrency))
         return round(time.monotonic() - clock, 4)
 
     def payload(length: int, tokens: int) -> dict:
@@ -393,7 +407,8 @@ def sweep(target: SweepTarget, first_index: int = 0) -> dict[str, Any]:
         sent["decode_seconds"][str(batch)] = seconds
         sent["engine_decode_step_seconds"][str(batch)] = engine_mean(server_metrics.INTER_TOKEN_LATENCY)
         sent["decode_batches"].append(batch)
-    sent["requests"] = index - first_index
+    sent["requests"] = index - first_index  # prompts: the next sender's prompts continue after them
+    sent["posts"] = posts  # HTTP requests: a group of prompts sent at once is one (together())
     sent["seconds"] = round(time.monotonic() - started, 2)
     sent["ranges_targeted"] = [edge for edge in LAYER_RANGE_EDGES if edge <= limit]
     # What was sent, as one value: two rows' timings of the sweep compare only where it is the same (the

@@ -120,8 +120,9 @@ def _timed(target: SweepTarget, run_dir: Path) -> tuple[dict[str, Any], moe_timi
     before = moe_timing.read_folder(run_dir)
     hits_before = target.prefix_cache_hits()
     sent = sweep(target, first_index=warm_up["requests"])
-    sent["warm_up"] = {"requests": warm_up["requests"], "seconds": warm_up["seconds"]}
+    sent["warm_up"] = {k: warm_up[k] for k in ("requests", "posts", "seconds")}
     sent["requests"] += warm_up["requests"]  # prompts used, so the later senders continue after them
+    sent["posts"] += warm_up["posts"]
     # Every timed row (the runner times only config.moe_timing rows), not only gated ones: a row and its
     # reference must send the same kinds of top-up.
     top_up(target, lambda: _read_since(run_dir, before), sent)
@@ -157,10 +158,12 @@ def top_up(target: SweepTarget, read: Callable[[], moe_timing.TimingSummary], se
         now = send_units(target, units, first_index=sent["requests"])
         if not now["units"]:  # none of them reachable on this server: another round would send nothing too
             return
-        total = sent.setdefault("top_up", {"units": {}, "requests": 0, "rounds": 0})
+        total = sent.setdefault("top_up", {"units": {}, "requests": 0, "posts": 0, "rounds": 0})
         for name, count in now["units"].items():
             total["units"][name] = total["units"].get(name, 0) + count
         total["requests"] += now["requests"]
+        total["posts"] += now["posts"]
+        sent["posts"] += now["posts"]
         total["rounds"] += 1
         sent["requests"] += now["requests"]  # the layer check's prompts continue after these
 

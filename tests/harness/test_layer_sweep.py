@@ -41,6 +41,7 @@ def test_rounds_drive_the_ranges_that_owe_cells_until_none_does(sent):
     rounds = _fill([{"M=1": 3, "M>=4096": 1}, {"M=1": 1}, {}])
     assert [r["sent"] for r in rounds] == [["M=1", "M>=4096"], ["M=1"]]
     assert [r["requests"] for r in rounds] == [8 + 12, 8]
+    assert [r["posts"] for r in rounds] == [8 + 1, 8]  # one at a time; the 12 long prompts in one request
     assert rounds[-1]["owed_after"] == {}
     one, big, again = sent
     # One sequence at a time (calls of one token), each prompt its own: routing that does not repeat itself.
@@ -62,7 +63,7 @@ def test_the_deadline_ends_the_sweep(sent):
 def test_a_range_the_server_cannot_make_is_not_sent(sent):
     # Calls stop at 2048 tokens: the >= 4096 unit has no prompts, and with nothing sent the rounds end.
     rounds = _fill([{"M>=4096": 1}] * 5, max_tokens=2048)
-    assert rounds == [{"owed": {"M>=4096": 1}, "sent": [], "requests": 0}] and sent == []
+    assert rounds == [{"owed": {"M>=4096": 1}, "sent": [], "requests": 0, "posts": 0}] and sent == []
 
 
 def test_the_largest_range_unit_fills_a_step_even_when_the_first_prompt_runs_alone():

@@ -76,8 +76,9 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         # launcher's warm-up), the speed measurement's timed sweep (every row), and for a bundled kernel the
         # layer check's own sweep and rounds: the check was paused through the timed requests, every server
         # process saying so.
-        timed = record["timing"]["workload"]["requests"]
-        checked = record["layer_sweep"]["requests"] if "layer_sweep" in record else 0
+        # (posts: HTTP requests; a group of prompts sent at once is one, layer_sweep.together)
+        timed = record["timing"]["workload"]["posts"]
+        checked = record["layer_sweep"]["posts"] if "layer_sweep" in record else 0
         assert log.count("POST /v1/completions") == 200 + 2 * 16 + 8 + 1 + timed + checked
         assert record["timing"]["workload"].get("layer_check_paused") is ("layer_sweep" in record or None)
         # Every row's served MoE calls timed per dispatch range on the same workload (reported on the CPU,

@@ -167,9 +167,13 @@ def test_a_yardstick_that_raises_stops_and_says_why_and_the_call_goes_on(tmp_pat
     def fails(_hidden):
         raise torch.OutOfMemoryError("CUDA out of memory (made up)")
 
+    timer.yardstick.prepare(hidden)  # this size run once already: the raise comes inside the bracket
     monkeypatch.setattr(timer.yardstick, "run", fails)
+    before = timer._ticket
     timer.stop(timer.start(hidden), hidden)
-    assert int(timer._release[0]) == timer._ticket and timer.yard_table is None
+    # the call's ticket and the yardstick's: both taken, both released
+    assert timer._ticket == before + 2 and int(timer._release[0]) == timer._ticket
+    assert timer.yard_table is None
     assert timer.snapshot()["yardstick"].startswith("stopped: OutOfMemoryError: CUDA out of memory")
     timer.stop(timer.start(hidden), hidden)  # later calls are timed, with no yardstick
     assert _cell(timer, 2)["calls"] == 2 and timer.snapshot()["sizes"][0][-3:] == [0.0, 0.0, 0.0]

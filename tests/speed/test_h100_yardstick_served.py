@@ -9,8 +9,6 @@ sizes left out (since 5269f39 the yardstick runs once, untimed, at each new size
 
 from __future__ import annotations
 
-import statistics
-
 from moe_eval.gates.speed import Margins, gated_eager, judge_range, speed_check
 from tests.speed import stored_power as stored
 from tests.speed.stored_power import DECODE, EAGER, MARGINS, timing
@@ -80,7 +78,7 @@ def test_as_judged_the_canary_catches_decode_always_and_eager_in_4_of_9(repo_roo
 def test_the_twin_catches_every_range_and_its_correct_repeat_is_incomplete_at_one_decode_range(repo_root):
     """The twin's mutated rows fail in 7 of 7 ranges twice (decode x1.050-1.054, eager x1.094-1.107). The
     correct repeat is not passed: M=65-256, graph-replayed, was not judged (the sizes both rows called at
-    least 3 times hold 45.7 % of the pair row's time there, 50 % needed; the pair row spread its 62 calls over
+    least 3 times hold 45.7 % of the pair row's time there, 50 % needed; the pair row spread its 60 calls over
     12 sizes, the repeat its 32 over 4), and a pass needs every graph-replayed range judged; no judged range
     was slower (worst x1.004)."""
     rows = stored.stored_rows(repo_root, TWIN)
@@ -126,10 +124,10 @@ def test_with_the_give_ups_sizes_left_out_the_canary_eager_slowdown_is_caught_in
     twin = [(a, p) for (stem, _, _), (_, a, p) in results.items() if stem == TWIN]
     assert all(a.passed == p.passed for a, p in twin)
     assert max(abs(a.ratio - p.ratio) for a, p in twin) < 0.008  # type: ignore[operator]
-    # half the yardstick's log moved the canary's slowed readings up by 0.6-3.2 %: their baseline's server
-    # ran its eager calls faster than theirs (the yardstick too)
+    # half the yardstick's log moved the canary's slowed readings up by 0.1-3.0 %: their servers ran the
+    # yardstick faster than the baseline's (the next test)
     shifts = [p.ratio / a.ratio for a, p in canary_slowed]  # type: ignore[operator]
-    assert 1.0 <= statistics.median(shifts) and min(shifts) > 0.99
+    assert 1.0005 < min(shifts) and max(shifts) < 1.031
 
 
 def test_the_servers_that_ran_the_yardstick_faster_read_the_slowdown_short(repo_root):
@@ -156,8 +154,34 @@ def test_the_servers_that_ran_the_yardstick_faster_read_the_slowdown_short(repo_
         judged = stored.ranges_judged(row, reference)
         eager_alone.append(max(judged[r].ratio for r in EAGER))  # type: ignore[type-var]
     repeat, slow1, slow2, slow3 = faster
-    assert 0.99 < repeat[0] and repeat[1] < 1.01
-    assert slow1[1] < 0.98 and slow2[1] < 0.965 and 0.985 < slow3[0]
+    assert 0.992 < repeat[0] and repeat[1] < 1.009
+    assert slow1[1] < 0.98 and slow2[1] < 0.965 and 0.985 < slow3[0] and slow3[1] < 1.0
     assert eager_alone[1] < 1.081 and eager_alone[2] < 1.065 and eager_alone[3] > 1.11
     (vllm,) = stored.correct(rows, vllm=True)
     assert all(0.94 < yardstick(vllm)[t] / base[t] < 0.966 for t in base)
+
+
+def test_over_every_stored_h100_twin_pair_m65_256_went_unjudged_in_6_of_41(repo_root):
+    """Every pair of unmutated twin rows within each H100 file (vLLM's rows included; the rows timed per
+    size), the later judged against the earlier: M=65-256 went unjudged in 6 of 41 comparisons, each for a
+    matched share under half (0.31-0.49); the judged read 0.52-0.91. The sweep sent its decode batch of 100 as
+    100 requests in all of them (one request since fe6855d)."""
+    import itertools
+
+    stems = (
+        "power-gated-twin",
+        "power-gated-twin-2",
+        "power-twin-run1",
+        "power-twin-run2",
+        "power-yardstick-twin",
+        "served-gated-twin-h100-tiles",
+    )
+    shares, unjudged = [], []
+    for stem in stems:
+        rows = [r for r in stored.stored_rows(repo_root, stem) if r["mutation"] is None]
+        for earlier, later in itertools.combinations(sorted(rows, key=lambda r: r["run"]), 2):
+            judged = stored.ranges_judged(later, earlier)["M=65-256"]
+            assert judged.matched_share is not None
+            (unjudged if judged.passed is None else shares).append(judged.matched_share)
+    assert len(shares) + len(unjudged) == 41 and len(unjudged) == 6
+    assert 0.31 <= min(unjudged) and max(unjudged) < 0.5 <= min(shares) and max(shares) <= 0.91

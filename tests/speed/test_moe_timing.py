@@ -258,13 +258,13 @@ def test_top_up_reads_again_and_sends_another_round_while_the_most_called_size_i
 
     def send(target, units, *, first_index):
         firsts.append(first_index)
-        return {"units": dict(units), "requests": 5 * sum(units.values())}
+        return {"units": dict(units), "requests": 5 * sum(units.values()), "posts": sum(units.values())}
 
     monkeypatch.setattr(moe_speed, "send_units", send)
-    sent = {"requests": 100}
+    sent = {"requests": 100, "posts": 40}
     moe_speed.top_up(None, lambda: next(readings), sent)
-    assert sent["top_up"] == {"units": {"M>=4096": 3 + 1}, "requests": 20, "rounds": 2}
-    assert sent["requests"] == 120 and firsts == [100, 115]
+    assert sent["top_up"] == {"units": {"M>=4096": 3 + 1}, "requests": 20, "posts": 4, "rounds": 2}
+    assert sent["requests"] == 120 and sent["posts"] == 44 and firsts == [100, 115]
 
 
 def test_top_up_stops_after_its_rounds_or_when_nothing_can_be_sent(monkeypatch):
@@ -277,21 +277,21 @@ def test_top_up_stops_after_its_rounds_or_when_nothing_can_be_sent(monkeypatch):
         return _at_8192(1)  # never enough
 
     monkeypatch.setattr(
-        moe_speed, "send_units", lambda t, units, *, first_index: {"units": units, "requests": 1}
+        moe_speed, "send_units", lambda t, units, *, first_index: {"units": units, "requests": 1, "posts": 1}
     )
-    sent = {"requests": 0}
+    sent = {"requests": 0, "posts": 0}
     moe_speed.top_up(None, read, sent)
     assert sent["top_up"]["rounds"] == moe_speed.TOP_UP_ROUNDS == len(reads)
     # a server that cannot make such calls: one reading, nothing sent, nothing recorded
     monkeypatch.setattr(
-        moe_speed, "send_units", lambda t, units, *, first_index: {"units": {}, "requests": 0}
+        moe_speed, "send_units", lambda t, units, *, first_index: {"units": {}, "requests": 0, "posts": 0}
     )
-    sent = {"requests": 7}
+    sent = {"requests": 7, "posts": 7}
     moe_speed.top_up(None, lambda: _at_8192(1), sent)
-    assert sent == {"requests": 7}
+    assert sent == {"requests": 7, "posts": 7}
     # enough already: no round
     moe_speed.top_up(None, lambda: _at_8192(MIN_CALLS), sent)
-    assert sent == {"requests": 7}
+    assert sent == {"requests": 7, "posts": 7}
 
 
 @pytest.mark.server
@@ -347,6 +347,7 @@ def test_top_up_prompts_continue_after_the_sweeps_and_never_repeat_one(monkeypat
     assert layer_sweep.send_units(small, {"M>=4096": 3}, first_index=0) == {
         "units": {},
         "requests": 0,
+        "posts": 0,
     }
 
 
