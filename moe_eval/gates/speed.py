@@ -524,6 +524,12 @@ def speed_check(
         )
     if unjudged:
         counted += " (not judged: " + "; ".join(f"{r.range}: {r.why_not}" for r in unjudged) + ")"
+    if section["eager_gated"] and not section["yardstick_clean"]:
+        gave_up = row.yardstick_timeouts, reference.yardstick_timeouts
+        counted += (
+            f"; eager sizes read alone, not against the yardstick: its waits gave up {gave_up[0]} time(s) in "
+            f"this row and {gave_up[1]} in the reference (such a bracket holds the host's time)"
+        )
     if slow:
         listed = "; ".join(_named(r) for r in slow)
         detail = f"slower than {reference_name} in {len(slow)} of {len(judged)} dispatch ranges: {listed}"

@@ -37,6 +37,11 @@ def test_every_rows_yardstick_gave_up_so_no_size_was_read_against_it(repo_root):
         for row, reference in _judged_rows(rows):
             judged = stored.ranges_judged(row, reference)
             assert all(j.sizes_paired == 0 for j in judged.values() if j.passed is not None)
+            # and the check says so, with the counts
+            check, section = speed_check(timing(row), timing(reference), MARGINS, reference["run"])
+            assert check is not None and section["yardstick_clean"] is False
+            gave_up = timing(row).yardstick_timeouts, timing(reference).yardstick_timeouts
+            assert f"its waits gave up {gave_up[0]} time(s) in this row and {gave_up[1]} in" in check.detail
 
 
 def test_on_the_canary_each_give_up_is_one_size_first_called_inside_the_timed_requests(repo_root):
