@@ -135,17 +135,20 @@ class SweepTarget:
     timeout: float
     retries: int
 
-    def post(self, payloads: list[dict], concurrency: int) -> None:
-        """The payloads, `concurrency` prompts at a time, each such group in one request (together())."""
+    def post(self, payloads: list[dict], concurrency: int) -> int:
+        """The payloads, `concurrency` prompts at a time, each such group in one request (together()): how
+        many requests that took."""
+        grouped = together(payloads, concurrency)
         post_completions(
             self.base_url,
-            together(payloads, concurrency),
+            grouped,
             lambda reply, i: reply.get("usage", {}),
             concurrency=1,
             timeout=self.timeout,
             retries=self.retries,
             backoff=1.0,
         )
+        return len(grouped)
 
     def server_totals(self) -> server_metrics.Totals | None:
         """The server's own counters now (its /metrics); None where it does not answer."""
@@ -278,8 +281,7 @@ def send_units(target: SweepTarget, units: dict[str, int], *, first_index: int) 
             if not payloads:  # the server cannot make such calls: nothing to send, nothing to record
                 break
             index += len(payloads)
-            target.post(payloads, concurrency)
-            posts += len(together(payloads, concurrency))
+            posts += target.post(payloads, concurrency)
             sent[name] = sent.get(name, 0) + 1
     return {"units": sent, "requests": index - first_index, "posts": posts}
 
@@ -363,8 +365,7 @@ def sweep(target: SweepTarget, first_index: int = 0) -> dict[str, Any]:
         shape = [[p["prompt"], p["max_tokens"]] for p in payloads]
         requests_sent.update(json.dumps([concurrency, shape], separators=(",", ":")).encode())
         clock = time.monotonic()
-        target.post(payloads, concurrency)
-        posts += len(together(payloads, concurrency))
+        posts += target.post(payloads, concurrency)
         return round(time.monotonic() - clock, 4)
 
     def payload(length: int, tokens: int) -> dict:

@@ -14,7 +14,11 @@ from moe_eval.evaluate import layer_sweep, server_metrics
 def sent(monkeypatch):
     posted: list[list[dict]] = []
     monkeypatch.setattr(
-        layer_sweep.SweepTarget, "post", lambda target, payloads, concurrency: posted.append(payloads)
+        layer_sweep.SweepTarget,
+        "post",
+        lambda target, payloads, concurrency: (
+            posted.append(payloads) or len(layer_sweep.together(payloads, concurrency))
+        ),
     )
     monkeypatch.setattr(layer_sweep, "STATS_INTERVAL_SECONDS", 0.0)
     monkeypatch.setattr(layer_sweep.SweepTarget, "server_totals", lambda target: None)  # no /metrics here

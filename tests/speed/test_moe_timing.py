@@ -328,7 +328,7 @@ def test_top_up_prompts_continue_after_the_sweeps_and_never_repeat_one(monkeypat
     monkeypatch.setattr(
         layer_sweep.SweepTarget, "post", lambda target, payloads, concurrency: posted.extend(
             tuple(p["prompt"]) for p in payloads
-        )
+        ) or len(layer_sweep.together(payloads, concurrency))
     )  # fmt: skip
     monkeypatch.setattr(layer_sweep.SweepTarget, "server_totals", lambda target: None)  # no /metrics here
     pool = layer_sweep.TokenPool(list(range(50_000)))  # distinct ids: equal prompts start at the same offset
