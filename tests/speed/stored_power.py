@@ -39,3 +39,16 @@ def baseline(rows: list[dict], row: dict) -> dict:
     pairs = {r["run"] for r in correct(rows, vllm=True)}
     earlier = (r for r in correct(rows) if r["run"] in pairs and r["run"] < row["run"])
     return max(earlier, key=lambda r: r["run"])
+
+
+def slowed(row: dict) -> bool:
+    """A row served with the slow_range mutation (a spin added to the bundled kernel's calls)."""
+    return row["mutation"] is not None and row["mutation"].startswith("slow_range")
+
+
+def judged_rows(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """(bundled row, its --baseline: the pair's bundled row just before it) for every bundled row outside a
+    pair run (the repeats and the mutated rows), oldest first: the comparisons the served run made."""
+    pair_runs = {r["run"] for r in correct(rows, vllm=True)}
+    later = [r for r in rows if "vllm" not in r["config"] and r["run"] not in pair_runs]
+    return [(r, baseline(rows, r)) for r in sorted(later, key=lambda r: r["run"])]

@@ -16,17 +16,6 @@ from tests.speed.stored_power import DECODE, EAGER, MARGINS, timing
 CANARY, TWIN = "power-yardstick-canary", "power-yardstick-twin"
 
 
-def _slowed(row: dict) -> bool:
-    return row["mutation"] is not None and row["mutation"].startswith("slow_range")
-
-
-def _judged_rows(rows: list[dict]) -> list[tuple[dict, dict]]:
-    """(bundled row, its --baseline: the pair's bundled row) for the repeat and the mutated rows."""
-    pair_runs = {r["run"] for r in stored.correct(rows, vllm=True)}
-    later = [r for r in rows if "vllm" not in r["config"] and r["run"] not in pair_runs]
-    return [(r, stored.baseline(rows, r)) for r in sorted(later, key=lambda r: r["run"])]
-
-
 def test_every_rows_yardstick_gave_up_so_no_size_was_read_against_it(repo_root):
     """11 rows of 11 counted 1-7 yardstick give-ups; the gate pairs only where no wait of either row gave
     up (yardstick_clean), so every range of every comparison paired 0 sizes."""
@@ -34,7 +23,7 @@ def test_every_rows_yardstick_gave_up_so_no_size_was_read_against_it(repo_root):
         rows = stored.stored_rows(repo_root, stem)
         assert len(rows) == rows_expected
         assert all(1 <= timing(r).yardstick_timeouts <= 7 and timing(r).gate_timeouts == 0 for r in rows)
-        for row, reference in _judged_rows(rows):
+        for row, reference in stored.judged_rows(rows):
             judged = stored.ranges_judged(row, reference)
             assert all(j.sizes_paired == 0 for j in judged.values() if j.passed is not None)
             # and the check says so, with the counts
@@ -66,12 +55,12 @@ def test_as_judged_the_canary_catches_decode_always_and_eager_in_4_of_9(repo_roo
     kernel reads x0.65-0.97."""
     rows = stored.stored_rows(repo_root, CANARY)
     caught = []
-    for row, reference in _judged_rows(rows):
+    for row, reference in stored.judged_rows(rows):
         check, _ = speed_check(timing(row), timing(reference), MARGINS, reference["run"])
-        assert check is not None and check.passed is (not _slowed(row)), row["run"]
+        assert check is not None and check.passed is (not stored.slowed(row)), row["run"]
         judged = stored.ranges_judged(row, reference)
         assert all(j.passed is not None for j in judged.values())  # 7 of 7 judged
-        if _slowed(row):
+        if stored.slowed(row):
             assert all(judged[r].passed is False for r in DECODE)
             caught.append(sum(judged[r].passed is False for r in EAGER))
     assert caught == [1, 0, 3]
@@ -87,11 +76,11 @@ def test_the_twin_catches_every_range_and_its_correct_repeat_is_incomplete_at_on
     12 sizes, the repeat its 32 over 4), and a pass needs every graph-replayed range judged; no judged range
     was slower (worst x1.004)."""
     rows = stored.stored_rows(repo_root, TWIN)
-    for row, reference in _judged_rows(rows):
+    for row, reference in stored.judged_rows(rows):
         judged = stored.ranges_judged(row, reference)
         check, _ = speed_check(timing(row), timing(reference), MARGINS, reference["run"])
         assert check is not None
-        if _slowed(row):
+        if stored.slowed(row):
             assert not check.passed and all(j.passed is False for j in judged.values())
         else:
             # not slower, and not a pass: the evidence falls short (the row ends INCOMPLETE, exit 6)
@@ -111,7 +100,7 @@ def test_with_the_give_ups_sizes_left_out_the_canary_eager_slowdown_is_caught_in
     results = {}
     for stem in (CANARY, TWIN):
         rows = stored.stored_rows(repo_root, stem)
-        for row, reference in _judged_rows(rows):
+        for row, reference in stored.judged_rows(rows):
             mine, theirs = timing(row), timing(reference)
             gated = gated_eager(mine, theirs)
             assert gated
@@ -120,7 +109,7 @@ def test_with_the_give_ups_sizes_left_out_the_canary_eager_slowdown_is_caught_in
                 alone = judge_range(a, b, margins, gated, 0.0, yardstick=False)
                 paired = judge_range(a, b, margins, gated, 0.0, yardstick=True)
                 assert paired.sizes_paired >= 1
-                results[(stem, row["run"], name)] = (_slowed(row), alone, paired)
+                results[(stem, row["run"], name)] = (stored.slowed(row), alone, paired)
     canary_slowed = [(a, p) for (stem, _, _), (s, a, p) in results.items() if stem == CANARY and s]
     assert sum(a.passed is False for a, _ in canary_slowed) == 4
     assert sum(p.passed is False for _, p in canary_slowed) == 8
@@ -150,7 +139,7 @@ def test_the_servers_that_ran_the_yardstick_faster_read_the_slowdown_short(repo_
             if s.yard_mean_us is not None and s.tokens in (600, 1500, 8192)
         }
 
-    pairs = _judged_rows(rows)
+    pairs = stored.judged_rows(rows)
     base = yardstick(pairs[0][1])
     faster, eager_alone = [], []
     for row, reference in pairs:
