@@ -34,7 +34,7 @@ from moe_eval.gates.layer_gate import layer_check_limits
 from moe_eval.gates.layer_summary import MIN_ROWS, LayerSummary, reachable_ranges, summarize
 from moe_eval.gates.measurements import Answers, IncumbentRow, Measurements
 from moe_eval.gates.repeat import RepeatKeys
-from moe_eval.gates.speed import cards_of, machine_of, workload_identity
+from moe_eval.gates.speed import SpeedKeys, cards_of, machine_of, workload_identity
 from moe_eval.serve import cancel
 from moe_eval.serve.server_log import kernel_call_counts
 
@@ -206,6 +206,13 @@ def _target(row: Row) -> SweepTarget:
     return row.target
 
 
+def aimed_eager_margin(config: EvalConfig) -> float | None:
+    """The eager margin the timed workload's top-up aims at (gates/speed.py EAGER_AIM) on GPUs; None on the
+    CPU, where the comparison is reported only and a 2-core machine's spread would ask every range for the
+    cap."""
+    return config.keys(SpeedKeys).speed_margin_eager if config.on_gpu else None
+
+
 class TimeMoeCalls:
     """The timed workload: the MoE calls' time per call size (the speed gate's input), the client's and the
     engine's views, the GSM8K eval's output tokens per second."""
@@ -221,7 +228,12 @@ class TimeMoeCalls:
         # the SM clock beside the timed requests, on GPUs only (report only; see evaluate/gpu_clocks.py)
         clocks = ClockSampler(row.options.devices) if row.options.hw != "cpu" else None
         with clocks if clocks is not None else nullcontext():
-            row.swept, row.speed = timed_sweep(_target(row), row.run_dir, pause_layer_check=paused)
+            row.swept, row.speed = timed_sweep(
+                _target(row),
+                row.run_dir,
+                pause_layer_check=paused,
+                eager_margin=aimed_eager_margin(row.config),
+            )
         row.timings["speed_seconds"] = time.monotonic() - started
         row.record.captures.timing = {
             "moe": row.speed.as_dict(),

@@ -62,6 +62,23 @@ class TopUp(TypedDict):
     """HTTP requests they went in (absent before 2026-12-07: one a prompt)"""
     rounds: NotRequired[int]
     """rounds sent, each after reading the calls so far anew (absent before 2026-12-06: one)"""
+    wanted: NotRequired[dict[str, TopUpWant]]
+    """per range the last round sent units of, what its most-called size needed (absent before 2026-12-07)"""
+
+
+class TopUpWant(TypedDict):
+    """What a range's most-called size needed before the second reading (evaluate/moe_speed.py RangeWant)."""
+
+    size: int
+    """the size, tokens a call"""
+    called: int
+    """its calls per rank when the round read them"""
+    calls: int
+    """the calls it needed"""
+    reason: str
+    """min_calls: the speed gate's MIN_CALLS, to be judged at all; share: to hold two thirds of the range's
+    time, so that the sizes two rows both make hold half; aim: for its mean to catch a 10 % eager slowdown
+    with 80 % probability at the config's speed_margin_eager (GPU runs)"""
 
 
 class WarmUp(TypedDict):

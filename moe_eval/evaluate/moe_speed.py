@@ -30,6 +30,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,22 @@ from moe_eval.core.plugin_protocol import (
     layer_range_names,
 )
 from moe_eval.evaluate.layer_sweep import DECODE_BATCHES, DECODE_TOKENS, SweepTarget, send_units, sweep
-from moe_eval.gates.speed import MIN_CALLS
+from moe_eval.gates.speed import MIN_CALLS, calls_to_catch
 
 # At most this many more units of one range (a range the sweep called once asks for 17): each is at most
 # two batched-token limits of prompts, a fraction of a second on the H200.
 MAX_TOP_UP_UNITS = 2 * MIN_CALLS
+# The prefill ranges whose unit is single prompts sent one at a time (layer_sweep.RANGE_UNITS): every call
+# of a unit lands at the sweep's own prompt length, so more units raise that size's share of the range's time.
+# (M>=4096's unit is a batched prefill whose steps land at several sizes: more of it keeps the shares.)
+SINGLE_PROMPT_RANGES = ("M=257-1023", "M=1024-4095")
+# The share of a single-prompt range's time its most-called size is topped up to hold. The gate judges a range
+# only where the sizes both rows made hold MIN_MATCHED_SHARE (half) of each row's time; the canary's
+# M=1024-4095 missed it in 5 of 8 comparisons on one H100 (2026-12-07: its 1500-token calls held 35-49 %,
+# beside sizes the batched prompts' steps made, different in each row). Two thirds in each row leave room.
+TOP_SIZE_SHARE = 2 / 3
+# The most calls the aim asks of one size (8 x MIN_CALLS): past it, a range says what it would catch.
+MAX_AIM_CALLS = 8 * MIN_CALLS
 # Rounds of top-up, each read anew (top_up): the second is for a range whose units the scheduler packed into
 # other sizes than the most-called one; a third seldom sends anything.
 TOP_UP_ROUNDS = 3
@@ -58,18 +70,19 @@ PAUSE_WAIT_SECONDS = 10 * STATS_INTERVAL_SECONDS
 
 
 def timed_sweep(
-    target: SweepTarget, run_dir: Path, pause_layer_check: bool = False
+    target: SweepTarget, run_dir: Path, pause_layer_check: bool = False, eager_margin: float | None = None
 ) -> tuple[dict[str, Any], moe_timing.TimingSummary]:
     """(what was sent with its wall times, the per-range MoE time of those calls), the processes' timing files
     read from run_dir before the sweep, after it and after the top-up (where one was sent).
     pause_layer_check: the row's layer check samples nothing meanwhile (`layer_check_paused` in what was
-    sent: true, or why not)."""
+    sent: true, or why not). eager_margin: the config's speed_margin_eager where the top-up aims the eager
+    ranges at EAGER_AIM (on GPUs; None: it tops up to the gate's MIN_CALLS and the share alone)."""
     if not pause_layer_check:
-        return _timed(target, run_dir)
+        return _timed(target, run_dir, eager_margin)
     paused: str | None = None
     try:  # the pause inside it: an interrupt while waiting still removes the pause file
         paused = switch_layer_check(run_dir, paused=True)
-        sent, summary = _timed(target, run_dir)
+        sent, summary = _timed(target, run_dir, eager_margin)
     finally:
         # Where no process had written a file, none could have paused: remove the file, wait for nobody.
         anyone = bool(layer_cells.paths(run_dir))
@@ -111,7 +124,9 @@ def switch_layer_check(run_dir: Path, paused: bool, wait: float = PAUSE_WAIT_SEC
         time.sleep(STATS_INTERVAL_SECONDS / 5)
 
 
-def _timed(target: SweepTarget, run_dir: Path) -> tuple[dict[str, Any], moe_timing.TimingSummary]:
+def _timed(
+    target: SweepTarget, run_dir: Path, eager_margin: float | None
+) -> tuple[dict[str, Any], moe_timing.TimingSummary]:
     # The same workload once untimed first, on prompts of its own: every call size the timed one makes has
     # been made once in every process (a size's first call can hold an allocation or a first launch's
     # setup), so the two rows' timed calls start from the same state.
@@ -125,7 +140,7 @@ def _timed(target: SweepTarget, run_dir: Path) -> tuple[dict[str, Any], moe_timi
     sent["posts"] += warm_up["posts"]
     # Every timed row (the runner times only config.moe_timing rows), not only gated ones: a row and its
     # reference must send the same kinds of top-up.
-    top_up(target, lambda: _read_since(run_dir, before), sent)
+    top_up(target, lambda: _read_since(run_dir, before), sent, eager_margin)
     hits_after = target.prefix_cache_hits()
     # Calls as sent: a prompt the prefix cache shortened made a smaller call than its range's (layer_sweep's
     # TokenPool keeps this 0); the speed gate compares rows only where their counts match
@@ -143,18 +158,26 @@ def _read_since(run_dir: Path, before: Any) -> moe_timing.TimingSummary:
     return moe_timing.summarize(moe_timing.since(moe_timing.read_folder(run_dir), before))
 
 
-def top_up(target: SweepTarget, read: Callable[[], moe_timing.TimingSummary], sent: dict[str, Any]) -> None:
-    """Round after round, units of the prefill ranges still called too few times (`top_up_units` of what
-    `read` returns: every timed call so far), at most TOP_UP_ROUNDS; `sent["top_up"]` says what went (units
-    summed per range, requests, rounds) and `sent["requests"]` counts them, so later prompts continue after.
-    A unit's calls land at sizes the engine's scheduler picks (how many prompts one step packs), so one round
-    can leave a range's most-called size short: on one H100 (2026-12-06) vLLM's canary row sent the one unit
-    of M>=4096 asked for and ended with 8 calls at 8192 tokens, FlashInfer's row beside it with 28, and the
-    gate could not judge the range between them."""
+def top_up(
+    target: SweepTarget,
+    read: Callable[[], moe_timing.TimingSummary],
+    sent: dict[str, Any],
+    eager_margin: float | None = None,
+) -> None:
+    """Round after round, units of the prefill ranges whose most-called size is still short of the calls it
+    needs (`wanted_calls` of what `read` returns: every timed call so far; eager_margin: the config's
+    speed_margin_eager where the row aims at EAGER_AIM, on GPUs), at most TOP_UP_ROUNDS; `sent["top_up"]`
+    says what went (units summed per range, requests, rounds, what the last round wanted and why) and
+    `sent["requests"]` counts them, so later prompts continue after. A unit's calls land at sizes the engine's
+    scheduler picks (how many prompts one step packs), so one round can leave a range's most-called size
+    short: on one H100 (2026-12-06) vLLM's canary row sent the one unit of M>=4096 asked for and ended with 8
+    calls at 8192 tokens, FlashInfer's row beside it with 28, and the gate could not judge the range between
+    them."""
     for _ in range(TOP_UP_ROUNDS):
-        units = top_up_units(read())
-        if not units:
+        wants = {name: want for name, want in range_wants(read(), eager_margin).items() if want.units}
+        if not wants:
             return
+        units = {name: want.units for name, want in wants.items()}
         now = send_units(target, units, first_index=sent["requests"])
         if not now["units"]:  # none of them reachable on this server: another round would send nothing too
             return
@@ -163,26 +186,70 @@ def top_up(target: SweepTarget, read: Callable[[], moe_timing.TimingSummary], se
             total["units"][name] = total["units"].get(name, 0) + count
         total["requests"] += now["requests"]
         total["posts"] += now["posts"]
+        total["wanted"] = {name: want.as_dict() for name, want in wants.items() if name in now["units"]}
         sent["posts"] += now["posts"]
         total["rounds"] += 1
         sent["requests"] += now["requests"]  # the layer check's prompts continue after these
 
 
-def top_up_units(first: moe_timing.TimingSummary, min_calls: int = MIN_CALLS) -> dict[str, int]:
-    """Per prefill-only range (above the sweep's decode batches) whose most-called size the sweep called
-    0 < c < min_calls times on a rank: more units of its workload (RANGE_UNITS), enough if a unit adds two
-    thirds of what the sweep did there (two single prompts where the sweep sent three; a batched prefill adds
-    about as many as the sweep's). The gate matches calls size for size, so a range's calls spread over many
-    sizes count as its most-called size's: on one H100 the Qwen3 twin's M>=4096 made 16 calls over 2-5 chunk
-    sizes, and 2 of 3 runs could not judge it (docs/perf.md)."""
+@dataclass(frozen=True)
+class RangeWant:
+    """What a prefill range's most-called size needs before the second reading: `calls` per rank (it has
+    `called`), for `reason`: min_calls (the gate's MIN_CALLS, to be judged at all), share (to hold
+    TOP_SIZE_SHARE of the range's time, so that the sizes two rows both make hold the gate's
+    MIN_MATCHED_SHARE), aim (for its mean to be sharp enough to catch EAGER_AIM: calls_to_catch)."""
+
+    size: int
+    called: int
+    calls: int
+    reason: str
+
+    @property
+    def units(self) -> int:
+        """More units of the range's workload: enough if a unit adds two thirds of what the sweep did there
+        (two single prompts where the sweep sent three; a batched prefill adds about as many as the
+        sweep's); 0 where it has enough, or made no call there (the server cannot reach the range)."""
+        if not 0 < self.called < self.calls:
+            return 0
+        return min(MAX_TOP_UP_UNITS, math.ceil(1.5 * (self.calls - self.called) / self.called))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "called": self.called, "calls": self.calls, "reason": self.reason}
+
+
+def range_wants(first: moe_timing.TimingSummary, eager_margin: float | None = None) -> dict[str, RangeWant]:
+    """Per prefill-only range (above the sweep's decode batches) the sweep reached, what its most-called size
+    needs (RangeWant). The gate matches calls size for size, so a range's calls spread over many sizes count
+    as its most-called size's: on one H100 the Qwen3 twin's M>=4096 made 16 calls over 2-5 chunk sizes, and 2
+    of 3 runs could not judge it (docs/perf.md)."""
     names = layer_range_names()
     prefill_only = {names[i] for i, low in enumerate(LAYER_RANGE_EDGES) if low > max(DECODE_BATCHES)}
-    units = {}
+    wants = {}
     for r in first.ranges:
-        calls = max(s.calls for s in r.sizes) if r.sizes else r.calls
-        if r.range in prefill_only and 0 < calls < min_calls:
-            units[r.range] = min(MAX_TOP_UP_UNITS, math.ceil(1.5 * (min_calls - calls) / calls))
-    return units
+        if r.range not in prefill_only:
+            continue
+        if not r.sizes:  # timed per range only
+            wants[r.range] = RangeWant(0, r.calls, MIN_CALLS, "min_calls")
+            continue
+        top = max(r.sizes, key=lambda s: s.calls)
+        needs = [(MIN_CALLS, "min_calls")]
+        if r.range in SINGLE_PROMPT_RANGES:
+            other_us = sum(s.calls * s.mean_us for s in r.sizes if s is not top)
+            if top.mean_us > 0:  # top.calls x mean >= TOP_SIZE_SHARE of (that + other_us)
+                share_calls = TOP_SIZE_SHARE / (1 - TOP_SIZE_SHARE) * other_us / top.mean_us
+                needs.append((math.ceil(share_calls), "share"))
+        if eager_margin is not None:
+            aim_calls = calls_to_catch(top, eager_margin)
+            if aim_calls is not None:
+                needs.append((min(aim_calls, MAX_AIM_CALLS), "aim"))
+        calls, reason = max(needs, key=lambda need: need[0])  # the first of equals: min_calls
+        wants[r.range] = RangeWant(top.tokens, top.calls, calls, reason)
+    return wants
+
+
+def top_up_units(first: moe_timing.TimingSummary, eager_margin: float | None = None) -> dict[str, int]:
+    """The units `top_up` sends after this reading: per range that needs any."""
+    return {name: want.units for name, want in range_wants(first, eager_margin).items() if want.units}
 
 
 def end_to_end(sent: dict[str, Any]) -> dict[str, Any]:

@@ -236,6 +236,74 @@ def test_top_up_counts_a_range_by_its_most_called_size():
     assert top_up_units(spread_over({6000: 4, 8192: MIN_CALLS})) == {}
 
 
+def _range(name: str, sizes: dict[int, tuple[int, float, float]]) -> moe_timing.RangeTiming:
+    """One range of sizes {tokens: (calls, mean us, spread us)}, eager."""
+    cells = tuple(moe_timing.SizeTiming(m, n, us, spread, 0) for m, (n, us, spread) in sizes.items())
+    total = sum(n for n, _, _ in sizes.values())
+    return moe_timing.RangeTiming(name, total, total, 1.0, 0.0, 1.0, sizes=cells)
+
+
+def _summary_of(*ranges: moe_timing.RangeTiming) -> moe_timing.TimingSummary:
+    return moe_timing.TimingSummary(1, ("device",), ("s",), ("triton",), ranges)
+
+
+def test_top_up_lifts_a_single_prompt_ranges_own_size_to_two_thirds_of_its_time():
+    """The canary's M=1024-4095 on an H100 (2026-12-07): 12 calls at the sweep's 1500 tokens beside sizes the
+    batched prompts' steps made (1510, 1616, 3000), so 1500 held 38 % of the row's time and the range went
+    unjudged against a row whose other sizes differed. The top-up now asks for enough 1500-token calls to hold
+    two thirds: 35 here (2 x the others' 590 us / 34 us), 3 units of 2 prompts. M>=4096's unit is a batched
+    prefill whose steps land at several sizes: no share asked of it."""
+    from moe_eval.evaluate.moe_speed import TOP_SIZE_SHARE, range_wants
+
+    mid = _range(
+        "M=1024-4095",
+        {1500: (12, 34.3, 0.3), 1510: (4, 34.4, 0.3), 1616: (8, 36.4, 0.3), 3000: (4, 40.6, 0.1)},
+    )
+    large = _range("M>=4096", {4500: (4, 48.3, 0.4), 5308: (8, 48.8, 0.6), 8192: (24, 57.5, 0.3)})
+    wants = range_wants(_summary_of(mid, large))
+    want = wants["M=1024-4095"]
+    assert (want.size, want.called, want.reason) == (1500, 12, "share")
+    others = 4 * 34.4 + 8 * 36.4 + 4 * 40.6
+    assert want.calls == math.ceil(2 * others / 34.3) == 35
+    assert want.calls * 34.3 / (want.calls * 34.3 + others) >= TOP_SIZE_SHARE
+    assert want.units == math.ceil(1.5 * (35 - 12) / 12) == 3
+    assert wants["M>=4096"].units == 0  # 24 calls at 8192 (49 % of the time): enough calls, no share asked
+    # a size already holding two thirds asks nothing more
+    alone = _range("M=1024-4095", {1500: (16, 30.1, 0.3), 1480: (4, 30.4, 0.3)})
+    assert range_wants(_summary_of(alone))["M=1024-4095"].units == 0
+
+
+def test_top_up_aims_a_noisy_eager_size_at_catching_a_10_percent_slowdown_only_when_asked():
+    """The canary's 8192-token calls spread 5.5 % one from the next; with 16 of them M>=4096 would
+    catch only about x1.13. Given the eager margin (GPU runs), the top-up asks for the calls that make a range
+    of that size catch x1.10 with 80 % probability in this row and a reference like it (calls_to_catch: 66
+    here), capped at MAX_AIM_CALLS; without it, only MIN_CALLS. A quiet size (the twin's 1.3 %) asks for
+    fewer than MIN_CALLS: nothing more."""
+    from moe_eval.evaluate.moe_speed import MAX_AIM_CALLS, range_wants
+    from moe_eval.gates.speed import EAGER_AIM, calls_to_catch
+
+    noisy = _range("M>=4096", {8192: (16, 50.0, 2.75)})
+    assert range_wants(_summary_of(noisy))["M>=4096"].units == 0
+    want = range_wants(_summary_of(noisy), eager_margin=0.03)["M>=4096"]
+    assert want.reason == "aim" and want.calls == calls_to_catch(noisy.sizes[0], 0.03) == 66  # type: ignore[index]
+    assert want.units == math.ceil(1.5 * (66 - 16) / 16)
+    # the count is what it says: with 66 calls in both rows, the range's would_catch is x1.10
+    from moe_eval.gates.speed import Margins, judge_range
+
+    many = _range("M>=4096", {8192: (66, 50.0, 2.75)})
+    judged = judge_range(many, many, Margins(replayed=0.01, eager=0.03), gated=True)
+    assert judged.would_catch is not None and 1.09 < judged.would_catch <= 1 + EAGER_AIM
+    fewer = _range("M>=4096", {8192: (16, 50.0, 2.75)})
+    assert judge_range(fewer, fewer, Margins(0.01, 0.03), gated=True).would_catch > 1.12  # type: ignore[operator]
+    # far noisier: the cap
+    launch_bound = _range("M>=4096", {8192: (16, 50.0, 10.0)})
+    assert range_wants(_summary_of(launch_bound), eager_margin=0.03)["M>=4096"].calls == MAX_AIM_CALLS
+    quiet = _range("M>=4096", {8192: (24, 1223.0, 16.3)})
+    assert range_wants(_summary_of(quiet), eager_margin=0.03)["M>=4096"].units == 0
+    # a margin the floor alone leaves no room for: no count can, so none is asked
+    assert calls_to_catch(noisy.sizes[0], margin=0.09) is None  # type: ignore[index]
+
+
 def _at_8192(calls: int) -> moe_timing.TimingSummary:
     """M>=4096 with `calls` at 8192 tokens and 2 at 7500."""
     cells = (
@@ -263,7 +331,16 @@ def test_top_up_reads_again_and_sends_another_round_while_the_most_called_size_i
     monkeypatch.setattr(moe_speed, "send_units", send)
     sent = {"requests": 100, "posts": 40}
     moe_speed.top_up(None, lambda: next(readings), sent)
-    assert sent["top_up"] == {"units": {"M>=4096": 3 + 1}, "requests": 20, "posts": 4, "rounds": 2}
+    wanted = {
+        "M>=4096": {"size": 8192, "called": 8, "calls": MIN_CALLS, "reason": "min_calls"}
+    }  # the last round's
+    assert sent["top_up"] == {
+        "units": {"M>=4096": 3 + 1},
+        "requests": 20,
+        "posts": 4,
+        "rounds": 2,
+        "wanted": wanted,
+    }
     assert sent["requests"] == 120 and sent["posts"] == 44 and firsts == [100, 115]
 
 

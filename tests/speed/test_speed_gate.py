@@ -494,3 +494,16 @@ def test_the_section_names_the_paired_floor_and_the_yardsticks_weight():
         gave_up = dataclasses.replace(paired_timing(24.0), yardstick_timeouts=timeouts)
         _, section = speed_check(gave_up, row, MARGINS, "ref")
         assert not section["yardstick_clean"] and section["ranges"][0]["sizes_paired"] == 0
+
+
+def test_the_timed_top_up_aims_at_the_eager_slowdown_on_gpus_at_the_configs_own_margin():
+    """On a GPU run the top-up aims the eager ranges at EAGER_AIM at the config's speed_margin_eager; on the
+    CPU (reported only) it tops up to MIN_CALLS and the share alone."""
+    from dataclasses import replace
+
+    from moe_eval.steps import aimed_eager_margin
+
+    config = _speed_config(speed_margin_eager=0.05)
+    assert aimed_eager_margin(replace(config, on_gpu=True)) == 0.05
+    assert aimed_eager_margin(replace(_speed_config(), on_gpu=True)) == 0.03
+    assert aimed_eager_margin(replace(config, on_gpu=False)) is None
