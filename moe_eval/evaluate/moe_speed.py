@@ -12,13 +12,20 @@ stays is fixed: an eager call launches nothing for the check, but a captured cal
 later prompts (evaluate/layer_sweep.reach_every_range). The MoE bracket never held the check's work: its end
 stamp comes before the check's kernels.
 
-A prefill range whose most-called size the sweep called fewer than the gate's MIN_CALLS times (a model of
-few MoE layers: the two-layer twins made 2-12 calls there on the H200, spread over several chunk sizes)
-gets more units of its workload before the second reading, in rounds read anew until it has enough or
-TOP_UP_ROUNDS are spent (`top_up`; `timing.workload.top_up` in results.json), so the gate can judge it; the
-decode ranges get far more calls than that from the sweep alone. Units follow each row's own readings, so a
-row and its reference can differ by a unit where chunked prefill packed their batched prompts otherwise: the
-gate compares calls of the same size, not the workload's total.
+A prefill range whose most-called size is short of what the gate needs gets more units of its workload
+before the second reading, in rounds read anew until it has enough or TOP_UP_ROUNDS are spent (`top_up`;
+`timing.workload.top_up` in results.json, with what the last round wanted and why: `range_wants`):
+- MIN_CALLS, to be judged at all (a model of few MoE layers: the two-layer twins made 2-12 calls there on the
+  H200, spread over several chunk sizes);
+- in a single-prompt range, two thirds of the range's time (TOP_SIZE_SHARE), so that the sizes a row and its
+  reference both make hold the gate's half: beside the sweep's own length sit sizes the batched prompts'
+  steps made, different in each row;
+- on GPUs, the calls that let the range catch a slowdown of EAGER_AIM at the config's eager margin
+  (gates/speed.py calls_to_catch): a noisy size (the canary's 8192-token calls, 5-6 % a call) needs several
+  times MIN_CALLS.
+The decode ranges get far more calls than that from the sweep alone. Units follow each row's own readings,
+so a row and its reference can differ by a unit where chunked prefill packed their batched prompts otherwise:
+the gate compares calls of the same size, not the workload's total.
 
 End to end, from the client: each single prefill's tokens per second (median of its three) and each decode
 batch's wall time per generated token (which includes its 16-token prompts' prefill).
