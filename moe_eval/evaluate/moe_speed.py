@@ -147,7 +147,7 @@ def _timed(
     sent["posts"] += warm_up["posts"]
     # Every timed row (the runner times only config.moe_timing rows), not only gated ones: a row and its
     # reference must send the same kinds of top-up.
-    top_up(target, lambda: _read_since(run_dir, before), sent, eager_margin)
+    current = top_up(target, lambda: _read_since(run_dir, before), sent, eager_margin)
     hits_after = target.prefix_cache_hits()
     # Calls as sent: a prompt the prefix cache shortened made a smaller call than its range's (layer_sweep's
     # TokenPool keeps this 0); the speed gate compares rows only where their counts match
@@ -155,9 +155,9 @@ def _timed(
     sent["prefix_cache_hit_tokens"] = (
         hits_after - hits_before if hits_before is not None and hits_after is not None else None
     )
-    time.sleep(2 * STATS_INTERVAL_SECONDS)
-    after = moe_timing.read_folder(run_dir)
-    return sent, moe_timing.summarize(moe_timing.since(after, before))
+    # The top-up's last reading, where nothing was sent after it, is already the whole workload's: a second
+    # wait for the flushers would add a second of nothing to every row.
+    return sent, current if current is not None else _read_since(run_dir, before)
 
 
 def _read_since(run_dir: Path, before: Any) -> moe_timing.TimingSummary:
@@ -170,24 +170,26 @@ def top_up(
     read: Callable[[], moe_timing.TimingSummary],
     sent: dict[str, Any],
     eager_margin: float | None = None,
-) -> None:
+) -> moe_timing.TimingSummary | None:
     """Round after round, units of the prefill ranges whose most-called size is still short of the calls it
-    needs (`wanted_calls` of what `read` returns: every timed call so far; eager_margin: the config's
+    needs (`range_wants` of what `read` returns: every timed call so far; eager_margin: the config's
     speed_margin_eager where the row aims at EAGER_AIM, on GPUs), at most TOP_UP_ROUNDS; `sent["top_up"]`
     says what went (units summed per range, requests, rounds, what the last round wanted and why) and
     `sent["requests"]` counts them, so later prompts continue after. A unit's calls land at sizes the engine's
     scheduler picks (how many prompts one step packs), so one round can leave a range's most-called size
     short: on one H100 (2026-12-06) vLLM's canary row sent the one unit of M>=4096 asked for and ended with 8
     calls at 8192 tokens, FlashInfer's row beside it with 28, and the gate could not judge the range between
-    them."""
+    them. Returns its last reading where nothing was sent after it (the timed calls as they stand), else
+    None."""
     for _ in range(TOP_UP_ROUNDS):
-        wants = {name: want for name, want in range_wants(read(), eager_margin).items() if want.units}
+        reading = read()
+        wants = {name: want for name, want in range_wants(reading, eager_margin).items() if want.units}
         if not wants:
-            return
+            return reading
         units = {name: want.units for name, want in wants.items()}
         now = send_units(target, units, first_index=sent["requests"])
         if not now["units"]:  # none of them reachable on this server: another round would send nothing too
-            return
+            return reading
         total = sent.setdefault("top_up", {"units": {}, "requests": 0, "posts": 0, "rounds": 0})
         for name, count in now["units"].items():
             total["units"][name] = total["units"].get(name, 0) + count
@@ -197,6 +199,7 @@ def top_up(
         sent["posts"] += now["posts"]
         total["rounds"] += 1
         sent["requests"] += now["requests"]  # the layer check's prompts continue after these
+    return None  # the last round sent units after its reading
 
 
 @dataclass(frozen=True)

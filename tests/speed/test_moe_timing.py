@@ -321,7 +321,8 @@ def test_top_up_reads_again_and_sends_another_round_while_the_most_called_size_i
     is summed, its prompts after the sweep's and the first round's."""
     from moe_eval.evaluate import moe_speed
 
-    readings = iter([_at_8192(4), _at_8192(8), _at_8192(MIN_CALLS)])
+    enough = _at_8192(MIN_CALLS)
+    readings = iter([_at_8192(4), _at_8192(8), enough])
     firsts: list[int] = []
 
     def send(target, units, *, first_index):
@@ -330,7 +331,8 @@ def test_top_up_reads_again_and_sends_another_round_while_the_most_called_size_i
 
     monkeypatch.setattr(moe_speed, "send_units", send)
     sent = {"requests": 100, "posts": 40}
-    moe_speed.top_up(None, lambda: next(readings), sent)
+    # the reading that wanted nothing is the workload's as it stands: _timed takes it, waits for no flusher
+    assert moe_speed.top_up(None, lambda: next(readings), sent) is enough
     wanted = {
         "M>=4096": {"size": 8192, "called": 8, "calls": MIN_CALLS, "reason": "min_calls"}
     }  # the last round's
@@ -357,17 +359,19 @@ def test_top_up_stops_after_its_rounds_or_when_nothing_can_be_sent(monkeypatch):
         moe_speed, "send_units", lambda t, units, *, first_index: {"units": units, "requests": 1, "posts": 1}
     )
     sent = {"requests": 0, "posts": 0}
-    moe_speed.top_up(None, read, sent)
+    assert moe_speed.top_up(None, read, sent) is None  # its last round sent after its reading: read again
     assert sent["top_up"]["rounds"] == moe_speed.TOP_UP_ROUNDS == len(reads)
     # a server that cannot make such calls: one reading, nothing sent, nothing recorded
     monkeypatch.setattr(
         moe_speed, "send_units", lambda t, units, *, first_index: {"units": {}, "requests": 0, "posts": 0}
     )
     sent = {"requests": 7, "posts": 7}
-    moe_speed.top_up(None, lambda: _at_8192(1), sent)
+    short = _at_8192(1)
+    assert moe_speed.top_up(None, lambda: short, sent) is short
     assert sent == {"requests": 7, "posts": 7}
-    # enough already: no round
-    moe_speed.top_up(None, lambda: _at_8192(MIN_CALLS), sent)
+    # enough already: no round, and that reading stands
+    enough = _at_8192(MIN_CALLS)
+    assert moe_speed.top_up(None, lambda: enough, sent) is enough
     assert sent == {"requests": 7, "posts": 7}
 
 
@@ -587,3 +591,23 @@ def test_the_gates_give_ups_count_per_timed_window_and_an_unsaid_bracket_is_neve
     old = dataclasses.replace(before, pid=2, eager_bracket=None, gate_timeouts=None)
     summary = moe_timing.summarize([before, old])
     assert summary.gate_timeouts is None and "not recorded" in summary.eager_brackets
+
+
+def test_the_timed_workload_waits_for_the_flushers_once_after_its_last_request(monkeypatch, tmp_path):
+    """Each reading of the timers waits two flush intervals. The top-up's reading that wanted nothing is
+    already the whole workload's: the speed measurement takes it, so a row reads the timers twice (before
+    and after) where nothing was topped up, not three times (a second on every row, of ~5.5 s the timed
+    step took on an H100)."""
+    from moe_eval.evaluate import moe_speed
+
+    reads: list[int] = []
+    sleeps: list[float] = []
+    monkeypatch.setattr(moe_speed.moe_timing, "read_folder", lambda run_dir: reads.append(1) or [])
+    monkeypatch.setattr(moe_speed.time, "sleep", sleeps.append)
+    monkeypatch.setattr(
+        moe_speed, "sweep", lambda target, first_index=0: {"requests": 10, "posts": 5, "seconds": 0.1}
+    )
+    target = SimpleNamespace(prefix_cache_hits=lambda: 0)
+    sent, summary = moe_speed._timed(target, tmp_path, eager_margin=None)  # type: ignore[arg-type]
+    assert len(reads) == 2 and len(sleeps) == 2 and summary.ranges == ()
+    assert "top_up" not in sent and sent["prefix_cache_hit_tokens"] == 0
