@@ -63,14 +63,14 @@ class TopUp(TypedDict):
     rounds: NotRequired[int]
     """rounds sent, each after reading the calls so far anew (absent before 2026-12-06: one)"""
     wanted: NotRequired[dict[str, TopUpWant]]
-    """per range the last round sent units of, what its most-called size needed (absent before 2026-12-07)"""
+    """per range topped up, what its size needed as its last round read it (absent before 2026-12-07)"""
 
 
 class TopUpWant(TypedDict):
     """What a range's most-called size needed before the second reading (evaluate/moe_speed.py RangeWant)."""
 
     size: int
-    """the size, tokens a call"""
+    """the size its units add to, tokens a call: a single-prompt range's prompt length, else the top one"""
     called: int
     """its calls per rank when the round read them"""
     calls: int

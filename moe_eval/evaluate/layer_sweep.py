@@ -272,7 +272,7 @@ def fill_cells(
 
 def send_units(target: SweepTarget, units: dict[str, int], *, first_index: int) -> dict[str, Any]:
     """`units[name]` more units of each range's workload (RANGE_UNITS), prompts from first_index on: a round
-    of fill_cells, and the speed measurement's top-up of ranges the sweep called too few times
+    of fill_cells, and the speed measurement's top-up of ranges short of what the speed gate needs
     (evaluate/moe_speed.py). Returns the units really sent (none for a range the server cannot reach)."""
     index, sent, posts = first_index, {}, 0
     for name, count in units.items():

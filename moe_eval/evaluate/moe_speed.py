@@ -49,23 +49,39 @@ from moe_eval.core.plugin_protocol import (
     STATS_INTERVAL_SECONDS,
     layer_range_names,
 )
-from moe_eval.evaluate.layer_sweep import DECODE_BATCHES, DECODE_TOKENS, SweepTarget, send_units, sweep
-from moe_eval.gates.speed import MIN_CALLS, calls_to_catch
+from moe_eval.evaluate.layer_sweep import (
+    DECODE_BATCHES,
+    DECODE_TOKENS,
+    RANGE_UNITS,
+    SweepTarget,
+    send_units,
+    sweep,
+)
+from moe_eval.gates.speed import MIN_CALLS, calls_to_catch, gated_eager
 
-# At most this many more units of one range (a range the sweep called once asks for 17): each is at most
-# two batched-token limits of prompts, a fraction of a second on the H200.
+# At most this many more units of one range in one round (a range the sweep called once asks for 17): each
+# is at most two batched-token limits of prompts, a fraction of a second on the H200.
 MAX_TOP_UP_UNITS = 2 * MIN_CALLS
-# The prefill ranges whose unit is single prompts sent one at a time (layer_sweep.RANGE_UNITS): every call
-# of a unit lands at the sweep's own prompt length, so more units raise that size's share of the range's time.
-# (M>=4096's unit is a batched prefill whose steps land at several sizes: more of it keeps the shares.)
-SINGLE_PROMPT_RANGES = ("M=257-1023", "M=1024-4095")
-# The share of a single-prompt range's time its most-called size is topped up to hold. The gate judges a range
-# only where the sizes both rows made hold MIN_MATCHED_SHARE (half) of each row's time; the canary's
-# M=1024-4095 missed it in 5 of 8 comparisons on one H100 (2026-12-07: its 1500-token calls held 35-49 %,
-# beside sizes the batched prompts' steps made, different in each row). Two thirds in each row leave room.
+# The prefill ranges whose unit is single prompts of one length sent one at a time (layer_sweep.RANGE_UNITS:
+# one prompt at once, one token generated), with that length: every call of a unit lands at that size, so
+# more units raise its share of the range's time. (M>=4096's unit is a batched prefill whose steps land at
+# several sizes: more of it keeps the shares.)
+SINGLE_PROMPT_RANGES = {
+    name: length
+    for name, (prompts, at_once, length, generated), low in zip(
+        layer_range_names(), RANGE_UNITS, LAYER_RANGE_EDGES, strict=True
+    )
+    if low > max(DECODE_BATCHES) and prompts > 0 and at_once == 1 and generated == 1
+}
+# The share of a single-prompt range's time its unit's size is topped up to hold. The gate judges a range only
+# where the sizes both rows made hold MIN_MATCHED_SHARE (half) of each row's time; the canary's M=1024-4095
+# missed it in 5 of 8 comparisons on one H100 (2026-12-07: its 1500-token calls held 35-49 %, beside sizes
+# the batched prompts' steps made, different in each row). Two thirds in each row leave room.
 TOP_SIZE_SHARE = 2 / 3
-# The most calls the aim asks of one size (8 x MIN_CALLS): past it, a range says what it would catch.
-MAX_AIM_CALLS = 8 * MIN_CALLS
+# The most calls a size is asked for, by the share or the aim (8 x MIN_CALLS): past it, a range says what it
+# would catch. (A compile among another size's calls, ~0.7 s on vLLM's canary row, would otherwise ask the
+# share for tens of thousands.)
+MAX_WANTED_CALLS = 8 * MIN_CALLS
 # Rounds of top-up, each read anew (top_up): the second is for a range whose units the scheduler packed into
 # other sizes than the most-called one; a third seldom sends anything.
 TOP_UP_ROUNDS = 3
@@ -174,7 +190,7 @@ def top_up(
     """Round after round, units of the prefill ranges whose most-called size is still short of the calls it
     needs (`range_wants` of what `read` returns: every timed call so far; eager_margin: the config's
     speed_margin_eager where the row aims at EAGER_AIM, on GPUs), at most TOP_UP_ROUNDS; `sent["top_up"]`
-    says what went (units summed per range, requests, rounds, what the last round wanted and why) and
+    says what went (units summed per range, requests, rounds, what each range's last round wanted and why) and
     `sent["requests"]` counts them, so later prompts continue after. A unit's calls land at sizes the engine's
     scheduler picks (how many prompts one step packs), so one round can leave a range's most-called size
     short: on one H100 (2026-12-06) vLLM's canary row sent the one unit of M>=4096 asked for and ended with 8
@@ -195,7 +211,8 @@ def top_up(
             total["units"][name] = total["units"].get(name, 0) + count
         total["requests"] += now["requests"]
         total["posts"] += now["posts"]
-        total["wanted"] = {name: want.as_dict() for name, want in wants.items() if name in now["units"]}
+        wanted = total.setdefault("wanted", {})  # each range's want as its last round read it
+        wanted.update({name: want.as_dict() for name, want in wants.items() if name in now["units"]})
         sent["posts"] += now["posts"]
         total["rounds"] += 1
         sent["requests"] += now["requests"]  # the layer check's prompts continue after these
@@ -228,12 +245,16 @@ class RangeWant:
 
 
 def range_wants(first: moe_timing.TimingSummary, eager_margin: float | None = None) -> dict[str, RangeWant]:
-    """Per prefill-only range (above the sweep's decode batches) the sweep reached, what its most-called size
-    needs (RangeWant). The gate matches calls size for size, so a range's calls spread over many sizes count
-    as its most-called size's: on one H100 the Qwen3 twin's M>=4096 made 16 calls over 2-5 chunk sizes, and 2
-    of 3 runs could not judge it (docs/perf.md)."""
+    """Per prefill-only range (above the sweep's decode batches) the sweep reached, what the size its units
+    add to needs (RangeWant): a single-prompt range's unit length where the range has calls of it, else its
+    most-called size. The gate matches calls size for size, so a range's calls spread over many sizes count
+    as that size's: on one H100 the Qwen3 twin's M>=4096 made 16 calls over 2-5 chunk sizes, and 2 of 3 runs
+    could not judge it (docs/perf.md). The aim is asked only where the row's eager calls were timed from the
+    host's last launch (gated_eager): elsewhere the gate's floor grows with a call's spread, and no count
+    catches the aim."""
     names = layer_range_names()
     prefill_only = {names[i] for i, low in enumerate(LAYER_RANGE_EDGES) if low > max(DECODE_BATCHES)}
+    aim = eager_margin is not None and gated_eager(first)
     wants = {}
     for r in first.ranges:
         if r.range not in prefill_only:
@@ -241,17 +262,19 @@ def range_wants(first: moe_timing.TimingSummary, eager_margin: float | None = No
         if not r.sizes:  # timed per range only
             wants[r.range] = RangeWant(0, r.calls, MIN_CALLS, "min_calls")
             continue
-        top = max(r.sizes, key=lambda s: s.calls)
+        by_size = {s.tokens: s for s in r.sizes}
+        length = SINGLE_PROMPT_RANGES.get(r.range)
+        top = by_size[length] if length in by_size else max(r.sizes, key=lambda s: s.calls)
         needs = [(MIN_CALLS, "min_calls")]
-        if r.range in SINGLE_PROMPT_RANGES:
+        if length is not None and top.mean_us > 0:
             other_us = sum(s.calls * s.mean_us for s in r.sizes if s is not top)
-            if top.mean_us > 0:  # top.calls x mean >= TOP_SIZE_SHARE of (that + other_us)
-                share_calls = TOP_SIZE_SHARE / (1 - TOP_SIZE_SHARE) * other_us / top.mean_us
-                needs.append((math.ceil(share_calls), "share"))
-        if eager_margin is not None:
+            share_calls = TOP_SIZE_SHARE / (1 - TOP_SIZE_SHARE) * other_us / top.mean_us  # of (top + other)
+            needs.append((min(math.ceil(share_calls), MAX_WANTED_CALLS), "share"))
+        if aim:
+            assert eager_margin is not None
             aim_calls = calls_to_catch(top, eager_margin)
             if aim_calls is not None:
-                needs.append((min(aim_calls, MAX_AIM_CALLS), "aim"))
+                needs.append((min(aim_calls, MAX_WANTED_CALLS), "aim"))
         calls, reason = max(needs, key=lambda need: need[0])  # the first of equals: min_calls
         wants[r.range] = RangeWant(top.tokens, top.calls, calls, reason)
     return wants
