@@ -50,6 +50,7 @@ class ProcessTiming:
     gate_timeouts: int | None = None  # eager calls whose gated start gave up waiting; None: not counted
     yardstick: str | None = None  # how the yardstick ran (kernels/moe_timer); None: a file from before it
     yardstick_timeouts: int | None = None  # its gated starts that gave up; None: not counted
+    snapshot_at: float | None = None  # when the process copied its table (wall clock); None: before the stamp
 
     def range_cells(self) -> dict[str, Cell]:
         """FIELDS per dispatch range: the sum of its sizes."""
@@ -207,6 +208,7 @@ def read_folder(run_dir: Path) -> list[ProcessTiming]:
                     gate_timeouts=data.get("gate_timeouts"),
                     yardstick=data.get("yardstick"),
                     yardstick_timeouts=data.get("yardstick_timeouts"),
+                    snapshot_at=data.get("snapshot_at"),
                 )
             )
         except (OSError, ValueError, KeyError, TypeError, IndexError):

@@ -154,8 +154,7 @@ def _timed(
     # been made once in every process (a size's first call can hold an allocation or a first launch's
     # setup), so the two rows' timed calls start from the same state.
     warm_up = sweep(target)
-    time.sleep(2 * STATS_INTERVAL_SECONDS)  # every process's flusher wrote what came before
-    before = moe_timing.read_folder(run_dir)
+    before = read_when_flushed(run_dir)
     hits_before = target.prefix_cache_hits()
     sent = sweep(target, first_index=warm_up["requests"])
     sent["warm_up"] = {k: warm_up[k] for k in ("requests", "posts", "seconds")}
@@ -177,8 +176,23 @@ def _timed(
 
 
 def _read_since(run_dir: Path, before: Any) -> moe_timing.TimingSummary:
-    time.sleep(2 * STATS_INTERVAL_SECONDS)  # every process's flusher wrote what came before
-    return moe_timing.summarize(moe_timing.since(moe_timing.read_folder(run_dir), before))
+    return moe_timing.summarize(moe_timing.since(read_when_flushed(run_dir), before))
+
+
+def read_when_flushed(run_dir: Path) -> list[moe_timing.ProcessTiming]:
+    """Every process's timing table once each has copied it after now (its file's `snapshot_at`): every
+    request that returned before this call is in it. The flushers tick every STATS_INTERVAL_SECONDS, so that
+    is half an interval on average; at most two intervals, the fixed wait this replaces, after which the
+    tables are read as they are (a process that wrote no stamp: a timer from before it)."""
+    mark = time.time()
+    deadline = time.monotonic() + 2 * STATS_INTERVAL_SECONDS
+    while True:
+        processes = moe_timing.read_folder(run_dir)
+        if processes and all(p.snapshot_at is not None and p.snapshot_at > mark for p in processes):
+            return processes
+        if time.monotonic() >= deadline:
+            return processes
+        time.sleep(STATS_INTERVAL_SECONDS / 10)
 
 
 def top_up(

@@ -333,6 +333,10 @@ class MoeTimer:
             ],
             "yardstick": self._yardstick_text(),
             "yardstick_timeouts": int(self._yard_timeouts[0]) if self._yard_timeouts is not None else 0,
+            # When this copy was taken (wall clock, seconds): the harness reads the tables once every process
+            # has flushed after its last request returned, instead of waiting two intervals blind. It makes
+            # every tick's record new, so the file is rewritten at every tick (a few KB).
+            "snapshot_at": time.time(),
         }
         if self.device_problem is not None:
             record["device_problem"] = self.device_problem

@@ -376,7 +376,7 @@ def test_the_timed_workload_hands_the_eager_margin_to_its_top_up(monkeypatch, tm
     from moe_eval.evaluate import moe_speed
 
     given: list[float | None] = []
-    monkeypatch.setattr(moe_speed.moe_timing, "read_folder", lambda run_dir: [])
+    monkeypatch.setattr(moe_speed.moe_timing, "read_folder", lambda run_dir: [_flushed_after(60.0)])
     monkeypatch.setattr(moe_speed.time, "sleep", lambda s: None)
     monkeypatch.setattr(
         moe_speed, "sweep", lambda target, first_index=0: {"requests": 10, "posts": 5, "seconds": 0.1}
@@ -679,21 +679,62 @@ def test_the_gates_give_ups_count_per_timed_window_and_an_unsaid_bracket_is_neve
     assert summary.gate_timeouts is None and "not recorded" in summary.eager_brackets
 
 
-def test_the_timed_workload_waits_for_the_flushers_once_after_its_last_request(monkeypatch, tmp_path):
-    """Each reading of the timers waits two flush intervals. The top-up's reading that wanted nothing is
-    already the whole workload's: the speed measurement takes it, so a row reads the timers twice (before
-    and after) where nothing was topped up, not three times (a second on every row, of ~5.5 s the timed
-    step took on an H100)."""
+def _flushed_after(seconds_from_now: float | None) -> moe_timing.ProcessTiming:
+    """A process's table, copied that long after now (None: a timer from before the stamp)."""
+    at = None if seconds_from_now is None else time.time() + seconds_from_now
+    return moe_timing.ProcessTiming(7, "triton", "s", "device", {}, {}, snapshot_at=at)
+
+
+def test_the_timed_workload_reads_the_timers_twice_when_nothing_is_topped_up(monkeypatch, tmp_path):
+    """The top-up's reading that wanted nothing is already the whole workload's: the speed measurement takes
+    it, so a row reads the timers twice (before and after) where nothing was topped up, not three times, and
+    where every process has flushed since, neither reading waits."""
     from moe_eval.evaluate import moe_speed
 
     reads: list[int] = []
     sleeps: list[float] = []
-    monkeypatch.setattr(moe_speed.moe_timing, "read_folder", lambda run_dir: reads.append(1) or [])
+    monkeypatch.setattr(
+        moe_speed.moe_timing, "read_folder", lambda run_dir: reads.append(1) or [_flushed_after(60.0)]
+    )
     monkeypatch.setattr(moe_speed.time, "sleep", sleeps.append)
     monkeypatch.setattr(
         moe_speed, "sweep", lambda target, first_index=0: {"requests": 10, "posts": 5, "seconds": 0.1}
     )
     target = SimpleNamespace(prefix_cache_hits=lambda: 0)
     sent, summary = moe_speed._timed(target, tmp_path, eager_margin=None)  # type: ignore[arg-type]
-    assert len(reads) == 2 and len(sleeps) == 2 and summary.ranges == ()
+    assert len(reads) == 2 and sleeps == [] and summary.ranges == ()
     assert "top_up" not in sent and sent["prefix_cache_hit_tokens"] == 0
+
+
+def test_a_reading_waits_until_every_process_has_flushed_since_and_no_longer_than_two_intervals(
+    monkeypatch, tmp_path
+):
+    """read_when_flushed returns as soon as every process's file says it copied its table after the call
+    (here: the second process on the third look), and, where a process never stamps its copy (a timer from
+    before the stamp), reads what is there after two flush intervals, the fixed wait it replaces."""
+    from moe_eval.core.plugin_protocol import STATS_INTERVAL_SECONDS
+    from moe_eval.evaluate import moe_speed
+
+    looks = iter([[_flushed_after(60.0), _flushed_after(-1.0)]] * 2 + [[_flushed_after(60.0)] * 2])
+    monkeypatch.setattr(moe_speed.moe_timing, "read_folder", lambda run_dir: next(looks))
+    sleeps: list[float] = []
+    monkeypatch.setattr(moe_speed.time, "sleep", sleeps.append)
+    assert len(moe_speed.read_when_flushed(tmp_path)) == 2 and len(sleeps) == 2
+    monkeypatch.setattr(moe_speed.moe_timing, "read_folder", lambda run_dir: [_flushed_after(None)])
+    monkeypatch.setattr(moe_speed.time, "sleep", time.sleep)
+    started = time.monotonic()
+    (unstamped,) = moe_speed.read_when_flushed(tmp_path)
+    assert unstamped.snapshot_at is None
+    assert 2 * STATS_INTERVAL_SECONDS <= time.monotonic() - started < 2 * STATS_INTERVAL_SECONDS + 0.5
+
+
+def test_the_timers_file_says_when_its_table_was_copied(tmp_path):
+    """Every flush stamps its copy (so the file is rewritten at every tick); the reader reads the stamp."""
+    timer = MoeTimer("torch", tmp_path / MOE_TIMING_DIR / "1.json", "s")
+    before = time.time()
+    timer.flush()
+    (process,) = moe_timing.read_folder(tmp_path)
+    assert process.snapshot_at is not None and before <= process.snapshot_at <= time.time()
+    timer.flush()
+    (again,) = moe_timing.read_folder(tmp_path)
+    assert again.snapshot_at is not None and again.snapshot_at > process.snapshot_at
