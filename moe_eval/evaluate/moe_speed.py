@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ from moe_eval.core.plugin_protocol import (
     LAYER_CHECK_DIR,
     LAYER_CHECK_PAUSE,
     LAYER_RANGE_EDGES,
+    MOE_TIMING_DIR,
     STATS_INTERVAL_SECONDS,
     layer_range_names,
 )
@@ -175,22 +176,32 @@ def _timed(
     return sent, current if current is not None else _read_since(run_dir, before)
 
 
-def _read_since(run_dir: Path, before: Any) -> moe_timing.TimingSummary:
-    return moe_timing.summarize(moe_timing.since(read_when_flushed(run_dir), before))
+def _read_since(run_dir: Path, before: list[moe_timing.ProcessTiming]) -> moe_timing.TimingSummary:
+    after = read_when_flushed(run_dir, expected=(p.pid for p in before))
+    return moe_timing.summarize(moe_timing.since(after, before))
 
 
-def read_when_flushed(run_dir: Path) -> list[moe_timing.ProcessTiming]:
-    """Every process's timing table once each has copied it after now (its file's `snapshot_at`): every
-    request that returned before this call is in it. The flushers tick every STATS_INTERVAL_SECONDS, so that
-    is half an interval on average; at most two intervals, the fixed wait this replaces, after which the
-    tables are read as they are (a process that wrote no stamp: a timer from before it)."""
+def read_when_flushed(run_dir: Path, expected: Iterable[int] = ()) -> list[moe_timing.ProcessTiming]:
+    """Every process's timing table once each has copied it after now (its file's `snapshot_at`, taken
+    before the copy): every request that returned before this call is in it. The flushers tick every
+    STATS_INTERVAL_SECONDS, so that is half an interval on average. A look counts only where every file in
+    the folder was read and every process of `expected` (the pids of the reading before) is among them. A
+    file without the stamp (a timer from before it) gets the fixed wait of two intervals this replaces; a
+    stamped process that has not copied since (a loaded machine's flusher lags) PAUSE_WAIT_SECONDS, after
+    which the tables are read as they are."""
     mark = time.time()
-    deadline = time.monotonic() + 2 * STATS_INTERVAL_SECONDS
+    started = time.monotonic()
+    wanted = set(expected)
     while True:
+        files = len(list((run_dir / MOE_TIMING_DIR).glob("*.json")))
         processes = moe_timing.read_folder(run_dir)
-        if processes and all(p.snapshot_at is not None and p.snapshot_at > mark for p in processes):
+        whole = len(processes) == files and wanted <= {p.pid for p in processes}
+        stamps = [p.snapshot_at for p in processes]
+        if processes and whole and all(at is not None and at > mark for at in stamps):
             return processes
-        if time.monotonic() >= deadline:
+        unstamped = not processes or any(at is None for at in stamps)
+        waited = time.monotonic() - started
+        if waited >= (2 * STATS_INTERVAL_SECONDS if unstamped else PAUSE_WAIT_SECONDS):
             return processes
         time.sleep(STATS_INTERVAL_SECONDS / 10)
 

@@ -307,6 +307,9 @@ class MoeTimer:
     # --- reading ---
 
     def snapshot(self) -> dict[str, Any]:
+        # The stamp before the copy: a copy stamped after the harness's mark holds every call made before it
+        # (stamped after the copy, a flusher held up between the two would pass a copy older than its stamp).
+        copied_at = time.time()
         # One copy of each table first: the serving thread (or the GPU) adds to them while this runs, and
         # nonzero() over a table that changes between its two passes fails torch's internal assert (seen once
         # on the CPU: it killed the flusher, and the row's timed window read no call).
@@ -333,10 +336,10 @@ class MoeTimer:
             ],
             "yardstick": self._yardstick_text(),
             "yardstick_timeouts": int(self._yard_timeouts[0]) if self._yard_timeouts is not None else 0,
-            # When this copy was taken (wall clock, seconds): the harness reads the tables once every process
-            # has flushed after its last request returned, instead of waiting two intervals blind. It makes
-            # every tick's record new, so the file is rewritten at every tick (a few KB).
-            "snapshot_at": time.time(),
+            # When this copy was taken (wall clock, seconds; at most this early): the harness reads the tables
+            # once every process has copied them after its last request returned, instead of waiting two
+            # intervals blind. It makes every tick's record new, so the file is rewritten at every tick.
+            "snapshot_at": copied_at,
         }
         if self.device_problem is not None:
             record["device_problem"] = self.device_problem
