@@ -37,7 +37,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,16 +63,20 @@ from moe_eval.gates.speed import MIN_CALLS, calls_to_catch, gated_eager
 # At most this many more units of one range in one round (a range the sweep called once asks for 17): each
 # is at most two batched-token limits of prompts, a fraction of a second on the H200.
 MAX_TOP_UP_UNITS = 2 * MIN_CALLS
+# The ranges only prefills reach (above the sweep's decode batches): the ranges the top-up sends units of.
+PREFILL_ONLY_RANGES = tuple(
+    name
+    for name, low in zip(layer_range_names(), LAYER_RANGE_EDGES, strict=True)
+    if low > max(DECODE_BATCHES)
+)
 # The prefill ranges whose unit is single prompts of one length sent one at a time (layer_sweep.RANGE_UNITS:
 # one prompt at once, one token generated), with that length: every call of a unit lands at that size, so
 # more units raise its share of the range's time. (M>=4096's unit is a batched prefill whose steps land at
 # several sizes: more of it keeps the shares.)
 SINGLE_PROMPT_RANGES = {
     name: length
-    for name, (prompts, at_once, length, generated), low in zip(
-        layer_range_names(), RANGE_UNITS, LAYER_RANGE_EDGES, strict=True
-    )
-    if low > max(DECODE_BATCHES) and prompts > 0 and at_once == 1 and generated == 1
+    for name, (prompts, at_once, length, generated) in zip(layer_range_names(), RANGE_UNITS, strict=True)
+    if name in PREFILL_ONLY_RANGES and prompts > 0 and at_once == 1 and generated == 1
 }
 # The share of a single-prompt range's time its unit's size is topped up to hold. The gate judges a range only
 # where the sizes both rows made hold MIN_MATCHED_SHARE (half) of each row's time; the canary's M=1024-4095
@@ -266,7 +270,7 @@ class RangeWant:
         return min(MAX_TOP_UP_UNITS, math.ceil(1.5 * (self.calls - self.called) / self.called))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"size": self.size, "called": self.called, "calls": self.calls, "reason": self.reason}
+        return asdict(self)
 
 
 def range_wants(first: moe_timing.TimingSummary, eager_margin: float | None = None) -> dict[str, RangeWant]:
@@ -277,37 +281,28 @@ def range_wants(first: moe_timing.TimingSummary, eager_margin: float | None = No
     could not judge it (docs/perf.md). The aim is asked only where the row's eager calls were timed from the
     host's last launch (gated_eager): elsewhere the gate's floor grows with a call's spread, and no count
     catches the aim."""
-    names = layer_range_names()
-    prefill_only = {names[i] for i, low in enumerate(LAYER_RANGE_EDGES) if low > max(DECODE_BATCHES)}
-    aim = eager_margin is not None and gated_eager(first)
+    aim_margin = eager_margin if eager_margin is not None and gated_eager(first) else None
     wants = {}
     for r in first.ranges:
-        if r.range not in prefill_only:
+        if r.range not in PREFILL_ONLY_RANGES:
             continue
         if not r.sizes:  # timed per range only
             wants[r.range] = RangeWant(0, r.calls, MIN_CALLS, "min_calls")
             continue
-        by_size = {s.tokens: s for s in r.sizes}
         length = SINGLE_PROMPT_RANGES.get(r.range)
-        top = by_size[length] if length in by_size else max(r.sizes, key=lambda s: s.calls)
+        own = [s for s in r.sizes if s.tokens == length]
+        top = own[0] if own else max(r.sizes, key=lambda s: s.calls)
         needs = [(MIN_CALLS, "min_calls")]
         if length is not None and top.mean_us > 0:
             other_us = sum(s.calls * s.mean_us for s in r.sizes if s is not top)
             share_calls = TOP_SIZE_SHARE / (1 - TOP_SIZE_SHARE) * other_us / top.mean_us  # of (top + other)
             needs.append((min(math.ceil(share_calls), MAX_WANTED_CALLS), "share"))
-        if aim:
-            assert eager_margin is not None
-            aim_calls = calls_to_catch(top, eager_margin)
-            if aim_calls is not None:
-                needs.append((min(aim_calls, MAX_WANTED_CALLS), "aim"))
+        aim_calls = calls_to_catch(top, aim_margin) if aim_margin is not None else None
+        if aim_calls is not None:
+            needs.append((min(aim_calls, MAX_WANTED_CALLS), "aim"))
         calls, reason = max(needs, key=lambda need: need[0])  # the first of equals: min_calls
         wants[r.range] = RangeWant(top.tokens, top.calls, calls, reason)
     return wants
-
-
-def top_up_units(first: moe_timing.TimingSummary, eager_margin: float | None = None) -> dict[str, int]:
-    """The units `top_up` sends after this reading: per range that needs any."""
-    return {name: want.units for name, want in range_wants(first, eager_margin).items() if want.units}
 
 
 def end_to_end(sent: dict[str, Any]) -> dict[str, Any]:

@@ -204,8 +204,15 @@ def test_compare_shows_each_runs_moe_time_per_range_against_the_reference_column
     assert cells == ["12.5 us", "10.0 us (x0.80)", "10.0 us (other machine)", "10.0 us (other requests)"]
 
 
+def top_up_units(first: moe_timing.TimingSummary) -> dict[str, int]:
+    """The units `top_up` sends after this reading (no eager margin: the CPU's), per range that needs any."""
+    from moe_eval.evaluate.moe_speed import range_wants
+
+    return {name: want.units for name, want in range_wants(first).items() if want.units}
+
+
 def test_top_up_asks_for_enough_units_of_the_prefill_ranges_called_too_few_times():
-    from moe_eval.evaluate.moe_speed import MAX_TOP_UP_UNITS, top_up_units
+    from moe_eval.evaluate.moe_speed import MAX_TOP_UP_UNITS
 
     def called(calls: dict[str, int]) -> moe_timing.TimingSummary:
         ranges = tuple(moe_timing.RangeTiming(name, n, n, 100.0, 0.0, 1.0) for name, n in calls.items())
@@ -224,7 +231,6 @@ def test_top_up_asks_for_enough_units_of_the_prefill_ranges_called_too_few_times
 def test_top_up_counts_a_range_by_its_most_called_size():
     """16 calls over five chunk sizes (the twin's M>=4096 on the H100) are 6 calls the gate can match: more
     units; 12 of one size are enough."""
-    from moe_eval.evaluate.moe_speed import top_up_units
 
     def spread_over(sizes: dict[int, int]) -> moe_timing.TimingSummary:
         cells = tuple(moe_timing.SizeTiming(m, n, 1000.0, 10.0, 0) for m, n in sizes.items())
