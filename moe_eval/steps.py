@@ -20,8 +20,9 @@ import requests
 from moe_eval.configs.config import EvalConfig
 from moe_eval.core import layer_cells, moe_timing
 from moe_eval.core.errors import ConfigError, MoeEvalError
+from moe_eval.core.flushes import wait_for_flushes
 from moe_eval.core.logprob_texts import TextLogprobs, read_logprobs
-from moe_eval.core.plugin_protocol import STATS_INTERVAL_SECONDS
+from moe_eval.core.plugin_protocol import LAYER_CHECK_DIR, STATS_DIR
 from moe_eval.core.record import RunRecord
 from moe_eval.core.repeated_scoring import RepeatSection, compare_scorings
 from moe_eval.evaluate.gpu_clocks import ClockSampler
@@ -260,6 +261,7 @@ class ReachEveryRange:
         first = row.swept["requests"] if row.swept else 0
 
         def owed() -> dict[str, int]:
+            wait_for_flushes({row.run_dir / LAYER_CHECK_DIR: "*.npz"})  # the requests before, in the tables
             return owed_cells(row.config, row.run_dir)
 
         row.record.captures.layer_sweep = reach_every_range(row.config, _target(row), owed, first_index=first)
@@ -276,7 +278,9 @@ class ReadCounters:
         return True
 
     def run(self, row: Row) -> None:
-        time.sleep(2 * STATS_INTERVAL_SECONDS)  # the counters' flusher threads wrote within their interval
+        # Every process's counters and tables copied after the last request returned (at once for a row the
+        # plugin stayed out of).
+        wait_for_flushes({row.run_dir / STATS_DIR: "*.json", row.run_dir / LAYER_CHECK_DIR: "*.npz"})
         row.record.serving.bundled_kernel_calls = kernel_call_counts(row.run_dir)
         if not row.config.layer_checked:
             return

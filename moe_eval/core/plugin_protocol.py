@@ -26,6 +26,9 @@ DEFAULT_MAX_TOKENS = 8192
 LOG_PREFIX = "moe-eval bundled MoE kernel: "  # one JSON line per process and layer shape
 STATS_DIR = "kernel-stats"  # <run dir>/kernel-stats/<pid>.json: the plugin's call counters
 STATS_INTERVAL_SECONDS = 0.5  # a flusher thread rewrites the counters at most this often
+# After each tick a flusher writes <file><FLUSHED_SUFFIX>: the wall time (seconds, text) taken before it
+# copied its numbers: the harness waits until each process copied after the calls it sent (core/flushes.py).
+FLUSHED_SUFFIX = ".flushed"
 
 # The layer check (kernels/layer_check.py, read by gates/layer_gate.py): each bundled-kernel process
 # samples the MoE calls it serves, compares the served output with the exact MoE of the same inputs and

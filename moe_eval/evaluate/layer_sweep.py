@@ -43,7 +43,6 @@ from moe_eval.core.errors import InfraError
 from moe_eval.core.plugin_protocol import (
     DEFAULT_MAX_TOKENS,
     LAYER_RANGE_EDGES,
-    STATS_INTERVAL_SECONDS,
     layer_range_names,
 )
 from moe_eval.evaluate import server_metrics
@@ -237,13 +236,12 @@ def fill_cells(
     target: SweepTarget, owed: Callable[[], dict[str, int]], *, deadline: float, first_index: int
 ) -> list[dict[str, Any]]:
     """Step 4 of the module docstring. owed(): per range, the cells the layer check still cannot judge where
-    the check needs them (the runner reads the processes' tables); what each round found and sent, for
-    results.json."""
+    the check needs them (the runner reads the processes' tables once each has copied them after the requests
+    before: core/flushes.py); what each round found and sent, for results.json."""
     rounds: list[dict[str, Any]] = []
     index = first_index
     best, stalled = None, 0
     while len(rounds) < MAX_ROUNDS:
-        time.sleep(2 * STATS_INTERVAL_SECONDS)  # the processes' flushers write within their interval
         wanted = owed()
         if rounds:
             rounds[-1]["owed_after"] = wanted

@@ -2,7 +2,8 @@
 
 The plugin's call counter and layer check keep their numbers in memory (host memory the device writes
 into, on a GPU); `StatsFile` writes `snapshot()` to its path atomically at most every STATS_INTERVAL_SECONDS
-and once more at exit, so the harness can read them while the server still runs and after it stops.
+and once more at exit, so the harness can read them while the server still runs and after it stops; after
+each tick it marks when it copied them (core/flushes.py waits for that mark instead of sleeping blind).
 """
 
 from __future__ import annotations
@@ -12,18 +13,23 @@ import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moe_eval.core.plugin_protocol import STATS_INTERVAL_SECONDS
+from moe_eval.core.plugin_protocol import FLUSHED_SUFFIX, STATS_INTERVAL_SECONDS
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _write_json(path: Path, record: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    _write_text(path, json.dumps(record))
 
 
 class StatsFile:
@@ -56,11 +62,13 @@ class StatsFile:
         with self._lock:
             if self.before_flush is not None:
                 self.before_flush()
+            copied_at = time.time()  # before the copy: every call that finished before it is in the record
             record = self.snapshot()
-            if self._last_written is not None and self.same(record, self._last_written):
-                return
-            self.write(self.path, record)
-            self._last_written = record
+            if self._last_written is None or not self.same(record, self._last_written):
+                self.write(self.path, record)
+                self._last_written = record
+            # After the file: a reader that finds the mark later than its moment finds the file up to date.
+            _write_text(Path(f"{self.path}{FLUSHED_SUFFIX}"), repr(copied_at))
 
     def start(self) -> None:
         """Start the flusher once (a no-op after the first call, or without a path)."""

@@ -20,7 +20,6 @@ def sent(monkeypatch):
             posted.append(payloads) or len(layer_sweep.together(payloads, concurrency))
         ),
     )
-    monkeypatch.setattr(layer_sweep, "STATS_INTERVAL_SECONDS", 0.0)
     monkeypatch.setattr(layer_sweep.SweepTarget, "server_totals", lambda target: None)  # no /metrics here
     return posted
 

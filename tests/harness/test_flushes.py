@@ -1,0 +1,124 @@
+"""Waiting for the plugin's flushers (core/flushes.py, kernels/stats_file.py): the harness reads the call
+counters and the layer check's tables once every live process has copied them after its last request, not
+after two intervals slept blind. Real files, a fake clock."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from moe_eval.core import flushes
+from moe_eval.core.plugin_protocol import FLUSHED_SUFFIX, STATS_INTERVAL_SECONDS
+from moe_eval.kernels.stats_file import StatsFile
+
+MARK = 5000.0  # the reader's moment (wall clock)
+
+
+class _FakeClock:
+    """monotonic and sleep: each sleep advances the clock and runs `on_sleep(n)` (a flusher ticking)."""
+
+    def __init__(self, on_sleep=None) -> None:
+        self.now, self.sleeps, self.on_sleep = 0.0, 0, on_sleep
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.sleeps += 1
+        if self.on_sleep is not None:
+            self.on_sleep(self.sleeps)
+
+
+def _file(folder: Path, name: str, flushed: float | None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("{}")
+    if flushed is not None:
+        Path(f"{path}{FLUSHED_SUFFIX}").write_text(repr(flushed))
+    return path
+
+
+def _wait(folders, clock: _FakeClock, alive=lambda pid: True):
+    return flushes.wait_for_flushes(
+        folders, mark=MARK, is_alive=alive, clock=clock.monotonic, sleep=clock.sleep, wall=lambda: MARK
+    )
+
+
+def test_files_copied_after_the_moment_are_read_at_once(tmp_path):
+    stats, layer = tmp_path / "kernel-stats", tmp_path / "layer-check"
+    _file(stats, "11.json", MARK + 0.1)
+    _file(layer, "11.npz", MARK + 0.2)
+    _file(layer, "11-1.npz", MARK + 0.3)
+    clock = _FakeClock()
+    assert _wait({stats: "*.json", layer: "*.npz"}, clock) == [] and clock.sleeps == 0
+
+
+def test_a_process_behind_is_waited_for_until_its_flusher_ticks(tmp_path):
+    """Two processes; one's last copy is from before the moment: the wait ends at the look after its
+    flusher marks a later copy (here the third), not at a fixed two intervals."""
+    stats = tmp_path / "kernel-stats"
+    _file(stats, "11.json", MARK + 0.1)
+    behind = _file(stats, "12.json", MARK - 0.3)
+    clock = _FakeClock(lambda n: n == 3 and Path(f"{behind}{FLUSHED_SUFFIX}").write_text(repr(MARK + 0.05)))
+    assert _wait({stats: "*.json"}, clock) == [] and clock.sleeps == 3
+    assert clock.now < 2 * STATS_INTERVAL_SECONDS
+
+
+def test_a_file_without_a_mark_or_with_a_torn_one_counts_as_behind(tmp_path):
+    stats = tmp_path / "kernel-stats"
+    unmarked = _file(stats, "11.json", None)
+    torn = _file(stats, "12.json", None)
+    Path(f"{torn}{FLUSHED_SUFFIX}").write_text("50")  # cut mid-write: a number, but not a later one
+    clock = _FakeClock()
+    assert _wait({stats: "*.json"}, clock) == [unmarked, torn]
+    assert clock.now >= flushes.FLUSH_WAIT_SECONDS  # waited the whole bound, then read as they stand
+
+
+def test_an_ended_process_is_not_waited_for(tmp_path):
+    """A process that exited flushed for the last time at exit: its file is final, never marked again."""
+    layer = tmp_path / "layer-check"
+    _file(layer, "11.npz", MARK + 0.1)
+    _file(layer, "99.npz", MARK - 30.0)
+    clock = _FakeClock()
+    assert _wait({layer: "*.npz"}, clock, alive=lambda pid: pid != 99) == [] and clock.sleeps == 0
+
+
+def test_a_row_without_the_plugin_waits_for_nothing(tmp_path):
+    """vLLM's own rows: no counters, no tables (and a folder holding only the pause file or marks)."""
+    layer = tmp_path / "layer-check"
+    layer.mkdir()
+    (layer / "paused").write_text("")
+    clock = _FakeClock()
+    assert _wait({tmp_path / "kernel-stats": "*.json", layer: "*.npz"}, clock) == [] and clock.sleeps == 0
+
+
+def test_the_pid_is_read_from_the_files_name():
+    assert [flushes.pid_of(Path(n)) for n in ("123.json", "123-1.npz", "x.json")] == [123, 123, None]
+    assert flushes.alive(os.getpid()) and flushes.alive(None)
+
+
+def test_the_flusher_marks_after_every_tick_with_a_time_taken_before_its_copy(tmp_path):
+    """The mark is written after the file (a reader that finds it later than its moment finds the file up to
+    date) with the time before snapshot() (every call that finished before it is in the copy), and again
+    at a tick whose numbers did not change (the file is not rewritten then, the mark is)."""
+    path = tmp_path / "kernel-stats" / "11.json"
+    mark = Path(f"{path}{FLUSHED_SUFFIX}")
+    seen, copies = [], []
+
+    def snapshot() -> dict:
+        seen.append((mark.read_text() if mark.exists() else None, path.exists()))
+        copies.append(time.time())
+        return {"calls": 3}
+
+    stats = StatsFile(path, snapshot, "test-flusher")
+    stats.flush()
+    first = float(mark.read_text())
+    written = path.stat().st_mtime_ns
+    stats.flush()
+    assert seen == [(None, False), (repr(first), True)]  # at the copy, the mark was the tick's before
+    assert first <= copies[0] <= float(mark.read_text()) <= copies[1]  # each mark taken before its copy
+    assert path.stat().st_mtime_ns == written  # marked again, not rewritten
+    assert json.loads(path.read_text()) == {"calls": 3}
