@@ -12,24 +12,9 @@ from pathlib import Path
 from moe_eval.core import flushes
 from moe_eval.core.plugin_protocol import FLUSHED_SUFFIX, STATS_INTERVAL_SECONDS
 from moe_eval.kernels.stats_file import StatsFile
+from tests.fake_clock import FakeClock
 
 MARK = 5000.0  # the reader's moment (wall clock)
-
-
-class _FakeClock:
-    """monotonic and sleep: each sleep advances the clock and runs `on_sleep(n)` (a flusher ticking)."""
-
-    def __init__(self, on_sleep=None) -> None:
-        self.now, self.sleeps, self.on_sleep = 0.0, 0, on_sleep
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-        self.sleeps += 1
-        if self.on_sleep is not None:
-            self.on_sleep(self.sleeps)
 
 
 def _file(folder: Path, name: str, flushed: float | None) -> Path:
@@ -41,7 +26,7 @@ def _file(folder: Path, name: str, flushed: float | None) -> Path:
     return path
 
 
-def _wait(folders, clock: _FakeClock, alive=lambda pid: True):
+def _wait(folders, clock: FakeClock, alive=lambda pid: True):
     return flushes.wait_for_flushes(
         folders, mark=MARK, is_alive=alive, clock=clock.monotonic, sleep=clock.sleep, wall=lambda: MARK
     )
@@ -52,7 +37,7 @@ def test_files_copied_after_the_moment_are_read_at_once(tmp_path):
     _file(stats, "11.json", MARK + 0.1)
     _file(layer, "11.npz", MARK + 0.2)
     _file(layer, "11-1.npz", MARK + 0.3)
-    clock = _FakeClock()
+    clock = FakeClock(start=0.0)
     assert _wait({stats: "*.json", layer: "*.npz"}, clock) == [] and clock.sleeps == 0
 
 
@@ -62,7 +47,8 @@ def test_a_process_behind_is_waited_for_until_its_flusher_ticks(tmp_path):
     stats = tmp_path / "kernel-stats"
     _file(stats, "11.json", MARK + 0.1)
     behind = _file(stats, "12.json", MARK - 0.3)
-    clock = _FakeClock(lambda n: n == 3 and Path(f"{behind}{FLUSHED_SUFFIX}").write_text(repr(MARK + 0.05)))
+    ticked = Path(f"{behind}{FLUSHED_SUFFIX}")
+    clock = FakeClock(start=0.0, on_sleep=lambda n: n == 3 and ticked.write_text(repr(MARK + 0.05)))
     assert _wait({stats: "*.json"}, clock) == [] and clock.sleeps == 3
     assert clock.now < 2 * STATS_INTERVAL_SECONDS
 
@@ -72,7 +58,7 @@ def test_a_file_without_a_mark_or_with_a_torn_one_counts_as_behind(tmp_path):
     unmarked = _file(stats, "11.json", None)
     torn = _file(stats, "12.json", None)
     Path(f"{torn}{FLUSHED_SUFFIX}").write_text("50")  # cut mid-write: a number, but not a later one
-    clock = _FakeClock()
+    clock = FakeClock(start=0.0)
     assert _wait({stats: "*.json"}, clock) == [unmarked, torn]
     assert clock.now >= flushes.FLUSH_WAIT_SECONDS  # waited the whole bound, then read as they stand
 
@@ -82,7 +68,7 @@ def test_an_ended_process_is_not_waited_for(tmp_path):
     layer = tmp_path / "layer-check"
     _file(layer, "11.npz", MARK + 0.1)
     _file(layer, "99.npz", MARK - 30.0)
-    clock = _FakeClock()
+    clock = FakeClock(start=0.0)
     assert _wait({layer: "*.npz"}, clock, alive=lambda pid: pid != 99) == [] and clock.sleeps == 0
 
 
@@ -91,7 +77,7 @@ def test_a_row_without_the_plugin_waits_for_nothing(tmp_path):
     layer = tmp_path / "layer-check"
     layer.mkdir()
     (layer / "paused").write_text("")
-    clock = _FakeClock()
+    clock = FakeClock(start=0.0)
     assert _wait({tmp_path / "kernel-stats": "*.json", layer: "*.npz"}, clock) == [] and clock.sleeps == 0
 
 

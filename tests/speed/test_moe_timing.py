@@ -16,6 +16,7 @@ from moe_eval.core import moe_timing
 from moe_eval.core.plugin_protocol import MOE_TIMING_DIR, TIMER_MAX_SIZE, layer_range_names
 from moe_eval.gates.speed import MIN_CALLS
 from moe_eval.kernels.moe_timer import MoeTimer, size_cell
+from tests.fake_clock import FakeClock
 
 RANGES = layer_range_names()
 
@@ -709,23 +710,6 @@ def test_the_timed_workload_reads_the_timers_twice_when_nothing_is_topped_up(mon
     assert "top_up" not in sent and sent["prefix_cache_hit_tokens"] == 0
 
 
-class _FakeClock:
-    """time.monotonic and time.sleep for moe_speed: each sleep advances the clock and runs `on_sleep` (the
-    processes' flushers writing between two looks)."""
-
-    def __init__(self, on_sleep=None) -> None:
-        self.now, self.sleeps, self.on_sleep = 1000.0, 0, on_sleep
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-        self.sleeps += 1
-        if self.on_sleep is not None:
-            self.on_sleep(self.sleeps)
-
-
 def _stamped(pid: int, seconds_from_now: float | None) -> dict:
     record = _process(pid, {600: (1, 1000.0, 1e6, 600)})
     if seconds_from_now is not None:
@@ -733,7 +717,7 @@ def _stamped(pid: int, seconds_from_now: float | None) -> dict:
     return record
 
 
-def _read_with(monkeypatch, tmp_path, clock: _FakeClock, expected=()) -> list[moe_timing.ProcessTiming]:
+def _read_with(monkeypatch, tmp_path, clock: FakeClock, expected=()) -> list[moe_timing.ProcessTiming]:
     from moe_eval.evaluate import moe_speed
 
     monkeypatch.setattr(moe_speed.time, "monotonic", clock.monotonic)
@@ -745,7 +729,7 @@ def test_a_reading_waits_until_every_process_has_copied_its_table_since(monkeypa
     """Two processes, one of them stale (its copy from before the call): the reading waits until that one's
     flusher writes a copy stamped after the call (here at the third look), then returns both, fresh."""
     _write(tmp_path, _stamped(7, 60.0), _stamped(8, -1.0))
-    clock = _FakeClock(lambda n: n == 2 and _write(tmp_path, _stamped(8, 60.0)))
+    clock = FakeClock(lambda n: n == 2 and _write(tmp_path, _stamped(8, 60.0)))
     processes = _read_with(monkeypatch, tmp_path, clock)
     assert clock.sleeps == 2 and sorted(p.pid for p in processes) == [7, 8]
     assert all(p.snapshot_at is not None and p.snapshot_at > time.time() for p in processes)
@@ -760,10 +744,10 @@ def test_a_reading_never_returns_with_a_process_left_out(monkeypatch, tmp_path):
 
     _write(tmp_path, _stamped(7, 60.0))
     (tmp_path / MOE_TIMING_DIR / "8.json").write_text('{"pid": 8, "backe')
-    clock = _FakeClock(lambda n: n == 3 and _write(tmp_path, _stamped(8, 60.0)))
+    clock = FakeClock(lambda n: n == 3 and _write(tmp_path, _stamped(8, 60.0)))
     assert sorted(p.pid for p in _read_with(monkeypatch, tmp_path, clock)) == [7, 8] and clock.sleeps == 3
     (tmp_path / MOE_TIMING_DIR / "8.json").unlink()
-    clock = _FakeClock()
+    clock = FakeClock()
     (alone,) = _read_with(monkeypatch, tmp_path, clock, expected=[7, 8])
     looks = PAUSE_WAIT_SECONDS / (STATS_INTERVAL_SECONDS / 10)
     assert alone.pid == 7 and looks <= clock.sleeps <= looks + 1
@@ -773,7 +757,7 @@ def test_a_reading_of_timers_without_the_stamp_waits_the_two_intervals_it_replac
     from moe_eval.core.plugin_protocol import STATS_INTERVAL_SECONDS
 
     _write(tmp_path, _stamped(7, None))
-    clock = _FakeClock()
+    clock = FakeClock()
     (unstamped,) = _read_with(monkeypatch, tmp_path, clock)
     waited = clock.now - 1000.0
     assert (
