@@ -1,0 +1,76 @@
+"""The canary served with the top-up's wants (f6d6bd9: each prefill range's most-called size asked for the
+calls the gate needs, `share` and `aim`) and the timers' stamp (eb52df2): one H100 (GPU-19ac670a,
+2026-12-07 12:06-12:22 UTC, working tree at acd56c8; docs/perf.md "The canary with the top-up's wants"),
+two calls on the same machine (power-topup-canary.json): a pair (vLLM's row, the bundled row), one repeat
+and the 5 % / 10 % slowdown three times; then a second pair, two repeats and the slowdown twice; each
+against its own pair's bundled row as --baseline. Re-judged by the rule as it is now."""
+
+from __future__ import annotations
+
+from moe_eval.gates.speed import speed_check
+from tests.speed import stored_power as stored
+from tests.speed.stored_power import DECODE, EAGER, MARGINS, timing
+
+CANARY = "power-topup-canary"
+YESTERDAYS = "power-yardstick-canary-2"  # the same runs at 2a3e1df, before the wants and the stamp
+
+
+def test_every_slowdown_fails_every_range_and_every_correct_row_passes_every_range(repo_root):
+    """Five slowed rows (5 % decode, 10 % eager): each fails 7 of 7 ranges, 35 of 35 (decode x1.044-1.068,
+    eager x1.100-1.115). The three correct repeats pass, judged 7 of 7 (worst x1.018). Where the run at
+    2a3e1df left M=1024-4095 unjudged in 5 of 8 comparisons and missed the eager slowdown twice at
+    M>=4096, every comparison here judged every range."""
+    rows = stored.stored_rows(repo_root, CANARY)
+    comparisons = stored.judged_rows(rows)
+    assert len(rows) == 12 and len(comparisons) == 8
+    failed = 0
+    for row, reference in comparisons:
+        check, _ = speed_check(timing(row), timing(reference), MARGINS, reference["run"])
+        judged = stored.ranges_judged(row, reference)
+        assert check is not None and check.evidence is not None and check.evidence.judged == 7, row["run"]
+        assert check.passed is (not stored.slowed(row)), row["run"]
+        if stored.slowed(row):
+            assert all(judged[r].passed is False for r in DECODE + EAGER), row["run"]
+            assert all(1.043 < judged[r].ratio < 1.069 for r in DECODE)  # type: ignore[operator]
+            assert all(1.099 < judged[r].ratio < 1.116 for r in EAGER)  # type: ignore[operator]
+            failed += 7
+        else:
+            assert max(j.ratio for j in judged.values()) < 1.019  # type: ignore[type-var]
+    assert failed == 35
+
+
+def test_the_top_up_asked_by_share_and_aim_and_sharpened_the_largest_calls(repo_root):
+    """Every row's top-up asked M>=4096 for the `aim` (the calls that catch 10 % at 80 %: 41-80 at 8192
+    tokens) and M=1024-4095 for the `share` (1500-token calls holding two thirds of the range's time), and
+    ran its three rounds: 44-84 calls at 8192 tokens (12-28 at 2a3e1df). M>=4096 now fails above
+    x1.079-1.083 and would catch x1.093-1.098 (x1.089-1.114 and x1.106-1.138 at 2a3e1df)."""
+    rows = stored.stored_rows(repo_root, CANARY)
+    for row in rows:
+        top_up = row["timing"]["workload"]["top_up"]
+        wanted = top_up["wanted"]
+        assert top_up["rounds"] == 3 and wanted["M>=4096"]["reason"] == "aim", row["run"]
+        assert wanted["M=1024-4095"]["reason"] == "share" and 41 <= wanted["M>=4096"]["calls"] <= 80
+        sizes = {s.tokens: s for r in timing(row).ranges for s in (r.sizes or [])}
+        assert 44 <= sizes[8192].calls <= 84 and 32 <= sizes[1500].calls <= 72
+    for stem, fails, catches in (
+        (CANARY, (1.078, 1.084), (1.092, 1.099)),
+        (YESTERDAYS, (1.089, 1.114), (1.106, 1.139)),
+    ):
+        largest = [
+            stored.ranges_judged(r, ref)["M>=4096"]
+            for r, ref in stored.judged_rows(stored.stored_rows(repo_root, stem))
+        ]
+        assert all(fails[0] < j.fails_above < fails[1] for j in largest), stem  # type: ignore[operator]
+        assert all(catches[0] < j.would_catch < catches[1] for j in largest), stem  # type: ignore[operator]
+
+
+def test_the_timed_step_took_about_2_s_less_with_the_stamp_even_with_the_wants(repo_root):
+    """The timed step (the timed requests, the top-up's rounds, the readings): the bundled rows 2.8-4.1 s
+    here against 5.2-5.7 s at 2a3e1df on another H100, vLLM's rows 4.0-5.6 s against 6.0-7.0 s. These
+    speed-only rows last about a minute, so the step is 3.9-7.5 % of their wall time; a full row (golden,
+    texts, layer check) lasts minutes."""
+    for stem, bundled, vllm in ((CANARY, (2.8, 4.1), (4.0, 5.6)), (YESTERDAYS, (5.2, 5.7), (6.0, 7.0))):
+        rows = stored.stored_rows(repo_root, stem)
+        for row in rows:
+            low, high = vllm if "vllm" in row["config"] else bundled
+            assert low <= row["timings"]["speed_seconds"] <= high, (stem, row["run"])
