@@ -260,12 +260,27 @@ class ReachEveryRange:
         started = time.monotonic()
         first = row.swept["requests"] if row.swept else 0
 
+        unflushed: set[str] = set()
+
         def owed() -> dict[str, int]:
-            wait_for_flushes({row.run_dir / LAYER_CHECK_DIR: "*.npz"})  # the requests before, in the tables
+            # The requests before, in the tables (a table whose flusher lagged past the bound: read as it
+            # stands, and named in the capture).
+            unflushed.update(_unflushed(row.run_dir, {LAYER_CHECK_DIR: "*.npz"}))
             return owed_cells(row.config, row.run_dir)
 
-        row.record.captures.layer_sweep = reach_every_range(row.config, _target(row), owed, first_index=first)
+        swept = reach_every_range(row.config, _target(row), owed, first_index=first)
+        if unflushed:
+            swept["read_unflushed"] = sorted(unflushed)
+        row.record.captures.layer_sweep = swept
         row.timings["layer_sweep_seconds"] = time.monotonic() - started
+
+
+def _unflushed(run_dir: Path, folders: dict[str, str]) -> list[str]:
+    """Wait until every live server process has copied its files of `folders` (a run-dir folder: the glob
+    of its files) after now (core/flushes.py); the files whose process had not after the bound, relative to
+    the run dir."""
+    behind = wait_for_flushes({run_dir / name: pattern for name, pattern in folders.items()})
+    return [str(path.relative_to(run_dir)) for path in behind]
 
 
 class ReadCounters:
@@ -280,8 +295,12 @@ class ReadCounters:
     def run(self, row: Row) -> None:
         # Every process's counters and tables copied after the last request returned (at once for a row the
         # plugin stayed out of).
-        wait_for_flushes({row.run_dir / STATS_DIR: "*.json", row.run_dir / LAYER_CHECK_DIR: "*.npz"})
+        started = time.monotonic()
+        unflushed = _unflushed(row.run_dir, {STATS_DIR: "*.json", LAYER_CHECK_DIR: "*.npz"})
+        row.timings["counters_wait_seconds"] = time.monotonic() - started
         row.record.serving.bundled_kernel_calls = kernel_call_counts(row.run_dir)
+        if unflushed:
+            row.record.serving.bundled_kernel_calls["read_unflushed"] = unflushed
         if not row.config.layer_checked:
             return
         files, problems = layer_cells.read_folder(row.run_dir)

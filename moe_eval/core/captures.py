@@ -133,6 +133,9 @@ class Workload(TypedDict):
     layer_check_resumed: NotRequired[str]
     """why not every process of the check said it resumed after the timed requests (absent: they all did):
     the check's own sweep may have started with one still paused"""
+    read_unflushed: NotRequired[list[str]]
+    """the layer check's tables (paths in the run folder) read before their process had copied them after
+    the requests before: its flusher lagged past core/flushes.FLUSH_WAIT_SECONDS (absent: none)"""
     prefix_cache_hit_tokens: NotRequired[int | None]
     """prompt tokens of the timed requests (the sweep and its top-up, not the layer check's rounds) that the
     server's prefix cache served (0: every call as sent; null: its /metrics did not say; absent: not timed);

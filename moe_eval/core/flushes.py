@@ -37,10 +37,19 @@ def pid_of(path: Path) -> int | None:
 
 
 def alive(pid: int | None) -> bool:
-    """Whether the process still runs on this machine (a process that ended flushed for the last time at
-    exit: its file is final). A file named for no pid is taken as live."""
+    """Whether the process still runs on this machine (one that ended flushed for the last time at exit: its
+    file is final). A zombie (ended, not yet reaped by its parent) has ended. A file named for no pid is taken
+    as live."""
     if pid is None:
         return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            # The fields after the command name's ')': state first.
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc here, or a stat that does not parse: ask the kernel
+        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

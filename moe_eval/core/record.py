@@ -166,7 +166,9 @@ class Serving:
         "the plugin's line per process and layer kind", factory=list
     )
     bundled_kernel_calls: JsonObject = key(
-        "the bundled kernel's own call counters, per process", factory=dict
+        "the bundled kernel's own call counters, summed over processes (read_unflushed: the counter and "
+        "layer-check files read before their process had copied them after the last request)",
+        factory=dict,
     )
     jit_while_serving: JsonObject = key("kernel compilations after the server was ready", factory=dict)
     speed_warnings_logged: list[str] | None = key(

@@ -60,9 +60,11 @@ class StatsFile:
         if self.path is None:
             return
         with self._lock:
+            # Before the tick's work: every call that finished before it is in the copy, and the pause file
+            # as it stood then has been followed.
+            copied_at = time.time()
             if self.before_flush is not None:
                 self.before_flush()
-            copied_at = time.time()  # before the copy: every call that finished before it is in the record
             record = self.snapshot()
             if self._last_written is None or not self.same(record, self._last_written):
                 self.write(self.path, record)

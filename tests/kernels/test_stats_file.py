@@ -58,3 +58,26 @@ def test_the_timer_snapshot_reads_a_copy_of_its_table(tmp_path):
     finally:
         torch.Tensor.clone = real_clone
     assert len(copies) == 1 and [row[0] for row in sizes] == [3]
+
+
+def test_the_layer_check_rewrites_its_file_where_any_table_changed():
+    """A tick may copy the tables while the device writes a call (its new `rows` beside its old `cells`, its
+    new `seen` beside its old `routed`); the next tick, copied after the call, must rewrite the file even
+    though the counts it compared before did not move, since its flush mark then vouches for the file."""
+    import numpy as np
+
+    from moe_eval.kernels.layer_check import _same
+
+    meta = {"layers": ["l0"], "paused": False}
+    tables = (
+        np.zeros((1, 7, 4, 3)),
+        np.zeros((1, 7, 2)),
+        np.zeros((1, 7), dtype=np.int64),
+        np.zeros((1, 7, 4), dtype=np.int64),
+    )
+    assert _same((meta, *tables), (dict(meta), *(t.copy() for t in tables)))
+    for i in range(4):
+        moved = [t.copy() for t in tables]
+        moved[i].flat[0] += 1
+        assert not _same((meta, *tables), (meta, *moved)), i
+    assert not _same((meta, *tables), ({**meta, "paused": True}, *tables))

@@ -29,9 +29,9 @@ def test_no_correct_row_failed_a_range_against_an_earlier_run_of_its_own_kernel(
     """59 comparisons in 14 files (the canary and the Qwen3-30B-A3B twin, the bundled kernel's rows and
     vLLM's; the 11 of power-topup-canary with the top-up's wants, 2026-12-07 12:06-12:22 UTC): no range
     failed; the closest came within 2.2 % of its threshold (ratio over "fails above" at most 0.979, the
-    canary's M=65-256 x1.018 against x1.040). Two were incomplete, both the twin's M=65-256 (decode, not judged: its batch of 100 had
-    ramped through other sizes), both from before each decode batch became one request (fe6855d); none
-    since."""
+    canary's M=65-256 x1.018 against x1.040). Two were incomplete, both the twin's M=65-256 (decode, not
+    judged: its batch of 100 had ramped through other sizes), both from before each decode batch became one
+    request (fe6855d); none since."""
     pairs = _same_kernel_pairs(repo_root)
     assert len(pairs) == 59 and len({stem for stem, _, _ in pairs}) == 14
     closest, incomplete = 0.0, []
