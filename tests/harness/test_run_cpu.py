@@ -203,6 +203,13 @@ def test_readme_main_job_runs_the_embedded_default(embedded_default_run, repo_ro
         assert record["layer_sweep"]["decode_batches"] == [1, 8, 40, 100]
         config_dir = Path(record["server"]["log"]).parent
         assert len(list((config_dir / "layer-check").glob("*.npz"))) == ranks
+        # Every process marked its flushes (core/flushes.py): the counters and tables were read once each
+        # was copied after the last request, none past the bound, well under the two intervals once slept.
+        assert len(list((config_dir / "layer-check").glob("*.npz.flushed"))) == ranks
+        assert len(list((config_dir / "kernel-stats").glob("*.json.flushed"))) == ranks
+        assert "read_unflushed" not in record["bundled_kernel_calls"]
+        assert "read_unflushed" not in record["layer_sweep"]
+        assert 0 < record["timings"]["counters_wait_seconds"] < 5
     made = [r["golden"]["made_now"] for r in records.values()]
     assert sorted(made) == [False, True], "one row makes the golden, the other finds it in the cache"
     assert len(list(goldens.glob("*/golden.json"))) == 1, "TP and TEP rows share one golden (TP1, eager)"
