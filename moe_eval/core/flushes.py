@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moe_eval.core.plugin_protocol import FLUSHED_SUFFIX, STATS_INTERVAL_SECONDS
+from moe_eval.core.proc_stat import stat_fields
 
 # How long a live process's flusher may lag before the files are read as they stand (a loaded 2-core machine
 # delays a thread's tick by a second or more; a process that never marks, such as one from before the mark,
@@ -43,11 +44,8 @@ def alive(pid: int | None) -> bool:
     if pid is None:
         return True
     try:
-        with open(f"/proc/{pid}/stat") as fh:
-            # The fields after the command name's ')': state first.
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+        fields = stat_fields(pid)
+        return fields is not None and fields[0] != "Z"
     except (OSError, IndexError):  # no /proc here, or a stat that does not parse: ask the kernel
         pass
     try:

@@ -8,6 +8,8 @@ import ctypes
 import os
 import signal
 
+from moe_eval.core.proc_stat import stat_fields
+
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -22,13 +24,10 @@ def group_alive(pgid: int, exclude: int | None = None) -> bool:
         if not entry.isdigit() or int(entry) == exclude:
             continue
         try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
+            fields = stat_fields(entry)  # state ppid pgrp ...
         except OSError:
             continue
-        # Fields after the ')' of the command name: state ppid pgrp ...
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
+        if fields is not None and int(fields[2]) == pgid and fields[0] != "Z":
             return True
     return False
 
