@@ -1,7 +1,8 @@
-"""The false-alarm table over every stored H100 power file (docs/data/speed_h100/power-*.json: served runs of
-benchmarks/device/served_speed.sh STAGE=power on seven H100 sessions, 2026-12-06 and 07), re-judged by the rule
-as it is now: each unmutated row against every earlier unmutated row of its own kernel in the same file (one
-machine, servers started one after another), vLLM's rows too. docs/perf.md "The yardstick served, again"."""
+"""The false-alarm table over every stored H100 power file (docs/data/speed_h100/power-*.json: served runs
+of benchmarks/device/served_speed.sh STAGE=power on seven H100 sessions, 2026-12-06 and 07), re-judged by the
+rule as it is now: each unmutated row against every earlier unmutated row of its own kernel in the same file
+(one machine, servers started one after another), vLLM's rows too. docs/perf.md "The yardstick served,
+again"."""
 
 from __future__ import annotations
 

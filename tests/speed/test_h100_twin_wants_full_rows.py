@@ -4,8 +4,8 @@ the timed step's cost in full rows"), three chained calls on one machine:
 - power-topup-twin.json (`STAGE=power MODEL=twin REPEATS=1 LIMIT=8`): a speed-only pair (vLLM's row, the
   bundled row), one repeat and the 5 % decode / 10 % eager slowdown, each against the pair's bundled row as
   --baseline;
-- full-rows-cost.json: full rows (golden, texts, repeat scoring, layer check, the eval) of the twin's CUDA-graph
-  pair (`STAGE=twin BENCH=0`) and of the GPU canary TP1 list (`STAGE=shipped LIMIT=100`).
+- full-rows-cost.json: full rows (golden, texts, repeat scoring, layer check, the eval) of the twin's
+  CUDA-graph pair (`STAGE=twin BENCH=0`) and of the GPU canary TP1 list (`STAGE=shipped LIMIT=100`).
 Re-judged by the rule as it is now."""
 
 from __future__ import annotations
@@ -101,5 +101,6 @@ def test_the_full_rows_speed_gate_judged_every_range_and_passed(repo_root):
         bundled = next(r for r in rows if r["config"] == f"{model}-triton")
         vllm = next(r for r in rows if r["config"].startswith(f"{model}-vllm"))
         check, _ = speed_check(timing(bundled), timing(vllm), MARGINS, vllm["run"])
-        assert check is not None and check.passed and check.evidence is not None and check.evidence.judged == 7
+        assert check is not None and check.passed
+        assert check.evidence is not None and check.evidence.judged == 7
         assert [c["passed"] for c in bundled["checks"] if c["name"] == "speed_gate"] == [True]

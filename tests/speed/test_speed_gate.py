@@ -507,3 +507,34 @@ def test_the_timed_top_up_aims_at_the_eager_slowdown_on_gpus_at_the_configs_own_
     assert aimed_eager_margin(replace(config, on_gpu=True)) == 0.05
     assert aimed_eager_margin(replace(_speed_config(), on_gpu=True)) == 0.03
     assert aimed_eager_margin(replace(config, on_gpu=False)) is None
+
+
+def test_a_slowdown_hidden_under_the_rows_lead_is_named_with_the_size_that_would_still_pass():
+    """Against vLLM's row a faster kernel hides its own regressions: here the row leads by 20 % at M=1 and a
+    5 % slowdown there still passes. The pass says so per range (passes_up_to = fails_above / ratio, above
+    what the range would catch against an equal reference), names the --baseline comparison that shows one,
+    and the table's cell carries the widest; a row level with its reference hides nothing."""
+    from moe_eval.gates.speed import speed_cell
+
+    for slowdown in (1.0, 1.05):
+        check, section = speed_check(_twin({"M=1": 0.8 * slowdown}), _twin(), MARGINS, "vllm")
+        m1 = {r["range"]: r for r in section["ranges"]}["M=1"]
+        assert check.passed and section["hidden_under_lead"] == ["M=1"]
+        assert m1["passes_up_to"] == pytest.approx(m1["fails_above"] / m1["ratio"], rel=1e-3)
+        assert m1["passes_up_to"] == pytest.approx(
+            1.01 * math.exp(SPEED_Z * 0.0096) / (0.8 * slowdown), abs=0.01
+        )
+        assert m1["passes_up_to"] > m1["would_catch"]
+        assert f"M=1 x{m1['passes_up_to']:.3f} would still pass" in check.detail
+        assert "(run --baseline) shows one" in check.detail
+        cell = speed_cell(section, SimpleNamespace(timing=None))
+        assert cell.endswith(f"a slowdown up to x{m1['passes_up_to']:.2f} hides under its lead")
+    check, section = speed_check(_twin(), _twin(), MARGINS, "ref")
+    assert section["hidden_under_lead"] == [] and "would still pass" not in check.detail
+    assert "under its lead" not in speed_cell(section, SimpleNamespace(timing=None))
+    assert all(
+        r["passes_up_to"] == pytest.approx(r["fails_above"] / r["ratio"], rel=1e-3) for r in section["ranges"]
+    )
+    # a failed range hides nothing: it failed
+    check, section = speed_check(_twin({"M=1": 1.10}), _twin(), MARGINS, "ref")
+    assert not check.passed and section["hidden_under_lead"] == []
