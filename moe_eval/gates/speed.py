@@ -871,6 +871,8 @@ def speed_junit(gate: Any) -> dict[str, object]:
         "speed.reference": gate.get("reference"),
         "speed.would_catch": (gate.get("evidence") or {}).get("would_catch"),
         "speed.reference_cards": gate.get("reference_cards"),
+        # ranges where a slowdown of this row would still pass under its lead over the reference
+        "speed.hidden_under_lead": ", ".join(gate.get("hidden_under_lead") or ()) or None,
     }
 
 

@@ -109,6 +109,17 @@ def test_junit_carries_the_speed_gates_worst_range_and_how_many_ranges_it_judged
     )
     case = next(iter(suite))
     assert "speed_gate" in case.result[0].type
+    assert not props.get("speed.hidden_under_lead")  # nothing hidden: empty
+    # a row faster than its reference at M=1 passes there, and says a slowdown would hide under that lead
+    outcome = _outcome(tmp_path, "Fast-BF16-torch", "passed")
+    check, outcome.judged["speed"] = speed_check(
+        timing(8.0, 20.0, 0), timing(10.0, 20.0, 0), Margins(0.01, 0.03), "vllm", "same"
+    )
+    outcome.checks.append(check)
+    path.write_text(junit_xml([outcome], "h200", ["NVIDIA H200"]))
+    (suite,) = JUnitXml.fromfile(str(path))
+    props = {p.name: p.value for p in suite.properties()}
+    assert props["speed.hidden_under_lead"] == "M=1"
 
 
 def _write_run(
