@@ -136,28 +136,41 @@ def test_judging_the_lead_over_vllms_row_would_catch_the_eager_slowdowns_not_the
 
 
 def test_against_vllms_row_every_slowdown_passes_and_the_pass_names_the_lead_it_hid_under(repo_root):
-    """Each bundled row judged against vLLM's row of its pair, as a run without --baseline judges it: every
-    one passes, the five slowed rows too (a 5-10 % slowdown of a kernel x0.63-0.92 of vLLM's per range is
-    still at most x1.03 of it). What the pass now says (hidden_under_lead, passes_up_to): the correct rows
-    hide a slowdown in all 7 ranges, up to x1.16-1.66 (M=65-256 the widest); the slowed rows in 6 (not
-    M=1024-4095, where the lead was x0.92 and is spent). The twin (power-topup-twin) alike: its correct row in
-    7, up to x1.05-1.43; its slowed row in M=1 and M>=4096, where the lead is widest."""
+    """Every bundled row, the pairs' own included, judged against vLLM's row of its pair (or of the pair
+    before it), as a run without --baseline judges it: every one passes, the five slowed rows too (the
+    bundled kernel runs at x0.62-0.93 of vLLM's per range, so slowed 5-10 % it reads at most x1.025 of it).
+    What the pass now says (hidden_under_lead: the ranges where the row leads beyond 3 standard errors;
+    passes_up_to): the correct rows hide a slowdown in 7 of 7 ranges, up to x1.16-1.68, widest at M=65-256;
+    the slowed rows in 6 (not M=1024-4095, whose lead of x0.92 the slowdown spent). The twin
+    (power-topup-twin): its correct rows in 4 (M=17-64 and M=65-256 lead by 2-3 %, within noise; M=257-1023
+    by 4 %, within its eager noise), up to x1.05-1.43, widest at M>=4096; its slowed row, at most x1.053 of
+    vLLM's, in M=1 and M>=4096."""
     from moe_eval.gates.speed import speed_check
 
-    for stem, correct_hides, correct_up_to, slowed_hides in (
-        (CANARY, 7, (1.16, 1.66), ["M=1", "M=2-16", "M=17-64", "M=65-256", "M=257-1023", "M>=4096"]),
-        ("power-topup-twin", 7, (1.05, 1.43), ["M=1", "M>=4096"]),
-    ):
+    canary_correct = ["M=1", "M=2-16", "M=17-64", "M=65-256", "M=257-1023", "M=1024-4095", "M>=4096"]
+    canary_slowed = [r for r in canary_correct if r != "M=1024-4095"]
+    for stem, correct_hides, slowed_hides, up_to, widest, slowed_at_most in (
+        (CANARY, canary_correct, canary_slowed, (1.16, 1.69), "M=65-256", 1.026),
+        ("power-topup-twin", ["M=1", "M=2-16", "M=1024-4095", "M>=4096"], ["M=1", "M>=4096"], (1.05, 1.43),
+         "M>=4096", 1.054),
+    ):  # fmt: skip
         rows = stored.stored_rows(repo_root, stem)
         pairs = stored.correct(rows, vllm=True)
-        for row, _ in stored.judged_rows(rows):
+        bundled = [r for r in rows if "vllm" not in r["config"]]
+        assert len(bundled) == (10 if stem == CANARY else 3)
+        for row in bundled:
             vllm = max((v for v in pairs if v["run"] <= row["run"]), key=lambda v: v["run"])
             check, section = speed_check(timing(row), timing(vllm), MARGINS, vllm["run"])
             assert check is not None and check.passed, (stem, row["run"])
-            up_to = [r["passes_up_to"] for r in section["ranges"]]
+            ratios = [r["ratio"] for r in section["ranges"]]
             if stored.slowed(row):
                 assert section["hidden_under_lead"] == slowed_hides, (stem, row["run"])
+                assert max(ratios) < slowed_at_most
             else:
-                assert len(section["hidden_under_lead"]) == correct_hides, (stem, row["run"])
-                assert correct_up_to[0] < min(up_to) and max(up_to) < correct_up_to[1], (stem, row["run"])
-                assert "would still pass" in check.detail
+                assert section["hidden_under_lead"] == correct_hides, (stem, row["run"])
+                assert 0.61 < min(ratios) and max(ratios) < 0.99
+                hidden = [r for r in section["ranges"] if r["range"] in correct_hides]
+                assert all(up_to[0] < r["passes_up_to"] < up_to[1] for r in hidden), (stem, row["run"])
+                assert max(hidden, key=lambda r: r["passes_up_to"])["range"] == widest
+                assert "could slow down this much and still pass" in check.detail
+                assert "compare it with its own earlier run (run --baseline RUN)" in check.detail

@@ -103,4 +103,9 @@ def test_the_full_rows_speed_gate_judged_every_range_and_passed(repo_root):
         check, _ = speed_check(timing(bundled), timing(vllm), MARGINS, vllm["run"])
         assert check is not None and check.passed
         assert check.evidence is not None and check.evidence.judged == 7
+        worst = max(stored.ranges_judged(bundled, vllm).values(), key=lambda r: r.ratio or 0.0)
+        assert (worst.range, round(worst.ratio or 0.0, 3)) == {
+            "Qwen3-30B-A3B-BF16": ("M=65-256", 0.984),
+            "Canary-Qwen3-MoE-BF16": ("M=1024-4095", 0.904),
+        }[model]
         assert [c["passed"] for c in bundled["checks"] if c["name"] == "speed_gate"] == [True]
