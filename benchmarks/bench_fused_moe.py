@@ -14,8 +14,9 @@ Peers (--peers), interleaved replay by replay so they share the card's thermal a
               alignment and one-pass Triton stand-ins for its CUDA activation and top-k sum), or
               from the installed vLLM when there is no folder. CUDA graph
   vllm_installed  the installed vLLM's own fused_experts (its CUDA alignment, activation and sum)
-  triton_pdl, triton_nopdl, triton_naive_pdl  the tuned plan with `MoeTileConfig.pdl` asked for on
-              its naive calls, dropped, or the call made naive and pdl asked for; M <= 16 only
+  triton_pdl, triton_nopdl, triton_naive_pdl, triton_naive_forced  the tuned plan with
+              `MoeTileConfig.pdl` asked for (naive and aligned calls), dropped, the call made naive where
+              naive qualifies and pdl asked for, or naive at every M with pdl; M <= 64 only
   triton_gemv*  issue 34's decode GEMVs: the shape's tuned config with `gemv` tiles on its naive calls
               (GEMV_VARIANTS: tile_configs.default_gemv_tiles and a few variations of it), CUDA graph;
               with --gemv-force the GEMVs run every call (also where naive does not qualify: one
@@ -266,22 +267,38 @@ def triton_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCal
     return [_call(fused_moe, c) for c in cases], {"config": json.dumps(plan.config.to_json())}
 
 
+DECODE_VARIANT_MAX_M = 64
+
+
 def _decode_variant(variant: str) -> Callable[[MoeShape, list[MoeCase], list[int]], PeerCalls]:
-    """The tuned plan with `pdl` (`MoeTileConfig.pdl`) set otherwise, at decode sizes (M <= 16) only:
-    triton_pdl asks for it on naive calls, triton_nopdl drops it, triton_naive_pdl makes the call naive
-    with the tuned tiles and asks for it (where the tuner chose the aligned plan at M = 1)."""
+    """The tuned plan with `pdl` (`MoeTileConfig.pdl`) set otherwise, at decode sizes (M <= 64) only:
+    triton_pdl asks for it wherever the plan is the tl.dot pointer chain (naive calls, and aligned ones,
+    GEMM1 following the alignment), triton_nopdl drops it, triton_naive_pdl makes the call naive with the
+    tuned tiles where naive qualifies and asks for it, triton_naive_forced runs the tuned tiles naive at
+    every M (one block per slot, no alignment: an expert hit by several slots is read once per slot), with
+    pdl."""
 
     def peer_calls(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
         T = cases[0].hidden_TD.shape[0]
-        if T > 16:
-            raise ValueError(f"{variant} is a decode comparison (M <= 16), not M={T}")
+        if T > DECODE_VARIANT_MAX_M:
+            raise ValueError(f"{variant} is a decode comparison (M <= {DECODE_VARIANT_MAX_M}), not M={T}")
         configs = []
         for c in cases:
             tuned = _triton_plan(shape, c).config
-            naive = tuned.naive or (variant == "triton_naive_pdl" and tuned.gemv is None)
-            pdl = variant != "triton_nopdl" and naive and tuned.gemv is None
+            pointer = tuned.gemv is None and not (
+                tuned.gemm1.persistent or tuned.gemm2.tma or tuned.gemm2.persistent
+            )
+            if variant != "triton_nopdl" and not pointer:
+                raise ValueError(f"{variant}: the tuned plan at M={T} is no tl.dot pointer chain ({tuned})")
+            naive = tuned.naive or variant in ("triton_naive_pdl", "triton_naive_forced")
             fold_k = tuned.fold_k if tuned.naive else False
-            configs.append(dataclasses.replace(tuned, naive=naive, fold_k=fold_k, pdl=pdl))
+            configs.append(
+                dataclasses.replace(tuned, naive=naive, fold_k=fold_k, pdl=variant != "triton_nopdl")
+            )
+        if variant == "triton_naive_forced":
+            calls = [_forced_naive_call(shape, c, cfg) for c, cfg in zip(cases, configs)]
+            notes = {"config": json.dumps(configs[0].to_json()), "naive_ran": True, "naive_forced": True}
+            return calls, notes | {"pdl_ran": pdl_available(cases[0].hidden_TD.device)}
         return _configured_calls(shape, cases, configs)
 
     return peer_calls
@@ -484,8 +501,9 @@ def gemv_config(shape: MoeShape, case: MoeCase, variant: str) -> MoeTileConfig:
     return dataclasses.replace(tuned, naive=True, fold_k=False, pdl=False, gemv=gemv_tiles(shape, variant))
 
 
-def _forced_gemv_call(shape: MoeShape, case: MoeCase, config: MoeTileConfig) -> Callable[[], torch.Tensor]:
-    """The GEMVs whatever the token count: fused_moe's stages with the naive plan forced."""
+def _forced_naive_call(shape: MoeShape, case: MoeCase, config: MoeTileConfig) -> Callable[[], torch.Tensor]:
+    """The config's naive calls (the GEMVs where it has them) whatever the token count: fused_moe's stages
+    with the naive plan forced."""
     plan = LaunchPlan(config, AlignVariant(False, naive=True))
     kwargs = {"expert_map_E": case.expert_map_E, "precision": "tf32",
               "apply_router_weight_on_input": case.apply_router_weight_on_input}  # fmt: skip
@@ -504,7 +522,7 @@ def _gemv_peer(variant: str) -> Callable[[MoeShape, list[MoeCase], list[int]], P
     def peer_calls(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
         configs = [gemv_config(shape, c, variant) for c in cases]
         if GEMV_OPTIONS["force"]:
-            calls = [_forced_gemv_call(shape, c, cfg) for c, cfg in zip(cases, configs)]
+            calls = [_forced_naive_call(shape, c, cfg) for c, cfg in zip(cases, configs)]
         else:
             calls = [lambda c=c, cfg=cfg: fused_moe(*c.args(), **c.kwargs(), config=cfg)
                      for c, cfg in zip(cases, configs)]  # fmt: skip
@@ -520,7 +538,10 @@ def _gemv_peer(variant: str) -> Callable[[MoeShape, list[MoeCase], list[int]], P
 
 GRAPH_PEERS: dict[str, Callable[[MoeShape, list[MoeCase], list[int]], PeerCalls]] = {
     "triton": triton_peer,
-    **{name: _decode_variant(name) for name in ("triton_pdl", "triton_nopdl", "triton_naive_pdl")},
+    **{
+        name: _decode_variant(name)
+        for name in ("triton_pdl", "triton_nopdl", "triton_naive_pdl", "triton_naive_forced")
+    },  # fmt: skip
     "grouped_mm": grouped_mm_peer,
     "flashinfer_cutlass": flashinfer_cutlass_peer,
     "vllm_triton": _vllm_whole("vllm_triton"),
@@ -1053,7 +1074,65 @@ def decode_tables(rows: list[dict]) -> tuple[str, bool]:
             f"M={DECODE_TARGET_M}, target <= {DECODE_FLOOR_RATIO:.2f}x the floor: " + "; ".join(verdicts),
             "",
         ]
+    if any(r["impl"].startswith("bound:weights_read") for r in rows):
+        # Issue 56 restated the target against the read (issue 34 found the floor's out of reach): its
+        # verdict is the run's.
+        read_text, all_ok = read_tables(rows)
+        lines.append(read_text)
     return "\n".join(lines), all_ok
+
+
+# --- issue 56: decode within 1.10 x the one-launch read of the same experts -------------------------
+
+# The practical floor of a decode call: bound:weights_read* (benchmarks/bounds.py), one Triton launch that
+# only reads the experts the call hits, timed in the same replays; the best of its cuts counts.
+READ_TARGET = 1.10
+READ_TARGET_MS = (1, 8, 40)
+READ_PEERS = ("vllm_triton", "flashinfer_cutlass")
+
+
+def read_tables(rows: list[dict]) -> tuple[str, bool]:
+    """Markdown: at each shape of PREFILL_SHAPES and M of READ_TARGET_MS that has a read bound, the read
+    (best cut), the shipped plan, the best bundled call (`triton*` whole calls with a right output), each
+    as us (x the read), and the peers beside them; and whether every such cell's best bundled call is
+    within READ_TARGET. A cell whose bundled calls are all wrong counts as missed."""
+    by = {(f"{r['model']} {r['layout']}", r["M"], r["impl"]): r for r in rows}
+    shapes = [s for s in dict.fromkeys(f"{r['model']} {r['layout']}" for r in rows) if s in PREFILL_SHAPES]
+    impls = [i for i in dict.fromkeys(r["impl"] for r in rows) if i.startswith("triton") and ":" not in i]
+    peers = [p for p in READ_PEERS if any(k[2] == p for k in by)]
+    header = ["shape", "M", "read us", "shipped (x read)", "best bundled", "us (x read)"]
+    header += [f"{p} (x read)" for p in peers]
+    title = f"#### Decode against the one-launch read of the same experts (target <= {READ_TARGET:.2f}x)"
+    align = "|---|---:|---:|---:|---|---:|" + "---:|" * len(peers)
+    lines = [title, "", "| " + " | ".join(header) + " |", align]
+    met_cells = total = 0
+    for shape in shapes:
+        for M in READ_TARGET_MS:
+            reads = [r["median_us"] for (s, m, i), r in by.items()
+                     if (s, m) == (shape, M) and i.startswith("bound:weights_read")]  # fmt: skip
+            if not reads:
+                continue
+            read = min(reads)
+
+            def cell(impl: str) -> str:
+                r = by.get((shape, M, impl))
+                if not r:
+                    return "-"
+                wrong = "" if r.get("rel_err", 0) <= CHECK_TOLERANCE else " WRONG"
+                return f"{r['median_us']:.1f} ({r['median_us'] / read:.2f}x){wrong}"
+
+            right = [by[(shape, M, i)] for i in impls if (shape, M, i) in by]
+            right = [r for r in right if r.get("rel_err", 0) <= CHECK_TOLERANCE]
+            best = min(right, key=lambda r: r["median_us"]) if right else None
+            met = best is not None and best["median_us"] / read <= READ_TARGET
+            total += 1
+            met_cells += met
+            best_cell = cell(best["impl"]) if best else "-"
+            cells = [shape, str(M), f"{read:.1f}", cell("triton"), best["impl"] if best else "-",
+                     best_cell if met else f"**{best_cell}**", *(cell(p) for p in peers)]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"{met_cells} of {total} cells within {READ_TARGET:.2f}x of the read.", ""]
+    return "\n".join(lines), total > 0 and met_cells == total
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:

@@ -115,6 +115,7 @@ def _align_single_kernel(
     NBINS: tl.constexpr,
     SLOTS: tl.constexpr,  # next power of two >= num_slots: every slot in registers at once
     NB_BLOCKS: tl.constexpr,  # next power of two > max_blocks
+    TRIGGER_DEPENDENTS: tl.constexpr = False,  # GEMM1 follows as this grid's programmatic dependent
 ):
     """The whole alignment in one program (one launch for small T*K): histogram, scan, scatter.
 
@@ -122,6 +123,10 @@ def _align_single_kernel(
     slots inside an expert is not fixed; each output row is computed from its own slot only, so
     the results do not depend on it.
     """
+    if TRIGGER_DEPENDENTS:
+        # GEMM1's programs may be put on the SMs now: they wait for this grid before reading what it
+        # writes. This launch itself is a plain one (what comes before it is the caller's routing).
+        tl.extra.cuda.gdc_launch_dependents()
     offs = tl.arange(0, SLOTS)
     bins = _expert_bins(topk_ids_ptr, expert_map_ptr, offs, num_slots, HAS_EXPERT_MAP, NBINS)
     counts, starts, ends, total = _padded_layout(tl.histogram(bins, NBINS), num_experts, BLOCK_M, NBINS)

@@ -197,8 +197,12 @@ def naive_alignment(
 
 
 def moe_align_block_size(
-    topk_ids_TK: torch.Tensor, block_m: int, num_local_experts: int, expert_map_E: torch.Tensor | None = None
-) -> MoeAlignment:
+    topk_ids_TK: torch.Tensor, block_m: int, num_local_experts: int, expert_map_E: torch.Tensor | None = None,
+    trigger_dependents: bool = False,
+) -> MoeAlignment:  # fmt: skip
+    """trigger_dependents: GEMM1 follows as a programmatic dependent (a pdl plan): the one-program
+    alignment lets it onto the SMs at its start. The three-launch alignment (more than 4096 slots, not a
+    decode size) does not; GEMM1 still waits for it."""
     num_slots = topk_ids_TK.numel()
     assert topk_ids_TK.dtype == torch.int32 and topk_ids_TK.is_contiguous(), "topk_ids: contiguous int32"
     assert block_m >= 16 and block_m & (block_m - 1) == 0, (
@@ -230,7 +234,7 @@ def moe_align_block_size(
             topk_ids_TK, map_arg, sorted_ids_P, expert_ids_B, num_post_pad_1, cursor,
             num_slots, num_local_experts, max_blocks,
             HAS_EXPERT_MAP=has_map, BLOCK_M=block_m, NBINS=nbins, SLOTS=variant.slots,
-            NB_BLOCKS=variant.nb_blocks, num_warps=8,
+            NB_BLOCKS=variant.nb_blocks, TRIGGER_DEPENDENTS=trigger_dependents, num_warps=8,
         )  # fmt: skip
         return align
 
@@ -287,8 +291,10 @@ class LaunchPlan:
 
     @property
     def pdl(self) -> bool:
-        """GEMM1, GEMM2 and the sum as programmatic dependents (naive tl.dot plans that ask for it)."""
-        return self.align is not None and self.align.naive and self.config.pdl
+        """GEMM1, GEMM2 and the sum as programmatic dependents (tl.dot plans that ask for it: naive calls,
+        and aligned calls, whose GEMM1 follows the alignment; the config holds both GEMMs to the pointer
+        kernels, which have the wait)."""
+        return self.align is not None and self.config.pdl
 
     @property
     def fold_k(self) -> bool:
@@ -418,7 +424,8 @@ def assign_slots(
     """The plan's slot assignment: the alignment kernels, or nothing at all for a naive plan."""
     if plan.align.naive:
         return naive_alignment(topk_ids_TK, plan.config.block_m, expert_map_E)
-    return moe_align_block_size(topk_ids_TK, plan.config.block_m, num_local_experts, expert_map_E)
+    trigger = plan.pdl and pdl_available(topk_ids_TK.device)
+    return moe_align_block_size(topk_ids_TK, plan.config.block_m, num_local_experts, expert_map_E, trigger)
 
 
 def allocate_intermediates(
@@ -508,8 +515,8 @@ def launch_gemm1(
     use_pdl: bool = False,
     silu_slope: float = 1.0,
 ) -> None:
-    """use_pdl (naive plans): launched as the previous launch's programmatic dependent (it waits for it
-    before reading x), and GEMM2 after it as its own."""
+    """use_pdl: launched as the previous launch's programmatic dependent (it waits for it before reading
+    anything: x, or the alignment's blocks), and GEMM2 after it as its own."""
     D = hidden_TD.shape[1]
     F = h_PF.shape[1]
     if tile.persistent:
@@ -545,7 +552,9 @@ def launch_gemm2(
     D = y_SD.shape[1]
     F = h_PF.shape[1]
     assert not fold_k or align.naive, "the sum over K folds into GEMM2 on naive plans only"
-    assert not use_pdl or not (tile.persistent or tile.tma), "pdl: naive plans (neither persistent nor tma)"
+    assert not use_pdl or not (tile.persistent or tile.tma), (
+        "pdl: the pointer GEMM2 (neither persistent nor tma)"
+    )
     if tile.persistent:
         _launch_gemm2_persistent(
             h_PF, w2_eDF, y_SD, topk_weights_TK, align, tile, mul_routed_weight, precision

@@ -144,12 +144,13 @@ class MoeTileConfig:
     gemv (needs naive): on those calls both GEMMs run as GEMVs instead (`GemvTiles`; GEMM2 always
     sums the K slots itself, so fold_k stays False); the calls that do not qualify run the aligned
     GEMMs with gemm1 / gemm2 as before.
-    pdl (needs naive, not gemv, which has its own): on naive calls GEMM1, GEMM2 and the sum are launched
-    as programmatic dependents (sm_90+), each of the launch before it: each is put on the SMs while that
-    launch finishes and waits for it (griddepcontrol.wait) before reading anything. The same kernels,
-    the same bits; a decode call's launch gaps go, but where GEMM1's grid is more than a wave GEMM2's early
-    programs crowd it (slower at Mixtral on the H200), so a file asks for it only where it measured faster.
-    Where the device or Triton lacks it they run without.
+    pdl (not with gemv, which has its own; the pointer GEMMs only, neither persistent nor tma): GEMM1,
+    GEMM2 and the sum are launched as programmatic dependents (sm_90+), each of the launch before it: each
+    is put on the SMs while that launch finishes and waits for it (griddepcontrol.wait) before reading
+    anything. On aligned calls GEMM1 follows the alignment, which lets it on at its start. The same
+    kernels, the same bits; a decode call's launch gaps go, but where GEMM1's grid is more than a wave
+    GEMM2's early programs crowd it (slower at Mixtral's naive M = 1 on the H200), so a file asks for it
+    only where it measured faster. Where the device or Triton lacks it they run without.
     """
 
     block_m: int
@@ -164,8 +165,8 @@ class MoeTileConfig:
         # A field the code would ignore is an error (house style).
         if self.gemv is not None and not self.naive:
             raise ValueError("gemv needs naive: the GEMVs run on the calls that skip the alignment")
-        if self.pdl and not self.naive:
-            raise ValueError("pdl needs naive: the dependent launches are the naive calls' GEMM2 and sum")
+        if self.pdl and (self.gemm1.persistent or self.gemm2.persistent or self.gemm2.tma):
+            raise ValueError("pdl needs the pointer GEMMs: the persistent and tma kernels have no wait")
         if self.pdl and self.gemv is not None:
             raise ValueError("pdl is the tl.dot naive calls'; a gemv config says it in gemv.pdl")
         if self.gemv is not None and self.fold_k:

@@ -133,3 +133,33 @@ def test_decode_verdict_takes_the_best_bundled_call_at_m1():
     assert "WRONG" in text and "| M=1 | M=16 |" in text
     text, ok = bench.decode_tables([r for r in rows if r["impl"] != "triton_gemv_pdl"])
     assert not ok, text
+
+
+def test_read_verdict_takes_the_best_cut_and_the_best_right_bundled_call():
+    """Issue 56: within 1.10 x the one-launch read (the best of its cuts) at M = 1, 8, 40; the best right
+    `triton*` whole call counts, a miss is bold and fails the run, the peers stand beside it."""
+    tp1, tp2 = "Qwen3-30B-A3B TP1", "Qwen3-30B-A3B TP2"
+    rows = [
+        _decode_row(tp1, 1, "bound:weights_read", 21.0), _decode_row(tp1, 1, "bound:weights_read_c4k", 20.0),
+        _decode_row(tp1, 1, "triton", 23.0), _decode_row(tp1, 1, "triton_pdl", 21.9),
+        _decode_row(tp1, 1, "triton_naive_forced", 15.0, err=5e-2), _decode_row(tp1, 1, "vllm_triton", 30.0),
+        _decode_row(tp1, 8, "bound:weights_read", 50.0), _decode_row(tp1, 8, "triton", 54.9),
+        # M = 16 is no target size: no line.
+        _decode_row(tp1, 16, "bound:weights_read", 80.0), _decode_row(tp1, 16, "triton", 200.0),
+    ]  # fmt: skip
+    text, ok = bench.read_tables(rows)
+    assert ok, text
+    assert (
+        "| Qwen3-30B-A3B TP1 | 1 | 20.0 | 23.0 (1.15x) | triton_pdl | 21.9 (1.09x) | 30.0 (1.50x) |" in text
+    )
+    assert "| Qwen3-30B-A3B TP1 | 8 | 50.0 | 54.9 (1.10x) | triton | 54.9 (1.10x) | - |" in text
+    assert "| 16 |" not in text and "2 of 2 cells within 1.10x of the read." in text
+    # One cell over: bold, and the run fails; decode_tables takes this verdict where reads were timed.
+    rows += [_decode_row(tp2, 40, "bound:weights_read", 100.0), _decode_row(tp2, 40, "triton", 111.0)]
+    text, ok = bench.read_tables(rows)
+    assert not ok and "| **111.0 (1.11x)** |" in text and "2 of 3 cells" in text
+    decode_text, decode_ok = bench.decode_tables(rows)
+    assert not decode_ok and text in decode_text
+    # Only wrong bundled calls: missed.
+    text, ok = bench.read_tables([rows[0], _decode_row(tp1, 1, "triton", 20.0, err=2e-2)])
+    assert not ok and "| - | **-** |" in text, text

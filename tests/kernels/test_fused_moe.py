@@ -397,8 +397,10 @@ def test_gemv_config_outside_naive_calls_runs_the_aligned_gemms(dtype, device):
 
 def test_pdl_config_rules():
     tile = GemmTile(32, 32)
-    with pytest.raises(ValueError, match="pdl needs naive"):
-        MoeTileConfig(16, tile, tile, pdl=True)
+    for gemm1, gemm2 in ((GemmTile(32, 32, persistent=True), tile), (tile, GemmTile(32, 32, tma=True)),
+                         (tile, GemmTile(32, 32, tma=True, persistent=True))):  # fmt: skip
+        with pytest.raises(ValueError, match="pdl needs the pointer GEMMs"):
+            MoeTileConfig(64, gemm1, gemm2, pdl=True)
     with pytest.raises(ValueError, match="a gemv config says it in gemv.pdl"):
         dataclasses.replace(GEMV, pdl=True)
     # JSON: round-trips; a config without it writes no "pdl" key (the shipped files stay as they were).
@@ -406,23 +408,30 @@ def test_pdl_config_rules():
     assert "pdl" not in NAIVE.to_json()
     with pytest.raises(ValueError, match="pdl must be true or false"):
         MoeTileConfig.from_json(NAIVE.to_json() | {"pdl": "yes"})
-    # The plan carries it on naive calls only (aligned calls of the same config launch plainly).
-    assert fused_moe_module.launch_plan(1, 8, 32, 32, 2, "test", NAIVE_PDL).pdl
-    assert not fused_moe_module.launch_plan(20, 8, 32, 32, 2, "test", NAIVE_PDL).pdl
+    # The plan carries it on naive calls and on aligned ones (GEMM1 then follows the alignment).
+    naive_call = fused_moe_module.launch_plan(1, 8, 32, 32, 2, "test", NAIVE_PDL)
+    aligned_call = fused_moe_module.launch_plan(20, 8, 32, 32, 2, "test", NAIVE_PDL)
+    assert naive_call.pdl and naive_call.align.naive
+    assert aligned_call.pdl and not aligned_call.align.naive
+    assert not fused_moe_module.launch_plan(20, 8, 32, 32, 2, "test", NAIVE).pdl
 
 
 def test_pdl_computes_the_same_bits(device):
     # PDL changes when GEMM2 and the sum start, never what they compute (with and without a sum launch,
     # with an expert map). On the CPU this holds the plumbing only (the interpreter runs the kernels without
     # PDL: pdl_available is False); test_real_shape_pdl_bf16 holds the GPU.
-    for config in (NAIVE, NAIVE_FOLD):
-        for T, local in ((1, None), (2, [0, 5, 2, 7])):
+    # Aligned calls too (T = 20: the alignment, then GEMM1 as its dependent), and K = 1 with an expert
+    # map, where the output is zeroed between the alignment and GEMM1.
+    for config in (NAIVE, NAIVE_FOLD, SWIZZLED):
+        for T, K, local in ((1, 3, None), (2, 3, [0, 5, 2, 7]), (20, 3, None), (20, 3, [0, 5, 2, 7]),
+                            (20, 1, [1, 6])):  # fmt: skip
             case = make_case(
-                T, 8, 3, 96, 80, dtype=DTYPES[0], device=device, seed=220 + T, local_experts=local
+                T, 8, K, 96, 80, dtype=DTYPES[0], device=device, seed=220 + T + K, local_experts=local
             )
             plain = fused_moe(*case.args(), **case.kwargs(), config=config)
             with_pdl = fused_moe(*case.args(), **case.kwargs(), config=dataclasses.replace(config, pdl=True))
             assert torch.equal(plain, with_pdl)
+            assert rel_err(plain, case.reference_fp32()) <= TOLERANCE[DTYPES[0]]
 
 
 def test_gemv_config_rules():
@@ -804,22 +813,22 @@ def test_real_shape_prefill_path_forced(shape, M, variant):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("M", [1, 2, 4])  # the token counts the tuned M = 1 entry serves (nearest in log2)
+@pytest.mark.parametrize("M", [1, 2, 4, 8, 40])  # the M = 1 entry's sizes, and two aligned decode sizes
 @pytest.mark.parametrize("shape", SHIPPED_SHAPES, ids=lambda s: s.name.replace(" ", "-"))
 def test_real_shape_pdl_bf16(shape, M):
-    """The tuned plan's naive calls with GEMM2 and the sum as programmatic dependents: the bits of the
-    plain launches, eager and replayed from a CUDA graph (as vLLM serves decode), many times."""
+    """The tuned plan's calls with GEMM1, GEMM2 and the sum as programmatic dependents (naive calls, and
+    aligned ones, GEMM1 following the alignment): the bits of the plain launches, eager and replayed from a
+    CUDA graph (as vLLM serves decode), many times."""
     case = shape_case(shape, M, seed=M + 3)
     tuned = fused_moe_module.launch_plan(M, shape.local_experts, shape.F, shape.D, shape.top_k,
                                          torch.cuda.get_device_name()).config  # fmt: skip
-    if not tuned.naive:
-        pytest.skip(f"{shape.name}'s tuned plan at M={M} is not naive: pdl does not apply")
+    if tuned.gemv is not None or tuned.gemm1.persistent or tuned.gemm2.tma:
+        pytest.skip(f"{shape.name}'s tuned plan at M={M} has no tl.dot pointer chain: pdl does not apply")
     plain_config = dataclasses.replace(tuned, pdl=False)
     pdl_config = dataclasses.replace(tuned, pdl=True)
     plan = fused_moe_module.launch_plan(M, shape.local_experts, shape.F, shape.D, shape.top_k,
                                         torch.cuda.get_device_name(), pdl_config)  # fmt: skip
-    if not plan.pdl:
-        pytest.skip(f"naive does not qualify at {shape.name} M={M}")
+    assert plan.pdl
     assert fused_moe_module.pdl_available(case.hidden_TD.device), "an H200 with triton 3.6 has PDL"
     plain = fused_moe(*case.args(), **case.kwargs(), config=plain_config)
     assert rel_err(plain, case.reference_fp32()) <= TOLERANCE[torch.bfloat16]
