@@ -17,6 +17,7 @@ Peers (--peers), interleaved replay by replay so they share the card's thermal a
   triton_pdl, triton_nopdl, triton_naive_pdl, triton_naive_forced  the tuned plan with
               `MoeTileConfig.pdl` asked for (naive and aligned calls), dropped, the call made naive where
               naive qualifies and pdl asked for, or naive at every M with pdl; M <= 64 only
+  triton_default  the same kernel on the default heuristic's tiles (no tuned file), CUDA graph
   triton_gemv*  issue 34's decode GEMVs: the shape's tuned config with `gemv` tiles on its naive calls
               (GEMV_VARIANTS: tile_configs.default_gemv_tiles and a few variations of it), CUDA graph;
               with --gemv-force the GEMVs run every call (also where naive does not qualify: one
@@ -90,6 +91,7 @@ from moe_eval.kernels.tile_configs import (
     GemvTiles,
     MoeShape,
     MoeTileConfig,
+    default_config,
     default_gemv_tiles,
 )
 from moe_eval.kernels.torch_moe import grouped_mm_moe, torch_moe
@@ -268,6 +270,13 @@ def triton_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCal
 
 
 DECODE_VARIANT_MAX_M = 64
+
+
+def default_tiles_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
+    """The default heuristic's tiles (what a GPU with no tuned file for the shape runs)."""
+    T = cases[0].hidden_TD.shape[0]
+    config = default_config(T, shape.local_experts, shape.top_k)
+    return _configured_calls(shape, cases, [config] * len(cases))
 
 
 def _decode_variant(variant: str) -> Callable[[MoeShape, list[MoeCase], list[int]], PeerCalls]:
@@ -542,6 +551,7 @@ GRAPH_PEERS: dict[str, Callable[[MoeShape, list[MoeCase], list[int]], PeerCalls]
         name: _decode_variant(name)
         for name in ("triton_pdl", "triton_nopdl", "triton_naive_pdl", "triton_naive_forced")
     },  # fmt: skip
+    "triton_default": default_tiles_peer,
     "grouped_mm": grouped_mm_peer,
     "flashinfer_cutlass": flashinfer_cutlass_peer,
     "vllm_triton": _vllm_whole("vllm_triton"),

@@ -7,6 +7,9 @@
 #                           per-rank shapes, the shipped plan, its variants (DECODE_PEERS), both peers and the
 #                           read bounds; the verdict is bench_fused_moe.read_tables' (within 1.10x of the read)
 #   STAGES="prefill"        M = 1024, 4096, 16384: the shipped plan, both peers and torch's grouped GEMMs alone
+#   STAGES="tune ..."       first: the tuner at M = 8 and 40 (TUNE_M) of every shape on this GPU, merged into
+#                           the files the later stages read (tuned.tgz comes back); KEEP_TUNED=1 in a later
+#                           call on the warm machine keeps them
 # Chained calls reuse the Triton cache and FlashInfer's site while the machine is warm.
 #
 # Usage (repo root on the device; carried: .vllm-peer/ from benchmarks/extract_vllm_moe_peer.py, .fi-lite/
@@ -36,10 +39,11 @@ place_fi_lite > "$RUN/logs/fi_site.txt" 2>&1 && [[ -f "$FI_AOT_DIR/fused_moe_90.
 
 stage "env ($STAGES)"
 GPU_FILE_NAME=$(python3 -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "_"))')
-rm -f "$RUN/tuned"/*.json
+# A chained call keeps what an earlier "tune" wrote here (KEEP_TUNED=1).
+[[ "${KEEP_TUNED:-0}" == 1 ]] || rm -f "$RUN/tuned"/*.json
 for f in moe_eval/kernels/tuned_configs/*device=NVIDIA_H200.json; do
   own="${f/device=NVIDIA_H200.json/device=$GPU_FILE_NAME.json}"
-  [[ -f "$own" ]] || cp "$f" "$RUN/tuned/$(basename "$own")"
+  [[ -f "$own" || -f "$RUN/tuned/$(basename "$own")" ]] || cp "$f" "$RUN/tuned/$(basename "$own")"
 done
 export MOE_EVAL_TUNED_DIR="$RUN/tuned"
 {
@@ -53,6 +57,21 @@ print("PDL:", pdl_available(torch.device("cuda")))'
   echo "peers beside the bundled kernel: ${PEERS[*]:-none}"; cat "$RUN/logs/fi_site.txt"
   echo "H200 tiles borrowed under this GPU's name: $(ls "$RUN/tuned" | tr '\n' ' ')"
 } 2>&1 | tee "$RUN/logs/env_${STAGES// /_}.txt"
+
+if has tune; then
+  # The decode sizes where the aligned tiles decide (M = 8, 40) tuned on this GPU, merged into the files above
+  # (the package's own files for this GPU join them first, so a merge keeps their other entries). The tuner
+  # writes no pdl: the decode stage's triton_pdl / triton_nopdl say where it pays.
+  for f in moe_eval/kernels/tuned_configs/*device=$GPU_FILE_NAME.json; do [[ -f "$f" ]] && cp "$f" "$RUN/tuned/"; done
+  stage tune
+  CELLS=(); for s in "${SHAPES[@]}"; do CELLS+=("$s:${TUNE_M:-8,40}"); done
+  timeout "${TUNE_TIMEOUT:-330}" python3 benchmarks/tune_fused_moe.py --merge --out-dir "$RUN/tuned" \
+    --workers 16 --precompile-timeout-s 120 --deadline-s "${TUNE_DEADLINE:-270}" --cells "${CELLS[@]}" \
+    > "$RUN/logs/tune.txt" 2>&1
+  echo "tune rc=$?" | tee -a "$RUN/logs/stages.txt"
+  grep -E "^[A-Z].* M=[0-9]+:|precompil|compile failed|REJECTED|deadline|Error" "$RUN/logs/tune.txt" | cut -c1-250 | tail -30
+  tar -C "$RUN" -czf "$OUT/tuned.tgz" tuned  # file names with '=' and ',' do not come back alone
+fi
 
 if has tests; then
   stage tests
@@ -82,7 +101,7 @@ bench() {  # name, timeout, then bench_fused_moe.py's arguments
 if has decode; then
   # shellcheck disable=SC2086
   bench decode "${DECODE_TIMEOUT:-300}" --m 1 8 40 --replays 20 --repeats 3 --decode-targets \
-    --peers triton ${DECODE_PEERS:-triton_pdl triton_nopdl triton_naive_forced triton_gemv_pdl} "${PEERS[@]}" \
+    --peers triton ${DECODE_PEERS:-triton_pdl triton_nopdl triton_naive_forced triton_gemv_pdl triton_default} "${PEERS[@]}" \
     --bounds weights_read weights_read_c4k weights_read_c64k
   [[ -s "$OUT/decode_rows.jsonl" ]] && python3 benchmarks/bench_fused_moe.py --out-dir "$RUN/decode" \
     --report-only "$OUT/decode_rows.jsonl" --decode-targets > "$OUT/decode.md" 2>&1
@@ -90,7 +109,7 @@ fi
 
 if has prefill; then
   bench prefill "${PREFILL_TIMEOUT:-330}" --m 1024 4096 16384 --replays 10 --repeats 3 --prefill-targets \
-    --peers triton "${PEERS[@]}" --bounds grouped_mm_gemms
+    --peers triton triton_default "${PEERS[@]}" --bounds grouped_mm_gemms
   [[ -s "$OUT/prefill_rows.jsonl" ]] && python3 benchmarks/bench_fused_moe.py --out-dir "$RUN/prefill" \
     --report-only "$OUT/prefill_rows.jsonl" --prefill-targets > "$OUT/prefill.md" 2>&1
 fi
