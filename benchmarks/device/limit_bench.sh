@@ -9,7 +9,7 @@
 #   STAGES="prefill"        M = 1024, 4096, 16384: the shipped plan, both peers and torch's grouped GEMMs alone
 #   STAGES="tune ..."       first: the tuner at M = 8 and 40 (TUNE_M) of every shape on this GPU, merged into
 #                           the files the later stages read (tuned.tgz comes back); KEEP_TUNED=1 in a later
-#                           call on the warm machine keeps them
+#                           call on the warm machine keeps them; TUNE_SHAPES="Qwen3-30B-A3B TP2 ..." tunes those only
 # Chained calls reuse the Triton cache and FlashInfer's site while the machine is warm.
 #
 # Usage (repo root on the device; carried: .vllm-peer/ from benchmarks/extract_vllm_moe_peer.py, .fi-lite/
@@ -64,7 +64,7 @@ if has tune; then
   # writes no pdl: the decode stage's triton_pdl / triton_nopdl say where it pays.
   for f in moe_eval/kernels/tuned_configs/*device=$GPU_FILE_NAME.json; do [[ -f "$f" ]] && cp "$f" "$RUN/tuned/"; done
   stage tune
-  CELLS=(); for s in "${SHAPES[@]}"; do CELLS+=("$s:${TUNE_M:-8,40}"); done
+  CELLS=(); for s in "${SHAPES[@]}"; do [[ -z "${TUNE_SHAPES:-}" || "$TUNE_SHAPES" == *"$s"* ]] && CELLS+=("$s:${TUNE_M:-8,40}"); done
   timeout "${TUNE_TIMEOUT:-330}" python3 benchmarks/tune_fused_moe.py --merge --out-dir "$RUN/tuned" \
     --workers 16 --precompile-timeout-s 120 --deadline-s "${TUNE_DEADLINE:-270}" --cells "${CELLS[@]}" \
     > "$RUN/logs/tune.txt" 2>&1
