@@ -1,15 +1,16 @@
 """Write a GPU's tuned files from another GPU's tiles plus what was tuned and measured on it (issue 56).
 
-The H100 had one tuned file (Qwen3-30B-A3B TP1, the H200's tiles); every other shipped shape ran the default
-heuristic there. `benchmarks/device/limit_bench.sh STAGES="tune decode"` on an H100 tunes the aligned decode
-sizes (M = 8, 40) of every shape, merged into the H200's files under the H100's name (`tuned.tgz`), and times
-the result beside `triton_pdl` / `triton_nopdl` and the heuristic (`triton_default`). This script turns
-that into the shipped files: each entry the tuner wrote keeps its tiles; `pdl` is set on a tl.dot pointer entry
-where `triton_pdl` was faster than `triton_nopdl` at that entry's M by at least PDL_MIN_GAIN in every repeat (not
-noise), and each file's meta says which entries came from where, with the measured times.
+The H100 had one tuned file (Qwen3-30B-A3B TP1, the H200's tiles); every other shipped shape ran the
+default heuristic there. `benchmarks/device/limit_bench.sh STAGES="tune decode"` tunes the aligned decode
+sizes (M = 8, 40) on the GPU at hand, merged into the H200's files under that GPU's name (`tuned.tgz`),
+and times the result beside `triton_pdl` / `triton_nopdl` and the heuristic (`triton_default`). This
+script turns that into the shipped files: each entry the tuner wrote keeps its tiles; `pdl` is set on a
+tl.dot pointer entry where `triton_pdl` was faster than `triton_nopdl` at that entry's M by at least
+PDL_MIN_GAIN in every repeat (not noise), and each file's meta says which entries came from where, with
+the measured times.
 
 Usage: python benchmarks/borrowed_tile_files.py --tuned DIR --rows decode_rows.jsonl [--rows ...]
-       --device "NVIDIA H100 80GB HBM3" --gpu-uuid GPU-... --out moe_eval/kernels/tuned_configs
+       --device "NVIDIA H100 80GB HBM3" --gpu-uuid GPU-... --date YYYY-MM-DD --out moe_eval/kernels/tuned_configs
 """
 
 from __future__ import annotations
