@@ -10,7 +10,8 @@ PDL_MIN_GAIN in every repeat (not noise), and each file's meta says which entrie
 the measured times.
 
 Usage: python benchmarks/borrowed_tile_files.py --tuned DIR --rows decode_rows.jsonl [--rows ...]
-       --device "NVIDIA H100 80GB HBM3" --gpu-uuid GPU-... --date YYYY-MM-DD --out moe_eval/kernels/tuned_configs
+       --device "NVIDIA H100 80GB HBM3" --gpu-uuid GPU-... --date YYYY-MM-DD
+       --out moe_eval/kernels/tuned_configs
 """
 
 from __future__ import annotations
