@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     for shape in SHIPPED_SHAPES:
         name = config_file_name(shape.local_experts, shape.F, shape.D, args.device)
         tuned_path = args.tuned / name
-        if not tuned_path.exists():
-            continue
+        if not tuned_path.exists() or not any(s == shape.name for (s, _m, _i) in by):
+            continue  # a file is written only for a shape timed on this GPU
         tuned_meta = json.loads(tuned_path.read_text())["meta"]
         configs = read_tuned_file(tuned_path)
         source = config_file_name(shape.local_experts, shape.F, shape.D, args.source_device)
@@ -99,14 +99,18 @@ def main(argv: list[str] | None = None) -> int:
             {},
         )
         Ms = sorted({m for (s, m, _i) in by if s == shape.name})
+        served: dict[int, list[int]] = {}  # entry -> the measured M it serves (nearest in log2)
         for M in Ms:
             measured_us[str(M)] = measured(by, shape.name, M)
-            entry = nearest_m(sorted(configs), M)
+            served.setdefault(nearest_m(sorted(configs), M), []).append(M)
+        for entry, entry_Ms in sorted(served.items()):
             cfg = configs[entry]
             pointer = cfg.gemv is None and not (cfg.gemm1.persistent or cfg.gemm2.tma or cfg.gemm2.persistent)
-            if pointer and not cfg.pdl and entry == M and pdl_pays(by, shape.name, M):
+            # Only where pdl paid at every measured size the entry serves (and was measured at all there).
+            if pointer and not cfg.pdl and all(pdl_pays(by, shape.name, M) for M in entry_Ms):
                 configs[entry] = dataclasses.replace(cfg, pdl=True)
-                edits.append(f"entry '{M}': pdl (triton_pdl faster than triton_nopdl in every repeat)")
+                edits.append(f"entry '{entry}': pdl, {args.date} (triton_pdl faster than triton_nopdl by "
+                             f">= {PDL_MIN_GAIN:.1%} in every repeat at M = {entry_Ms})")  # fmt: skip
         meta = {
             "shape": tuned_meta.get("shape", shape.name),
             "device": args.device,
