@@ -278,8 +278,8 @@ def tuned_file_path(num_experts: int, F: int, D: int, device_name: str) -> Path:
 
 def tile_source(num_experts: int, F: int, D: int, device_name: str) -> dict[str, str | None]:
     """Where a shape's tiles come from on this GPU, for the record: the tuned file it reads, or the default
-    heuristic when this GPU has none (the shipped files are the H200's, and one H100 file, Qwen3-30B-A3B
-    TP1's, holds the H200's tiles: elsewhere on an H100 it runs the heuristic, docs/perf.md)."""
+    heuristic when this GPU has none (the shipped files are the H200's, and the H100's for the seven per-rank
+    shapes of the shipped configs: the H200's tiles, Qwen3's decode sizes tuned there; docs/perf.md)."""
     path = tuned_file_path(num_experts, F, D, device_name)
     if path.is_file():
         return {"source": "tuned file", "file": str(path)}

@@ -163,3 +163,34 @@ def test_read_verdict_takes_the_best_cut_and_the_best_right_bundled_call():
     # Only wrong bundled calls: missed.
     text, ok = bench.read_tables([rows[0], _decode_row(tp1, 1, "triton", 20.0, err=2e-2)])
     assert not ok and "| - | **-** |" in text, text
+
+
+def _stored(name: str) -> list[dict]:
+    path = Path(__file__).resolve().parents[2] / "docs/data/limit_h100" / name
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_issue56_h100_tables_are_the_docs_tables():
+    # docs/perf.md, "The bundled kernel at the one-launch read": the decode and prefill tables are
+    # read_tables / prefill_tables of run 3's committed rows, verbatim, and the counts the text gives.
+    perf = (Path(__file__).resolve().parents[2] / "docs/perf.md").read_text()
+    decode = _stored("decode_run3_rows.jsonl")
+    table, ok = bench.read_tables(decode)
+    assert not ok and "10 of 21 cells within 1.10x of the read." in table
+    assert table.strip() in perf
+    prefill, ok = bench.prefill_tables(_stored("prefill_run3_rows.jsonl"))
+    assert not ok and "20 of 21 cells at >= 1.00." in prefill and "21 of 21 cells at >= 1.00." in prefill
+    assert prefill.strip() in perf
+    # Run 1 (another H100, the H200's tiles): 12 of 21.
+    assert "12 of 21 cells within 1.10x" in bench.read_tables(_stored("decode_run1_rows.jsonl"))[0]
+    # The shipped plan ahead of both peers at every decode cell; every output right.
+    by = {(r["model"], r["layout"], r["M"], r["impl"]): r for r in decode}
+    cells = {k[:3] for k in by}
+    assert len(cells) == 21
+    for cell in cells:
+        ours = by[(*cell, "triton")]["median_us"]
+        assert (
+            ours < by[(*cell, "vllm_triton")]["median_us"]
+            and ours < by[(*cell, "flashinfer_cutlass")]["median_us"]
+        )
+    assert all(r.get("rel_err", 0) <= bench.CHECK_TOLERANCE for r in decode)
