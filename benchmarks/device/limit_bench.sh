@@ -33,6 +33,8 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 SHAPES=("Qwen3-30B-A3B TP2" "Qwen3-30B-A3B TEP2" "Qwen3-30B-A3B TP1" "Llama-4-Scout TP2" "Llama-4-Scout TEP2"
         "Mixtral-8x7B TP2" "Mixtral-8x7B TEP2")
+# BENCH_SHAPES="Qwen3-30B-A3B TP2,Qwen3-30B-A3B TP1": those only (comma-separated), in that order.
+[[ -n "${BENCH_SHAPES:-}" ]] && IFS=, read -r -a SHAPES <<< "$BENCH_SHAPES"
 PEERS=()
 [[ -f .vllm-peer/MANIFEST.json ]] && PEERS+=(vllm_triton)
 place_fi_lite > "$RUN/logs/fi_site.txt" 2>&1 && [[ -f "$FI_AOT_DIR/fused_moe_90.so" ]] && PEERS+=(flashinfer_cutlass)
