@@ -16,7 +16,7 @@
 # from benchmarks/fi_module_cpu.sh; without them the peer is left out and the table says so):
 #   OUT=/some/dir STAGES="tests decode" bash benchmarks/device/limit_bench.sh
 # Tiles: the package's files for this GPU; where a shape has none (an H100: every shape but Qwen3-30B-A3B
-# TP1), the H200's file under this GPU's name (MOE_EVAL_TUNED_DIR), so the shipped tiles are what is timed,
+# TP1 before 2026-12-07), the H200's file under this GPU's name (MOE_EVAL_TUNED_DIR), so tiles of the package are timed,
 # and env.txt lists which files were borrowed so. Budgets (s): TESTS_TIMEOUT (150), DECODE_TIMEOUT (300),
 # PREFILL_TIMEOUT (330). Results in $OUT: decode.md, prefill.md, *_rows.jsonl, logs.tgz.
 set -u
@@ -102,7 +102,8 @@ bench() {  # name, timeout, then bench_fused_moe.py's arguments
 
 if has decode; then
   # shellcheck disable=SC2086
-  bench decode "${DECODE_TIMEOUT:-300}" --m 1 8 40 --replays 20 --repeats 3 --decode-targets \
+  # shellcheck disable=SC2086
+  bench decode "${DECODE_TIMEOUT:-300}" --m ${DECODE_M:-1 8 40} --replays 20 --repeats 3 --decode-targets \
     --peers triton ${DECODE_PEERS:-triton_pdl triton_nopdl triton_naive_forced triton_gemv_pdl triton_default} "${PEERS[@]}" \
     --bounds weights_read weights_read_c4k weights_read_c64k
   [[ -s "$OUT/decode_rows.jsonl" ]] && python3 benchmarks/bench_fused_moe.py --out-dir "$RUN/decode" \

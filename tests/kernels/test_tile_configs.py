@@ -303,7 +303,15 @@ def test_the_h100_files_are_the_h200s_tiles_with_what_was_tuned_and_measured_on_
     assert meta["device"] == H100 and "not retuned on this GPU" in meta["source"]
     tuned_here = {8, 40} if shape.model == "Qwen3-30B-A3B" else set()
     assert set(h100) == set(h200) | tuned_here
-    edited = {int(e.split("'")[1]) for e in meta["edits"] if e.startswith("entry '") and ", 2026-12-07" in e}
+    edited = {
+        int(e.split("'")[1]) for e in meta["edits"] if e.startswith("entry '") and "': pdl, 2026-12-07" in e
+    }
+    made_naive = {int(e.split("'")[1]) for e in meta["edits"] if "(tuned here): naive" in e}
+    for M in tuned_here:  # a tuned entry that takes sizes from the naive M = 1 entry keeps them naive
+        takes = [t for t in range(1, M + 1) if nearest_m(sorted(h100), t) == M]
+        assert (
+            h100[M].naive == (M in made_naive) == any(h200[nearest_m(sorted(h200), t)].naive for t in takes)
+        )
     for M, cfg in h100.items():
         assert cfg.pdl == (M in edited or (M in h200 and h200[M].pdl)), M
         if M in h200:
