@@ -1035,7 +1035,8 @@ DECODE_TARGET_M = 1
 def decode_tables(rows: list[dict]) -> tuple[str, bool]:
     """Markdown per shape: each timed impl at each M as `us (TB/s on the weights, x floor)`, then the
     M = 1 verdict for the tuned plan and for the best of the other bundled impls (`triton*`); and
-    whether every shape's best bundled impl met the target. A wrong output never counts as met."""
+    whether every shape's best bundled impl met the target. A wrong output never counts as met. Where the
+    read bounds were timed, issue 56's table follows and its verdict (`read_tables`) is the run's."""
     by = {(f"{r['model']} {r['layout']}", r["M"], r["impl"]): r for r in rows}
     shapes = [s for s in dict.fromkeys(f"{r['model']} {r['layout']}" for r in rows) if s in PREFILL_SHAPES]
     Ms = sorted({r["M"] for r in rows})

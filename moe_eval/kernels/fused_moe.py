@@ -519,6 +519,7 @@ def launch_gemm1(
     anything: x, or the alignment's blocks), and GEMM2 after it as its own."""
     D = hidden_TD.shape[1]
     F = h_PF.shape[1]
+    assert not use_pdl or not tile.persistent, "pdl: the pointer GEMM1 (the persistent one has no wait)"
     if tile.persistent:
         _launch_gemm1_persistent(hidden_TD, w13_eFD, h_PF, topk_weights_TK, align, top_k, tile,
                                  mul_routed_weight, precision, silu_slope)  # fmt: skip

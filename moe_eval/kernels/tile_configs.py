@@ -168,7 +168,7 @@ class MoeTileConfig:
         if self.pdl and (self.gemm1.persistent or self.gemm2.persistent or self.gemm2.tma):
             raise ValueError("pdl needs the pointer GEMMs: the persistent and tma kernels have no wait")
         if self.pdl and self.gemv is not None:
-            raise ValueError("pdl is the tl.dot naive calls'; a gemv config says it in gemv.pdl")
+            raise ValueError("pdl is the tl.dot chains'; a gemv config says it in gemv.pdl")
         if self.gemv is not None and self.fold_k:
             raise ValueError(
                 "gemv always sums over K in its GEMM2; fold_k (the tl.dot GEMM2's) would be ignored"
