@@ -294,10 +294,7 @@ def _decode_variant(variant: str) -> Callable[[MoeShape, list[MoeCase], list[int
         configs = []
         for c in cases:
             tuned = _triton_plan(shape, c).config
-            pointer = tuned.gemv is None and not (
-                tuned.gemm1.persistent or tuned.gemm2.tma or tuned.gemm2.persistent
-            )
-            if variant != "triton_nopdl" and not pointer:
+            if variant != "triton_nopdl" and not tuned.pdl_capable:
                 raise ValueError(f"{variant}: the tuned plan at M={T} is no tl.dot pointer chain ({tuned})")
             naive = tuned.naive or variant in ("triton_naive_pdl", "triton_naive_forced")
             fold_k = tuned.fold_k if tuned.naive else False
@@ -1102,6 +1099,16 @@ READ_TARGET_MS = (1, 8, 40)
 READ_PEERS = ("vllm_triton", "flashinfer_cutlass")
 
 
+def one_launch_read(by: dict, shape: str, M: int) -> float | None:
+    """The best cut of the one-launch read at (shape, M) in rows keyed (shape, M, impl), or None."""
+    reads = [
+        r["median_us"]
+        for (s, m, i), r in by.items()
+        if (s, m) == (shape, M) and i.startswith("bound:weights_read")
+    ]
+    return min(reads) if reads else None
+
+
 def read_tables(rows: list[dict]) -> tuple[str, bool]:
     """Markdown: at each shape of PREFILL_SHAPES and M of READ_TARGET_MS that has a read bound, the read
     (best cut), the shipped plan, the best bundled call (`triton*` whole calls with a right output), each
@@ -1119,11 +1126,9 @@ def read_tables(rows: list[dict]) -> tuple[str, bool]:
     met_cells = total = 0
     for shape in shapes:
         for M in READ_TARGET_MS:
-            reads = [r["median_us"] for (s, m, i), r in by.items()
-                     if (s, m) == (shape, M) and i.startswith("bound:weights_read")]  # fmt: skip
-            if not reads:
+            read = one_launch_read(by, shape, M)
+            if read is None:
                 continue
-            read = min(reads)
 
             def cell(impl: str) -> str:
                 r = by.get((shape, M, impl))

@@ -21,6 +21,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from bench_fused_moe import one_launch_read  # beside this file
+
 from moe_eval.kernels.tile_configs import (
     SHIPPED_SHAPES,
     TUNED_DIR,
@@ -54,18 +56,14 @@ def measured(by: dict, shape: str, M: int) -> dict:
              "triton_nopdl": "these_tiles_without_pdl_us", "triton_default": "default_heuristic_us",
              "vllm_triton": "vllm_0.32.0_triton_us",
              "flashinfer_cutlass": "flashinfer_cutlass_us"}  # fmt: skip
-    reads = [
-        r["median_us"]
-        for (s, m, i), r in by.items()
-        if (s, m) == (shape, M) and i.startswith("bound:weights_read")
-    ]
     out = {
         label: round(by[(shape, M, impl)]["median_us"], 1)
         for impl, label in names.items()
         if (shape, M, impl) in by
     }
-    if reads:
-        out["one_launch_read_us"] = round(min(reads), 1)
+    read = one_launch_read(by, shape, M)
+    if read is not None:
+        out["one_launch_read_us"] = round(read, 1)
     return out
 
 
@@ -113,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         source_meta = json.loads((args.source_dir / source_name).read_text())["meta"]
         # The source GPU's files have no entry at the tuned sizes (M_GRID), so an entry there is this GPU's.
         tuned_here = [m for m in args.tuned_m if m in configs and m not in source]
-        edits = list(source_meta.get("edits", [])) if isinstance(source_meta.get("edits"), list) else (
-            [source_meta["edits"]] if "edits" in source_meta else [])  # fmt: skip
+        # The source's hand edits stay with the entries they name (a file holds one note or a list).
+        source_edits = source_meta.get("edits", [])
+        edits = list(source_edits) if isinstance(source_edits, list) else [source_edits]
         for m in inherit_naive(source, configs, tuned_here):
             edits.append(f"entry '{m}' (tuned here): naive, {args.date}, so the sizes below it that the "
                          "source's naive M = 1 entry served stay naive")  # fmt: skip
@@ -123,9 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             served.setdefault(nearest_m(sorted(configs), M), []).append(M)
         for entry, entry_Ms in sorted(served.items()):
             cfg = configs[entry]
-            pointer = cfg.gemv is None and not (cfg.gemm1.persistent or cfg.gemm2.tma or cfg.gemm2.persistent)
             # Only where pdl paid at every measured size the entry serves (and was measured at all there).
-            if pointer and not cfg.pdl and all(pdl_pays(by, shape.name, M) for M in entry_Ms):
+            if cfg.pdl_capable and not cfg.pdl and all(pdl_pays(by, shape.name, M) for M in entry_Ms):
                 configs[entry] = dataclasses.replace(cfg, pdl=True)
                 edits.append(f"entry '{entry}': pdl, {args.date} (triton_pdl faster than triton_nopdl by "
                              f">= {PDL_MIN_GAIN:.1%} in every repeat at M = {entry_Ms})")  # fmt: skip

@@ -165,10 +165,10 @@ class MoeTileConfig:
         # A field the code would ignore is an error (house style).
         if self.gemv is not None and not self.naive:
             raise ValueError("gemv needs naive: the GEMVs run on the calls that skip the alignment")
-        if self.pdl and (self.gemm1.persistent or self.gemm2.persistent or self.gemm2.tma):
-            raise ValueError("pdl needs the pointer GEMMs: the persistent and tma kernels have no wait")
         if self.pdl and self.gemv is not None:
             raise ValueError("pdl is the tl.dot chains'; a gemv config says it in gemv.pdl")
+        if self.pdl and not self.pdl_capable:
+            raise ValueError("pdl needs the pointer GEMMs: the persistent and tma kernels have no wait")
         if self.gemv is not None and self.fold_k:
             raise ValueError(
                 "gemv always sums over K in its GEMM2; fold_k (the tl.dot GEMM2's) would be ignored"
@@ -187,6 +187,12 @@ class MoeTileConfig:
             raise ValueError("persistent needs aligned plans (its work items are the aligned M-blocks)")
         if self.gemm2.persistent and not self.gemm2.tma:
             raise ValueError("gemm2.persistent loads both operands by TMA: set gemm2.tma too")
+
+    @property
+    def pdl_capable(self) -> bool:
+        """The tl.dot chain whose kernels have the grid-dependency wait: no GEMVs (they carry their own
+        pdl), neither GEMM persistent, GEMM2 not by TMA. Where `pdl` may be asked for."""
+        return self.gemv is None and not (self.gemm1.persistent or self.gemm2.persistent or self.gemm2.tma)
 
     def shared_memory(self, itemsize: int = 2) -> tuple[int, int]:
         """Bytes of shared memory (GEMM1, GEMM2) as Triton 3.6 allocates them (num_stages stages)."""
