@@ -18,6 +18,8 @@ Peers (--peers), interleaved replay by replay so they share the card's thermal a
               `MoeTileConfig.pdl` asked for (naive and aligned calls), dropped, the call made naive where
               naive qualifies and pdl asked for, or naive at every M with pdl; M <= 64 only
   triton_default  the same kernel on the default heuristic's tiles (no tuned file), CUDA graph
+  triton_package  the same kernel on the package's own tuned file for this GPU, read past
+              MOE_EVAL_TUNED_DIR: a fresh tuning in that folder (as `triton`) against the shipped tiles
   triton_gemv*  issue 34's decode GEMVs: the shape's tuned config with `gemv` tiles on its naive calls
               (GEMV_VARIANTS: tile_configs.default_gemv_tiles and a few variations of it), CUDA graph;
               with --gemv-force the GEMVs run every call (also where naive does not qualify: one
@@ -91,8 +93,12 @@ from moe_eval.kernels.tile_configs import (
     GemvTiles,
     MoeShape,
     MoeTileConfig,
+    TUNED_DIR,
+    config_file_name,
     default_config,
     default_gemv_tiles,
+    nearest_m,
+    read_tuned_file,
 )
 from moe_eval.kernels.torch_moe import grouped_mm_moe, torch_moe
 
@@ -277,6 +283,17 @@ def default_tiles_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> 
     T = cases[0].hidden_TD.shape[0]
     config = default_config(T, shape.local_experts, shape.top_k)
     return _configured_calls(shape, cases, [config] * len(cases))
+
+
+def package_tiles_peer(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
+    """The tiles of the package's own file for this GPU, whatever MOE_EVAL_TUNED_DIR holds: with a fresh
+    tuning in that folder (`triton`), the shipped tiles timed in the same replays."""
+    path = TUNED_DIR / config_file_name(shape.local_experts, shape.F, shape.D, _device_name(cases[0]))
+    if not path.is_file():
+        raise ValueError(f"triton_package: the package has no tuned file {path.name} for this GPU")
+    entries = read_tuned_file(path)
+    T = cases[0].hidden_TD.shape[0]
+    return _configured_calls(shape, cases, [entries[nearest_m(list(entries), T)]] * len(cases))
 
 
 def _decode_variant(variant: str) -> Callable[[MoeShape, list[MoeCase], list[int]], PeerCalls]:
@@ -549,6 +566,7 @@ GRAPH_PEERS: dict[str, Callable[[MoeShape, list[MoeCase], list[int]], PeerCalls]
         for name in ("triton_pdl", "triton_nopdl", "triton_naive_pdl", "triton_naive_forced")
     },  # fmt: skip
     "triton_default": default_tiles_peer,
+    "triton_package": package_tiles_peer,
     "grouped_mm": grouped_mm_peer,
     "flashinfer_cutlass": flashinfer_cutlass_peer,
     "vllm_triton": _vllm_whole("vllm_triton"),

@@ -9,7 +9,9 @@
 #   STAGES="prefill"        M = 1024, 4096, 16384: the shipped plan, both peers and torch's grouped GEMMs alone
 #   STAGES="tune ..."       first: the tuner at M = 8 and 40 (TUNE_M) of every shape on this GPU, merged into
 #                           the files the later stages read (tuned.tgz comes back); KEEP_TUNED=1 in a later
-#                           call on the warm machine keeps them; TUNE_SHAPES="Qwen3-30B-A3B TP2 ..." tunes those only
+#                           call on the warm machine keeps them; TUNE_SHAPES="Qwen3-30B-A3B TP2 ..." tunes those only.
+#                           A prefill tuning: TUNE_M=1024,4096,16384 and PREFILL_PEERS="triton_package triton_default"
+#                           (the package's own tiles for this GPU beside the fresh ones, in the same replays)
 # Chained calls reuse the Triton cache and FlashInfer's site while the machine is warm.
 #
 # Usage (repo root on the device; carried: .vllm-peer/ from benchmarks/extract_vllm_moe_peer.py, .fi-lite/
@@ -112,7 +114,7 @@ fi
 
 if has prefill; then
   bench prefill "${PREFILL_TIMEOUT:-330}" --m 1024 4096 16384 --replays 10 --repeats 3 --prefill-targets \
-    --peers triton triton_default "${PEERS[@]}" --bounds grouped_mm_gemms
+    --peers triton ${PREFILL_PEERS:-triton_default} "${PEERS[@]}" --bounds grouped_mm_gemms
   [[ -s "$OUT/prefill_rows.jsonl" ]] && python3 benchmarks/bench_fused_moe.py --out-dir "$RUN/prefill" \
     --report-only "$OUT/prefill_rows.jsonl" --prefill-targets > "$OUT/prefill.md" 2>&1
 fi

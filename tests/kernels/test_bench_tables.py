@@ -194,3 +194,43 @@ def test_issue56_h100_tables_are_the_docs_tables():
             and ours < by[(*cell, "flashinfer_cutlass")]["median_us"]
         )
     assert all(r.get("rel_err", 0) <= bench.CHECK_TOLERANCE for r in decode)
+
+
+def test_package_peer_times_the_shipped_tiles_past_a_tuned_folder(tmp_path, monkeypatch):
+    """`triton_package` is the package's file for this GPU even where MOE_EVAL_TUNED_DIR holds a fresh tuning
+    (what `triton` then reads): the prefill tuning's new tiles and the shipped ones in the same replays."""
+    import types
+
+    import torch
+
+    from moe_eval.kernels.tile_configs import (
+        TUNED_DIR,
+        SHIPPED_SHAPES,
+        config_file_name,
+        default_config,
+        nearest_m,
+        read_tuned_file,
+        write_tuned_file,
+    )
+
+    gpu = "NVIDIA H100 80GB HBM3"
+    shape = next(s for s in SHIPPED_SHAPES if s.name == "Qwen3-30B-A3B TP1")
+    name = config_file_name(shape.local_experts, shape.F, shape.D, gpu)
+    shipped = read_tuned_file(TUNED_DIR / name)
+    fresh = {m: default_config(m, shape.local_experts, shape.top_k) for m in shipped}
+    write_tuned_file(tmp_path / name, fresh, {"note": "a fresh tuning"})
+    monkeypatch.setenv("MOE_EVAL_TUNED_DIR", str(tmp_path))
+    monkeypatch.setattr(bench, "_device_name", lambda case: gpu)
+    for T in (1, 4096, 12000):
+        case = types.SimpleNamespace(hidden_TD=torch.empty(T, 8))
+        _calls, notes = bench.package_tiles_peer(shape, [case], [T])
+        want = shipped[nearest_m(list(shipped), T)]
+        assert json.loads(notes["config"]) == want.to_json()
+        assert want != fresh[nearest_m(list(fresh), T)] or T == 1  # the folder's entry would differ
+    monkeypatch.setattr(bench, "_device_name", lambda case: "NVIDIA B200")
+    try:
+        bench.package_tiles_peer(shape, [types.SimpleNamespace(hidden_TD=torch.empty(1, 8))], [1])
+    except ValueError as e:
+        assert "no tuned file" in str(e) and "B200" in str(e)
+    else:
+        raise AssertionError("a GPU without a package file must be refused")
