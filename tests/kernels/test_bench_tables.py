@@ -204,8 +204,8 @@ def test_package_peer_times_the_shipped_tiles_past_a_tuned_folder(tmp_path, monk
     import torch
 
     from moe_eval.kernels.tile_configs import (
-        TUNED_DIR,
         SHIPPED_SHAPES,
+        TUNED_DIR,
         config_file_name,
         default_config,
         nearest_m,
