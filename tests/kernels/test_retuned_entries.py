@@ -1,0 +1,88 @@
+"""benchmarks/retuned_entries.py on hand-made rows and files: a retuned entry replaces the shipped one only
+where the whole call on it was faster in every repeat of the run; every size tried is on the record."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from moe_eval.kernels.tile_configs import (
+    GemmTile,
+    MoeTileConfig,
+    config_file_name,
+    read_tuned_file,
+    write_tuned_file,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import retuned_entries  # noqa: E402
+
+GPU = "NVIDIA H100 80GB HBM3"
+SHAPE = "Qwen3-30B-A3B TP1"  # e=128, F=768, D=2048
+SHIPPED = MoeTileConfig(
+    128, GemmTile(64, 64, num_warps=8, num_stages=3), GemmTile(128, 64, num_warps=8, num_stages=3)
+)
+FRESH = MoeTileConfig(
+    128, GemmTile(128, 64, num_warps=8, num_stages=4), GemmTile(128, 64, num_warps=4, num_stages=4)
+)
+
+
+def _row(M: int, impl: str, repeats: list[float]) -> dict:
+    model, layout = SHAPE.rsplit(" ", 1)
+    return {"model": model, "layout": layout, "M": M, "impl": impl, "median_us": sorted(repeats)[1],
+            "repeat_medians_us": repeats}  # fmt: skip
+
+
+def test_replaced_only_where_faster_in_every_repeat(tmp_path):
+    base, tuned, out = tmp_path / "base", tmp_path / "tuned", tmp_path / "out"
+    for d in (base, tuned, out):
+        d.mkdir()
+    name = config_file_name(128, 768, 2048, GPU)
+    shipped = {1: SHIPPED, 1024: SHIPPED, 4096: SHIPPED, 16384: SHIPPED}
+    write_tuned_file(base / name, shipped, {"edits": ["entry '1': pdl"], "measured_us": {"1": {}}})
+    write_tuned_file(
+        tuned / name, {**shipped, 1024: FRESH, 4096: FRESH},
+        {"timings_us": {"1024": {"total_us": 300.0}}, "command": "h200; then tune here"},
+    )  # fmt: skip
+    rows = [
+        _row(1024, "triton", [300.0, 301.0, 299.0]), _row(1024, "triton_package", [310.0, 309.0, 311.0]),
+        # Faster in two repeats of three: noise, the shipped tiles stay.
+        _row(4096, "triton", [900.0, 905.0, 921.0]), _row(4096, "triton_package", [920.0, 919.0, 921.0]),
+        # The tuner picked the shipped tiles: nothing to replace.
+        _row(16384, "triton", [3000.0, 3001.0, 3002.0]),
+        _row(16384, "triton_package", [3010.0, 3011.0, 3012.0]),
+    ]  # fmt: skip
+    rows_path = tmp_path / "rows.jsonl"
+    rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--tuned", str(tuned), "--rows", str(rows_path), "--m", "1024", "4096", "16384",
+            "--device", GPU, "--gpu-uuid", "GPU-x", "--date", "2026-12-07", "--base-dir", str(base),
+            "--out", str(out)]  # fmt: skip
+    assert retuned_entries.main(args) == 0
+    written = read_tuned_file(out / name)
+    assert written == {1: SHIPPED, 1024: FRESH, 4096: SHIPPED, 16384: SHIPPED}
+    meta = json.loads((out / name).read_text())["meta"]
+    assert {m: r["outcome"] for m, r in meta["retuned"].items()} == {
+        "1024": "replaced", "4096": "kept shipped", "16384": "the tuner picked the shipped tiles"
+    }  # fmt: skip
+    assert meta["retuned"]["1024"]["tuner_timings_us"] == {"total_us": 300.0}
+    assert meta["retuned"]["4096"]["tuned_tiles_us"] == [900.0, 905.0, 921.0]
+    assert meta["edits"][0] == "entry '1': pdl" and "entry '1024': retuned" in meta["edits"][1]
+    assert len(meta["edits"]) == 2 and meta["measured_us"] == {"1": {}}
+    assert meta["retune_command"] == "tune here"
+
+
+def test_a_size_not_timed_is_left_alone(tmp_path):
+    base, tuned, out = tmp_path / "base", tmp_path / "tuned", tmp_path / "out"
+    for d in (base, tuned, out):
+        d.mkdir()
+    name = config_file_name(128, 768, 2048, GPU)
+    write_tuned_file(base / name, {1024: SHIPPED}, {})
+    write_tuned_file(tuned / name, {1024: FRESH}, {})
+    rows_path = tmp_path / "rows.jsonl"
+    rows_path.write_text(json.dumps(_row(1024, "triton", [1.0, 1.0, 1.0])) + "\n")  # no triton_package row
+    args = ["--tuned", str(tuned), "--rows", str(rows_path), "--m", "1024", "--device", GPU,
+            "--gpu-uuid", "G", "--date", "d", "--base-dir", str(base), "--out", str(out)]  # fmt: skip
+    assert retuned_entries.main(args) == 0
+    assert read_tuned_file(out / name) == {1024: SHIPPED}
+    assert json.loads((out / name).read_text())["meta"]["retuned"] == {}
