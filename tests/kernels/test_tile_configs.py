@@ -307,8 +307,8 @@ def test_the_h100_files_are_the_h200s_tiles_with_what_was_tuned_and_measured_on_
         int(e.split("'")[1]) for e in meta["edits"] if e.startswith("entry '") and "': pdl, 2026-12-07" in e
     }
     made_naive = {int(e.split("'")[1]) for e in meta["edits"] if "(tuned here): naive" in e}
-    # Prefill entries retuned on an H100 (benchmarks/retuned_entries.py): replaced only where the whole call on
-    # the new tiles beat the H200's in every repeat of the run that timed both, by >= 0.5 %.
+    # Prefill entries retuned on an H100 (benchmarks/retuned_entries.py): replaced only where the whole call
+    # on the new tiles beat the H200's in every repeat of the run that timed both, by >= 0.5 %.
     retuned = meta.get("retuned", {})
     replaced = {int(m) for m, r in retuned.items() if r["outcome"] == "replaced"}
     for m in replaced:
