@@ -1034,6 +1034,34 @@ def bound_lines(by: dict, shapes: list[str], Ms: list[int]) -> list[str]:
             cells.append(f"{ours['median_us'] / gemms['median_us']:.2f} ({gemms['frac_roofline']:.0%})"
                          if ours and gemms else "-")  # fmt: skip
         lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    return lines + [""] + split_lines(by, shapes, Ms, bound)
+
+
+def split_lines(by: dict, shapes: list[str], Ms: list[int], bound: str) -> list[str]:
+    """Where the bundled call's time goes beside the grouped GEMMs, where the run timed `triton:gemms` (its
+    GEMM1 + SiLU + GEMM2 alone, the slot assignment precomputed): the cause of a cell above 1.00 measured,
+    either the GEMMs themselves or the rest of the call (alignment, routing, top-k sum)."""
+    if not any(k[2] == "triton:gemms" for k in by):
+        return []
+    title = (
+        "#### the bundled GEMMs alone / torch grouped GEMMs alone; then the rest of the bundled call "
+        "(whole call - its GEMMs alone: alignment, routing, top-k sum) as a share of the whole call"
+    )
+    lines = [
+        "",
+        title,
+        "",
+        "| shape | " + " | ".join(f"M={m}" for m in Ms) + " |",
+        "|---|" + "---:|" * len(Ms),
+    ]
+    for shape in shapes:
+        cells = []
+        for M in Ms:
+            whole, ours, gemms = (by.get((shape, M, impl)) for impl in ("triton", "triton:gemms", bound))
+            cells.append(f"{ours['median_us'] / gemms['median_us']:.2f}; "
+                         f"{1 - ours['median_us'] / whole['median_us']:.0%}"
+                         if whole and ours and gemms else "-")  # fmt: skip
+        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 

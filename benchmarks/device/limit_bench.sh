@@ -6,7 +6,9 @@
 #                           bitwise repeatable), then the decode table: M = 1, 8, 40 at the seven shipped
 #                           per-rank shapes, the shipped plan, its variants (DECODE_PEERS), both peers and the
 #                           read bounds; the verdict is bench_fused_moe.read_tables' (within 1.10x of the read)
-#   STAGES="prefill"        M = 1024, 4096, 16384: the shipped plan, both peers and torch's grouped GEMMs alone
+#   STAGES="prefill"        M = 1024, 4096, 16384: the shipped plan, both peers and torch's grouped GEMMs alone;
+#                           with PREFILL_GEMMS=1 (the default) the bundled call's GEMMs alone too (`triton:gemms`),
+#                           so the report splits a cell's gap between the GEMMs and the rest of the call
 #   STAGES="tune ..."       first: the tuner at M = 8 and 40 (TUNE_M) of every shape on this GPU, merged into
 #                           the files the later stages read (tuned.tgz comes back); KEEP_TUNED=1 in a later
 #                           call on the warm machine keeps them; TUNE_SHAPES="Qwen3-30B-A3B TP2 ..." tunes those only.
@@ -114,7 +116,8 @@ fi
 
 if has prefill; then
   bench prefill "${PREFILL_TIMEOUT:-330}" --m 1024 4096 16384 --replays 10 --repeats 3 --prefill-targets \
-    --peers triton ${PREFILL_PEERS:-triton_default} "${PEERS[@]}" --bounds grouped_mm_gemms
+    --peers triton ${PREFILL_PEERS:-triton_default} "${PEERS[@]}" --bounds grouped_mm_gemms \
+    $([[ "${PREFILL_GEMMS:-1}" == 1 ]] && echo --gemms-alone)
   [[ -s "$OUT/prefill_rows.jsonl" ]] && python3 benchmarks/bench_fused_moe.py --out-dir "$RUN/prefill" \
     --report-only "$OUT/prefill_rows.jsonl" --prefill-targets > "$OUT/prefill.md" 2>&1
 fi

@@ -234,3 +234,25 @@ def test_package_peer_times_the_shipped_tiles_past_a_tuned_folder(tmp_path, monk
         assert "no tuned file" in str(e) and "B200" in str(e)
     else:
         raise AssertionError("a GPU without a package file must be refused")
+
+
+def test_split_table_names_the_gemms_and_the_rest_of_the_call():
+    """With `triton:gemms` timed, a prefill cell's gap to the grouped GEMMs is split: the bundled GEMMs alone
+    against torch's, and the rest of the bundled call as a share of the whole."""
+    shape = "Qwen3-30B-A3B TP1"
+    rows = [_row(shape, 4096, "triton", 1100.0), _row(shape, 4096, "triton:gemms", 990.0),
+            _row(shape, 4096, "bound:grouped_mm_gemms", 1000.0),
+            _row(shape, 16384, "triton", 4000.0),
+            _row(shape, 16384, "bound:grouped_mm_gemms", 3900.0)]  # fmt: skip
+    by = {(f"{r['model']} {r['layout']}", r["M"], r["impl"]): r for r in rows}
+    lines = bench.bound_lines(by, [shape], [4096, 16384])
+    assert f"| {shape} | 1.10 (90%) | 1.03 (90%) |" in lines
+    split = lines[lines.index(next(line for line in lines if "GEMMs alone / torch" in line)) :]
+    assert f"| {shape} | 0.99; 10% | - |" in split  # the GEMMs win; the rest of the call is the gap
+    no_split = [r for r in rows if r["impl"] != "triton:gemms"]
+    assert not any(
+        "GEMMs alone / torch" in line
+        for line in bench.bound_lines(
+            {(f"{r['model']} {r['layout']}", r["M"], r["impl"]): r for r in no_split}, [shape], [4096, 16384]
+        )
+    )
