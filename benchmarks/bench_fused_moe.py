@@ -1034,7 +1034,7 @@ def bound_lines(by: dict, shapes: list[str], Ms: list[int]) -> list[str]:
             cells.append(f"{ours['median_us'] / gemms['median_us']:.2f} ({gemms['frac_roofline']:.0%})"
                          if ours and gemms else "-")  # fmt: skip
         lines.append(f"| {shape} | " + " | ".join(cells) + " |")
-    return lines + [""] + split_lines(by, shapes, Ms, bound)
+    return lines + split_lines(by, shapes, Ms, bound) + [""]
 
 
 def split_lines(by: dict, shapes: list[str], Ms: list[int], bound: str) -> list[str]:
@@ -1262,7 +1262,9 @@ def _precompile_worker(shape_index: int, Ms: list[int], peers: tuple[str, ...], 
         case = shape_case(shape, M, seed=M, weights_from=weights)
         for name in peers:
             try:
-                if name in ("triton",) + VLLM_PEER_NAMES + tuple(GEMV_VARIANTS):
+                if name in ("triton", "triton_default", "triton_package") + VLLM_PEER_NAMES + tuple(
+                    GEMV_VARIANTS
+                ):
                     GRAPH_PEERS[name](shape, [case], Ms)[0][0]()
                 if gemms_alone and name in GEMM_PEERS:
                     calls, finishes, _ = GEMM_PEERS[name](shape, [case])

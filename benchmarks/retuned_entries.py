@@ -19,9 +19,12 @@ import argparse
 import json
 from pathlib import Path
 
+from bench_fused_moe import CHECK_TOLERANCE  # beside this file
+
 from moe_eval.kernels.tile_configs import (
     SHIPPED_SHAPES,
     TUNED_DIR,
+    MoeTileConfig,
     config_file_name,
     read_tuned_file,
     write_tuned_file,
@@ -31,14 +34,19 @@ MIN_GAIN = 0.005  # 0.5 %, as borrowed_tile_files.PDL_MIN_GAIN: the repeats of o
 
 
 def _repeats(row: dict) -> list[float]:
-    return row.get("repeat_medians_us", [row["median_us"]])
+    """A row's repeat medians, rounded as the file records them (the decision and its record agree)."""
+    return [round(t, 1) for t in row.get("repeat_medians_us", [row["median_us"]])]
 
 
 def faster_every_repeat(fresh: dict | None, shipped: dict | None) -> bool:
     if not fresh or not shipped:
         return False
-    pairs = list(zip(_repeats(fresh), _repeats(shipped)))
-    return bool(pairs) and all(a < b * (1 - MIN_GAIN) for a, b in pairs)
+    a, b = _repeats(fresh), _repeats(shipped)
+    return len(a) == len(b) > 0 and all(x < y * (1 - MIN_GAIN) for x, y in zip(a, b))
+
+
+def _timed_tiles(row: dict) -> MoeTileConfig | None:
+    return MoeTileConfig.from_json(json.loads(row["config"])) if row.get("config") else None
 
 
 def merge_shape(name: str, shape_name: str, args: argparse.Namespace, by: dict) -> str | None:
@@ -56,18 +64,33 @@ def merge_shape(name: str, shape_name: str, args: argparse.Namespace, by: dict) 
         fresh, shipped = by.get((shape_name, m, "triton")), by.get((shape_name, m, "triton_package"))
         if fresh is None or shipped is None:
             continue  # not timed at this size: nothing to decide on
+        # The rows must be of these tiles: `triton` read the tuned folder, `triton_package` this file.
+        if _timed_tiles(fresh) != tuned[m]:
+            raise SystemExit(
+                f"{shape_name} M={m}: the row 'triton' timed other tiles than {args.tuned / name}"
+            )
+        if _timed_tiles(shipped) != configs[m]:
+            if configs[m] == tuned[m] and retuned.get(str(m), {}).get("outcome") == "replaced":
+                continue  # merged by an earlier pass over the same run: its record stands
+            raise SystemExit(
+                f"{shape_name} M={m}: the row 'triton_package' timed other tiles than {base_path}"
+            )
         same = tuned[m] == configs[m]
-        keep = not same and faster_every_repeat(fresh, shipped)
+        right = fresh.get("rel_err", 0.0) <= CHECK_TOLERANCE  # a wrong output is never shipped, however fast
+        keep = not same and right and faster_every_repeat(fresh, shipped)
         retuned[str(m)] = {
             "gpu": args.gpu_uuid,
             "date": args.date,
             "tuner_timings_us": tuned_meta.get("timings_us", {}).get(str(m)),
-            "tuned_tiles_us": [round(t, 1) for t in _repeats(fresh)],
-            "shipped_tiles_us": [round(t, 1) for t in _repeats(shipped)],
-            "outcome": "the tuner picked the shipped tiles"
-            if same
-            else ("replaced" if keep else "kept shipped"),
-        }
+            "tuned_tiles_us": _repeats(fresh),
+            "shipped_tiles_us": _repeats(shipped),
+            "outcome": (
+                "the tuner picked the shipped tiles" if same
+                else "replaced" if keep
+                else "kept shipped: the tuned tiles computed a wrong output" if not right
+                else "kept shipped"
+            ),
+        }  # fmt: skip
         if keep:
             configs[m] = tuned[m]
             changed.append(m)
@@ -79,6 +102,11 @@ def merge_shape(name: str, shape_name: str, args: argparse.Namespace, by: dict) 
     meta = {**meta, "retuned": retuned, "edits": edits}
     if changed:
         meta["retune_command"] = tuned_meta.get("command", "").split("; then ")[-1]
+        meta["source"] = (
+            meta.get("source", "")
+            + f"; entries {changed} retuned on this GPU ({args.gpu_uuid}, {args.date}): "
+            "meta.retuned, benchmarks/retuned_entries.py"
+        )
     write_tuned_file(args.out / name, configs, meta)
     return f"{shape_name}: {name}: replaced {changed}; tried {sorted(int(m) for m in retuned)}"
 

@@ -28,10 +28,14 @@ FRESH = MoeTileConfig(
 )
 
 
-def _row(M: int, impl: str, repeats: list[float]) -> dict:
+def _row(
+    M: int, impl: str, repeats: list[float], tiles: MoeTileConfig | None = None, err: float = 3e-3
+) -> dict:
+    """A benchmark row: `triton` timed the tuned tiles (FRESH where retuned), `triton_package` SHIPPED."""
     model, layout = SHAPE.rsplit(" ", 1)
+    tiles = tiles or (SHIPPED if impl == "triton_package" else FRESH)
     return {"model": model, "layout": layout, "M": M, "impl": impl, "median_us": sorted(repeats)[1],
-            "repeat_medians_us": repeats}  # fmt: skip
+            "repeat_medians_us": repeats, "config": json.dumps(tiles.to_json()), "rel_err": err}  # fmt: skip
 
 
 def test_replaced_only_where_faster_in_every_repeat(tmp_path):
@@ -50,7 +54,7 @@ def test_replaced_only_where_faster_in_every_repeat(tmp_path):
         # Faster in two repeats of three: noise, the shipped tiles stay.
         _row(4096, "triton", [900.0, 905.0, 921.0]), _row(4096, "triton_package", [920.0, 919.0, 921.0]),
         # The tuner picked the shipped tiles: nothing to replace.
-        _row(16384, "triton", [3000.0, 3001.0, 3002.0]),
+        _row(16384, "triton", [3000.0, 3001.0, 3002.0], tiles=SHIPPED),
         _row(16384, "triton_package", [3010.0, 3011.0, 3012.0]),
     ]  # fmt: skip
     rows_path = tmp_path / "rows.jsonl"
@@ -86,3 +90,70 @@ def test_a_size_not_timed_is_left_alone(tmp_path):
     assert retuned_entries.main(args) == 0
     assert read_tuned_file(out / name) == {1024: SHIPPED}
     assert json.loads((out / name).read_text())["meta"]["retuned"] == {}
+
+
+def _merge(tmp_path: Path, rows: list[dict], sizes: list[str], base: Path | None = None) -> int:
+    rows_path = tmp_path / "rows.jsonl"
+    rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--tuned", str(tmp_path / "tuned"), "--rows", str(rows_path), "--m", *sizes, "--device", GPU,
+            "--gpu-uuid", "GPU-x", "--date", "2026-12-07", "--base-dir", str(base or tmp_path / "base"),
+            "--out", str(tmp_path / "out")]  # fmt: skip
+    return retuned_entries.main(args)
+
+
+def _files(tmp_path: Path, tuned: dict) -> str:
+    for d in ("base", "tuned", "out"):
+        (tmp_path / d).mkdir()
+    name = config_file_name(128, 768, 2048, GPU)
+    write_tuned_file(tmp_path / "base" / name, {1024: SHIPPED, 4096: SHIPPED}, {"source": "the H200's tiles"})
+    write_tuned_file(tmp_path / "tuned" / name, tuned, {"command": "tune here"})
+    return name
+
+
+def test_a_faster_wrong_output_is_never_shipped(tmp_path):
+    name = _files(tmp_path, {1024: FRESH, 4096: SHIPPED})
+    rows = [_row(1024, "triton", [100.0, 100.0, 100.0], err=0.2), _row(1024, "triton_package", [200.0] * 3)]
+    assert _merge(tmp_path, rows, ["1024"]) == 0
+    assert read_tuned_file(tmp_path / "out" / name)[1024] == SHIPPED
+    outcome = json.loads((tmp_path / "out" / name).read_text())["meta"]["retuned"]["1024"]["outcome"]
+    assert outcome == "kept shipped: the tuned tiles computed a wrong output"
+
+
+def test_decided_on_the_recorded_times_and_the_source_says_what_was_retuned(tmp_path):
+    """994.96 against 1000.0 us is faster by more than 0.5 % unrounded, by exactly 0.5 % as the file records
+    it (995.0): the record is what test_tile_configs re-checks, so the script decides on it and keeps the
+    shipped tiles. 990.0 is kept as retuned, and the file's source says so."""
+    name = _files(tmp_path, {1024: FRESH, 4096: FRESH})
+    rows = [_row(1024, "triton", [994.96] * 3), _row(1024, "triton_package", [1000.0] * 3),
+            _row(4096, "triton", [990.0] * 3), _row(4096, "triton_package", [1000.0] * 3)]  # fmt: skip
+    assert _merge(tmp_path, rows, ["1024", "4096"]) == 0
+    meta = json.loads((tmp_path / "out" / name).read_text())["meta"]
+    assert meta["retuned"]["1024"]["tuned_tiles_us"] == [995.0] * 3
+    assert (
+        meta["retuned"]["1024"]["outcome"] == "kept shipped"
+        and meta["retuned"]["4096"]["outcome"] == "replaced"
+    )
+    assert read_tuned_file(tmp_path / "out" / name) == {1024: SHIPPED, 4096: FRESH}
+    assert meta["source"].startswith(
+        "the H200's tiles; entries [4096] retuned on this GPU (GPU-x, 2026-12-07)"
+    )
+
+
+def test_a_second_pass_over_the_merged_file_keeps_the_record_and_rows_of_other_tiles_are_refused(tmp_path):
+    name = _files(tmp_path, {1024: FRESH, 4096: SHIPPED})
+    rows = [_row(1024, "triton", [300.0] * 3), _row(1024, "triton_package", [310.0] * 3)]
+    assert _merge(tmp_path, rows, ["1024"]) == 0
+    first = (tmp_path / "out" / name).read_text()
+    # Again, the merged file as the base (perf.md's call 3 writes into the package it reads): the same bytes.
+    assert _merge(tmp_path, rows, ["1024"], base=tmp_path / "out") == 0
+    assert (tmp_path / "out" / name).read_text() == first
+    # Rows of a run that timed other tiles than these files: refused, nothing written.
+    other = [_row(1024, "triton", [300.0] * 3, tiles=SHIPPED), _row(1024, "triton_package", [310.0] * 3)]
+    (tmp_path / "out" / name).unlink()
+    try:
+        _merge(tmp_path, other, ["1024"])
+    except SystemExit as e:
+        assert "timed other tiles" in str(e)
+    else:
+        raise AssertionError("rows of other tiles must be refused")
+    assert not (tmp_path / "out" / name).exists()
