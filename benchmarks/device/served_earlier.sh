@@ -39,11 +39,13 @@ pack() {  # temporary name, then rename: a kill mid-pack keeps the last whole ar
     && mv -f "$out/served-$stage.tar.xz.part" "$out/served-$stage.tar.xz"
 }
 child=0
-on_signal() {
+on_signal() {  # moe-eval stops the running config and tears its servers down on SIGTERM (exit 130)
   if [ "$child" -gt 0 ]; then kill -TERM "$child" 2> /dev/null; wait "$child"; fi
   restore; pack; exit 143
 }
 trap on_signal TERM INT
+# A call killed hard (SIGKILL, the device's time limit) left the files moved: put them back before anything.
+restore
 t0=$(date +%s)
 case "$stage" in
   earlier)
@@ -66,8 +68,11 @@ case "$stage" in
     ;;
   *) echo "STAGE: earlier or now"; exit 2 ;;
 esac
-bash .vgpu/device_env.sh python3 -m moe_eval run --hw h200 --gsm8k-dir .gsm8k "${args[@]}" \
-  > "$keep/$stage.log" 2>&1 &
+# The kit's launcher execs python: a SIGTERM reaches moe-eval itself, which stops the running config, tears
+# its servers down and keeps what finished. RUN_TIMEOUT (s) sends it as a CI system cancels a step, early
+# enough that the run's teardown and the pack below fit in the device's per-call limit.
+timeout -s TERM "${RUN_TIMEOUT:-540}" bash .vgpu/device_env.sh python3 -m moe_eval run --hw h200 --gsm8k-dir .gsm8k \
+  "${args[@]}" > "$keep/$stage.log" 2>&1 &
 child=$!; wait "$child"; rc=$?; child=0
 restore
 echo "served $stage: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/served-$stage.txt"
@@ -75,3 +80,4 @@ mkdir -p "$keep/$stage" && cp "$keep/$stage.log" "$keep/$stage/run.log"
 tail -40 "$keep/$stage.log" | cut -c1-400 >> "$out/served-$stage.txt"
 pack
 tail -25 "$out/served-$stage.txt"
+exit "$rc"

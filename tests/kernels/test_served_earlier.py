@@ -26,8 +26,8 @@ ls moe_eval/kernels/tuned_configs > "$STAND_IN_LOG.tiles"
 echo "$@" > "$STAND_IN_LOG.args"
 while [ $# -gt 0 ]; do [ "$1" = --output-dir ] && out="$2"; shift; done
 mkdir -p "$out/20261207-200000/twins-cuda-graph"
-[ -n "${STAND_IN_SLEEP:-}" ] && sleep "$STAND_IN_SLEEP"
-exit 0
+[ -n "${STAND_IN_SLEEP:-}" ] && exec sleep "$STAND_IN_SLEEP"  # a signal to the launcher ends the sleep
+exit "${STAND_IN_EXIT:-0}"
 """
 
 
@@ -117,3 +117,30 @@ def test_now_without_an_earlier_run_and_earlier_without_its_tiles_are_refused(tm
     run = _run(repo, {k: v for k, v in env.items() if k != "EARLIER_TILES"}, "earlier")
     assert run.returncode != 0 and "EARLIER_TILES" in run.stderr
     assert not (tmp_path / "launcher.tiles").exists()
+
+
+def test_files_left_moved_by_a_hard_kill_are_put_back_before_the_next_run(tmp_path):
+    """SIGKILL (or the device's time limit) gives the script no chance to restore: the next call does it
+    first, so `now` never serves the earlier tiles."""
+    repo, env = _checkout(tmp_path)
+    today = _files(repo)
+    proc = subprocess.Popen(["bash", "benchmarks/device/served_earlier.sh"], cwd=repo,
+                            env={**env, "STAGE": "earlier", "STAND_IN_SLEEP": "3"})  # fmt: skip
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "launcher.tiles").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.kill()  # the script only: its launcher (a 3 s sleep) ends on its own
+    proc.wait(timeout=10)
+    assert H100 not in _files(repo)  # left moved
+    (repo / ".limit-run/served/earlier/20261207-200000").mkdir(parents=True, exist_ok=True)
+    now = _run(repo, env, "now")
+    assert now.returncode == 0, now.stdout + now.stderr
+    assert (tmp_path / "launcher.tiles").read_text().split() == sorted([H100, H200])
+    assert _files(repo) == today
+
+
+def test_the_runs_exit_status_is_the_scripts(tmp_path):
+    repo, env = _checkout(tmp_path)
+    run = _run(repo, {**env, "STAND_IN_EXIT": "1"}, "earlier")
+    assert run.returncode == 1 and "served earlier: exit 1" in run.stdout
+    assert (tmp_path / "out/served-earlier.tar.xz").is_file()  # packed all the same
