@@ -106,7 +106,6 @@ bench() {  # name, timeout, then bench_fused_moe.py's arguments
 
 if has decode; then
   # shellcheck disable=SC2086
-  # shellcheck disable=SC2086
   bench decode "${DECODE_TIMEOUT:-300}" --m ${DECODE_M:-1 8 40} --replays 20 --repeats 3 --decode-targets \
     --peers triton ${DECODE_PEERS:-triton_pdl triton_nopdl triton_naive_forced triton_gemv_pdl triton_default} "${PEERS[@]}" \
     --bounds weights_read weights_read_c4k weights_read_c64k
@@ -115,8 +114,9 @@ if has decode; then
 fi
 
 if has prefill; then
+  # shellcheck disable=SC2086
   bench prefill "${PREFILL_TIMEOUT:-330}" --m 1024 4096 16384 --replays 10 --repeats 3 --prefill-targets \
-    --peers triton ${PREFILL_PEERS:-triton_default} "${PEERS[@]}" --bounds grouped_mm_gemms \
+    --peers triton ${PREFILL_PEERS-triton_default} "${PEERS[@]}" --bounds grouped_mm_gemms \
     $([[ "${PREFILL_GEMMS:-1}" == 1 ]] && echo --gemms-alone)
   [[ -s "$OUT/prefill_rows.jsonl" ]] && python3 benchmarks/bench_fused_moe.py --out-dir "$RUN/prefill" \
     --report-only "$OUT/prefill_rows.jsonl" --prefill-targets > "$OUT/prefill.md" 2>&1
