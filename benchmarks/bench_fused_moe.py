@@ -867,7 +867,7 @@ ISSUE_BASELINE = {
 def ratio_tables(rows: list[dict]) -> tuple[str, bool]:
     """Markdown ratio tables (one per vLLM peer x {whole call, GEMMs alone}) and whether every
     target that has numbers passed. A cell is `ratio` or `**ratio** (miss)`."""
-    by = {(f"{r['model']} {r['layout']}", r["M"], r["impl"]): r for r in rows}
+    by = rows_by_cell(rows)
     shapes = list(dict.fromkeys(f"{r['model']} {r['layout']}" for r in rows))
     Ms = sorted({r["M"] for r in rows})
     vllm_impls = [i for i in VLLM_PEER_NAMES if any(r["impl"] == i for r in rows)]
@@ -961,7 +961,7 @@ def prefill_tables(rows: list[dict]) -> tuple[str, bool]:
     """Markdown: peer / bundled per cell for each peer, the bundled kernel's fraction of the roofline,
     and the decode latency, each against issue 23's targets; and whether every target with numbers
     was met. Only shapes of PREFILL_SHAPES count; a cell with a wrong output counts as missed."""
-    by = {(f"{r['model']} {r['layout']}", r["M"], r["impl"]): r for r in rows}
+    by = rows_by_cell(rows)
     shapes = [s for s in dict.fromkeys(f"{r['model']} {r['layout']}" for r in rows) if s in PREFILL_SHAPES]
     Ms = sorted({r["M"] for r in rows})
     lines, all_ok = [], True
@@ -1080,7 +1080,7 @@ def decode_tables(rows: list[dict]) -> tuple[str, bool]:
     M = 1 verdict for the tuned plan and for the best of the other bundled impls (`triton*`); and
     whether every shape's best bundled impl met the target. A wrong output never counts as met. Where the
     read bounds were timed, issue 56's table follows and its verdict (`read_tables`) is the run's."""
-    by = {(f"{r['model']} {r['layout']}", r["M"], r["impl"]): r for r in rows}
+    by = rows_by_cell(rows)
     shapes = [s for s in dict.fromkeys(f"{r['model']} {r['layout']}" for r in rows) if s in PREFILL_SHAPES]
     Ms = sorted({r["M"] for r in rows})
     impls = [i for i in dict.fromkeys(r["impl"] for r in rows) if i != "reference"]
@@ -1145,6 +1145,21 @@ READ_TARGET_MS = (1, 8, 40)
 READ_PEERS = ("vllm_triton", "flashinfer_cutlass")
 
 
+def rows_by_cell(rows: Iterable[dict]) -> dict[tuple[str, int, str], dict]:
+    """Benchmark rows keyed (shape name, M, impl), as every table and the tile-file scripts read them."""
+    return {(f"{r['model']} {r['layout']}", r["M"], r["impl"]): r for r in rows}
+
+
+def repeat_medians(row: dict) -> list[float]:
+    """A row's per-repeat medians (its one median for rows written before the repeats)."""
+    return row.get("repeat_medians_us", [row["median_us"]])
+
+
+def faster_in_every_repeat(ours: list[float], theirs: list[float], gain: float) -> bool:
+    """Each repeat of `ours` below the same repeat of `theirs` by at least `gain` of it: not noise."""
+    return all(a < b * (1 - gain) for a, b in zip(ours, theirs))
+
+
 def one_launch_read(by: dict, shape: str, M: int) -> float | None:
     """The best cut of the one-launch read at (shape, M) in rows keyed (shape, M, impl), or None."""
     reads = [
@@ -1160,7 +1175,7 @@ def read_tables(rows: list[dict]) -> tuple[str, bool]:
     (best cut), the shipped plan, the best bundled call (`triton*` whole calls with a right output), each
     as us (x the read), and the peers beside them; and whether every such cell's best bundled call is
     within READ_TARGET. A cell whose bundled calls are all wrong counts as missed."""
-    by = {(f"{r['model']} {r['layout']}", r["M"], r["impl"]): r for r in rows}
+    by = rows_by_cell(rows)
     shapes = [s for s in dict.fromkeys(f"{r['model']} {r['layout']}" for r in rows) if s in PREFILL_SHAPES]
     impls = [i for i in dict.fromkeys(r["impl"] for r in rows) if i.startswith("triton") and ":" not in i]
     peers = [p for p in READ_PEERS if any(k[2] == p for k in by)]

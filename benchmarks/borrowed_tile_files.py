@@ -21,7 +21,12 @@ import dataclasses
 import json
 from pathlib import Path
 
-from bench_fused_moe import one_launch_read  # beside this file
+from bench_fused_moe import (
+    faster_in_every_repeat,
+    one_launch_read,
+    repeat_medians,
+    rows_by_cell,
+)  # beside this
 
 from moe_eval.kernels.tile_configs import (
     SHIPPED_SHAPES,
@@ -36,8 +41,9 @@ PDL_MIN_GAIN = 0.005  # 0.5 %: the repeats of one run agree within ~0.3 % at the
 
 
 def _rows_by_cell(paths: list[Path]) -> dict[tuple[str, int, str], dict]:
-    rows = [json.loads(line) for p in paths for line in p.read_text().splitlines() if line.strip()]
-    return {(f"{r['model']} {r['layout']}", r["M"], r["impl"]): r for r in rows}
+    return rows_by_cell(
+        json.loads(line) for p in paths for line in p.read_text().splitlines() if line.strip()
+    )
 
 
 def pdl_pays(by: dict, shape: str, M: int) -> bool:
@@ -45,10 +51,7 @@ def pdl_pays(by: dict, shape: str, M: int) -> bool:
     on, off = by.get((shape, M, "triton_pdl")), by.get((shape, M, "triton_nopdl"))
     if not on or not off:
         return False
-    pairs = zip(
-        on.get("repeat_medians_us", [on["median_us"]]), off.get("repeat_medians_us", [off["median_us"]])
-    )
-    return all(a < b * (1 - PDL_MIN_GAIN) for a, b in pairs)
+    return faster_in_every_repeat(repeat_medians(on), repeat_medians(off), PDL_MIN_GAIN)
 
 
 def measured(by: dict, shape: str, M: int) -> dict:

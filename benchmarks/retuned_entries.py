@@ -19,7 +19,12 @@ import argparse
 import json
 from pathlib import Path
 
-from bench_fused_moe import CHECK_TOLERANCE  # beside this file
+from bench_fused_moe import (
+    CHECK_TOLERANCE,
+    faster_in_every_repeat,
+    repeat_medians,
+    rows_by_cell,
+)  # beside this
 
 from moe_eval.kernels.tile_configs import (
     SHIPPED_SHAPES,
@@ -35,14 +40,14 @@ MIN_GAIN = 0.005  # 0.5 %, as borrowed_tile_files.PDL_MIN_GAIN: the repeats of o
 
 def _repeats(row: dict) -> list[float]:
     """A row's repeat medians, rounded as the file records them (the decision and its record agree)."""
-    return [round(t, 1) for t in row.get("repeat_medians_us", [row["median_us"]])]
+    return [round(t, 1) for t in repeat_medians(row)]
 
 
 def faster_every_repeat(fresh: dict | None, shipped: dict | None) -> bool:
     if not fresh or not shipped:
         return False
     a, b = _repeats(fresh), _repeats(shipped)
-    return len(a) == len(b) > 0 and all(x < y * (1 - MIN_GAIN) for x, y in zip(a, b))
+    return len(a) == len(b) > 0 and faster_in_every_repeat(a, b, MIN_GAIN)
 
 
 def _timed_tiles(row: dict) -> MoeTileConfig | None:
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     rows = [json.loads(line) for line in args.rows.read_text().splitlines() if line.strip()]
-    by = {(f"{r['model']} {r['layout']}", r["M"], r["impl"]): r for r in rows}
+    by = rows_by_cell(rows)
     for shape in SHIPPED_SHAPES:
         said = merge_shape(
             config_file_name(shape.local_experts, shape.F, shape.D, args.device), shape.name, args, by

@@ -244,7 +244,7 @@ def test_split_table_names_the_gemms_and_the_rest_of_the_call():
             _row(shape, 4096, "bound:grouped_mm_gemms", 1000.0),
             _row(shape, 16384, "triton", 4000.0),
             _row(shape, 16384, "bound:grouped_mm_gemms", 3900.0)]  # fmt: skip
-    by = {(f"{r['model']} {r['layout']}", r["M"], r["impl"]): r for r in rows}
+    by = bench.rows_by_cell(rows)
     lines = bench.bound_lines(by, [shape], [4096, 16384])
     assert f"| {shape} | 1.10 (90%) | 1.03 (90%) |" in lines
     split = lines[lines.index(next(line for line in lines if "GEMMs alone / torch" in line)) :]
@@ -252,7 +252,5 @@ def test_split_table_names_the_gemms_and_the_rest_of_the_call():
     no_split = [r for r in rows if r["impl"] != "triton:gemms"]
     assert not any(
         "GEMMs alone / torch" in line
-        for line in bench.bound_lines(
-            {(f"{r['model']} {r['layout']}", r["M"], r["impl"]): r for r in no_split}, [shape], [4096, 16384]
-        )
+        for line in bench.bound_lines(bench.rows_by_cell(no_split), [shape], [4096, 16384])
     )
