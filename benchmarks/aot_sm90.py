@@ -158,7 +158,7 @@ def compile_gemm(
         mul_routed = kind == 2
     reduce_dim = D if kind == 1 else F
     ints = {"F": F, "D": D, "stride_xm": D, "stride_we": 2 * F * D if kind == 1 else D * F,
-            "stride_wn": D if kind == 1 else F, "stride_hm": F, "stride_ym": D}  # fmt: skip
+            "stride_wn": D if kind == 1 else F, "stride_hm": F, "stride_ym": D, "stride_om": D}  # fmt: skip
     if tma:
         sig, attrs = _desc_signature(fn, dtype, _tma_blocks(kind, block_m, tile), ints)
         constexprs = {"MUL_ROUTED_WEIGHT": mul_routed, "DOT_PRECISION": precision, "BLOCK_M": block_m,

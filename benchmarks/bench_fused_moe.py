@@ -17,6 +17,9 @@ Peers (--peers), interleaved replay by replay so they share the card's thermal a
   triton_pdl, triton_nopdl, triton_naive_pdl, triton_naive_forced  the tuned plan with
               `MoeTileConfig.pdl` asked for (naive and aligned calls), dropped, the call made naive where
               naive qualifies and pdl asked for, or naive at every M with pdl; M <= 64 only
+  triton_sum_in_gemm2, triton_pdl_sum_in_gemm2  the tuned plan with `MoeTileConfig.sum_in_gemm2` (the
+              top-k sum inside the aligned GEMM2), pdl as tuned or asked for; where the tuned GEMMs
+              are the pointer kernels
   triton_default  the same kernel on the default heuristic's tiles (no tuned file), CUDA graph
   triton_package  the same kernel on the package's own tuned file for this GPU, read past
               MOE_EVAL_TUNED_DIR: a fresh tuning in that folder (as `triton`) against the shipped tiles
@@ -327,6 +330,36 @@ def _decode_variant(variant: str) -> Callable[[MoeShape, list[MoeCase], list[int
     return peer_calls
 
 
+SUM_IN_GEMM2_VARIANTS = ("triton_sum_in_gemm2", "triton_pdl_sum_in_gemm2")
+
+
+def _sum_in_gemm2_variant(variant: str) -> Callable[[MoeShape, list[MoeCase], list[int]], PeerCalls]:
+    """The tuned plan with `MoeTileConfig.sum_in_gemm2` asked for (issue 56: the top-k sum inside the
+    aligned GEMM2, one launch fewer): triton_sum_in_gemm2 keeps the tuned pdl, triton_pdl_sum_in_gemm2 asks
+    for pdl too. Any M whose tuned GEMMs are the pointer kernels; on naive calls the plan is the tuned one
+    (`sum_in_gemm2_ran` says whether the sum moved)."""
+
+    def peer_calls(shape: MoeShape, cases: list[MoeCase], Ms: list[int]) -> PeerCalls:
+        configs = []
+        for c in cases:
+            tuned = _triton_plan(shape, c).config
+            if tuned.gemm1.persistent or tuned.gemm2.persistent or tuned.gemm2.tma:
+                raise ValueError(
+                    f"{variant}: the tuned GEMMs at this M are not the pointer kernels ({tuned})"
+                )
+            pdl = tuned.pdl or (variant == "triton_pdl_sum_in_gemm2" and tuned.pdl_capable)
+            configs.append(dataclasses.replace(tuned, sum_in_gemm2=True, pdl=pdl))
+        calls, notes = _configured_calls(shape, cases, configs)
+        T = cases[0].hidden_TD.shape[0]
+        plan = launch_plan(
+            T, shape.local_experts, shape.F, shape.D, shape.top_k, _device_name(cases[0]), configs[0]
+        )
+        ran = plan.sum_in_gemm2 and shape.top_k > 1 and cases[0].expert_map_E is None
+        return calls, notes | {"sum_in_gemm2_ran": ran}
+
+    return peer_calls
+
+
 def _configured_calls(shape: MoeShape, cases: list[MoeCase], configs: list[MoeTileConfig]) -> PeerCalls:
     calls = [
         lambda c=c, cfg=cfg: fused_moe(*c.args(), **c.kwargs(), config=cfg) for c, cfg in zip(cases, configs)
@@ -565,6 +598,7 @@ GRAPH_PEERS: dict[str, Callable[[MoeShape, list[MoeCase], list[int]], PeerCalls]
         name: _decode_variant(name)
         for name in ("triton_pdl", "triton_nopdl", "triton_naive_pdl", "triton_naive_forced")
     },  # fmt: skip
+    **{name: _sum_in_gemm2_variant(name) for name in SUM_IN_GEMM2_VARIANTS},
     "triton_default": default_tiles_peer,
     "triton_package": package_tiles_peer,
     "grouped_mm": grouped_mm_peer,
@@ -1277,9 +1311,8 @@ def _precompile_worker(shape_index: int, Ms: list[int], peers: tuple[str, ...], 
         case = shape_case(shape, M, seed=M, weights_from=weights)
         for name in peers:
             try:
-                if name in ("triton", "triton_default", "triton_package") + VLLM_PEER_NAMES + tuple(
-                    GEMV_VARIANTS
-                ):
+                compiled_apart = ("triton", "triton_default", "triton_package", *SUM_IN_GEMM2_VARIANTS)
+                if name in compiled_apart + VLLM_PEER_NAMES + tuple(GEMV_VARIANTS):
                     GRAPH_PEERS[name](shape, [case], Ms)[0][0]()
                 if gemms_alone and name in GEMM_PEERS:
                     calls, finishes, _ = GEMM_PEERS[name](shape, [case])

@@ -273,7 +273,25 @@ def _block_slots(
     return slot, rows, expert
 
 
-@triton.jit(do_not_specialize=["num_slots", "top_k", "num_pid_m", "group_m"])
+@triton.jit
+def _zero_counters(counters_ptr, n_counters, per_program, ZERO_BLOCK: tl.constexpr):
+    """This program's share of the sum counters (`_gemm2_kernel`'s SUM_IN_GEMM2) set to 0: GEMM1 zeroes
+    them, so a call needs neither a memset launch nor counters kept between calls (which two calls in
+    flight on two streams would share)."""
+    start = tl.program_id(0).to(tl.int64) * per_program
+    offs = tl.arange(0, ZERO_BLOCK)
+    for i in range(0, per_program, ZERO_BLOCK):
+        idx = start + i + offs
+        tl.store(
+            counters_ptr + idx,
+            tl.zeros((ZERO_BLOCK,), tl.int32),
+            mask=(i + offs < per_program) & (idx < n_counters),
+        )
+
+
+@triton.jit(
+    do_not_specialize=["num_slots", "top_k", "num_pid_m", "group_m", "n_counters", "counters_per_program"]
+)
 def _gemm1_silu_kernel(
     x_ptr,  # (T, D) activations, fp32 / fp16 / bf16
     w13_ptr,  # (e, 2F, D) same dtype: gate rows [0, F), up rows [F, 2F)
@@ -294,6 +312,9 @@ def _gemm1_silu_kernel(
     stride_we,
     stride_wn,
     stride_hm,
+    counters_ptr,  # (n_counters,) int32 GEMM2's sum counters, zeroed here (ZERO_COUNTERS only)
+    n_counters,
+    counters_per_program,
     MUL_ROUTED_WEIGHT: tl.constexpr,  # apply_router_weight_on_input: scale x (here: its products) by w
     EVEN_K: tl.constexpr,  # D % BLOCK_K == 0: the K loop needs no mask
     NAIVE: tl.constexpr,  # one block per slot, no alignment (see _block_slots)
@@ -305,12 +326,15 @@ def _gemm1_silu_kernel(
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # a programmatic dependent of the launch before, GEMM2 one of this
     SILU_SLOPE: tl.constexpr = 1.0,
+    ZERO_COUNTERS: tl.constexpr = False,  # GEMM2 sums over K itself (SUM_IN_GEMM2): zero its counters
 ):
     if USE_PDL:
         # GEMM2 may be put on the SMs now: it waits for this grid before reading h. This grid waits
         # for the launch before it (which wrote x) before reading anything.
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+    if ZERO_COUNTERS:  # before any program exits: every program zeroes its share
+        _zero_counters(counters_ptr, n_counters, counters_per_program, 128)
     num_pid_n = tl.cdiv(F, BLOCK_N)
     pid_m, pid_n = _block_coords(num_pid_m, num_pid_n, group_m)
     # The grid is sized for the worst case (known on the host without a sync); blocks past the
@@ -466,6 +490,9 @@ def _gemm2_kernel(
     stride_we,
     stride_wn,
     stride_ym,
+    out_ptr,  # (T, D) the output (SUM_IN_GEMM2 only)
+    counters_ptr,  # (T * cdiv(D, BLOCK_N),) int32, zeroed by GEMM1 (SUM_IN_GEMM2 only)
+    stride_om,
     MUL_ROUTED_WEIGHT: tl.constexpr,  # False when the weight was applied on GEMM1's input
     EVEN_K: tl.constexpr,  # F % BLOCK_K == 0
     NAIVE: tl.constexpr,
@@ -476,6 +503,7 @@ def _gemm2_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched as GEMM1's programmatic dependent (the sum as this one's)
+    SUM_IN_GEMM2: tl.constexpr = False,  # aligned, K > 1, no expert map: the last slot's program sums
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -535,6 +563,45 @@ def _gemm2_kernel(
         acc = acc * rw[:, None]
     y_ptrs = y_ptr + slot[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    if SUM_IN_GEMM2:
+        _sum_if_last(y_ptr, out_ptr, counters_ptr, slot, row_ok, top_k, pid_n, num_pid_n, offs_n, n_ok,
+                     stride_ym, stride_om, BLOCK_M, BLOCK_N)  # fmt: skip
+
+
+@triton.jit
+def _sum_if_last(
+    y_ptr, out_ptr, counters_ptr, slot, row_ok, top_k, pid_n, num_pid_n, offs_n, n_ok, stride_ym, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The top-k sum inside GEMM2, for the rows whose token this program completes.
+
+    A block holds one expert, so each of its rows is a different token, and a token's K slots lie in K
+    programs (per N-tile). Once this program's y rows are stored, each row counts itself in on its
+    (token, N-tile) counter; the row that brings it to K was the last to be stored, and its program reads
+    the token's K rows back in slot order and adds them as `_moe_sum_kernel` does (fp32, rounded once): the
+    same bits whichever program comes last, no atomics on the values.
+
+    Ordering: the barrier puts every thread's y stores before any thread's count (bar.sync orders them
+    within the program; the count's release at GPU scope carries them to the program that reads the count
+    with acquire); the second barrier puts every thread's read-back after the counts that decided it. The
+    read-back loads skip L1 (.cg), which is not coherent across SMs.
+    """
+    token = slot // top_k  # padding rows: num_slots // top_k = T, masked below
+    tl.debug_barrier()
+    arrived = tl.atomic_add(
+        counters_ptr + token * num_pid_n + pid_n, 1, mask=row_ok, sem="acq_rel", scope="gpu"
+    )
+    last = row_ok & (arrived == top_k - 1)
+    tl.debug_barrier()
+    if tl.sum(last.to(tl.int32), axis=0) > 0:
+        mask = last[:, None] & n_ok[None, :]
+        first_row = token.to(tl.int64) * top_k
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(top_k):
+            rows = y_ptr + (first_row + k)[:, None] * stride_ym + offs_n[None, :]
+            acc += tl.load(rows, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        out = out_ptr + token.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_slots", "num_pid_m", "group_m"])

@@ -151,6 +151,12 @@ class MoeTileConfig:
     kernels, the same bits; a decode call's launch gaps go, but where GEMM1's grid is more than a wave
     GEMM2's early programs crowd it (slower at Mixtral's naive M = 1 on the H200), so a file asks for it
     only where it measured faster. Where the device or Triton lacks it they run without.
+    sum_in_gemm2 (the pointer GEMMs only; issue 56): on aligned calls with K > 1 and no expert map the
+    program of GEMM2 that stores a token's last slot of an N-tile adds the token's K rows there, in slot
+    order, in fp32, rounded once (`_moe_sum_kernel`'s arithmetic, so the same bits), instead of a sum
+    launch after GEMM2: one launch fewer, no atomics on the values (a counter per token and N-tile,
+    zeroed by GEMM1, says which program is last). Naive calls keep their own plan (fold_k, or the sum
+    launch); calls under an expert map keep the sum launch (it writes the tokens no slot here reaches).
     """
 
     block_m: int
@@ -160,6 +166,7 @@ class MoeTileConfig:
     fold_k: bool = False
     gemv: GemvTiles | None = None
     pdl: bool = False
+    sum_in_gemm2: bool = False
 
     def __post_init__(self) -> None:
         # A field the code would ignore is an error (house style).
@@ -169,6 +176,10 @@ class MoeTileConfig:
             raise ValueError("pdl is the tl.dot chains'; a gemv config says it in gemv.pdl")
         if self.pdl and not self.pdl_capable:
             raise ValueError("pdl needs the pointer GEMMs: the persistent and tma kernels have no wait")
+        if self.sum_in_gemm2 and (self.gemm1.persistent or self.gemm2.persistent or self.gemm2.tma):
+            raise ValueError(
+                "sum_in_gemm2 needs the pointer GEMMs: GEMM1 zeroes the counters, GEMM2 counts in and sums"
+            )
         if self.gemv is not None and self.fold_k:
             raise ValueError(
                 "gemv always sums over K in its GEMM2; fold_k (the tl.dot GEMM2's) would be ignored"
@@ -207,14 +218,20 @@ class MoeTileConfig:
             body["gemv"] = self.gemv.to_json()
         if self.pdl:  # the same
             body["pdl"] = True
+        if self.sum_in_gemm2:  # the same
+            body["sum_in_gemm2"] = True
         return body
 
     @classmethod
     def from_json(cls, data: dict) -> MoeTileConfig:
-        _check_keys(data, {"block_m", "gemm1", "gemm2", "naive", "fold_k", "gemv", "pdl"}, "MoeTileConfig")
-        pdl = data.get("pdl", False)
-        if not isinstance(pdl, bool):
-            raise ValueError(f"MoeTileConfig: pdl must be true or false, got {pdl!r}")
+        _check_keys(
+            data,
+            {"block_m", "gemm1", "gemm2", "naive", "fold_k", "gemv", "pdl", "sum_in_gemm2"},
+            "MoeTileConfig",
+        )
+        for flag in ("pdl", "sum_in_gemm2"):
+            if not isinstance(data.get(flag, False), bool):
+                raise ValueError(f"MoeTileConfig: {flag} must be true or false, got {data[flag]!r}")
         return cls(
             block_m=int(data["block_m"]),
             gemm1=GemmTile.from_json(data["gemm1"]),
@@ -223,7 +240,8 @@ class MoeTileConfig:
             fold_k=bool(data.get("fold_k", False)),
             # Absent or null: no GEMV; anything else must be whole GemvTiles ({} is an error, not "off").
             gemv=GemvTiles.from_json(data["gemv"]) if data.get("gemv") is not None else None,
-            pdl=pdl,
+            pdl=data.get("pdl", False),
+            sum_in_gemm2=data.get("sum_in_gemm2", False),
         )
 
 

@@ -434,6 +434,86 @@ def test_pdl_computes_the_same_bits(device):
             assert rel_err(plain, case.reference_fp32()) <= TOLERANCE[DTYPES[0]]
 
 
+def test_sum_in_gemm2_config_rules():
+    tile = GemmTile(32, 32)
+    for gemm1, gemm2 in ((GemmTile(32, 32, persistent=True), tile), (tile, GemmTile(32, 32, tma=True)),
+                         (tile, GemmTile(32, 32, tma=True, persistent=True))):  # fmt: skip
+        with pytest.raises(ValueError, match="sum_in_gemm2 needs the pointer GEMMs"):
+            MoeTileConfig(64, gemm1, gemm2, sum_in_gemm2=True)
+    summing = dataclasses.replace(NAIVE_FOLD, sum_in_gemm2=True)
+    assert MoeTileConfig.from_json(summing.to_json()) == summing
+    assert "sum_in_gemm2" not in NAIVE_FOLD.to_json()  # the shipped files stay as they were
+    with pytest.raises(ValueError, match="sum_in_gemm2 must be true or false"):
+        MoeTileConfig.from_json(NAIVE.to_json() | {"sum_in_gemm2": 1})
+    # Aligned calls only: a naive call keeps its fold_k (or the sum launch).
+    assert not fused_moe_module.launch_plan(1, 8, 32, 32, 2, "test", summing).sum_in_gemm2
+    assert fused_moe_module.launch_plan(20, 8, 32, 32, 2, "test", summing).sum_in_gemm2
+
+
+SUM_IN_GEMM2_CASES = [
+    # (T, K, local experts, router weight on input, three-launch alignment)
+    (20, 3, None, False, False),
+    (70, 2, None, True, False),  # GEMM2 multiplies no weight
+    (9, 8, None, False, True),  # K = E: every token in every block; the three-launch alignment
+    (33, 1, None, False, False),  # K = 1: GEMM2 writes the output itself, nothing to sum
+    (20, 3, [0, 5, 2, 7], False, False),  # expert map: the sum launch stays (it writes tokens held elsewhere)
+]
+
+
+@pytest.mark.parametrize(
+    "config", CONFIGS + [pytest.param(dataclasses.replace(SWIZZLED, pdl=True), id="pdl")]
+)
+@pytest.mark.parametrize(("T", "K", "local", "on_input", "three_launch"), SUM_IN_GEMM2_CASES)
+def test_sum_in_gemm2_computes_the_same_bits(
+    T, K, local, on_input, three_launch, config, device, monkeypatch
+):
+    # The sum inside GEMM2 adds a token's K rows in slot order in fp32 and rounds once, as the sum launch
+    # does: the same bits, into an output that starts as NaN (every token written). Where it applies the
+    # sum launch must not run at all (else this test would compare the sum launch with itself).
+    if three_launch:
+        monkeypatch.setattr(fused_moe_module, "SINGLE_PROGRAM_MAX_SLOTS", 0)
+    dtype = DTYPES[0]
+    case = make_case(T, 8, K, 96, 80, dtype=dtype, device=device, seed=240 + T + K, local_experts=local,
+                     apply_router_weight_on_input=on_input)  # fmt: skip
+    plain = fused_moe(*case.args(), **case.kwargs(), config=config)
+    summing = dataclasses.replace(config, sum_in_gemm2=True)
+    applies = K > 1 and local is None
+    launches = []
+    real_sum = fused_moe_module.launch_sum
+    monkeypatch.setattr(
+        fused_moe_module, "launch_sum", lambda *a, **k: launches.append(1) or real_sum(*a, **k)
+    )
+    out = torch.full_like(case.hidden_TD, float("nan"))
+    fused_moe(*case.args(), **case.kwargs(), config=summing, out=out)
+    assert len(launches) == (0 if applies or K == 1 else 1)  # K = 1 never has a sum launch
+    assert torch.equal(out, plain)
+    assert rel_err(out, case.reference_fp32()) <= TOLERANCE[dtype]
+
+
+def test_sum_in_gemm2_counters_are_zeroed_by_gemm1(device, monkeypatch):
+    # The counters come from torch.empty (whatever the allocator hands back: often zeros by luck): GEMM1
+    # must zero them. Handed counters full of garbage, the call still gives the plain bits; handed them
+    # after GEMM1 (so nothing zeroes them) at K, no row is ever last and no output row is written.
+    dtype = DTYPES[0]
+    case = make_case(40, 8, 3, 96, 80, dtype=dtype, device=device, seed=251)
+    config = dataclasses.replace(SMALL, sum_in_gemm2=True)
+    plain = fused_moe(*case.args(), **case.kwargs(), config=SMALL)
+    real_counters = fused_moe_module.sum_counters
+    monkeypatch.setattr(fused_moe_module, "sum_counters", lambda *a: real_counters(*a).fill_(7))
+    assert torch.equal(fused_moe(*case.args(), **case.kwargs(), config=config), plain)
+
+    real_gemm2 = fused_moe_module.launch_gemm2
+
+    def counters_left_at_k(*args, sum_into=None, **kwargs):
+        sum_into[1].fill_(3)
+        real_gemm2(*args, sum_into=sum_into, **kwargs)
+
+    monkeypatch.setattr(fused_moe_module, "launch_gemm2", counters_left_at_k)
+    out = torch.full_like(case.hidden_TD, float("nan"))
+    fused_moe(*case.args(), **case.kwargs(), config=config, out=out)
+    assert torch.isnan(out).all()
+
+
 def test_gemv_config_rules():
     tile = GemmTile(32, 32)
     gemv = GemvTiles(GemmTile(4, 64, num_stages=1), GemmTile(2, 64, num_stages=1))
@@ -851,6 +931,62 @@ def test_real_shape_pdl_bf16(shape, M):
         with torch.cuda.graph(graph, stream=stream):
             for c, o in zip(cases, outs):
                 fused_moe(*c.args(), **c.kwargs(), out=o, config=pdl_config)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(20):
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for o, p in zip(outs, plains):
+            assert torch.equal(o, p)
+
+
+def _pointer_tiles(config: MoeTileConfig) -> MoeTileConfig:
+    """The config with both GEMMs as the pointer kernels (large-M entries ship TMA / persistent ones)."""
+    flags = {"tma": False, "persistent": False, "warp_specialize": False}
+    return dataclasses.replace(config, gemm1=dataclasses.replace(config.gemm1, **flags),
+                               gemm2=dataclasses.replace(config.gemm2, **flags))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("M", [8, 40, 1024])
+@pytest.mark.parametrize(
+    "shape",
+    [s for s in SHIPPED_SHAPES if s.local_experts == s.num_experts],
+    ids=lambda s: s.name.replace(" ", "-"),
+)
+def test_real_shape_sum_in_gemm2_bf16(shape, M, pdl):
+    """The top-k sum inside GEMM2 (the last program to store a token's slot of an N-tile sums its K rows)
+    on the GPU, where programs really race: the bits of the sum launch, eager and replayed from a CUDA graph
+    many times, three calls back to back on other inputs (a read-back that came before another program's
+    store, or counters left from an earlier call, would show as other bits or NaN)."""
+    device_name = torch.cuda.get_device_name()
+    tuned = fused_moe_module.launch_plan(
+        M, shape.local_experts, shape.F, shape.D, shape.top_k, device_name
+    ).config
+    plain_config = dataclasses.replace(_pointer_tiles(tuned), gemv=None, pdl=pdl)  # M >= 8: aligned calls
+    summing = dataclasses.replace(plain_config, sum_in_gemm2=True)
+    plan = fused_moe_module.launch_plan(
+        M, shape.local_experts, shape.F, shape.D, shape.top_k, device_name, summing
+    )
+    assert plan.sum_in_gemm2, f"{shape.name} M={M}: an aligned call"
+    cases = [shape_case(shape, M, seed=M + 5 + 10 * i) for i in range(3)]
+    plains = [fused_moe(*c.args(), **c.kwargs(), config=plain_config) for c in cases]
+    assert rel_err(plains[0], cases[0].reference_fp32()) <= TOLERANCE[torch.bfloat16]
+    for c, p in zip(cases, plains):
+        assert torch.equal(fused_moe(*c.args(), **c.kwargs(), config=summing), p)
+    outs = [torch.empty_like(p) for p in plains]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c, o in zip(cases, outs):
+            fused_moe(*c.args(), **c.kwargs(), out=o, config=summing)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for c, o in zip(cases, outs):
+                fused_moe(*c.args(), **c.kwargs(), out=o, config=summing)
     torch.cuda.current_stream().wait_stream(stream)
     for _ in range(20):
         for o in outs:
