@@ -144,8 +144,10 @@ def compile_gemm(
     fold_k: bool = False,
     has_map: bool = False,
     precision: str = "tf32",
+    sum_in_gemm2: bool = False,
 ) -> dict:
-    """Compile GEMM `kind` (1 or 2) for sm_90; report shared bytes, registers, spills, MMA kind."""
+    """Compile GEMM `kind` (1 or 2) for sm_90; report shared bytes, registers, spills, MMA kind.
+    sum_in_gemm2: the pointer kernels with the top-k sum in GEMM2 (GEMM1 zeroing its counters)."""
     persistent = getattr(tile, "persistent", False)
     tma = persistent or (kind == 2 and getattr(tile, "tma", False))
     if persistent:
@@ -175,9 +177,9 @@ def compile_gemm(
             "BLOCK_M": block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
         }  # fmt: skip
         if kind == 1:
-            constexprs["INTERLEAVE"] = tile.interleave
+            constexprs |= {"INTERLEAVE": tile.interleave, "ZERO_COUNTERS": sum_in_gemm2, "SILU_SLOPE": 1.0}
         else:
-            constexprs["FOLD_K"] = fold_k
+            constexprs |= {"FOLD_K": fold_k, "SUM_IN_GEMM2": sum_in_gemm2}
     t0 = time.perf_counter()
     try:
         compiled = triton.compile(

@@ -274,24 +274,25 @@ def _block_slots(
 
 
 @triton.jit
-def _zero_counters(counters_ptr, n_counters, per_program, ZERO_BLOCK: tl.constexpr):
-    """This program's share of the sum counters (`_gemm2_kernel`'s SUM_IN_GEMM2) set to 0: GEMM1 zeroes
-    them, so a call needs neither a memset launch nor counters kept between calls (which two calls in
-    flight on two streams would share)."""
+def _zero_share(ptr, n, per_program, row_len, stride_row, ZERO_BLOCK: tl.constexpr):
+    """This program's share of n elements (rows of row_len, stride_row apart) set to 0: GEMM1 zeroes the
+    sum counters of GEMM2's SUM_IN_GEMM2 so a call needs neither a memset launch nor counters kept between
+    calls (which two calls in flight on two streams would share)."""
     start = tl.program_id(0).to(tl.int64) * per_program
     offs = tl.arange(0, ZERO_BLOCK)
     for i in range(0, per_program, ZERO_BLOCK):
         idx = start + i + offs
         tl.store(
-            counters_ptr + idx,
-            tl.zeros((ZERO_BLOCK,), tl.int32),
-            mask=(i + offs < per_program) & (idx < n_counters),
+            ptr + (idx // row_len) * stride_row + idx % row_len,
+            tl.zeros((ZERO_BLOCK,), ptr.dtype.element_ty),
+            mask=(i + offs < per_program) & (idx < n),
         )
 
 
 @triton.jit(
-    do_not_specialize=["num_slots", "top_k", "num_pid_m", "group_m", "n_counters", "counters_per_program"]
-)
+    do_not_specialize=["num_slots", "top_k", "num_pid_m", "group_m", "n_counters", "counters_per_program",
+                       "n_out", "out_per_program"]
+)  # fmt: skip
 def _gemm1_silu_kernel(
     x_ptr,  # (T, D) activations, fp32 / fp16 / bf16
     w13_ptr,  # (e, 2F, D) same dtype: gate rows [0, F), up rows [F, 2F)
@@ -315,6 +316,10 @@ def _gemm1_silu_kernel(
     counters_ptr,  # (n_counters,) int32 GEMM2's sum counters, zeroed here (ZERO_COUNTERS only)
     n_counters,
     counters_per_program,
+    out_ptr,  # (T, D) the output, zeroed here under an expert map (ZERO_COUNTERS with n_out > 0)
+    n_out,
+    out_per_program,
+    stride_om,
     MUL_ROUTED_WEIGHT: tl.constexpr,  # apply_router_weight_on_input: scale x (here: its products) by w
     EVEN_K: tl.constexpr,  # D % BLOCK_K == 0: the K loop needs no mask
     NAIVE: tl.constexpr,  # one block per slot, no alignment (see _block_slots)
@@ -334,7 +339,10 @@ def _gemm1_silu_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     if ZERO_COUNTERS:  # before any program exits: every program zeroes its share
-        _zero_counters(counters_ptr, n_counters, counters_per_program, 128)
+        _zero_share(counters_ptr, n_counters, counters_per_program, n_counters, 0, 128)
+        # Under an expert map (n_out > 0; else no iteration): a token none of whose slots is here gets no
+        # sum in GEMM2, so it must read 0.
+        _zero_share(out_ptr, n_out, out_per_program, D, stride_om, 128)
     num_pid_n = tl.cdiv(F, BLOCK_N)
     pid_m, pid_n = _block_coords(num_pid_m, num_pid_n, group_m)
     # The grid is sized for the worst case (known on the host without a sync); blocks past the
@@ -478,8 +486,8 @@ def _gemm2_kernel(
     sorted_ids_ptr,  # (P,) int32 (aligned only)
     expert_ids_ptr,  # (num_pid_m,) int32 (aligned only)
     num_post_pad_ptr,  # (1,) int32 (aligned only)
-    topk_ids_ptr,  # (T*K,) int32 global expert ids (naive only)
-    expert_map_ptr,  # (E,) int32 (naive with HAS_EXPERT_MAP only)
+    topk_ids_ptr,  # (T*K,) int32 global expert ids (naive; SUM_IN_GEMM2 with HAS_EXPERT_MAP)
+    expert_map_ptr,  # (E,) int32 (HAS_EXPERT_MAP: naive, or SUM_IN_GEMM2)
     num_slots,
     top_k,
     num_pid_m,  # M-blocks; with FOLD_K: tokens
@@ -503,7 +511,7 @@ def _gemm2_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched as GEMM1's programmatic dependent (the sum as this one's)
-    SUM_IN_GEMM2: tl.constexpr = False,  # aligned, K > 1, no expert map: the last slot's program sums
+    SUM_IN_GEMM2: tl.constexpr = False,  # aligned, K > 1: the program storing a token's last slot sums
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -564,14 +572,15 @@ def _gemm2_kernel(
     y_ptrs = y_ptr + slot[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
     if SUM_IN_GEMM2:
-        _sum_if_last(y_ptr, out_ptr, counters_ptr, slot, row_ok, top_k, pid_n, num_pid_n, offs_n, n_ok,
-                     stride_ym, stride_om, BLOCK_M, BLOCK_N)  # fmt: skip
+        _sum_if_last(y_ptr, out_ptr, counters_ptr, topk_ids_ptr, expert_map_ptr, slot, row_ok, top_k,
+                     pid_n, num_pid_n, offs_n, n_ok, stride_ym, stride_om, HAS_EXPERT_MAP, BLOCK_M,
+                     BLOCK_N)  # fmt: skip
 
 
 @triton.jit
 def _sum_if_last(
-    y_ptr, out_ptr, counters_ptr, slot, row_ok, top_k, pid_n, num_pid_n, offs_n, n_ok, stride_ym, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    y_ptr, out_ptr, counters_ptr, topk_ids_ptr, expert_map_ptr, slot, row_ok, top_k, pid_n, num_pid_n, offs_n,
+    n_ok, stride_ym, stride_om, HAS_EXPERT_MAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """The top-k sum inside GEMM2, for the rows whose token this program completes.
 
@@ -579,7 +588,9 @@ def _sum_if_last(
     programs (per N-tile). Once this program's y rows are stored, each row counts itself in on its
     (token, N-tile) counter; the row that brings it to K was the last to be stored, and its program reads
     the token's K rows back in slot order and adds them as `_moe_sum_kernel` does (fp32, rounded once): the
-    same bits whichever program comes last, no atomics on the values.
+    same bits whichever program comes last, no atomics on the values. Under an expert map a token counts
+    only its slots held here, and the read-back adds 0 for the others (as `_moe_sum_kernel` does); GEMM1
+    zeroed the output for the tokens with none.
 
     Ordering: the barrier puts every thread's y stores before any thread's count (bar.sync orders them
     within the program; the count's release at GPU scope carries them to the program that reads the count
@@ -591,15 +602,26 @@ def _sum_if_last(
     arrived = tl.atomic_add(
         counters_ptr + token * num_pid_n + pid_n, 1, mask=row_ok, sem="acq_rel", scope="gpu"
     )
-    last = row_ok & (arrived == top_k - 1)
+    first_row = token.to(tl.int64) * top_k
+    if HAS_EXPERT_MAP:
+        here = tl.zeros_like(arrived)
+        for k in range(top_k):
+            gid = tl.load(topk_ids_ptr + first_row + k, mask=row_ok, other=0)
+            here += (tl.load(expert_map_ptr + gid, mask=row_ok, other=-1) >= 0).to(arrived.dtype)
+        last = row_ok & (arrived == here - 1)
+    else:
+        last = row_ok & (arrived == top_k - 1)
     tl.debug_barrier()
     if tl.sum(last.to(tl.int32), axis=0) > 0:
         mask = last[:, None] & n_ok[None, :]
-        first_row = token.to(tl.int64) * top_k
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(top_k):
+            row_mask = mask
+            if HAS_EXPERT_MAP:  # slots held on another rank were never written
+                gid = tl.load(topk_ids_ptr + first_row + k, mask=last, other=0)
+                row_mask = mask & (tl.load(expert_map_ptr + gid, mask=last, other=-1) >= 0)[:, None]
             rows = y_ptr + (first_row + k)[:, None] * stride_ym + offs_n[None, :]
-            acc += tl.load(rows, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            acc += tl.load(rows, mask=row_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         out = out_ptr + token.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -298,8 +298,8 @@ class LaunchPlan:
 
     @property
     def sum_in_gemm2(self) -> bool:
-        """GEMM2 sums each token's K slots on aligned calls (`MoeTileConfig.sum_in_gemm2`); `launch_experts`
-        keeps the sum launch where K == 1 or under an expert map."""
+        """GEMM2 sums each token's K slots on aligned calls (`MoeTileConfig.sum_in_gemm2`; K == 1 has no
+        sum)."""
         return self.align is not None and not self.align.naive and self.config.sum_in_gemm2
 
     @property
@@ -479,10 +479,9 @@ def launch_experts(
         # read as zero because GEMM2 never visits them (a folded GEMM2 writes every token).
         out_TD.zero_()
     use_pdl = plan.pdl and pdl_available(hidden_TD.device)
-    # The sum inside GEMM2 where the plan asks and nothing needs the sum launch: K > 1 (K == 1 writes the
-    # output directly), no expert map (the sum launch writes the tokens none of whose slots is here).
+    # The sum inside GEMM2 where the plan asks and there is a sum (K > 1: K == 1 writes the output directly).
     summed = with_sum and y_SD is not out_TD
-    sum_in_gemm2 = summed and plan.sum_in_gemm2 and expert_map_E is None
+    sum_in_gemm2 = summed and plan.sum_in_gemm2
     counters = sum_counters(out_TD, config.gemm2) if sum_in_gemm2 else None
     launch_gemm1(
         hidden_TD,
@@ -496,11 +495,13 @@ def launch_experts(
         precision,
         use_pdl=use_pdl,
         silu_slope=silu_slope,
-        zero_counters=counters,
+        zero_for_sum=(counters, out_TD if expert_map_E is not None else None)
+        if counters is not None
+        else None,
     )
+    sum_into = (out_TD, counters, topk_ids_TK, expert_map_E) if counters is not None else None
     launch_gemm2(h_PF, w2_eDF, y_SD, topk_weights_TK, align, config.gemm2, not apply_router_weight_on_input,
-                 precision, fold_k=plan.fold_k, use_pdl=use_pdl,
-                 sum_into=(out_TD, counters) if counters is not None else None)  # fmt: skip
+                 precision, fold_k=plan.fold_k, use_pdl=use_pdl, sum_into=sum_into)  # fmt: skip
     if summed and not sum_in_gemm2:
         launch_sum(y_SD, out_TD, topk_ids_TK, expert_map_E, use_pdl=use_pdl)
 
@@ -534,15 +535,16 @@ def launch_gemm1(
     precision: str = "tf32",
     use_pdl: bool = False,
     silu_slope: float = 1.0,
-    zero_counters: torch.Tensor | None = None,
+    zero_for_sum: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> None:
     """use_pdl: launched as the previous launch's programmatic dependent (it waits for it before reading
-    anything: x, or the alignment's blocks), and GEMM2 after it as its own. zero_counters: GEMM2's sum
-    counters (`sum_counters`), zeroed by this launch's programs."""
+    anything: x, or the alignment's blocks), and GEMM2 after it as its own. zero_for_sum: (GEMM2's sum
+    counters from `sum_counters`, the output under an expert map or None): this launch's programs zero
+    them (under a map the tokens with no slot here get no sum in GEMM2, and must read 0)."""
     D = hidden_TD.shape[1]
     F = h_PF.shape[1]
     assert not use_pdl or not tile.persistent, "pdl: the pointer GEMM1 (the persistent one has no wait)"
-    assert zero_counters is None or not (tile.persistent or align.naive), (
+    assert zero_for_sum is None or not (tile.persistent or align.naive), (
         "sum_in_gemm2: aligned, pointer GEMM1"
     )
     if tile.persistent:
@@ -551,17 +553,20 @@ def launch_gemm1(
         return
     num_pid_m = align.max_blocks
     grid = num_pid_m * triton.cdiv(F, tile.block_n)
-    counters = zero_counters if zero_counters is not None else _naive_args(align)[0]  # a dummy when off
-    n_counters = counters.numel() if zero_counters is not None else 0
+    counters, out_TD = zero_for_sum if zero_for_sum is not None else (_naive_args(align)[0], None)
+    n_counters = counters.numel() if zero_for_sum is not None else 0
+    n_out = out_TD.numel() if out_TD is not None else 0
+    out_TD = out_TD if out_TD is not None else hidden_TD  # a dummy when nothing is zeroed
     kernels._gemm1_silu_kernel[(grid,)](
         hidden_TD, w13_eFD, h_PF, topk_weights_TK, *_naive_args(align),
         align.num_slots, top_k, num_pid_m, tile.group_m, F, D,
         hidden_TD.stride(0), w13_eFD.stride(0), w13_eFD.stride(1), h_PF.stride(0),
-        counters, n_counters, triton.cdiv(n_counters, grid),
+        counters, n_counters, triton.cdiv(n_counters, grid), out_TD, n_out, triton.cdiv(n_out, grid),
+        out_TD.stride(0),
         MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=D % tile.block_k == 0, NAIVE=align.naive,
         HAS_EXPERT_MAP=align.expert_map_E is not None, INTERLEAVE=tile.interleave, DOT_PRECISION=precision,
         BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_PDL=use_pdl,
-        ZERO_COUNTERS=zero_counters is not None,
+        ZERO_COUNTERS=zero_for_sum is not None,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_pdl_launch(use_pdl), **_slope(silu_slope),
     )  # fmt: skip
 
@@ -577,17 +582,18 @@ def launch_gemm2(
     precision: str = "tf32",
     fold_k: bool = False,
     use_pdl: bool = False,
-    sum_into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sum_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> None:
     """use_pdl: launched as GEMM1's programmatic dependent (the launch just before this one must be
     GEMM1's, with use_pdl too), and the sum after it as this one's. sum_into: (out, counters zeroed by
-    GEMM1): the program storing a token's last slot of an N-tile sums its K rows into out."""
+    GEMM1, topk_ids, expert map or None): the program storing a token's last slot of an N-tile sums
+    its K rows into out."""
     D = y_SD.shape[1]
     F = h_PF.shape[1]
     assert not fold_k or align.naive, "the sum over K folds into GEMM2 on naive plans only"
-    assert sum_into is None or not (
-        align.naive or tile.persistent or tile.tma or align.expert_map_E is not None
-    ), "sum_in_gemm2: aligned, pointer GEMM2, no expert map"
+    assert sum_into is None or not (align.naive or tile.persistent or tile.tma), (
+        "sum_in_gemm2: aligned, pointer GEMM2"
+    )
     assert not use_pdl or not (tile.persistent or tile.tma), (
         "pdl: the pointer GEMM2 (neither persistent nor tma)"
     )
@@ -601,14 +607,21 @@ def launch_gemm2(
         return
     # FOLD_K: one program row per token (it walks the token's K slots); else per M-block.
     num_pid_m = align.num_slots // align.top_k if fold_k else align.max_blocks
-    out_TD, counters = sum_into if sum_into is not None else (y_SD, _naive_args(align)[0])  # dummies when off
+    routing = _naive_args(align)
+    has_map = align.expert_map_E is not None
+    if sum_into is None:
+        out_TD, counters = y_SD, routing[0]  # dummies
+    else:
+        out_TD, counters, topk_ids_TK, expert_map_E = sum_into
+        if expert_map_E is not None:  # the sum counts and reads only the slots held here
+            routing, has_map = (*routing[:3], topk_ids_TK, expert_map_E), True
     kernels._gemm2_kernel[(num_pid_m * triton.cdiv(D, tile.block_n),)](
-        h_PF, w2_eDF, y_SD, topk_weights_TK, *_naive_args(align),
+        h_PF, w2_eDF, y_SD, topk_weights_TK, *routing,
         align.num_slots, max(align.top_k, 1), num_pid_m, tile.group_m, D, F,
         h_PF.stride(0), w2_eDF.stride(0), w2_eDF.stride(1), y_SD.stride(0),
         out_TD, counters, out_TD.stride(0),
         MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=F % tile.block_k == 0, NAIVE=align.naive,
-        HAS_EXPERT_MAP=align.expert_map_E is not None, FOLD_K=fold_k, DOT_PRECISION=precision,
+        HAS_EXPERT_MAP=has_map, FOLD_K=fold_k, DOT_PRECISION=precision,
         BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_PDL=use_pdl,
         SUM_IN_GEMM2=sum_into is not None,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_pdl_launch(use_pdl),

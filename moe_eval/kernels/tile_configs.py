@@ -151,12 +151,13 @@ class MoeTileConfig:
     kernels, the same bits; a decode call's launch gaps go, but where GEMM1's grid is more than a wave
     GEMM2's early programs crowd it (slower at Mixtral's naive M = 1 on the H200), so a file asks for it
     only where it measured faster. Where the device or Triton lacks it they run without.
-    sum_in_gemm2 (the pointer GEMMs only; issue 56): on aligned calls with K > 1 and no expert map the
+    sum_in_gemm2 (the pointer GEMMs only; issue 56): on aligned calls with K > 1 the
     program of GEMM2 that stores a token's last slot of an N-tile adds the token's K rows there, in slot
     order, in fp32, rounded once (`_moe_sum_kernel`'s arithmetic, so the same bits), instead of a sum
     launch after GEMM2: one launch fewer, no atomics on the values (a counter per token and N-tile,
-    zeroed by GEMM1, says which program is last). Naive calls keep their own plan (fold_k, or the sum
-    launch); calls under an expert map keep the sum launch (it writes the tokens no slot here reaches).
+    zeroed by GEMM1, says which program is last; under an expert map a token counts its slots held here,
+    and GEMM1 zeroes the output for the tokens with none). Naive calls keep their own plan (fold_k, or
+    the sum launch).
     """
 
     block_m: int
