@@ -6,8 +6,10 @@ package's files for that GPU with the tuner's picks merged in) and times the who
 (`triton`) beside the package's own tiles (`triton_package`) in the same replays. An entry of the package's
 file is replaced by the tuner's pick only where `triton` was faster than `triton_package` by at least
 MIN_GAIN in every repeat of that run: the tuner times the stages apart, a whole call can rank them
-otherwise, and within noise the shipped tiles (which served) stay. Every entry tried is recorded in the
-file's meta (`retuned`: both times per repeat, the tuner's own stage times, kept or not) with an edit line.
+otherwise, and within noise the shipped tiles (which served) stay. A size the tuner did not reach in that
+run (its timings in the tuned file are none, or the package file's own) is not touched. Every entry tried
+is recorded in the file's meta (`retuned`: both times per repeat, the tuner's own stage times, kept or not)
+with an edit line.
 
 Usage: python benchmarks/retuned_entries.py --tuned DIR --rows prefill_rows.jsonl --m 1024 4096 16384
        --device "NVIDIA H100 80GB HBM3" --gpu-uuid GPU-... --date YYYY-MM-DD [--base-dir DIR] --out DIR
@@ -66,6 +68,9 @@ def merge_shape(name: str, shape_name: str, args: argparse.Namespace, by: dict) 
     for m in args.m:
         if m not in tuned or m not in configs:
             continue
+        tuner_us = tuned_meta.get("timings_us", {}).get(str(m))
+        if tuner_us is None or tuner_us == meta.get("timings_us", {}).get(str(m)):
+            continue  # the tuner did not reach this size in this run: the folder holds the package's entry
         fresh, shipped = by.get((shape_name, m, "triton")), by.get((shape_name, m, "triton_package"))
         if fresh is None or shipped is None:
             continue  # not timed at this size: nothing to decide on
@@ -86,7 +91,7 @@ def merge_shape(name: str, shape_name: str, args: argparse.Namespace, by: dict) 
         retuned[str(m)] = {
             "gpu": args.gpu_uuid,
             "date": args.date,
-            "tuner_timings_us": tuned_meta.get("timings_us", {}).get(str(m)),
+            "tuner_timings_us": tuner_us,
             "tuned_tiles_us": _repeats(fresh),
             "shipped_tiles_us": _repeats(shipped),
             "outcome": (

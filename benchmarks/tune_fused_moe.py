@@ -587,8 +587,8 @@ def write_shape(path: Path, shape: MoeShape, configs: dict, timings: dict, famil
         # A hand edit's note stays with the entries the merge keeps (read_tuned_file keeps their fields).
         if "edits" in old["meta"]:
             meta["edits"] = old["meta"]["edits"]
-        previous = old["meta"].get("command", "")
-        if meta["command"] not in previous:
+        previous = old["meta"].get("command")  # None in a file borrowed from another GPU
+        if previous and meta["command"] not in previous:
             meta["command"] = f"{previous}; then {meta['command']}"
     write_tuned_file(path, configs, meta)
 

@@ -47,7 +47,8 @@ def test_replaced_only_where_faster_in_every_repeat(tmp_path):
     write_tuned_file(base / name, shipped, {"edits": ["entry '1': pdl"], "measured_us": {"1": {}}})
     write_tuned_file(
         tuned / name, {**shipped, 1024: FRESH, 4096: FRESH},
-        {"timings_us": {"1024": {"total_us": 300.0}}, "command": "h200; then tune here"},
+        {"timings_us": {"1024": {"total_us": 300.0}, "4096": {"total_us": 900.0}, "16384": {"total_us": 3e3}},
+         "command": "h200; then tune here"},
     )  # fmt: skip
     rows = [
         _row(1024, "triton", [300.0, 301.0, 299.0]), _row(1024, "triton_package", [310.0, 309.0, 311.0]),
@@ -82,7 +83,7 @@ def test_a_size_not_timed_is_left_alone(tmp_path):
         d.mkdir()
     name = config_file_name(128, 768, 2048, GPU)
     write_tuned_file(base / name, {1024: SHIPPED}, {})
-    write_tuned_file(tuned / name, {1024: FRESH}, {})
+    write_tuned_file(tuned / name, {1024: FRESH}, {"timings_us": {"1024": {"total_us": 1.0}}})
     rows_path = tmp_path / "rows.jsonl"
     rows_path.write_text(json.dumps(_row(1024, "triton", [1.0, 1.0, 1.0])) + "\n")  # no triton_package row
     args = ["--tuned", str(tuned), "--rows", str(rows_path), "--m", "1024", "--device", GPU,
@@ -106,7 +107,8 @@ def _files(tmp_path: Path, tuned: dict) -> str:
         (tmp_path / d).mkdir()
     name = config_file_name(128, 768, 2048, GPU)
     write_tuned_file(tmp_path / "base" / name, {1024: SHIPPED, 4096: SHIPPED}, {"source": "the H200's tiles"})
-    write_tuned_file(tmp_path / "tuned" / name, tuned, {"command": "tune here"})
+    timings = {str(m): {"total_us": 1.0} for m in tuned}  # the tuner reached every size of the folder
+    write_tuned_file(tmp_path / "tuned" / name, tuned, {"command": "tune here", "timings_us": timings})
     return name
 
 
@@ -157,3 +159,29 @@ def test_a_second_pass_over_the_merged_file_keeps_the_record_and_rows_of_other_t
     else:
         raise AssertionError("rows of other tiles must be refused")
     assert not (tmp_path / "out" / name).exists()
+
+
+def test_a_size_the_tuner_did_not_reach_is_not_on_the_record(tmp_path):
+    # A time-boxed (or crashed) tune leaves the package's entries in the tuned folder: their rows time the
+    # same tiles twice, and no record may say the tuner picked them. Neither timings of their own (absent)
+    # nor the package file's timings copied along count as tuned.
+    base, tuned, out = tmp_path / "base", tmp_path / "tuned", tmp_path / "out"
+    for d in (base, tuned, out):
+        d.mkdir()
+    name = config_file_name(128, 768, 2048, GPU)
+    shipped = {1024: SHIPPED, 4096: SHIPPED, 16384: SHIPPED}
+    write_tuned_file(base / name, shipped, {"timings_us": {"4096": {"total_us": 950.0}}})
+    timings = {"1024": {"total_us": 300.0}, "4096": {"total_us": 950.0}}
+    write_tuned_file(tuned / name, {**shipped, 1024: FRESH}, {"timings_us": timings, "command": "tune"})
+    rows = [_row(1024, "triton", [300.0, 301.0, 299.0]), _row(1024, "triton_package", [310.0, 309.0, 311.0])]
+    rows += [r for m in (4096, 16384) for r in (_row(m, "triton", [9.0, 9.0, 9.0], tiles=SHIPPED),
+                                                _row(m, "triton_package", [10.0, 10.0, 10.0]))]  # fmt: skip
+    rows_path = tmp_path / "rows.jsonl"
+    rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--tuned", str(tuned), "--rows", str(rows_path), "--m", "1024", "4096", "16384",
+            "--device", GPU, "--gpu-uuid", "GPU-x", "--date", "2026-12-07", "--base-dir", str(base),
+            "--out", str(out)]  # fmt: skip
+    assert retuned_entries.main(args) == 0
+    meta = json.loads((out / name).read_text())["meta"]
+    assert list(meta["retuned"]) == ["1024"]
+    assert read_tuned_file(out / name) == {**shipped, 1024: FRESH}

@@ -347,3 +347,25 @@ def test_the_h100_files_measured_faster_than_the_heuristic_almost_everywhere():
     assert sum(r > 1 for _, r in ratios) == 2 and max(r for _, r in ratios) < 1.012
     prefill = [r for M, r in ratios if M >= 1024]
     assert sum(r <= 0.88 for r in prefill) == 16 and min(prefill) > 0.68
+
+
+def test_tuner_merges_into_a_file_borrowed_from_another_gpu(tmp_path, monkeypatch):
+    """A borrowed file (benchmarks/borrowed_tile_files.py) records no command of its own (None): the tuner's
+    time-boxed merge into it (limit_bench.sh's tune stage copies the package's files first) must keep going,
+    not stop on it (2026-12-07, H100: a TypeError ended the tune stage at the first borrowed file)."""
+    import sys
+
+    sys.path.insert(0, str(TUNED_DIR.parents[2] / "benchmarks"))
+    import tune_fused_moe as tune
+
+    shape = next(s for s in SHIPPED_SHAPES if s.name == "Llama-4-Scout TP2")
+    path = tmp_path / config_file_name(shape.local_experts, shape.F, shape.D, "NVIDIA H100 80GB HBM3")
+    old = MoeTileConfig(64, GemmTile(64, 64), GemmTile(64, 64))
+    new = MoeTileConfig(128, GemmTile(128, 64), GemmTile(128, 64))
+    write_tuned_file(path, {16: old, 1024: old}, {"command": None, "source": "the H200's tiles"})
+    monkeypatch.setattr(sys, "argv", ["benchmarks/tune_fused_moe.py", "--merge"])
+    tune.write_shape(
+        path, shape, {1024: new}, {"1024": {"total_us": 1.0}}, {}, "NVIDIA H100 80GB HBM3", merge=True
+    )
+    assert read_tuned_file(path) == {16: old, 1024: new}
+    assert json.loads(path.read_text())["meta"]["command"] == "python benchmarks/tune_fused_moe.py --merge"
