@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 from bench_fused_moe import (
@@ -109,6 +110,10 @@ def merge_shape(name: str, shape_name: str, args: argparse.Namespace, by: dict) 
                 f"before by >= {MIN_GAIN:.1%} in every repeat ({retuned[str(m)]['tuned_tiles_us']} against "
                 f"{retuned[str(m)]['shipped_tiles_us']} us)"
             )
+    if retuned == meta.get("retuned", {}):  # nothing tried here: the file stays byte for byte
+        if (args.out / name).resolve() != base_path.resolve():
+            shutil.copyfile(base_path, args.out / name)
+        return f"{shape_name}: {name}: no size retuned in this run"
     meta = {**meta, "retuned": retuned, "edits": edits}
     if changed:
         meta["retune_command"] = tuned_meta.get("command", "").split("; then ")[-1]
