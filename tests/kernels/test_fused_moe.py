@@ -961,8 +961,8 @@ def test_real_shape_sum_in_gemm2_bf16(shape, M, pdl):
     """The top-k sum inside GEMM2 (the last program to store a token's slot of an N-tile sums its K rows)
     on the GPU, where programs really race: the bits of the sum launch, eager and replayed from a CUDA graph
     many times, three calls back to back on other inputs (a read-back that came before another program's
-    store, or counters left from an earlier call, would show as other bits or NaN). Under an expert map (the TEP2
-    shapes) a token counts only its slots held here and GEMM1 zeroes the output first."""
+    store, or counters left from an earlier call, would show as other bits or NaN). Under an expert map (the
+    TEP2 shapes) a token counts only its slots held here and GEMM1 zeroes the output first."""
     device_name = torch.cuda.get_device_name()
     tuned = fused_moe_module.launch_plan(
         M, shape.local_experts, shape.F, shape.D, shape.top_k, device_name
