@@ -354,7 +354,7 @@ def _sum_in_gemm2_variant(variant: str) -> Callable[[MoeShape, list[MoeCase], li
         plan = launch_plan(
             T, shape.local_experts, shape.F, shape.D, shape.top_k, _device_name(cases[0]), configs[0]
         )
-        ran = plan.sum_in_gemm2 and shape.top_k > 1 and cases[0].expert_map_E is None
+        ran = plan.sum_in_gemm2 and shape.top_k > 1  # K = 1 has no sum to move
         return calls, notes | {"sum_in_gemm2_ran": ran}
 
     return peer_calls
@@ -637,7 +637,10 @@ def triton_gemms(shape: MoeShape, cases: list[MoeCase]) -> GemmCalls:
         calls.append(call)
         finishes.append(finish)
     plan = _triton_plan(shape, cases[0])
-    notes = {"config": json.dumps(plan.config.to_json()), "sum_in_gemm2": plan.fold_k}
+    # fold_k: GEMM2 sums over K itself on this plan's naive calls, so its GEMMs alone include the sum. A plan
+    # with sum_in_gemm2 is timed here without it (with_sum=False: no counting, no read-back).
+    notes = {"config": json.dumps(plan.config.to_json()), "fold_k": plan.fold_k,
+             "sum_in_gemm2_left_out": plan.sum_in_gemm2}  # fmt: skip
     return calls, finishes, notes
 
 

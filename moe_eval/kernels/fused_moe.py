@@ -406,6 +406,12 @@ def fused_moe(
     if out is None:
         out = torch.empty_like(hidden_TD)
     assert out.shape == (T, D) and out.dtype == dtype and out.stride(1) == 1, "out: (T, D), x's dtype"
+    if (
+        expert_map_E is not None
+        and out.untyped_storage().data_ptr() == hidden_TD.untyped_storage().data_ptr()
+    ):
+        # Under an expert map the output is zeroed before GEMM1 has read all of x (K == 1, sum_in_gemm2).
+        raise ValueError("fused_moe: out must not share memory with hidden_TD under an expert map")
     if plan.align is None:
         return out
     align = assign_slots(topk_ids_TK, plan, e, expert_map_E)

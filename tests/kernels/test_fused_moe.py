@@ -205,6 +205,13 @@ def test_expert_map_with_unmapped_slots(K, dtype, device):
     _check(case, SMALL)
 
 
+def test_in_place_output_refused_under_an_expert_map(device):
+    # The output is zeroed before GEMM1 has read all of x there (K = 1; sum_in_gemm2): x would be lost.
+    case = make_case(8, 8, 1, 32, 48, dtype=DTYPES[0], device=device, seed=3, local_experts=[5, 1, 6, 2])
+    with pytest.raises(ValueError, match="must not share memory with hidden_TD"):
+        fused_moe(*case.args(), **case.kwargs(), config=SMALL, out=case.hidden_TD)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("K", [1, 2])
 def test_no_slot_on_this_rank_gives_zeros(K, dtype, device):
@@ -500,7 +507,8 @@ def test_sum_in_gemm2_counters_are_zeroed_by_gemm1(device, monkeypatch):
     plain = fused_moe(*case.args(), **case.kwargs(), config=SMALL)
     real_counters = fused_moe_module.sum_counters
     monkeypatch.setattr(fused_moe_module, "sum_counters", lambda *a: real_counters(*a).fill_(7))
-    assert torch.equal(fused_moe(*case.args(), **case.kwargs(), config=config), plain)
+    out = torch.full_like(case.hidden_TD, float("nan"))
+    assert torch.equal(fused_moe(*case.args(), **case.kwargs(), config=config, out=out), plain)
 
     real_gemm2 = fused_moe_module.launch_gemm2
 
