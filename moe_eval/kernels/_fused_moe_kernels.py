@@ -586,7 +586,8 @@ def _sum_if_last(
 
     A block holds one expert, so a token's K slots lie in K programs (per N-tile; two in one block only where
     a routing repeats an expert, which the counter handles too: each row counts once). Once this program's y
-    rows are stored, each row counts itself in on its (token, N-tile) counter; the row that brings it to K was the last to be stored, and its program reads
+    rows are stored, each row counts itself in on its (token, N-tile) counter;
+    the row that brings it to K was the last to be stored, and its program reads
     the token's K rows back in slot order and adds them as `_moe_sum_kernel` does (fp32, rounded once): the
     same bits whichever program comes last, no atomics on the values. Under an expert map a token counts
     only its slots held here, and the read-back adds 0 for the others (as `_moe_sum_kernel` does); GEMM1
