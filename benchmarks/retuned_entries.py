@@ -7,7 +7,9 @@ package's files for that GPU with the tuner's picks merged in) and times the who
 file is replaced by the tuner's pick only where `triton` was faster than `triton_package` by at least
 MIN_GAIN in every repeat of that run: the tuner times the stages apart, a whole call can rank them
 otherwise, and within noise the shipped tiles (which served) stay. A size the tuner did not reach in that
-run (its timings in the tuned file are none, or the package file's own) is not touched. Every entry tried
+run (its timings in the tuned file are none, or the package file's own) is not touched; the folder must be
+seeded afresh for each tuning (limit_bench.sh's tune stage copies the package's files in first), or sizes an
+earlier tuning reached would count as reached by this one. Every entry tried
 is recorded in the file's meta (`retuned`: both times per repeat, the tuner's own stage times, kept or not)
 with an edit line.
 
