@@ -929,16 +929,22 @@ def test_real_shape_pdl_bf16(shape, M):
     cases = [shape_case(shape, M, seed=M + 3 + 10 * i) for i in range(3)]
     plains = [fused_moe(*c.args(), **c.kwargs(), config=plain_config) for c in cases]
     assert not torch.equal(plains[0], plains[1])
+    _graph_replays_give(plains, cases, pdl_config)
+
+
+def _graph_replays_give(plains: list[torch.Tensor], cases: list[MoeCase], config: MoeTileConfig) -> None:
+    """The calls on `cases` under `config`, captured back to back in one CUDA graph (after an eager warm-up on
+    a side stream) and replayed 20 times into NaN-filled outputs, give `plains` bit for bit each time."""
     outs = [torch.empty_like(p) for p in plains]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for c, o in zip(cases, outs):
-            fused_moe(*c.args(), **c.kwargs(), out=o, config=pdl_config)
+            fused_moe(*c.args(), **c.kwargs(), out=o, config=config)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             for c, o in zip(cases, outs):
-                fused_moe(*c.args(), **c.kwargs(), out=o, config=pdl_config)
+                fused_moe(*c.args(), **c.kwargs(), out=o, config=config)
     torch.cuda.current_stream().wait_stream(stream)
     for _ in range(20):
         for o in outs:
@@ -986,24 +992,7 @@ def test_real_shape_sum_in_gemm2_bf16(shape, M, pdl):
     assert rel_err(plains[0], cases[0].reference_fp32()) <= TOLERANCE[torch.bfloat16]
     for c, p in zip(cases, plains):
         assert torch.equal(fused_moe(*c.args(), **c.kwargs(), config=summing), p)
-    outs = [torch.empty_like(p) for p in plains]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c, o in zip(cases, outs):
-            fused_moe(*c.args(), **c.kwargs(), out=o, config=summing)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for c, o in zip(cases, outs):
-                fused_moe(*c.args(), **c.kwargs(), out=o, config=summing)
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(20):
-        for o in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for o, p in zip(outs, plains):
-            assert torch.equal(o, p)
+    _graph_replays_give(plains, cases, summing)
 
 
 @pytest.mark.gpu

@@ -175,12 +175,7 @@ def test_a_size_the_tuner_did_not_reach_is_not_on_the_record(tmp_path):
     rows = [_row(1024, "triton", [300.0, 301.0, 299.0]), _row(1024, "triton_package", [310.0, 309.0, 311.0])]
     rows += [r for m in (4096, 16384) for r in (_row(m, "triton", [9.0, 9.0, 9.0], tiles=SHIPPED),
                                                 _row(m, "triton_package", [10.0, 10.0, 10.0]))]  # fmt: skip
-    rows_path = tmp_path / "rows.jsonl"
-    rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = ["--tuned", str(tuned), "--rows", str(rows_path), "--m", "1024", "4096", "16384",
-            "--device", GPU, "--gpu-uuid", "GPU-x", "--date", "2026-12-07", "--base-dir", str(base),
-            "--out", str(out)]  # fmt: skip
-    assert retuned_entries.main(args) == 0
+    assert _merge(tmp_path, rows, ["1024", "4096", "16384"]) == 0
     meta = json.loads((out / name).read_text())["meta"]
     assert list(meta["retuned"]) == ["1024"]
     assert read_tuned_file(out / name) == {**shipped, 1024: FRESH}
