@@ -350,12 +350,8 @@ def _sum_in_gemm2_variant(variant: str) -> Callable[[MoeShape, list[MoeCase], li
             pdl = tuned.pdl or (variant == "triton_pdl_sum_in_gemm2" and tuned.pdl_capable)
             configs.append(dataclasses.replace(tuned, sum_in_gemm2=True, pdl=pdl))
         calls, notes = _configured_calls(shape, cases, configs)
-        T = cases[0].hidden_TD.shape[0]
-        plan = launch_plan(
-            T, shape.local_experts, shape.F, shape.D, shape.top_k, _device_name(cases[0]), configs[0]
-        )
-        ran = plan.sum_in_gemm2 and shape.top_k > 1  # K = 1 has no sum to move
-        return calls, notes | {"sum_in_gemm2_ran": ran}
+        # Aligned calls move the sum (naive ones keep their plan); K = 1 has none to move.
+        return calls, notes | {"sum_in_gemm2_ran": not notes["naive_ran"] and shape.top_k > 1}
 
     return peer_calls
 
@@ -1011,8 +1007,7 @@ def prefill_tables(rows: list[dict]) -> tuple[str, bool]:
             continue
         won = total = 0
         lines += [f"#### {peer} / bundled, whole call (>= {CELL_TARGET:.2f}: bundled at least as fast)", "",
-                  "| shape | " + " | ".join(f"M={m}" for m in Ms) + " | geomean |",
-                  "|---|" + "---:|" * (len(Ms) + 1)]  # fmt: skip
+                  *_m_head(Ms, last="geomean")]  # fmt: skip
         for shape in shapes:
             cells, ratios = [], []
             for M in Ms:
@@ -1035,8 +1030,7 @@ def prefill_tables(rows: list[dict]) -> tuple[str, bool]:
     if roof_Ms:
         lines += [f"#### bundled fraction of the roofline (target >= {ROOFLINE_TARGET:.0%} "
                   f"at M >= {ROOFLINE_FROM_M})",
-                  "", "| shape | " + " | ".join(f"M={m}" for m in roof_Ms) + " |",
-                  "|---|" + "---:|" * len(roof_Ms)]  # fmt: skip
+                  "", *_m_head(roof_Ms)]  # fmt: skip
         for shape in shapes:
             cells = []
             for M in roof_Ms:
@@ -1053,6 +1047,12 @@ def prefill_tables(rows: list[dict]) -> tuple[str, bool]:
     return "\n".join(lines + latency + bound_lines(by, shapes, roof_Ms)), all_ok and met
 
 
+def _m_head(Ms: list[int], first: str = "shape", last: str | None = None) -> list[str]:
+    """A Markdown table's header and alignment rows: `first`, a right-aligned column per M (and `last`)."""
+    columns = [f"M={m}" for m in Ms] + ([last] if last else [])
+    return ["| " + " | ".join([first, *columns]) + " |", "|---|" + "---:|" * len(columns)]
+
+
 def bound_lines(by: dict, shapes: list[str], Ms: list[int]) -> list[str]:
     """The practical bounds of the run (benchmarks/bounds.py), where it timed them: the bundled whole call
     against torch's grouped GEMMs of the same work alone, and both against the roofline; no target."""
@@ -1062,8 +1062,7 @@ def bound_lines(by: dict, shapes: list[str], Ms: list[int]) -> list[str]:
     title = ("#### bundled whole call / torch grouped GEMMs alone (< 1.00: the bundled call, routing, SiLU "
              "and top-k sum included, takes less than the two vendor GEMMs alone); in brackets the grouped "
              "GEMMs' own fraction of the roofline")  # fmt: skip
-    header = "| shape | " + " | ".join(f"M={m}" for m in Ms) + " |"
-    lines = ["", title, "", header, "|---|" + "---:|" * len(Ms)]
+    lines = ["", title, "", *_m_head(Ms)]
     for shape in shapes:
         cells = []
         for M in Ms:
@@ -1084,13 +1083,7 @@ def split_lines(by: dict, shapes: list[str], Ms: list[int], bound: str) -> list[
         "#### the bundled GEMMs alone / torch grouped GEMMs alone; then the rest of the bundled call "
         "(whole call - its GEMMs alone: alignment, routing, top-k sum) as a share of the whole call"
     )
-    lines = [
-        "",
-        title,
-        "",
-        "| shape | " + " | ".join(f"M={m}" for m in Ms) + " |",
-        "|---|" + "---:|" * len(Ms),
-    ]
+    lines = ["", title, "", *_m_head(Ms)]
     for shape in shapes:
         cells = []
         for M in Ms:
@@ -1124,12 +1117,7 @@ def decode_tables(rows: list[dict]) -> tuple[str, bool]:
     lines, all_ok = [], True
     for shape in shapes:
         title = f"#### {shape}: us (TB/s on the weights, x the copy floor at {DECODE_COPY_GBPS:.0f} GB/s)"
-        lines += [
-            title,
-            "",
-            "| impl | " + " | ".join(f"M={m}" for m in Ms) + " |",
-            "|---|" + "---:|" * len(Ms),
-        ]
+        lines += [title, "", *_m_head(Ms, first="impl")]
         for impl in impls:
             cells = []
             for M in Ms:

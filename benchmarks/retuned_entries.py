@@ -9,9 +9,8 @@ MIN_GAIN in every repeat of that run: the tuner times the stages apart, a whole 
 otherwise, and within noise the shipped tiles (which served) stay. A size the tuner did not reach in that
 run (its timings in the tuned file are none, or the package file's own) is not touched; the folder must be
 seeded afresh for each tuning (limit_bench.sh's tune stage copies the package's files in first), or sizes an
-earlier tuning reached would count as reached by this one. Every entry tried
-is recorded in the file's meta (`retuned`: both times per repeat, the tuner's own stage times, kept or not)
-with an edit line.
+earlier tuning reached would count as reached by this one. Every entry tried is recorded in the file's
+meta (`retuned`: both times per repeat, the tuner's own stage times, kept or not) with an edit line.
 
 Usage: python benchmarks/retuned_entries.py --tuned DIR --rows prefill_rows.jsonl --m 1024 4096 16384
        --device "NVIDIA H100 80GB HBM3" --gpu-uuid GPU-... --date YYYY-MM-DD [--base-dir DIR] --out DIR

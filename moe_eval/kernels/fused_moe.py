@@ -488,7 +488,9 @@ def launch_experts(
     # The sum inside GEMM2 where the plan asks and there is a sum (K > 1: K == 1 writes the output directly).
     summed = with_sum and y_SD is not out_TD
     sum_in_gemm2 = summed and plan.sum_in_gemm2
-    counters = sum_counters(out_TD, config.gemm2) if sum_in_gemm2 else None
+    sum_into = (
+        (out_TD, sum_counters(out_TD, config.gemm2), topk_ids_TK, expert_map_E) if sum_in_gemm2 else None
+    )
     launch_gemm1(
         hidden_TD,
         w13_eFD,
@@ -501,15 +503,16 @@ def launch_experts(
         precision,
         use_pdl=use_pdl,
         silu_slope=silu_slope,
-        zero_for_sum=(counters, out_TD if expert_map_E is not None else None)
-        if counters is not None
-        else None,
+        sum_into=sum_into,
     )
-    sum_into = (out_TD, counters, topk_ids_TK, expert_map_E) if counters is not None else None
     launch_gemm2(h_PF, w2_eDF, y_SD, topk_weights_TK, align, config.gemm2, not apply_router_weight_on_input,
                  precision, fold_k=plan.fold_k, use_pdl=use_pdl, sum_into=sum_into)  # fmt: skip
     if summed and not sum_in_gemm2:
         launch_sum(y_SD, out_TD, topk_ids_TK, expert_map_E, use_pdl=use_pdl)
+
+
+# (out, counters from `sum_counters`, topk_ids, expert map or None): the top-k sum inside GEMM2.
+SumInto = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 def sum_counters(out_TD: torch.Tensor, gemm2: GemmTile) -> torch.Tensor:
@@ -541,28 +544,27 @@ def launch_gemm1(
     precision: str = "tf32",
     use_pdl: bool = False,
     silu_slope: float = 1.0,
-    zero_for_sum: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    sum_into: SumInto | None = None,
 ) -> None:
     """use_pdl: launched as the previous launch's programmatic dependent (it waits for it before reading
-    anything: x, or the alignment's blocks), and GEMM2 after it as its own. zero_for_sum: (GEMM2's sum
-    counters from `sum_counters`, the output under an expert map or None): this launch's programs zero
-    them (under a map the tokens with no slot here get no sum in GEMM2, and must read 0)."""
+    anything: x, or the alignment's blocks), and GEMM2 after it as its own. sum_into: GEMM2's (see
+    `launch_gemm2`); this launch's programs zero its counters, and under an expert map its output too (the
+    tokens with no slot here get no sum in GEMM2, and must read 0)."""
     D = hidden_TD.shape[1]
     F = h_PF.shape[1]
     assert not use_pdl or not tile.persistent, "pdl: the pointer GEMM1 (the persistent one has no wait)"
-    assert zero_for_sum is None or not (tile.persistent or align.naive), (
-        "sum_in_gemm2: aligned, pointer GEMM1"
-    )
+    assert sum_into is None or not (tile.persistent or align.naive), "sum_in_gemm2: aligned, pointer GEMM1"
     if tile.persistent:
         _launch_gemm1_persistent(hidden_TD, w13_eFD, h_PF, topk_weights_TK, align, top_k, tile,
                                  mul_routed_weight, precision, silu_slope)  # fmt: skip
         return
     num_pid_m = align.max_blocks
     grid = num_pid_m * triton.cdiv(F, tile.block_n)
-    counters, out_TD = zero_for_sum if zero_for_sum is not None else (_naive_args(align)[0], None)
-    n_counters = counters.numel() if zero_for_sum is not None else 0
-    n_out = out_TD.numel() if out_TD is not None else 0
-    out_TD = out_TD if out_TD is not None else hidden_TD  # a dummy when nothing is zeroed
+    if sum_into is None:  # dummies, nothing zeroed
+        out_TD, counters, n_counters, n_out = hidden_TD, _naive_args(align)[0], 0, 0
+    else:
+        out_TD, counters, _, expert_map_E = sum_into
+        n_counters, n_out = counters.numel(), out_TD.numel() if expert_map_E is not None else 0
     kernels._gemm1_silu_kernel[(grid,)](
         hidden_TD, w13_eFD, h_PF, topk_weights_TK, *_naive_args(align),
         align.num_slots, top_k, num_pid_m, tile.group_m, F, D,
@@ -572,7 +574,7 @@ def launch_gemm1(
         MUL_ROUTED_WEIGHT=mul_routed_weight, EVEN_K=D % tile.block_k == 0, NAIVE=align.naive,
         HAS_EXPERT_MAP=align.expert_map_E is not None, INTERLEAVE=tile.interleave, DOT_PRECISION=precision,
         BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_PDL=use_pdl,
-        ZERO_COUNTERS=zero_for_sum is not None,
+        ZERO_COUNTERS=sum_into is not None,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_pdl_launch(use_pdl), **_slope(silu_slope),
     )  # fmt: skip
 
@@ -588,7 +590,7 @@ def launch_gemm2(
     precision: str = "tf32",
     fold_k: bool = False,
     use_pdl: bool = False,
-    sum_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    sum_into: SumInto | None = None,
 ) -> None:
     """use_pdl: launched as GEMM1's programmatic dependent (the launch just before this one must be
     GEMM1's, with use_pdl too), and the sum after it as this one's. sum_into: (out, counters zeroed by

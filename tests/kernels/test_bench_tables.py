@@ -254,3 +254,27 @@ def test_split_table_names_the_gemms_and_the_rest_of_the_call():
         "GEMMs alone / torch" in line
         for line in bench.bound_lines(bench.rows_by_cell(no_split), [shape], [4096, 16384])
     )
+
+
+def test_night_prefill_table_is_the_shipped_tiles_and_the_docs_table(capsys):
+    # docs/perf.md, "Issue 56's open GPU items, run": benchmarks/shipped_prefill_cells.py on the night's rows
+    # and the committed H100 files, verbatim. A cell the merge replaced reads the tuned tiles' row, a cell it
+    # kept (or never tried) the package's tiles' row; the count of cells over the grouped GEMMs is the text's.
+    import shipped_prefill_cells as cells
+
+    rows_path = Path(__file__).resolve().parents[2] / "docs/data/limit_h100/prefill_night_rows.jsonl"
+    rows = _stored(rows_path.name)
+    retuned = {"Qwen3-30B-A3B TP1": {"1024": {"outcome": "replaced"}},
+               "Qwen3-30B-A3B TP2": {"16384": {"outcome": "kept shipped"}}}  # fmt: skip
+    by = bench.rows_by_cell(rows)
+    lines = cells.shipped_cells(rows, retuned)
+    tp1 = next(line for line in lines if line.startswith("| Qwen3-30B-A3B TP1 | 1024 |"))
+    tp2 = next(line for line in lines if line.startswith("| Qwen3-30B-A3B TP2 | 16384 |"))
+    assert f"| {by[('Qwen3-30B-A3B TP1', 1024, 'triton')]['median_us']:.1f} | retuned |" in tp1
+    assert f"| {by[('Qwen3-30B-A3B TP2', 16384, 'triton_package')]['median_us']:.1f} | shipped |" in tp2
+    assert cells.main([str(rows_path), "--device", "NVIDIA H100 80GB HBM3"]) == 0
+    shipped = capsys.readouterr().out.strip()
+    perf = (Path(__file__).resolve().parents[2] / "docs/perf.md").read_text()
+    assert shipped in perf
+    assert sum(line.split(" | ")[6].startswith("**") for line in shipped.splitlines()[2:]) == 13
+    assert "13 of 21 cells over" in perf
